@@ -1,0 +1,37 @@
+"""gpufleet: multi-GPU PyTorch training that is fast, survives faults, and says in plain
+words why a run is slow.
+
+Example:
+    >>> import gpufleet
+    >>> cfg = gpufleet.load_config(overrides=["run.max_steps=10"])
+    >>> cfg.run.max_steps
+    10
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# Public names, imported on first use so that `import gpufleet.config` (or the CLI's
+# --help) does not pull in the whole training stack.
+_EXPORTS = {
+    "fit": "gpufleet.api", "train": "gpufleet.api",
+    "Config": "gpufleet.config", "load_config": "gpufleet.config",
+    "Callback": "gpufleet.train.callbacks",
+    "FitResult": "gpufleet.train.loop", "Trainer": "gpufleet.train.loop",
+    "CheckpointError": "gpufleet.errors", "ConfigError": "gpufleet.errors",
+    "GpufleetError": "gpufleet.errors", "LaunchError": "gpufleet.errors",
+    "launch": "gpufleet.launch", "DistEnv": "gpufleet.launch",
+    "rank_zero_first": "gpufleet.launch",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'gpufleet' has no attribute {name!r}")

@@ -1,0 +1,99 @@
+"""Configuration: dataclasses per section, TOML + overrides, and the machine checks."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from gpufleet.config.loader import (
+    config_from_dict,
+    config_to_dict,
+    help_rows,
+    load_config,
+    parse_override,
+    write_config,
+)
+from gpufleet.config.schema import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    DistConfig,
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    RunConfig,
+)
+from gpufleet.errors import ConfigError
+
+__all__ = [
+    "CheckpointConfig", "Config", "DataConfig", "DistConfig", "LogConfig", "Machine",
+    "ModelConfig", "OptimConfig", "ParallelConfig", "PrecisionConfig", "RunConfig",
+    "config_from_dict", "config_to_dict", "help_rows", "load_config", "parse_override",
+    "resolve", "write_config",
+]
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the config is checked against: the devices this process can see."""
+
+    cuda: bool
+    gpus: int
+    bf16: bool
+
+    @classmethod
+    def detect(cls) -> Machine:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        return cls(cuda=cuda, gpus=torch.cuda.device_count() if cuda else 0,
+                   bf16=cuda and torch.cuda.is_bf16_supported())
+
+
+def resolve(cfg: Config, machine: Machine, world_size: int) -> Config:
+    """Replace every ``auto`` by its value on this machine and check the combinations.
+
+    The result is what a run writes to its directory, so a rerun from that file does
+    not depend on which machine it lands on.
+    """
+    run, prec, par, dist = cfg.run, cfg.precision, cfg.parallel, cfg.dist
+    device = run.device if run.device != "auto" else ("cuda" if machine.cuda else "cpu")
+    if device == "cuda" and not machine.cuda:
+        raise ConfigError("run.device = 'cuda' but no CUDA GPU is visible. "
+                          "Use run.device=cpu, or check CUDA_VISIBLE_DEVICES and the driver "
+                          "(`nvidia-smi`).")
+    mode = prec.mode
+    if mode == "auto":
+        mode = "bf16-mixed" if device == "cuda" and machine.bf16 else "fp32"
+    if mode == "bf16-mixed" and device == "cuda" and not machine.bf16:
+        raise ConfigError("precision.mode = 'bf16-mixed' but this GPU has no bf16 support. "
+                          "Use precision.mode=fp16-mixed (with loss scaling) or fp32.")
+    strategy = par.strategy
+    if strategy == "auto":
+        strategy = "ddp" if world_size > 1 else "single"
+    if strategy == "dp" and device != "cuda":
+        raise ConfigError("parallel.strategy = 'dp' (nn.DataParallel) needs CUDA GPUs, and "
+                          "none is in use. Use parallel.strategy=ddp with --nproc N "
+                          "(runs on CPU with gloo), or single.")
+    if strategy == "dp" and world_size > 1:
+        raise ConfigError(f"parallel.strategy = 'dp' runs in one process, but this run has "
+                          f"{world_size} ranks. Use parallel.strategy=ddp for several "
+                          "processes, or --nproc 1 with dp.")
+    if strategy == "single" and world_size > 1:
+        raise ConfigError(f"parallel.strategy = 'single' with {world_size} ranks would train "
+                          "independent copies. Use parallel.strategy=ddp, or --nproc 1.")
+    backend = dist.backend
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" else "gloo"
+    if backend == "nccl" and device != "cuda":
+        raise ConfigError("dist.backend = 'nccl' needs CUDA GPUs. Use dist.backend=gloo "
+                          "(or auto) on CPU.")
+    return dataclasses.replace(
+        cfg,
+        run=dataclasses.replace(run, device=device),
+        precision=dataclasses.replace(prec, mode=mode),
+        parallel=dataclasses.replace(par, strategy=strategy),
+        dist=dataclasses.replace(dist, backend=backend),
+    )

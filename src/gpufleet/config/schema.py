@@ -1,0 +1,215 @@
+"""The configuration of a run: one small dataclass per section.
+
+Every field carries its help text (shown by ``gpufleet train --help``) and, where the
+value is one of a few names, its choices. Each section checks its own fields in
+``__post_init__``; :func:`gpufleet.config.check_environment` checks the combinations that
+depend on the machine (``dp`` without CUDA, say).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpufleet.errors import ConfigError, unknown_choice
+
+
+def opt(default: Any, help: str, *, choices: tuple[str, ...] = (), min: float | None = None):
+    """A config field with its help text, its valid choices and its lower bound."""
+    meta = {"help": help, "choices": choices, "min": min}
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+class Section:
+    """Checks the choices and bounds declared with :func:`opt`."""
+
+    def __post_init__(self) -> None:
+        section = SECTION_NAMES[type(self)]
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            choices = f.metadata.get("choices")
+            if choices and value not in choices:
+                raise ConfigError(unknown_choice(f"{section}.{f.name}", value, choices))
+            low = f.metadata.get("min")
+            if low is not None and value < low:
+                raise ConfigError(
+                    f"{section}.{f.name} = {value!r} is below its minimum {low}. "
+                    f"Set {section}.{f.name} to {low} or more."
+                )
+
+
+@dataclass
+class RunConfig(Section):
+    name: str = opt("gpt-stdlib", "Run name; the run directory is <out_dir>/<name>-<time>.")
+    dir: str = opt("", "Run directory to use as is (default: a new one under out_dir).")
+    out_dir: str = opt("runs", "Folder that holds the run directories.")
+    max_steps: int = opt(300, "Optimizer steps to train for.", min=1)
+    seed: int = opt(1337, "Seed for python, numpy, torch (CPU and CUDA) and data workers.")
+    deterministic: bool = opt(False, "Use only deterministic kernels (slower; bit-exact reruns).")
+    device: str = opt("auto", "Where to train: auto (CUDA if present), cpu or cuda.",
+                      choices=("auto", "cpu", "cuda"))
+    eval_every: int = opt(100, "Evaluate every N optimizer steps (0: only at the end).", min=0)
+    eval_batches: int = opt(50, "Batches per rank in an evaluation (0: the whole set).", min=0)
+
+
+@dataclass
+class ModelConfig(Section):
+    name: str = opt("gpt", "'gpt' (built in) or your factory as 'package.module:function'.")
+    kwargs: dict = opt({}, "Keyword arguments for your factory, e.g. {hidden = 64}.")
+    loss: str = opt("", "Optional 'package.module:function' called as loss(output, target).")
+    n_layer: int = opt(4, "GPT: transformer blocks.", min=1)
+    n_head: int = opt(4, "GPT: attention heads per block.", min=1)
+    n_embd: int = opt(128, "GPT: width of the residual stream.", min=1)
+    block_size: int = opt(128, "GPT: context length in tokens.", min=2)
+    dropout: float = opt(0.0, "GPT: dropout probability.", min=0.0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.name == "gpt" and self.n_embd % self.n_head:
+            raise ConfigError(
+                f"model.n_embd = {self.n_embd} is not divisible by model.n_head = {self.n_head}. "
+                f"Pick n_embd as a multiple of n_head, e.g. n_embd = {self.n_head * 32}."
+            )
+
+
+@dataclass
+class DataConfig(Section):
+    name: str = opt("stdlib", "'stdlib' (bytes of Python's standard library sources) or your "
+                    "factory 'package.module:function' returning a Dataset or (train, eval).")
+    kwargs: dict = opt({}, "Keyword arguments for your data factory.")
+    batch_size: int = opt(16, "Samples per rank per micro-step.", min=1)
+    num_workers: int = opt(-1, "DataLoader workers per rank (-1: picked from the machine).",
+                           min=-1)
+    pin_memory: bool = opt(True, "Pin host memory for faster copies (only used with CUDA).")
+    shuffle: bool = opt(True, "Shuffle the training set every epoch.")
+    eval_fraction: float = opt(0.05, "stdlib corpus: share held out for evaluation.", min=0.0)
+    corpus_bytes: int = opt(4_000_000, "stdlib corpus: size cap in bytes.", min=1024)
+
+
+@dataclass
+class OptimConfig(Section):
+    name: str = opt("adamw", "Optimizer.", choices=("adamw", "sgd"))
+    lr: float = opt(3e-3, "Peak learning rate.", min=0.0)
+    weight_decay: float = opt(0.1, "Decoupled weight decay (matrices only for adamw).", min=0.0)
+    beta1: float = opt(0.9, "AdamW beta1.", min=0.0)
+    beta2: float = opt(0.95, "AdamW beta2.", min=0.0)
+    momentum: float = opt(0.9, "SGD momentum.", min=0.0)
+    grad_accum: int = opt(1, "Micro-steps per optimizer step (gradient sync only on the last).",
+                          min=1)
+    clip_value: float = opt(0.0, "Clip each gradient element to [-v, v] (0: off).", min=0.0)
+    clip_norm: float = opt(1.0, "Clip the global gradient norm to this value (0: off).", min=0.0)
+    warmup_steps: int = opt(20, "Linear learning-rate warm-up steps.", min=0)
+    decay: str = opt("cosine", "Learning-rate decay after warm-up.",
+                     choices=("cosine", "linear", "constant"))
+    min_lr_ratio: float = opt(0.1, "Final learning rate as a share of lr.", min=0.0)
+
+
+@dataclass
+class ParallelConfig(Section):
+    strategy: str = opt("auto", "How the model is spread: auto (ddp with several ranks, else "
+                        "single), single, dp or ddp.")
+    bucket_cap_mb: float = opt(25.0, "DDP: gradient bucket size in MB.", min=0.0)
+    static_graph: bool = opt(False, "DDP: the graph is the same every step (enables reuse).")
+    gradient_as_bucket_view: bool = opt(False, "DDP: gradients are views into the buckets "
+                                        "(saves one copy of the gradients).")
+    find_unused_parameters: bool = opt(False, "DDP: allow parameters that get no gradient.")
+    broadcast_buffers: bool = opt(True, "DDP: broadcast buffers from rank 0 every forward.")
+
+
+@dataclass
+class PrecisionConfig(Section):
+    mode: str = opt("auto", "Numeric precision: auto (bf16-mixed on a GPU that supports it, "
+                    "else fp32), fp32, bf16-mixed, fp16-mixed.",
+                    choices=("auto", "fp32", "bf16-mixed", "fp16-mixed"))
+    init_scale: float = opt(65536.0, "fp16-mixed: initial loss scale.", min=1.0)
+    growth_interval: int = opt(2000, "fp16-mixed: steps between loss-scale increases.", min=1)
+
+
+@dataclass
+class CheckpointConfig(Section):
+    every: int = opt(0, "Save every N optimizer steps (0: only at the end).", min=0)
+    keep_last: int = opt(3, "Checkpoints to keep (older ones are deleted).", min=1)
+    save_final: bool = opt(True, "Save when training ends.")
+    resume: str = opt("", "'latest' (newest checkpoint of this run name) or a path.")
+
+
+@dataclass
+class DistConfig(Section):
+    launcher: str = opt("auto", "auto (elastic agent when --nproc > 1), elastic, spawn "
+                        "(torch.multiprocessing, for notebooks) or none.",
+                        choices=("auto", "elastic", "spawn", "none"))
+    nproc: int = opt(0, "Ranks on this node (0: one per visible GPU, 1 on CPU).", min=0)
+    nnodes: str = opt("1", "Nodes: N, or MIN:MAX for an elastic job.")
+    node_rank: int = opt(0, "This node's rank (static multi-node).", min=0)
+    master_addr: str = opt("127.0.0.1", "Address of node 0 (static multi-node).")
+    master_port: int = opt(0, "Port on node 0 (0: a free port; needed for multi-node).", min=0)
+    rdzv_endpoint: str = opt("", "Rendezvous endpoint host:port (elastic multi-node).")
+    rdzv_backend: str = opt("c10d", "Rendezvous backend.", choices=("c10d", "static", "etcd-v2"))
+    rdzv_id: str = opt("", "Rendezvous id shared by all nodes (default: the run name).")
+    max_restarts: int = opt(0, "Times the agent restarts the ranks after a failure.", min=0)
+    backend: str = opt("auto", "Process-group backend: auto (nccl on CUDA, gloo on CPU).",
+                       choices=("auto", "nccl", "gloo"))
+    init_method: str = opt("env://", "Process-group init: env:// or tcp://host:port.")
+    timeout: float = opt(600.0, "Seconds before process-group init or a collective fails.",
+                         min=1.0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        parts = self.nnodes.split(":")
+        if not (1 <= len(parts) <= 2 and all(p.isdigit() and int(p) >= 1 for p in parts)):
+            raise ConfigError(
+                f"dist.nnodes = {self.nnodes!r} is not a node count. "
+                "Give N (e.g. '2') or MIN:MAX (e.g. '1:4')."
+            )
+        if not self.init_method.startswith(("env://", "tcp://", "file://")):
+            raise ConfigError(
+                f"dist.init_method = {self.init_method!r} is not understood. "
+                "Use env:// (default) or tcp://HOST:PORT."
+            )
+
+
+@dataclass
+class LogConfig(Section):
+    every: int = opt(10, "Log (and reduce metrics across ranks) every N steps.", min=1)
+    progress: str = opt("auto", "Progress display: auto (bar on a terminal, lines otherwise), "
+                        "bar, lines or off.", choices=("auto", "bar", "lines", "off"))
+    level: str = opt("INFO", "Log level.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+@dataclass
+class Config:
+    """Everything a run needs. Build with :func:`gpufleet.config.load_config`.
+
+    Example:
+        >>> cfg = Config()
+        >>> cfg.optim.lr
+        0.003
+    """
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        # The strategy registry lives in gpufleet.parallel; importing it here would be
+        # circular at module import time, so it is looked up when a Config is made.
+        from gpufleet.parallel import strategy_names
+
+        names = ("auto", *strategy_names())
+        if self.parallel.strategy not in names:
+            raise ConfigError(unknown_choice("parallel.strategy", self.parallel.strategy, names))
+
+
+SECTIONS: dict[str, type] = {
+    f.name: f.default_factory for f in dataclasses.fields(Config)  # type: ignore[misc]
+}
+SECTION_NAMES: dict[type, str] = {cls: name for name, cls in SECTIONS.items()}
