@@ -1,0 +1,36 @@
+"""Start the ranks of a run, find out who we are, and join the process group.
+
+Example:
+    >>> from gpufleet.launch import DistEnv, launch
+    >>> DistEnv.detect({}).world_size
+    1
+"""
+
+from gpufleet.errors import LaunchError
+from gpufleet.launch.env import DistEnv, export_for_torch
+from gpufleet.launch.launcher import LaunchPlan, free_port, launch
+from gpufleet.launch.process_group import (
+    barrier,
+    broadcast_object,
+    destroy_process_group,
+    init_process_group,
+    rank,
+    rank_zero_first,
+    world_size,
+)
+
+__all__ = [
+    "DistEnv",
+    "LaunchError",
+    "LaunchPlan",
+    "barrier",
+    "broadcast_object",
+    "destroy_process_group",
+    "export_for_torch",
+    "free_port",
+    "init_process_group",
+    "launch",
+    "rank",
+    "rank_zero_first",
+    "world_size",
+]

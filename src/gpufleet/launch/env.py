@@ -1,0 +1,238 @@
+"""Who am I in the job? Read the rank layout that torchrun, SLURM or our launcher set.
+
+Every launcher describes a rank through environment variables, each in its own words:
+torchrun (and torch's elastic agent, and :func:`gpufleet.launch.launch`) sets ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``...; ``srun`` sets ``SLURM_PROCID``, ``SLURM_NTASKS``...
+:meth:`DistEnv.detect` turns either into one :class:`DistEnv`, and :func:`export_for_torch`
+writes it back in torch's words so that ``init_method="env://"`` works under SLURM too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gpufleet.errors import LaunchError, unknown_choice
+
+logger = logging.getLogger(__name__)
+
+SOURCES = ("none", "torchrun", "slurm")
+
+# SLURM sets SLURM_NTASKS in interactive allocations too; these job names mean "a shell",
+# not an `srun` step that started one process per rank.
+_SLURM_SHELL_JOB_NAMES = ("bash", "interactive")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """The place of this process in the job, as its launcher described it.
+
+    Attributes:
+        rank: Global rank, 0 .. world_size - 1.
+        local_rank: Rank on this node (the GPU index under one process per GPU).
+        world_size: Number of ranks in the job.
+        local_world_size: Number of ranks on this node.
+        node_rank: Index of this node.
+        master_addr: Host of rank 0's rendezvous store.
+        master_port: Port of that store (0: unknown / not needed).
+        source: Who started this process: "none", "torchrun" (anything that sets
+            RANK/WORLD_SIZE: torchrun, torch's elastic agent, our launchers) or "slurm".
+        restart_count: How many times the elastic agent restarted the ranks.
+
+    Example:
+        >>> env = DistEnv.detect({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
+        >>> env.rank, env.world_size, env.is_main, env.source
+        (1, 2, False, 'torchrun')
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    source: str = "none"
+    restart_count: int = 0
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise LaunchError(unknown_choice("DistEnv.source", self.source, SOURCES))
+        if not (0 <= self.rank < self.world_size and 0 <= self.local_rank < self.local_world_size):
+            raise LaunchError(
+                f"Inconsistent rank layout from {self.source}: rank {self.rank} of "
+                f"{self.world_size}, local rank {self.local_rank} of {self.local_world_size}. "
+                "Check the RANK/WORLD_SIZE/LOCAL_RANK (or SLURM_*) variables the launcher set."
+            )
+
+    @property
+    def is_distributed(self) -> bool:
+        """True when a launcher started this process as one rank of a job."""
+        return self.world_size > 1 or self.source != "none"
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0."""
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        """True on local rank 0 of each node."""
+        return self.local_rank == 0
+
+    @classmethod
+    def detect(cls, environ: Mapping[str, str] = os.environ) -> DistEnv:
+        """Read the rank layout from ``environ``: torchrun first, then SLURM, else one process.
+
+        Example:
+            >>> DistEnv.detect({}).is_distributed
+            False
+            >>> env = DistEnv.detect({"SLURM_PROCID": "3", "SLURM_NTASKS": "4",
+            ...                       "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+            ...                       "SLURM_NTASKS_PER_NODE": "2",
+            ...                       "SLURM_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "42"})
+            >>> env.rank, env.node_rank, env.master_addr, env.master_port
+            (3, 1, 'gpu07', 10042)
+        """
+        restarts = _int(environ, "TORCHELASTIC_RESTART_COUNT", 0)
+        if "RANK" in environ and "WORLD_SIZE" in environ:
+            rank, world = _int(environ, "RANK"), _int(environ, "WORLD_SIZE")
+            local_world = _int(environ, "LOCAL_WORLD_SIZE", world)
+            return cls(
+                rank=rank,
+                local_rank=_int(environ, "LOCAL_RANK", rank % local_world),
+                world_size=world,
+                local_world_size=local_world,
+                node_rank=_int(environ, "GROUP_RANK", rank // local_world),
+                master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+                master_port=_int(environ, "MASTER_PORT", 0),
+                source="torchrun",
+                restart_count=restarts,
+            )
+        if _is_slurm_step(environ):
+            return _from_slurm(environ, restarts)
+        return cls(restart_count=restarts)
+
+
+def export_for_torch(env: DistEnv) -> None:
+    """Write ``env`` into ``os.environ`` the way ``torch.distributed``'s ``env://`` reads it.
+
+    Example:
+        >>> export_for_torch(DistEnv.detect())  # doctest: +SKIP
+    """
+    os.environ.update({
+        "RANK": str(env.rank),
+        "WORLD_SIZE": str(env.world_size),
+        "LOCAL_RANK": str(env.local_rank),
+        "LOCAL_WORLD_SIZE": str(env.local_world_size),
+        "MASTER_ADDR": env.master_addr,
+        "MASTER_PORT": str(env.master_port),
+    })
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """Expand a SLURM host list such as ``"node[001-003,007],gpu5"`` into host names.
+
+    Example:
+        >>> expand_hostlist("node[001-002,007],gpu5")
+        ['node001', 'node002', 'node007', 'gpu5']
+    """
+    hosts: list[str] = []
+    for item in _split_top_level(text.strip()):
+        match = re.match(r"([^\[]*)\[([^\]]*)\](.*)$", item)
+        if match is None:  # a plain host name
+            hosts.append(item)
+            continue
+        prefix, ranges, rest = match.groups()
+        for part in ranges.split(","):
+            low, _, high = part.partition("-")
+            if not low.isdigit() or (high and not high.isdigit()):
+                raise LaunchError(f"Cannot read the SLURM host list {text!r} (range {part!r}). "
+                                  "Set MASTER_ADDR to the host of rank 0.")
+            width = len(low)  # "001-003" keeps its zero padding
+            for number in range(int(low), int(high or low) + 1):
+                # The rest may hold another bracket group: "rack[1-2]-gpu[1-4]".
+                hosts.extend(f"{prefix}{number:0{width}d}{tail}" for tail in
+                             (expand_hostlist(rest) if "[" in rest else [rest]))
+    return hosts
+
+
+def parse_tasks_per_node(text: str) -> list[int]:
+    """Expand SLURM's tasks-per-node forms (``"4"``, ``"4(x2)"``, ``"2(x2),1"``) per node.
+
+    Example:
+        >>> parse_tasks_per_node("2(x2),1")
+        [2, 2, 1]
+    """
+    counts: list[int] = []
+    for item in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
+        if match is None:
+            raise LaunchError(f"Cannot read the SLURM tasks-per-node value {text!r}. "
+                              "Expected forms like '4', '4(x2)' or '2,1'.")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+def _is_slurm_step(environ: Mapping[str, str]) -> bool:
+    # One task (a batch script running `gpufleet train --nproc N`) or an interactive shell
+    # is not a rank: our own launcher starts the ranks then.
+    return (
+        "SLURM_PROCID" in environ
+        and _int(environ, "SLURM_NTASKS", 1) > 1
+        and environ.get("SLURM_JOB_NAME", "") not in _SLURM_SHELL_JOB_NAMES
+    )
+
+
+def _from_slurm(environ: Mapping[str, str], restarts: int) -> DistEnv:
+    rank, world = _int(environ, "SLURM_PROCID"), _int(environ, "SLURM_NTASKS")
+    node_rank = _int(environ, "SLURM_NODEID", 0)
+    per_node_text = environ.get("SLURM_NTASKS_PER_NODE") or environ.get(
+        "SLURM_STEP_TASKS_PER_NODE", "")
+    if per_node_text:
+        per_node = parse_tasks_per_node(per_node_text)
+        local_world = per_node[node_rank] if node_rank < len(per_node) else per_node[-1]
+    else:  # no per-node count: assume the tasks are spread evenly
+        local_world = max(1, world // _int(environ, "SLURM_NNODES", 1))
+    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_NODELIST", "")
+    master_addr = environ.get("MASTER_ADDR") or (
+        expand_hostlist(nodelist)[0] if nodelist else "127.0.0.1")
+    # Every rank must agree on the port without talking: derive it from the job id.
+    default_port = 10000 + _int(environ, "SLURM_JOB_ID", 0) % 20000
+    return DistEnv(
+        rank=rank,
+        local_rank=_int(environ, "SLURM_LOCALID", 0),
+        world_size=world,
+        local_world_size=local_world,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=_int(environ, "MASTER_PORT", default_port),
+        source="slurm",
+        restart_count=restarts,
+    )
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on the commas that are not inside brackets."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return [item for item in items if item]
+
+
+def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
+    value = environ.get(name, "")
+    if value == "" and default is not None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise LaunchError(f"Environment variable {name} = {value!r} is not an integer. "
+                          f"Unset it or give a whole number.") from None

@@ -1,0 +1,315 @@
+"""Start the ranks of a run on this node: torch's elastic agent, or plain process spawning.
+
+``launcher="elastic"`` is what ``torchrun`` runs underneath (``elastic_launch``): it
+restarts failed ranks (``max_restarts``), spans nodes through a rendezvous, and records
+each rank's traceback in an error file. ``launcher="spawn"`` uses
+``torch.multiprocessing.spawn``: one node, no restarts, but no agent process either
+(handy in notebooks). Either way each rank runs ``fn(*args)`` with RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, so
+``DistEnv.detect()`` and ``init_process_group`` work inside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import socket
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.multiprocessing as mp
+from torch.distributed import DistError
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from gpufleet.errors import LaunchError, unknown_choice
+
+logger = logging.getLogger(__name__)
+
+LAUNCHERS = ("elastic", "spawn")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How the elastic agents of a run find each other: the rendezvous torchrun would pick.
+
+    Attributes:
+        mode: "standalone" (one node, a private store on a free port), "static" (fixed
+            nodes meeting at master_addr:master_port) or "elastic" (a rendezvous endpoint).
+        min_nodes: Fewest nodes the run starts with.
+        max_nodes: Most nodes the run accepts.
+        rdzv_backend: torch rendezvous backend: "c10d", "static", "etcd-v2".
+        rdzv_endpoint: host:port of the rendezvous store.
+        run_id: Rendezvous id; every node of a run must use the same one.
+        rdzv_configs: Extra backend settings (the node rank for "static").
+
+    Example:
+        >>> plan = LaunchPlan.resolve(nnodes="2", node_rank=1, master_addr="10.0.0.1",
+        ...                           master_port=29500)
+        >>> plan.mode, plan.rdzv_endpoint, plan.rdzv_configs
+        ('static', '10.0.0.1:29500', {'rank': 1})
+    """
+
+    mode: str
+    min_nodes: int
+    max_nodes: int
+    rdzv_backend: str
+    rdzv_endpoint: str
+    run_id: str
+    rdzv_configs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def resolve(cls, *, nnodes: str = "1", node_rank: int = 0, master_addr: str = "127.0.0.1",
+                master_port: int = 0, rdzv_endpoint: str = "", rdzv_backend: str = "c10d",
+                rdzv_id: str = "") -> LaunchPlan:
+        """Choose the rendezvous from the launch options, the way torchrun does."""
+        low, high = parse_nnodes(nnodes)
+        if rdzv_endpoint and rdzv_backend != "static":
+            if high > 1 and not rdzv_id:
+                raise LaunchError(f"A multi-node run ({nnodes} nodes) at {rdzv_endpoint} needs "
+                                  "the same --rdzv-id on every node. Pass --rdzv-id NAME.")
+            return cls("elastic", low, high, rdzv_backend, rdzv_endpoint,
+                       rdzv_id or uuid.uuid4().hex)
+        if not rdzv_endpoint and high == 1:
+            # torchrun --standalone: the store binds port 0, so runs never collide.
+            if master_port:
+                logger.info("one node: the rendezvous picks its own port; master_port=%d is "
+                            "only used by multi-node runs", master_port)
+            return cls("standalone", 1, 1, "c10d", "localhost:0", uuid.uuid4().hex)
+        if low != high:
+            raise LaunchError(f"dist.nnodes = {nnodes!r} asks for an elastic node count, which "
+                              "needs a rendezvous endpoint. Pass --rdzv-endpoint HOST:PORT and "
+                              "--rdzv-id NAME, or a fixed --nnodes N.")
+        if not 0 <= node_rank < high:
+            raise LaunchError(f"dist.node_rank = {node_rank} is not a node of a {high}-node run."
+                              f" Give each node a --node-rank from 0 to {high - 1}.")
+        if not rdzv_endpoint and master_port == 0:
+            raise LaunchError(f"A static {high}-node run needs a fixed port on node 0 that all "
+                              "nodes know. Pass --master-port PORT (e.g. 29500) on every node.")
+        host = f"[{master_addr}]" if ":" in master_addr else master_addr
+        endpoint = rdzv_endpoint or f"{host}:{master_port}"
+        return cls("static", high, high, "static", endpoint, rdzv_id or "gpufleet",
+                   {"rank": node_rank})
+
+
+def parse_nnodes(nnodes: str) -> tuple[int, int]:
+    """Read a node count, "N" or "MIN:MAX", as ``(min, max)``.
+
+    Example:
+        >>> parse_nnodes("2"), parse_nnodes("1:4")
+        ((2, 2), (1, 4))
+    """
+    parts = str(nnodes).split(":")
+    if not (1 <= len(parts) <= 2 and all(p.strip().isdigit() for p in parts)):
+        raise LaunchError(f"dist.nnodes = {nnodes!r} is not a node count. "
+                          "Give N (e.g. '2') or MIN:MAX (e.g. '1:4').")
+    low, high = int(parts[0]), int(parts[-1])
+    if not 1 <= low <= high:
+        raise LaunchError(f"dist.nnodes = {nnodes!r}: need 1 <= MIN <= MAX. "
+                          "Give e.g. '2' or '1:4'.")
+    return low, high
+
+
+def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, launcher: str = "elastic",
+           nnodes: str = "1", node_rank: int = 0, master_addr: str = "127.0.0.1",
+           master_port: int = 0, rdzv_endpoint: str = "", rdzv_backend: str = "c10d",
+           rdzv_id: str = "", max_restarts: int = 0, log_dir: str | None = None
+           ) -> dict[int, Any]:
+    """Run ``fn(*args)`` in ``nproc`` ranks on this node; return ``{global rank: result}``.
+
+    ``fn``, ``args`` and the results must be picklable (ranks are spawned processes), so
+    ``fn`` must be a module-level function of an importable module. On several nodes, run
+    the same call on each; each node gets back the results of its own ranks.
+
+    Args:
+        fn: What each rank runs; it finds its rank with ``DistEnv.detect()``.
+        args: Positional arguments for ``fn``.
+        nproc: Ranks on this node.
+        launcher: "elastic" (torch's elastic agent: restarts, multi-node) or "spawn"
+            (``torch.multiprocessing``: one node, no restarts).
+        nnodes: Nodes, "N" or "MIN:MAX" (elastic only).
+        node_rank: This node's rank in a static multi-node run.
+        master_addr: Node 0's address (static multi-node; the spawn launcher's store host).
+        master_port: Node 0's port, needed for static multi-node (0: a free port).
+        rdzv_endpoint: host:port of an elastic rendezvous; chooses the elastic mode.
+        rdzv_backend: torch rendezvous backend for ``rdzv_endpoint`` (usually "c10d").
+        rdzv_id: Rendezvous id shared by the nodes of an elastic run.
+        max_restarts: Times the agent restarts all local ranks after a failure.
+        log_dir: Directory for each rank's stdout/stderr and error files (elastic only;
+            default: a temporary directory for the error files).
+
+    Raises:
+        LaunchError: a bad option, or a rank failed (the message names the ranks, their
+            exit codes or signals, and the first traceback).
+
+    Example:
+        >>> results = launch(train_rank, (cfg,), nproc=2)  # doctest: +SKIP
+        >>> results[0]  # rank 0's return value  # doctest: +SKIP
+    """
+    if nproc < 1:
+        raise LaunchError(f"dist.nproc = {nproc}: need at least one rank. Pass --nproc 1 or more.")
+    if max_restarts < 0:
+        raise LaunchError(f"dist.max_restarts = {max_restarts} is negative. Pass 0 or more.")
+    try:
+        pickle.dumps(fn)  # by reference: cheap, and fails here rather than in every rank
+    except (pickle.PicklingError, AttributeError, TypeError) as err:
+        raise LaunchError(f"{fn!r} cannot be sent to the ranks ({err}). Pass a function "
+                          "defined at module level, not a lambda or a nested function.") from err
+    if launcher == "elastic":
+        plan = LaunchPlan.resolve(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
+                                  master_port=master_port, rdzv_endpoint=rdzv_endpoint,
+                                  rdzv_backend=rdzv_backend, rdzv_id=rdzv_id)
+        return _launch_elastic(fn, args, nproc, plan, max_restarts, log_dir)
+    if launcher == "spawn":
+        if parse_nnodes(nnodes) != (1, 1):
+            raise LaunchError(f"launcher 'spawn' runs on one node, but dist.nnodes = {nnodes!r}."
+                              " Use --launcher elastic for multi-node runs.")
+        if max_restarts > 0:
+            raise LaunchError(f"launcher 'spawn' cannot restart ranks (dist.max_restarts = "
+                              f"{max_restarts}). Use --launcher elastic, or --max-restarts 0.")
+        if log_dir:
+            logger.warning("launcher 'spawn' keeps the ranks' output on this console; "
+                           "log_dir=%s is only used by --launcher elastic", log_dir)
+        return _launch_spawn(fn, args, nproc, master_addr, master_port or free_port(master_addr))
+    raise LaunchError(unknown_choice("dist.launcher", launcher, LAUNCHERS))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (another process may take it later).
+
+    Example:
+        >>> 0 < free_port() < 65536
+        True
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: LaunchPlan,
+                    max_restarts: int, log_dir: str | None) -> dict[int, Any]:
+    # With a log directory each rank's stdout/stderr also goes to a file there.
+    logs = DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL if log_dir else Std.NONE)
+    config = LaunchConfig(
+        min_nodes=plan.min_nodes, max_nodes=plan.max_nodes, nproc_per_node=nproc,
+        logs_specs=logs, run_id=plan.run_id, rdzv_endpoint=plan.rdzv_endpoint,
+        rdzv_backend=plan.rdzv_backend, rdzv_configs=dict(plan.rdzv_configs),
+        max_restarts=max_restarts, start_method="spawn",
+    )
+    logger.info("launching %d rank(s) with torch's elastic agent (%s rendezvous at %s, "
+                "max_restarts=%d)", nproc, plan.mode, plan.rdzv_endpoint, max_restarts)
+    try:
+        with _fresh_store_per_restart(plan.rdzv_backend):
+            # The agent wraps fn in torch's @record in each rank, so a rank's exception
+            # lands in its error file; results come back through a queue per rank.
+            results = elastic_launch(config, fn)(*args)
+    except ChildFailedError as err:
+        where = (f"Rank logs (stdout.log, stderr.log) and error files are under {log_dir}."
+                 if log_dir else f"Error files are under {logs.root_log_dir}.")
+        raise LaunchError(_describe_failures(err, max_restarts, where)) from err
+    except (RendezvousError, DistError) as err:
+        raise LaunchError(
+            f"The agents did not meet ({plan.mode} rendezvous at {plan.rdzv_endpoint}, "
+            f"{plan.min_nodes}-{plan.max_nodes} node(s)): {err}\nStart the same command on "
+            "every node with the same endpoint and id, and check that a firewall lets the "
+            "port through."
+        ) from err
+    if not log_dir:  # torch made a temporary directory for error files; none were needed
+        shutil.rmtree(logs.root_log_dir, ignore_errors=True)
+    return results
+
+
+@contextmanager
+def _fresh_store_per_restart(rdzv_backend: str) -> Iterator[None]:
+    """Give the ranks of every restart a new TCPStore (unless the user chose otherwise).
+
+    With the c10d rendezvous, torch's agent shares one TCPStore with the ranks and keeps
+    it across restarts, so restarted ranks can read the previous attempt's keys (gloo then
+    connects to a dead rank's port: "Connection refused"). With
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (read by the agent, in this process) rank 0 of
+    each attempt hosts a new store on a port the agent picks.
+    """
+    name = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    if rdzv_backend != "c10d" or name in os.environ:
+        yield
+        return
+    os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+
+
+def _describe_failures(err: ChildFailedError, max_restarts: int, where: str) -> str:
+    lines = [f"{len(err.failures)} rank(s) failed:"]
+    for rank, failure in sorted(err.failures.items()):
+        how = (f"killed by signal {failure.signal_name()}" if failure.exitcode < 0
+               else f"exit code {failure.exitcode}")
+        lines.append(f"  rank {rank} (local rank {failure.local_rank}, pid {failure.pid}): "
+                     f"{how}; error file: {failure.error_file}")
+    root_rank, root = err.get_first_failure()
+    message = root.message
+    if isinstance(message, dict):  # an error file written by @record
+        message = message.get("extraInfo", {}).get("py_callstack") or message.get("message")
+    lines += [f"First failure (rank {root_rank}):", str(message).rstrip(),
+              where,
+              f"The agent allowed {max_restarts} restart(s) (--dist.max_restarts="
+              f"{max_restarts}); fix the error above, or raise --dist.max_restarts to restart "
+              "the ranks after transient failures."]
+    return "\n".join(lines)
+
+
+def _launch_spawn(fn: Callable[..., Any], args: tuple, nproc: int, addr: str,
+                  port: int) -> dict[int, Any]:
+    logger.info("spawning %d rank(s) with torch.multiprocessing (master %s:%d)", nproc, addr,
+                port)
+    queue = mp.get_context("spawn").SimpleQueue()
+    context = mp.spawn(_spawn_entry, args=(fn, args, nproc, addr, port, queue), nprocs=nproc,
+                       join=False)
+    results: dict[int, Any] = {}
+    try:
+        # Drain while waiting: a rank blocks on a large result until someone reads it.
+        while not context.join(timeout=0.2):
+            _drain(queue, results)
+    except mp.ProcessRaisedException as err:
+        raise LaunchError(f"Rank {err.error_index} (pid {err.error_pid}) raised an exception; "
+                          f"the other ranks were stopped.\n{err}\nThe spawn launcher cannot "
+                          "restart ranks: use --launcher elastic with --dist.max_restarts."
+                          ) from err
+    except mp.ProcessExitedException as err:
+        how = f"signal {err.signal_name}" if err.signal_name else f"exit code {err.exit_code}"
+        raise LaunchError(f"Rank {err.error_index} (pid {err.error_pid}) died with {how}; the "
+                          "other ranks were stopped. The spawn launcher cannot restart ranks: "
+                          "use --launcher elastic with --dist.max_restarts.") from err
+    finally:
+        for process in context.processes:  # e.g. on Ctrl-C: leave no rank behind
+            if process.is_alive():
+                process.terminate()
+                process.join()
+    _drain(queue, results)
+    return {rank: results.get(rank) for rank in range(nproc)}  # None: the rank sys.exit(0)ed
+
+
+def _drain(queue: Any, results: dict[int, Any]) -> None:
+    while not queue.empty():
+        rank, value = queue.get()
+        results[rank] = value
+
+
+def _spawn_entry(local_rank: int, fn: Callable[..., Any], args: tuple, nproc: int, addr: str,
+                 port: int, queue: Any) -> None:
+    """Body of each spawned rank: describe the rank the torchrun way, run fn, send back."""
+    os.environ.update({
+        "RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": "0",
+        "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": addr, "MASTER_PORT": str(port),
+    })
+    queue.put((local_rank, fn(*args)))

@@ -1,0 +1,162 @@
+"""The process group: join it, leave it, and the few collectives every run needs.
+
+Every helper here also works in a plain single process (no process group): collectives
+become no-ops, so library code can call them without checking who launched it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from gpufleet.errors import LaunchError, unknown_choice
+from gpufleet.launch.env import DistEnv, export_for_torch
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def init_process_group(env: DistEnv, backend: str, init_method: str = "env://",
+                       timeout_s: float = 600.0) -> None:
+    """Join the job's process group as ``env.rank`` of ``env.world_size``.
+
+    Does nothing when a process group already exists. With NCCL the rank first selects
+    its GPU (``env.local_rank``) so that NCCL's communicators land on the right device.
+
+    Args:
+        env: This rank's place in the job (usually ``DistEnv.detect()``).
+        backend: "gloo" (CPU) or "nccl" (CUDA), or any other backend torch knows.
+        init_method: "env://" (MASTER_ADDR/MASTER_PORT), "tcp://host:port" or "file://...".
+        timeout_s: Seconds before the rendezvous, or later any collective, gives up.
+
+    Raises:
+        LaunchError: the backend is unknown or unusable here, or the ranks did not meet
+            within ``timeout_s`` (the message names the address tried and the usual fixes).
+
+    Example:
+        >>> init_process_group(DistEnv.detect(), "gloo")  # doctest: +SKIP
+    """
+    if _initialized():
+        return
+    if not dist.is_available():
+        raise LaunchError("This torch build has no torch.distributed. Install a torch build "
+                          "with distributed support, or run a single process (--nproc 1).")
+    known = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
+    for name in backend.split(","):  # also "cpu:gloo,cuda:nccl"
+        if name.rpartition(":")[2] not in known:
+            raise LaunchError(unknown_choice("dist.backend", backend, known))
+    if "nccl" in backend:
+        if not torch.cuda.is_available():
+            raise LaunchError(f"dist.backend = {backend!r} needs CUDA GPUs, but this machine has "
+                              "none. Use --dist.backend gloo (or auto) on CPU.")
+        torch.cuda.set_device(env.local_rank)
+    export_for_torch(env)
+    where = (f"{env.master_addr}:{env.master_port}" if init_method.startswith("env://")
+             else init_method)
+    logger.debug("rank %d/%d: joining %s process group at %s", env.rank, env.world_size,
+                 backend, where)
+    try:
+        # The timeout bounds the rendezvous here and every collective afterwards.
+        dist.init_process_group(backend=backend, init_method=init_method, rank=env.rank,
+                                world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError, OSError) as err:  # DistError, DistStoreError, timeouts
+        raise LaunchError(
+            f"Rank {env.rank} of {env.world_size} could not join the {backend} process group "
+            f"at {where} within {timeout_s:g} s: {err}\n"
+            f"Check that all {env.world_size} ranks were started, that every rank uses the "
+            "same MASTER_ADDR/MASTER_PORT (--dist.master_addr/--dist.master_port), that a "
+            "firewall lets the port through, and raise --dist.timeout if ranks start slowly."
+        ) from err
+
+
+def destroy_process_group() -> None:
+    """Leave the process group; does nothing when there is none.
+
+    Example:
+        >>> destroy_process_group()
+    """
+    if _initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    """Wait until every rank gets here; does nothing without a process group.
+
+    Example:
+        >>> barrier()
+    """
+    if _initialized():
+        dist.barrier()  # collective: every rank must call it
+
+
+def broadcast_object(obj: T, src: int = 0) -> T:
+    """Return rank ``src``'s ``obj`` on every rank (picklable objects only).
+
+    Without a process group ``obj`` comes back as it is.
+
+    Example:
+        >>> broadcast_object({"run_dir": "runs/a"})
+        {'run_dir': 'runs/a'}
+    """
+    if not _initialized():
+        return obj
+    box: list[Any] = [obj]
+    dist.broadcast_object_list(box, src=src)  # collective; pickles through the backend
+    return box[0]
+
+
+def world_size() -> int:
+    """Ranks in the job: the process group's size, else what the launcher's variables say.
+
+    Example:
+        >>> world_size()  # a plain process
+        1
+    """
+    return dist.get_world_size() if _initialized() else DistEnv.detect().world_size
+
+
+def rank() -> int:
+    """This process's global rank: from the process group, else the launcher's variables.
+
+    Example:
+        >>> rank()  # a plain process
+        0
+    """
+    return dist.get_rank() if _initialized() else DistEnv.detect().rank
+
+
+@contextmanager
+def rank_zero_first(local: bool = False) -> Iterator[None]:
+    """Run the body on rank 0 first, then on the other ranks.
+
+    For work whose result the others can reuse: downloads, preprocessing, caches. Rank 0
+    (or, with ``local=True``, local rank 0 of every node, for caches on node-local disks)
+    runs the body while the others wait at a barrier; then the others run it and find
+    the cache. The barrier always spans the whole process group, so with ``local=True``
+    the other ranks wait until the first rank of *every* node is done. Without a process
+    group the body simply runs. If the first rank fails, the launcher stops the job.
+
+    Example:
+        >>> with rank_zero_first():
+        ...     pass  # e.g. download the data set into the shared cache
+    """
+    if not _initialized():
+        yield
+        return
+    first = (DistEnv.detect().local_rank if local else dist.get_rank()) == 0
+    if not first:
+        dist.barrier()  # wait for the first rank(s) to finish the body
+    yield
+    if first:
+        dist.barrier()  # let the others in

@@ -1,0 +1,138 @@
+"""DistEnv: reading the rank layout from torchrun's and SLURM's environment variables."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from gpufleet.errors import LaunchError
+from gpufleet.launch import DistEnv, export_for_torch
+from gpufleet.launch.env import expand_hostlist, parse_tasks_per_node
+
+TORCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+              "MASTER_PORT")
+
+
+def slurm(**extra: str) -> dict[str, str]:
+    """The variables `srun` sets for task 5 of 8 (node 1 of 2, 4 tasks a node)."""
+    env = {"SLURM_JOB_ID": "12345", "SLURM_JOB_NAME": "train", "SLURM_PROCID": "5",
+           "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+           "SLURM_NTASKS_PER_NODE": "4", "SLURM_NODELIST": "gpu[07-08]"}
+    env.update(extra)
+    return env
+
+
+def test_single_process_by_default():
+    env = DistEnv.detect({})
+    assert (env.rank, env.world_size, env.source) == (0, 1, "none")
+    assert not env.is_distributed and env.is_main and env.is_local_main
+
+
+def test_torchrun_variables():
+    env = DistEnv.detect({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                          "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1", "MASTER_ADDR": "n0",
+                          "MASTER_PORT": "29500", "TORCHELASTIC_RESTART_COUNT": "2"})
+    assert env == DistEnv(rank=5, local_rank=1, world_size=8, local_world_size=4, node_rank=1,
+                          master_addr="n0", master_port=29500, source="torchrun",
+                          restart_count=2)
+    assert env.is_distributed and not env.is_main and not env.is_local_main
+
+
+def test_torchrun_with_one_rank_is_still_distributed():
+    env = DistEnv.detect({"RANK": "0", "WORLD_SIZE": "1"})
+    assert env.is_distributed and env.local_world_size == 1 and env.node_rank == 0
+
+
+def test_torchrun_wins_over_slurm():
+    env = DistEnv.detect({**slurm(), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    assert env.source == "torchrun" and env.world_size == 2
+
+
+def test_slurm_step():
+    env = DistEnv.detect(slurm())
+    assert env == DistEnv(rank=5, local_rank=1, world_size=8, local_world_size=4, node_rank=1,
+                          master_addr="gpu07", master_port=10000 + 12345 % 20000,
+                          source="slurm", restart_count=0)
+
+
+def test_slurm_master_port_from_job_id_and_overrides():
+    assert DistEnv.detect(slurm(SLURM_JOB_ID="987654")).master_port == 10000 + 987654 % 20000
+    env = DistEnv.detect(slurm(MASTER_ADDR="10.0.0.9", MASTER_PORT="29400"))
+    assert (env.master_addr, env.master_port) == ("10.0.0.9", 29400)
+
+
+def test_slurm_step_nodelist_wins_over_job_nodelist():
+    env = DistEnv.detect(slurm(SLURM_STEP_NODELIST="node[003-004]"))
+    assert env.master_addr == "node003"
+
+
+@pytest.mark.parametrize("key, value, local_world", [
+    ("SLURM_NTASKS_PER_NODE", "4", 4),
+    ("SLURM_NTASKS_PER_NODE", "4(x2)", 4),
+    ("SLURM_STEP_TASKS_PER_NODE", "5,3", 3),  # node 1 takes the second entry
+    ("SLURM_STEP_TASKS_PER_NODE", "2(x1),6", 6),
+])
+def test_slurm_tasks_per_node_forms(key, value, local_world):
+    env = slurm(**{key: value})
+    if key != "SLURM_NTASKS_PER_NODE":
+        del env["SLURM_NTASKS_PER_NODE"]
+    assert DistEnv.detect(env).local_world_size == local_world
+
+
+def test_slurm_without_tasks_per_node_assumes_even_spread():
+    env = slurm(SLURM_NNODES="2")
+    del env["SLURM_NTASKS_PER_NODE"]
+    assert DistEnv.detect(env).local_world_size == 4
+
+
+def test_single_task_slurm_job_is_not_a_rank():
+    # sbatch script with one task running `gpufleet train --nproc 4`: we launch the ranks.
+    env = DistEnv.detect(slurm(SLURM_NTASKS="1", SLURM_PROCID="0", SLURM_LOCALID="0",
+                               SLURM_NODEID="0"))
+    assert env.source == "none" and not env.is_distributed
+
+
+@pytest.mark.parametrize("name", ["bash", "interactive"])
+def test_interactive_slurm_shell_is_not_a_rank(name):
+    assert DistEnv.detect(slurm(SLURM_JOB_NAME=name)).source == "none"
+
+
+@pytest.mark.parametrize("text, hosts", [
+    ("node[001-003],gpu5", ["node001", "node002", "node003", "gpu5"]),
+    ("node[001-002,007]", ["node001", "node002", "node007"]),
+    ("gpu5", ["gpu5"]),
+    ("a1,b[9-10]", ["a1", "b9", "b10"]),
+    ("rack[1-2]-gpu[1-2]", ["rack1-gpu1", "rack1-gpu2", "rack2-gpu1", "rack2-gpu2"]),
+])
+def test_expand_hostlist(text, hosts):
+    assert expand_hostlist(text) == hosts
+
+
+def test_expand_hostlist_rejects_garbage():
+    with pytest.raises(LaunchError, match="MASTER_ADDR"):
+        expand_hostlist("node[a-c]")
+
+
+@pytest.mark.parametrize("text, counts", [
+    ("4", [4]), ("4(x2)", [4, 4]), ("2,1", [2, 1]), ("2(x2),1", [2, 2, 1]),
+])
+def test_parse_tasks_per_node(text, counts):
+    assert parse_tasks_per_node(text) == counts
+
+
+def test_bad_numbers_name_the_variable():
+    with pytest.raises(LaunchError, match="RANK = 'x'"):
+        DistEnv.detect({"RANK": "x", "WORLD_SIZE": "2"})
+    with pytest.raises(LaunchError, match="rank 3 of 2"):
+        DistEnv.detect({"RANK": "3", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+
+
+def test_export_for_torch(monkeypatch):
+    for name in TORCH_VARS:
+        monkeypatch.setenv(name, "stale")  # restored (removed) when the test ends
+    export_for_torch(DistEnv.detect(slurm()))
+    assert {name: os.environ[name] for name in TORCH_VARS} == {
+        "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+        "MASTER_ADDR": "gpu07", "MASTER_PORT": str(10000 + 12345)}
+    assert DistEnv.detect().source == "torchrun"  # now readable the torchrun way
