@@ -1,0 +1,50 @@
+"""Parallel strategies behind one interface, looked up by name.
+
+Example:
+    >>> from gpufleet.parallel import strategy_names
+    >>> strategy_names()
+    ['single', 'dp', 'ddp']
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpufleet.errors import ConfigError, unknown_choice
+from gpufleet.parallel.base import OptimizerSpec, Strategy
+
+__all__ = ["OptimizerSpec", "Strategy", "build_strategy", "register", "strategy_names"]
+
+_REGISTRY: dict[str, type[Strategy]] = {}
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    """Add a strategy class to the registry under ``cls.name`` (usable as a decorator)."""
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"strategy name {cls.name!r} is already registered")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def strategy_names() -> list[str]:
+    """The registered strategy names, in registration order."""
+    return list(_REGISTRY)
+
+
+def build_strategy(name: str, cfg, device: torch.device) -> Strategy:
+    """Make the strategy called ``name`` for ``device``."""
+    if name not in _REGISTRY:
+        raise ConfigError(unknown_choice("parallel.strategy", name, _REGISTRY))
+    return _REGISTRY[name](cfg, device)
+
+
+def _register_builtins() -> None:
+    from gpufleet.parallel.ddp import DistributedDataParallel
+    from gpufleet.parallel.dp import DataParallel
+    from gpufleet.parallel.single import SingleDevice
+
+    for cls in (SingleDevice, DataParallel, DistributedDataParallel):
+        register(cls)
+
+
+_register_builtins()

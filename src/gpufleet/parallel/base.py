@@ -1,0 +1,148 @@
+"""The one interface every parallel strategy implements.
+
+The training loop talks to a strategy through these methods only, so a new strategy is
+a new module plus a registry entry, never a new branch in the loop. Defaults below are
+right for anything that keeps one full model replica per rank; a strategy overrides the
+few that differ.
+
+How the later strategies plug in (each is a small module of its own):
+
+* ``fsdp`` (FSDP2): ``setup_model`` calls ``fully_shard`` on each block, then on the
+  root, with a ``MixedPrecisionPolicy``; ``setup_optimizer`` builds the optimizer on the
+  sharded (DTensor) parameters; ``no_sync`` uses ``model.set_requires_gradient_sync``;
+  ``state_dict``/``load_state_dict`` go through ``torch.distributed.checkpoint`` and
+  ``saves_on_every_rank`` is True; ``eval_model`` returns the sharded model (forward
+  needs the all-gather on every rank, so evaluation batches must be even).
+* ``zero1``: ``setup_model`` wraps in DDP; ``setup_optimizer`` builds a
+  ``ZeroRedundancyOptimizer`` from the :class:`OptimizerSpec`'s class and arguments;
+  ``state_dict`` consolidates the optimizer state on rank 0 first.
+* ``pipeline``: ``setup_model`` splits the model into stages and keeps this rank's one;
+  ``forward_backward`` runs a ``torch.distributed.pipelining`` schedule (GPipe or 1F1B)
+  over micro-batches and returns the loss on the last stage; ``clip_grad_norm``
+  all-reduces the squared norms across stages.
+* ``local_sgd``: ``no_sync`` is always on (no per-step gradient all-reduce) and
+  ``after_optimizer_step`` runs torch's periodic / hierarchical model averager.
+* ``horovod``: ``setup_optimizer`` wraps in ``hvd.DistributedOptimizer`` and broadcasts
+  the initial state; ``all_reduce`` uses ``hvd.allreduce``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gpufleet.config import ParallelConfig
+
+
+@dataclass
+class OptimizerSpec:
+    """How to build the optimizer, kept apart from building it.
+
+    Sharding strategies need the class and arguments rather than an instance
+    (``ZeroRedundancyOptimizer`` takes ``optimizer_class``; FSDP2 needs the optimizer
+    built after the parameters are sharded).
+
+    Attributes:
+        cls: the optimizer class, e.g. ``torch.optim.AdamW``.
+        param_groups: maps the (unwrapped) model to its parameter groups.
+        kwargs: keyword arguments for ``cls``.
+    """
+
+    cls: type[torch.optim.Optimizer]
+    param_groups: Callable[[nn.Module], list[dict[str, Any]]]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def build(self, model: nn.Module) -> torch.optim.Optimizer:
+        return self.cls(self.param_groups(model), **self.kwargs)
+
+
+class Strategy:
+    """Base class: one full model replica per rank, no wrapping (what ``single`` is).
+
+    Args:
+        cfg: the ``[parallel]`` config section.
+        device: this rank's device.
+    """
+
+    name: ClassVar[str] = "base"
+    #: True when every rank writes its own shard of a checkpoint (FSDP), False when
+    #: rank 0 writes the whole state.
+    saves_on_every_rank: ClassVar[bool] = False
+
+    def __init__(self, cfg: ParallelConfig, device: torch.device) -> None:
+        self.cfg = cfg
+        self.device = device
+
+    # -- building ------------------------------------------------------------------
+    def setup_model(self, model: nn.Module) -> nn.Module:
+        """Move the model to the device and wrap it; returns the model the loop calls."""
+        return model.to(self.device)
+
+    def setup_optimizer(self, model: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
+        """Build the optimizer for the wrapped ``model``."""
+        return spec.build(self.unwrap(model))
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's own module (no ``module.`` prefix in its state dict)."""
+        return model
+
+    # -- the step --------------------------------------------------------------------
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Context in which backward does not synchronise gradients across ranks."""
+        return contextlib.nullcontext()
+
+    def forward_backward(self, model: nn.Module, batch: Any,
+                         loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+                         precision: Any, loss_scale: float) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns the detached, unscaled loss.
+
+        ``loss_scale`` is 1 / grad_accum: the loss is divided before backward so that N
+        micro-batches add up to the gradient of one N-times batch.
+        """
+        with precision.autocast():
+            loss = loss_fn(model, batch)
+        precision.backward(loss * loss_scale)
+        return loss.detach()
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm; returns the norm before clipping (on device)."""
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+
+    def after_optimizer_step(self, model: nn.Module, step: int) -> None:
+        """Called after every optimizer step (model averaging hooks in here)."""
+
+    def eval_model(self, model: nn.Module) -> nn.Module:
+        """The module to run evaluation on. The unwrapped replica needs no collective per
+        forward, so ranks may run different numbers of evaluation batches."""
+        return self.unwrap(model)
+
+    # -- state -----------------------------------------------------------------------
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Model and optimizer state as saved in a checkpoint."""
+        return {"model": self.unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
+
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        state: dict[str, Any]) -> None:
+        self.unwrap(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+    # -- collectives -----------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce ``tensor`` in place over all ranks (no-op in a single process)."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(tensor, op=_REDUCE_OPS[op])
+        return tensor
+
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def grads_of(model: nn.Module) -> Iterator[torch.Tensor]:
+    """The gradients that exist (parameters without a gradient are skipped)."""
+    return (p.grad for p in model.parameters() if p.grad is not None)

@@ -1,0 +1,11 @@
+"""``single``: one process, one device. The base class already does everything."""
+
+from __future__ import annotations
+
+from gpufleet.parallel.base import Strategy
+
+
+class SingleDevice(Strategy):
+    """Train on one device with no wrapping."""
+
+    name = "single"

@@ -1,0 +1,105 @@
+"""Numeric precision as an object whose hooks the loop calls; the defaults do nothing.
+
+* ``fp32``: plain float32 everywhere.
+* ``bf16-mixed``: float32 weights, matmuls in bfloat16 under autocast. bfloat16 has the
+  range of float32, so no loss scaling is needed.
+* ``fp16-mixed``: autocast to float16 plus a ``GradScaler``: the loss is multiplied by a
+  large factor before backward so small gradients do not flush to zero, gradients are
+  divided back before clipping, and a step whose gradients overflowed is skipped while
+  the scale shrinks.
+
+Example:
+    >>> p = build_precision("bf16-mixed", "cpu")
+    >>> with p.autocast():
+    ...     pass
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from gpufleet.config import PrecisionConfig
+from gpufleet.errors import ConfigError, unknown_choice
+
+
+class Precision:
+    """fp32: every hook is a plain pass-through."""
+
+    name = "fp32"
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Bring gradients to their true size before clipping (no-op without scaling)."""
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class BF16Mixed(Precision):
+    name = "bf16-mixed"
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device_type, dtype=torch.bfloat16)
+
+
+class FP16Mixed(Precision):
+    name = "fp16-mixed"
+
+    def __init__(self, device_type: str, init_scale: float = 65536.0,
+                 growth_interval: int = 2000) -> None:
+        super().__init__(device_type)
+        self.scaler = torch.amp.GradScaler(device_type, init_scale=init_scale,
+                                           growth_interval=growth_interval)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device_type, dtype=torch.float16)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        # HOST SYNC: GradScaler.step reads the found-inf flag to decide whether to skip
+        # the step. This is the one per-step sync fp16 cannot avoid; bf16 has none.
+        self.scaler.step(optimizer)
+        self.scaler.update()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+
+
+_MODES = {"fp32": Precision, "bf16-mixed": BF16Mixed, "fp16-mixed": FP16Mixed}
+
+
+def build_precision(mode: str, device_type: str,
+                    cfg: PrecisionConfig | None = None) -> Precision:
+    """Make the precision object for a resolved ``precision.mode``."""
+    if mode not in _MODES:
+        raise ConfigError(unknown_choice("precision.mode", mode, _MODES))
+    if mode == "fp16-mixed":
+        cfg = cfg or PrecisionConfig()
+        return FP16Mixed(device_type, cfg.init_scale, cfg.growth_interval)
+    return _MODES[mode](device_type)
