@@ -1,0 +1,194 @@
+"""A distributed sampler that moves through epochs by itself and resumes mid-epoch.
+
+Like ``torch.utils.data.DistributedSampler``, every rank draws the same permutation and
+takes every ``world_size``-th index of it. Unlike it, the epoch advances when a pass is
+iterated to the end, and ``state_dict``/``load_state_dict`` restore the exact position
+inside an epoch, so a resumed run sees the samples the uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+log = logging.getLogger(__name__)
+
+
+def _check_int(name: str, value: object, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} = {value!r}: must be an integer >= {low}.")
+
+
+class ResumableDistributedSampler(Sampler[int]):
+    """Shards dataset indices over ranks; resumable at any sample.
+
+    Training mode (the default): each epoch draws a permutation from a generator seeded
+    with ``seed + epoch`` (identical on every rank; ``shuffle=False`` keeps ``0..n-1``).
+    It is padded by repeating indices from its start until its length divides
+    ``world_size`` (or truncated to a multiple with ``drop_last``), and rank ``r`` takes
+    ``indices[r::world_size]``, so every rank yields ``len(self)`` indices per epoch.
+
+    Evaluation mode (``eval_mode=True``): no shuffle, no padding; rank ``r`` takes
+    ``range(r, n, world_size)``, so over all ranks every sample is seen exactly once and
+    sums reduced across ranks count each sample once. Ranks may then yield different
+    numbers of indices (they differ by at most one). Every ``iter()`` is one complete pass
+    from the start (an evaluation cut short does not shift the next one); no position is
+    tracked.
+
+    Epochs: iterating a training pass to the end moves to the next epoch; ``set_epoch``
+    jumps to one. A new ``iter()`` continues the current epoch after the last index
+    yielded (so an abandoned pass resumes, and a loaded state resumes). Change the state
+    (``set_epoch``, ``load_state_dict``) only between passes.
+
+    Checkpoints and DataLoader prefetch: a DataLoader draws indices ahead of the batches
+    training has consumed, so the sampler's own count runs ahead. Count the samples this
+    rank consumed in the current epoch yourself and save ``state_dict(consumed=count)``;
+    the state then names the epoch of the pass being consumed and that position, even if
+    the sampler itself has already run out and moved on to the next epoch.
+
+    Example:
+        >>> s = ResumableDistributedSampler(10, rank=1, world_size=4, seed=0)
+        >>> len(s), len(list(s))
+        (3, 3)
+        >>> it = iter(s); first = [next(it), next(it)]
+        >>> state = s.state_dict(consumed=2)
+        >>> resumed = ResumableDistributedSampler(10, rank=1, world_size=4, seed=0)
+        >>> resumed.load_state_dict(state)
+        >>> list(resumed) == list(it)
+        True
+    """
+
+    def __init__(self, dataset_len: int, *, rank: int = 0, world_size: int = 1,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+                 eval_mode: bool = False) -> None:
+        super().__init__()
+        _check_int("dataset_len", dataset_len, 0)
+        _check_int("world_size", world_size, 1)
+        _check_int("rank", rank, 0)
+        if rank >= world_size:
+            raise ValueError(f"rank = {rank} is out of range for world_size = {world_size}; "
+                             f"ranks run from 0 to {world_size - 1}.")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise TypeError(f"seed = {seed!r}: must be an int.")
+        self.dataset_len = dataset_len
+        self.rank = rank
+        self.world_size = world_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.eval_mode = eval_mode
+        self.epoch = 0  # the epoch the next iter() yields from
+        self.position = 0  # indices of that epoch this rank has already yielded
+        self._pass_epoch = 0  # epoch of the pass most recently started (see state_dict)
+
+    def __len__(self) -> int:
+        """Indices this rank yields in one full epoch (or one evaluation pass)."""
+        n, ws = self.dataset_len, self.world_size
+        if self.eval_mode:
+            return len(range(self.rank, n, ws))
+        return n // ws if self.drop_last else math.ceil(n / ws)
+
+    def rank_indices(self, epoch: int) -> list[int]:
+        """All indices this rank yields in ``epoch``, in order.
+
+        Example:
+            >>> ResumableDistributedSampler(5, rank=1, world_size=2, shuffle=False).rank_indices(0)
+            [1, 3, 0]
+        """
+        n, ws = self.dataset_len, self.world_size
+        if self.eval_mode:
+            return list(range(self.rank, n, ws))
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + epoch)
+            order = torch.randperm(n, generator=g).tolist()
+        else:
+            order = list(range(n))
+        if self.drop_last:
+            order = order[:n - n % ws]
+        elif n % ws:
+            pad = ws - n % ws  # may exceed n when n < world_size: repeat as often as needed
+            order += (order * math.ceil(pad / n))[:pad]
+        assert len(order) == len(self) * ws
+        return order[self.rank::ws]
+
+    def __iter__(self) -> Iterator[int]:
+        if self.eval_mode:
+            return iter(self.rank_indices(0))
+        self._pass_epoch = self.epoch
+        return self._resume(self.epoch, self.position)
+
+    def _resume(self, epoch: int, start: int) -> Iterator[int]:
+        indices = self.rank_indices(epoch)
+        for pos in range(start, len(indices)):
+            self.position = pos + 1  # counted before the yield: this index has gone out
+            yield indices[pos]
+        self.epoch, self.position = epoch + 1, 0  # the pass ran to the end
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start the next ``iter()`` at the beginning of ``epoch``."""
+        _check_int("epoch", epoch, 0)
+        self.epoch, self.position, self._pass_epoch = epoch, 0, epoch
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, int]:
+        """The position to resume from.
+
+        Args:
+            consumed: indices of this rank that training has consumed in the epoch of the
+                pass most recently started, counted from the start of that epoch (a
+                resumed pass counts the skipped ones too). Give it when a DataLoader
+                prefetches; ``None`` records the sampler's own count (the next ``iter()``).
+
+        Returns:
+            ``{"epoch", "position", "seed", "world_size", "dataset_len"}``.
+
+        Example:
+            >>> s = ResumableDistributedSampler(8, world_size=2)
+            >>> s.state_dict(consumed=3)["position"]
+            3
+        """
+        if consumed is None:
+            epoch, position = self.epoch, self.position
+        else:
+            if not isinstance(consumed, int) or not 0 <= consumed <= len(self):
+                raise ValueError(f"consumed = {consumed!r}: must be an int from 0 to "
+                                 f"{len(self)} (the indices this rank gets per epoch).")
+            epoch, position = self._pass_epoch, consumed
+        return {"epoch": epoch, "position": position, "seed": self.seed,
+                "world_size": self.world_size, "dataset_len": self.dataset_len}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next ``iter()`` continue right after ``state``'s position.
+
+        The saved seed is taken over, so the permutation is the one the saved run used.
+
+        Raises:
+            ValueError: the state was saved for a different dataset length or world size
+                (the shards would differ), or its position is out of range.
+
+        Example:
+            >>> a = ResumableDistributedSampler(8, world_size=2)
+            >>> b = ResumableDistributedSampler(8, world_size=2)
+            >>> b.load_state_dict(a.state_dict(consumed=1))
+        """
+        for key in ("dataset_len", "world_size"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"sampler state was saved with {key} = {state[key]}, but this sampler "
+                    f"has {key} = {getattr(self, key)}. Resume with the same data and rank "
+                    "count, or call set_epoch() to restart the epoch instead.")
+        epoch, position = state["epoch"], state["position"]
+        _check_int("epoch", epoch, 0)
+        if not isinstance(position, int) or not 0 <= position <= len(self):
+            raise ValueError(f"sampler state position = {position!r}: must be from 0 to "
+                             f"{len(self)}.")
+        if state["seed"] != self.seed:
+            log.info("sampler: using the saved seed %d instead of %d to resume the same order",
+                     state["seed"], self.seed)
+        self.seed = state["seed"]
+        self.epoch, self.position, self._pass_epoch = epoch, position, epoch
