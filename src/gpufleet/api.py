@@ -1,0 +1,89 @@
+"""The Python API: train your own module and data set without writing a loop.
+
+Example:
+    >>> import torch, gpufleet
+    >>> model = torch.nn.Linear(8, 1)
+    >>> data = torch.utils.data.TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+    >>> result = gpufleet.fit(model, data, loss_fn=torch.nn.functional.mse_loss,
+    ...                       overrides={"run.max_steps": 20, "log.progress": "off"})
+    ... # doctest: +SKIP
+
+Under ``torchrun`` (or ``gpufleet.launch``) the same call trains on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch import nn
+from torch.utils.data import Dataset
+
+from gpufleet.config import Config, config_from_dict, load_config
+from gpufleet.train.callbacks import Callback
+from gpufleet.train.loop import FitResult, Trainer
+from gpufleet.train.seed import seed_everything
+
+
+def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None, *,
+        loss_fn: Any = None, config: Config | str | None = None,
+        overrides: Mapping[str, Any] | Sequence[str] = (),
+        callbacks: Sequence[Callback] = ()) -> FitResult:
+    """Train ``model`` on ``train_data``; returns the :class:`FitResult`.
+
+    Args:
+        model: your module. Its forward returns a scalar loss, or give ``loss_fn``.
+        train_data: a map-style Dataset of ``(inputs, target)``, tuples or dicts.
+        eval_data: optional evaluation Dataset (evaluated every ``run.eval_every``).
+        loss_fn: ``loss(output, target)``, e.g. ``torch.nn.functional.cross_entropy``.
+        config: a :class:`Config`, a TOML path, or None for the defaults.
+        overrides: ``{"optim.lr": 1e-3}`` or ``["optim.lr=1e-3"]`` applied on top.
+        callbacks: extra :class:`~gpufleet.train.callbacks.Callback` objects.
+    """
+    cfg = _config(config, overrides)
+    from gpufleet.monitor.progress import Progress
+
+    trainer = Trainer(cfg, model, train_data, eval_data, loss_fn=loss_fn,
+                      callbacks=[Progress(cfg.log.progress), *callbacks])
+    return trainer.fit()
+
+
+def train(cfg: Config, callbacks: Sequence[Callback] = ()) -> FitResult:
+    """Run the job a config describes (model and data named in it); what the CLI runs."""
+    from gpufleet.job import build_job
+    from gpufleet.monitor.progress import Progress
+
+    # The same seed on every rank, so every rank builds the same initial weights.
+    seed_everything(cfg.run.seed)
+    job = build_job(cfg)
+    trainer = Trainer(cfg, job.model, job.train_data, job.eval_data, loss_fn=job.loss_fn,
+                      callbacks=[Progress(cfg.log.progress), *callbacks])
+    return trainer.fit()
+
+
+def run_worker(cfg_dict: dict[str, Any]) -> FitResult:
+    """Entry point of each launched rank: rebuild the config, set up logging, train."""
+    from gpufleet.launch import DistEnv, destroy_process_group
+
+    cfg = config_from_dict(cfg_dict)
+    setup_logging(cfg.log.level, DistEnv.detect())
+    try:
+        return train(cfg)
+    finally:
+        destroy_process_group()
+
+
+def setup_logging(level: str, env: Any) -> None:
+    """Log lines with a rank prefix in multi-rank runs; ranks other than 0 show warnings
+    and errors only, so a message meant once is printed once."""
+    prefix = f"[rank {env.rank}] " if env.world_size > 1 else ""
+    logging.basicConfig(format=f"{prefix}%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", force=True)
+    logging.getLogger("gpufleet").setLevel(level if env.rank == 0 else "WARNING")
+
+
+def _config(config: Config | str | None, overrides: Any) -> Config:
+    if isinstance(config, Config):
+        return load_config(overrides=overrides, base=config)
+    return load_config(config, overrides)

@@ -1,0 +1,207 @@
+"""The ``gpufleet`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import textwrap
+from collections.abc import Sequence
+from typing import Any
+
+from gpufleet.config import Config, config_to_dict, help_rows, load_config, parse_override
+from gpufleet.errors import ConfigError, GpufleetError, LaunchError, unknown_choice
+
+# Short flags for the options people type most; every config key also works as
+# --section.key=value (see `gpufleet train --help`).
+SHORTCUTS: dict[str, tuple[str, str]] = {
+    "--nproc": ("dist.nproc", "ranks on this node (default: one per GPU, 1 on CPU)"),
+    "--nnodes": ("dist.nnodes", "nodes: N or MIN:MAX (elastic)"),
+    "--node-rank": ("dist.node_rank", "this node's rank (static multi-node)"),
+    "--master-addr": ("dist.master_addr", "address of node 0 (static multi-node)"),
+    "--master-port": ("dist.master_port", "port on node 0 (static multi-node)"),
+    "--rdzv-endpoint": ("dist.rdzv_endpoint", "rendezvous host:port (elastic multi-node)"),
+    "--rdzv-id": ("dist.rdzv_id", "rendezvous id shared by all nodes"),
+    "--launcher": ("dist.launcher", "auto, elastic, spawn or none"),
+    "--max-restarts": ("dist.max_restarts", "restarts of the ranks after a failure"),
+    "--resume": ("checkpoint.resume", "'latest' or a checkpoint / run directory path"),
+    "--model": ("model.name", "'gpt' or your factory package.module:function"),
+    "--data": ("data.name", "'stdlib' or your factory package.module:function"),
+    "--strategy": ("parallel.strategy", "auto, single, dp or ddp"),
+    "--precision": ("precision.mode", "auto, fp32, bf16-mixed or fp16-mixed"),
+    "--max-steps": ("run.max_steps", "optimizer steps"),
+    "--batch-size": ("data.batch_size", "samples per rank per micro-step"),
+    "--lr": ("optim.lr", "peak learning rate"),
+    "--grad-accum": ("optim.grad_accum", "micro-steps per optimizer step"),
+    "--device": ("run.device", "auto, cpu or cuda"),
+    "--seed": ("run.seed", "random seed"),
+    "--name": ("run.name", "run name (run directory prefix)"),
+    "--run-dir": ("run.dir", "use this run directory"),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _build_parser()
+    if not argv:
+        parser.print_help()
+        return 0
+    args, rest = parser.parse_known_args(argv)
+    try:
+        if args.command == "train":
+            return _cmd_train(args, rest)
+        parser.error(f"unrecognised arguments: {' '.join(rest)}")
+    except LaunchError as e:
+        print(f"gpufleet: error: {e}", file=sys.stderr)
+        return 1
+    except GpufleetError as e:
+        print(f"gpufleet: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    from gpufleet import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="gpufleet",
+        description="Multi-GPU PyTorch training that is fast, survives faults, and says "
+                    "in plain words why a run is slow.")
+    parser.add_argument("--version", action="version", version=f"gpufleet {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    train = sub.add_parser(
+        "train", help="train a model (with no options: a small GPT on Python's stdlib)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train a model. With no options, a small byte-level GPT trains on a "
+                    "corpus built from this interpreter's standard library sources.",
+        epilog=_config_help())
+    train.add_argument("--config", metavar="FILE", help="TOML file with [section] tables")
+    for flag, (key, text) in SHORTCUTS.items():
+        train.add_argument(flag, dest=key, metavar="V", help=f"{text} (= --{key})")
+    return parser
+
+
+def _config_help() -> str:
+    lines = ["every config key (TOML [section] key, or --section.key=VALUE):", ""]
+    for flag, default, text in help_rows():
+        lines.append(f"  {flag} (default {default})")
+        lines.extend(textwrap.wrap(text, 80, initial_indent="      ",
+                                   subsequent_indent="      "))
+    lines += ["", "examples:",
+              "  gpufleet train                                  # the default job",
+              "  gpufleet train --nproc 2 --strategy ddp         # two local ranks",
+              "  gpufleet train --model mypkg.nets:build --data mypkg.data:load",
+              "  gpufleet train --resume latest                  # continue the last run",
+              "  gpufleet train --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 "
+              "--master-port 29500"]
+    return "\n".join(lines)
+
+
+def parse_train_config(args: argparse.Namespace, rest: Sequence[str]) -> Config:
+    """The config from --config, --section.key overrides and the short flags."""
+    overrides: list[str] = []
+    i = 0
+    while i < len(rest):
+        token = rest[i]
+        name = token.split("=", 1)[0]
+        if not token.startswith("--") or "." not in name:
+            flags = [*SHORTCUTS, "--config"]
+            raise ConfigError(unknown_choice("command-line flag", name, flags,
+                                             "Or give a config key as --section.key=VALUE "
+                                             "(see gpufleet train --help)."))
+        if "=" in token:
+            overrides.append(token[2:])
+        elif i + 1 < len(rest):
+            overrides.append(f"{token[2:]}={rest[i + 1]}")
+            i += 1
+        else:
+            raise ConfigError(f"{token} has no value. Write {token}=VALUE.")
+        i += 1
+    for _, (key, _text) in SHORTCUTS.items():
+        value = getattr(args, key, None)
+        if value is not None:
+            overrides.append(f"{key}={value}")
+    for text in overrides:
+        parse_override(text)  # early, precise errors for malformed overrides
+    return load_config(args.config, overrides)
+
+
+def _cmd_train(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    cfg = parse_train_config(args, rest)
+    result = run_training(cfg)
+    if result is not None:
+        _print_summary(result)
+    return 0
+
+
+def run_training(cfg: Config) -> Any:
+    """Train here, or start the ranks and train there; returns rank 0's FitResult."""
+    from gpufleet.api import run_worker
+    from gpufleet.launch import DistEnv, launch
+    from gpufleet.train.rundir import plan_run
+
+    env = DistEnv.detect()
+    if env.is_distributed:  # torchrun, SLURM or our own launcher started this process
+        return run_worker(config_to_dict(cfg))
+    dist = cfg.dist
+    nproc = dist.nproc or _visible_gpus(cfg)
+    multi_node = dist.nnodes != "1"
+    launcher = dist.launcher
+    if launcher == "auto":
+        needs_agent = nproc > 1 or multi_node or dist.max_restarts > 0
+        launcher = "elastic" if needs_agent else "none"
+    if launcher == "none":
+        if nproc > 1 or multi_node:
+            raise ConfigError(f"dist.launcher = 'none' runs one process, but {nproc} rank(s) "
+                              f"on {dist.nnodes} node(s) were asked for. Use "
+                              "--launcher elastic (or spawn), or --nproc 1.")
+        return run_worker(config_to_dict(cfg))
+    if multi_node:
+        # Every node must agree on the run directory without talking: name it after the
+        # rendezvous id (put out_dir on a shared file system).
+        if not cfg.run.dir:
+            tag = dist.rdzv_id or "multinode"
+            run_dir = f"{cfg.run.out_dir}/{cfg.run.name}-{tag}"
+            cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir))
+    else:
+        cfg, _ = plan_run(cfg)  # one directory for every rank and every restart
+    results = launch(
+        run_worker, (config_to_dict(cfg),), nproc=nproc, launcher=launcher,
+        nnodes=dist.nnodes, node_rank=dist.node_rank, master_addr=dist.master_addr,
+        master_port=dist.master_port, rdzv_endpoint=dist.rdzv_endpoint,
+        rdzv_backend=dist.rdzv_backend, rdzv_id=dist.rdzv_id or cfg.run.name,
+        max_restarts=dist.max_restarts)
+    return results.get(0)
+
+
+def _visible_gpus(cfg: Config) -> int:
+    if cfg.run.device == "cpu":
+        return 1
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cfg.parallel.strategy == "dp":
+        return 1  # one process drives every GPU
+    return max(1, count)
+
+
+def _print_summary(result: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="gpufleet run summary", show_header=False)
+    first = result.losses[0] if result.losses else None
+    rows = [
+        ("steps", str(result.steps)),
+        ("train loss", f"{first[1]:.4f} (step {first[0]}) -> {result.final_loss:.4f} "
+                       f"(step {result.losses[-1][0]})" if first else "-"),
+        ("eval loss", f"{result.eval_loss:.4f}" if result.eval_loss is not None else "-"),
+        ("throughput", (f"{result.tokens_per_s:,.0f} tokens/s, " if result.tokens_per_s
+                        else "") + f"{result.samples_per_s:,.1f} samples/s"),
+        ("training time", f"{result.train_time_s:.1f} s"),
+        ("run directory", result.run_dir),
+        ("checkpoint", result.checkpoint or "-"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    Console(stderr=False).print(table)

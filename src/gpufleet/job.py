@@ -1,0 +1,109 @@
+"""Turn a config into a model, data sets and a loss: the built-in GPT job or your own.
+
+``model.name`` and ``data.name`` are either a built-in name or an import string
+``package.module:function``; the function is called with ``model.kwargs`` /
+``data.kwargs`` and returns an ``nn.Module`` / a ``Dataset`` or ``(train, eval)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torch.utils.data import Dataset
+
+from gpufleet.config import Config
+from gpufleet.errors import ConfigError
+
+BUILTIN_MODELS = ("gpt",)
+BUILTIN_DATA = ("stdlib",)
+
+
+@dataclass
+class Job:
+    """What the trainer trains."""
+
+    model: nn.Module
+    train_data: Dataset
+    eval_data: Dataset | None = None
+    loss_fn: Any = None
+
+
+def import_object(spec: str, key: str) -> Any:
+    """Import ``package.module:name`` (``key`` is the config key, for error messages).
+
+    Example:
+        >>> import_object("math:sqrt", "model.name")(4.0)
+        2.0
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{key} = {spec!r} is not an import string. Write it as "
+                          "package.module:function, e.g. mypkg.models:build_model.")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"{key} = {spec!r}: cannot import module {module_name!r} ({e}). "
+                          "Install the package or add its folder to PYTHONPATH.") from e
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        names = [n for n in dir(module) if not n.startswith("_")]
+        from gpufleet.errors import unknown_choice
+
+        raise ConfigError(unknown_choice(f"{key} = {spec!r}: module {module_name!r} has no "
+                                         f"{attr!r}; name", attr, names[:20])) from None
+
+
+def build_job(cfg: Config) -> Job:
+    """Build the model, the data sets and the loss that ``cfg`` names."""
+    return Job(_build_model(cfg), *_build_data(cfg),
+               loss_fn=import_object(cfg.model.loss, "model.loss") if cfg.model.loss else None)
+
+
+def _build_model(cfg: Config) -> nn.Module:
+    m = cfg.model
+    if m.name == "gpt":
+        from gpufleet.models import build_gpt
+
+        return build_gpt(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd,
+                         block_size=m.block_size, dropout=m.dropout)
+    _check_import_string(m.name, "model.name", BUILTIN_MODELS)
+    model = import_object(m.name, "model.name")(**m.kwargs)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model.name = {m.name!r} returned {type(model).__name__}, not a "
+                          "torch.nn.Module. Make the factory return the model.")
+    return model
+
+
+def _build_data(cfg: Config) -> tuple[Dataset, Dataset | None]:
+    d = cfg.data
+    if d.name == "stdlib":
+        from gpufleet.data.corpus import build_stdlib_corpus
+        from gpufleet.data.tokens import split_train_eval
+        from gpufleet.launch import rank_zero_first
+
+        # Each node's first rank builds the cached token file; the others then reuse it.
+        with rank_zero_first(local=True):
+            path = build_stdlib_corpus(max_bytes=d.corpus_bytes)
+        return split_train_eval(path, cfg.model.block_size, d.eval_fraction)
+    _check_import_string(d.name, "data.name", BUILTIN_DATA)
+    out = import_object(d.name, "data.name")(**d.kwargs)
+    if isinstance(out, dict):
+        return out["train"], out.get("eval")
+    if isinstance(out, (tuple, list)) and len(out) == 2:
+        return out[0], out[1]
+    if isinstance(out, Dataset) or hasattr(out, "__getitem__"):
+        return out, None
+    raise ConfigError(f"data.name = {d.name!r} returned {type(out).__name__}. Return a "
+                      "Dataset, a (train, eval) pair, or {'train': ..., 'eval': ...}.")
+
+
+def _check_import_string(name: str, key: str, builtins: tuple[str, ...]) -> None:
+    if ":" not in name:
+        from gpufleet.errors import unknown_choice
+
+        raise ConfigError(unknown_choice(key, name, builtins,
+                                         "Or give your own factory as package.module:function."))

@@ -1,0 +1,1 @@
+"""Monitoring: metric sinks and the live display."""

@@ -1,0 +1,36 @@
+"""``metrics.jsonl``: one JSON object per log interval and per evaluation, always written."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from gpufleet.train.callbacks import Callback
+
+
+class MetricsFile(Callback):
+    """Appends metrics to a JSON-lines file (a resumed run keeps adding to it)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._file = None
+
+    def on_fit_start(self, trainer: Any) -> None:
+        self._file = open(self.path, "a", buffering=1)  # line-buffered: readable live
+
+    def _write(self, kind: str, metrics: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps({"kind": kind, "time": time.time(), **metrics}) + "\n")
+
+    def on_log(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
+        self._write("train", metrics)
+
+    def on_eval(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
+        self._write("eval", metrics)
+
+    def on_fit_end(self, trainer: Any, result: Any) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

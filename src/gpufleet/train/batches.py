@@ -1,0 +1,119 @@
+"""What the loop needs to know about a batch: moving it, sizing it, getting a loss."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """Move every tensor in a (nested) tuple, list or dict to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, Mapping):
+        return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(v, device, non_blocking) for v in batch)
+    return batch
+
+
+def first_tensor(batch: Any) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    values = batch.values() if isinstance(batch, Mapping) else batch
+    if isinstance(values, (tuple, list)) or isinstance(batch, Mapping):
+        for v in values:
+            t = first_tensor(v)
+            if t is not None:
+                return t
+    return None
+
+
+def batch_size_of(batch: Any) -> int:
+    """Samples in a batch: the leading dimension of its first tensor (no device sync)."""
+    t = first_tensor(batch)
+    return int(t.shape[0]) if t is not None and t.ndim > 0 else 1
+
+
+def tokens_of(batch: Any) -> int | None:
+    """Tokens in a batch when its inputs are integer ids of shape [batch, time]."""
+    t = first_tensor(batch)
+    if t is not None and t.ndim == 2 and not t.is_floating_point():
+        return int(t.numel())
+    return None
+
+
+def make_loss_fn(loss: Callable[[Any, Any], torch.Tensor] | None = None) -> LossFn:
+    """How the loop turns (model, batch) into a scalar loss.
+
+    With ``loss`` given, a batch ``(inputs, target)`` gives ``loss(model(inputs), target)``.
+    Without it the model computes its own loss: a tuple batch is passed as
+    ``model(*batch)``, a dict batch as ``model(**batch)`` (Transformers models), and the
+    output must be a scalar tensor, or have ``.loss`` or ``["loss"]``.
+
+    Example:
+        >>> fn = make_loss_fn(torch.nn.functional.mse_loss)
+        >>> m = torch.nn.Linear(2, 1)
+        >>> fn(m, (torch.zeros(4, 2), torch.zeros(4, 1))).shape
+        torch.Size([])
+    """
+
+    def compute(model: nn.Module, batch: Any) -> torch.Tensor:
+        if loss is not None:
+            if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+                raise TypeError(f"with a loss function the batch must be (inputs, target); "
+                                f"got {type(batch).__name__}. Return (x, y) from your dataset.")
+            out = loss(model(*batch[:-1]), batch[-1])
+        else:
+            out = _call_with_batch(model, batch)
+        return _as_loss(out, isinstance(model, nn.DataParallel))
+
+    return compute
+
+
+def _call_with_batch(model: nn.Module, batch: Any) -> Any:
+    try:
+        if isinstance(batch, Mapping):
+            return model(**batch)
+        if isinstance(batch, (tuple, list)):
+            return model(*batch)
+        return model(batch)
+    except TypeError as e:
+        if "argument" not in str(e):
+            raise
+        shape = f"dict with keys {list(batch)}" if isinstance(batch, Mapping) else (
+            f"{type(batch).__name__} of {len(batch)} items"
+            if isinstance(batch, (tuple, list)) else type(batch).__name__)
+        raise TypeError(
+            f"calling the model with the batch ({shape}) failed: {e}. With no loss function "
+            "the model gets the whole batch and must return its loss. If it takes only the "
+            "inputs, pass a loss function (loss_fn=... in Python, "
+            "--model.loss=package.module:function on the CLI)."
+        ) from e
+
+
+def _as_loss(out: Any, data_parallel: bool) -> torch.Tensor:
+    if isinstance(out, Mapping) and "loss" in out:
+        out = out["loss"]
+    elif not isinstance(out, torch.Tensor) and getattr(out, "loss", None) is not None:
+        out = out.loss
+    if not isinstance(out, torch.Tensor) or out.numel() == 0:
+        raise TypeError(
+            f"the model returned {type(out).__name__}, not a loss. Make forward return a "
+            "scalar loss when given targets, return an object with .loss, or pass a loss "
+            "function (loss_fn=... in Python, --model.loss=package.module:function on the CLI)."
+        )
+    if out.ndim == 1 and data_parallel:
+        # nn.DataParallel gathers one loss per GPU; their mean is the batch loss.
+        return out.mean()
+    if out.ndim > 0:
+        raise TypeError(
+            f"the model returned a tensor of shape {tuple(out.shape)}, not a scalar loss. "
+            "Reduce it in forward (e.g. .mean()), or pass a loss function."
+        )
+    return out

@@ -1,0 +1,56 @@
+"""Hooks where monitoring, checkpointing and displays attach to the loop.
+
+Every method is a no-op by default. The hot path only calls :meth:`Callback.on_phase`
+on callbacks that override it, so an unused hook costs nothing per step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gpufleet.train.loop import FitResult, Trainer
+
+
+class Callback:
+    """Subclass and override what you need. Runs on every rank; check
+    ``trainer.env.is_main`` for things that should happen once."""
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        """After setup (and resume), before the first step."""
+
+    def on_phase(self, trainer: Trainer, phase: str) -> None:
+        """A phase of the step begins: 'data', 'compute', 'optimizer' or 'end'.
+        Called every micro-step; keep it to a clock read."""
+
+    def on_step_end(self, trainer: Trainer, step: int) -> None:
+        """After optimizer step ``step`` (1-based count of steps done). No metrics here:
+        reading them would force a host-device sync."""
+
+    def on_log(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
+        """Every ``log.every`` steps, with metrics already reduced across ranks."""
+
+    def on_eval(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
+        """After an evaluation, with exact cross-rank metrics."""
+
+    def on_checkpoint(self, trainer: Trainer, step: int, path: str) -> None:
+        """After a checkpoint was written."""
+
+    def on_fit_end(self, trainer: Trainer, result: FitResult) -> None:
+        """After the last step, the final evaluation and the final checkpoint."""
+
+
+class CallbackList:
+    """Dispatches each hook to every callback in order."""
+
+    def __init__(self, callbacks: list[Callback]) -> None:
+        self.callbacks = list(callbacks)
+        base = Callback.on_phase
+        self.phase_listeners = [c for c in self.callbacks
+                                if getattr(type(c), "on_phase", base) is not base]
+
+    def __getattr__(self, hook: str):
+        def call(*args: Any) -> None:
+            for c in self.callbacks:
+                getattr(c, hook)(*args)
+        return call

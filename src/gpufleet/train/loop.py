@@ -1,0 +1,230 @@
+"""The training loop.
+
+Read :meth:`Trainer.fit` top to bottom: one optimizer step is ``grad_accum`` micro-steps
+of data → forward/backward, then unscale → clip → step → zero_grad. Every host-device
+sync and every collective in the loop is marked with ``SYNC`` or ``COLLECTIVE``; there
+is none per step, only one per log interval (unless fp16 loss scaling is on).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from gpufleet.config import Config
+from gpufleet.train.batches import batch_size_of, to_device, tokens_of
+from gpufleet.train.callbacks import Callback
+from gpufleet.train.setup import TrainerSetup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FitResult:
+    """What a finished run reports (the same on every rank).
+
+    Attributes:
+        steps: optimizer steps done in total (resumed runs count the earlier ones).
+        losses: ``(step, mean training loss over the log interval)`` pairs.
+        eval_losses: ``(step, evaluation loss)`` pairs.
+        samples_per_s / tokens_per_s: global throughput over training time (evaluation
+            and checkpoint time excluded); tokens only for integer-id inputs.
+        train_time_s: seconds spent in training steps this session.
+        run_dir / checkpoint: where the run and its last checkpoint are.
+    """
+
+    steps: int = 0
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    samples_per_s: float = 0.0
+    tokens_per_s: float | None = None
+    train_time_s: float = 0.0
+    run_dir: str = ""
+    checkpoint: str | None = None
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.losses[-1][1] if self.losses else None
+
+    @property
+    def eval_loss(self) -> float | None:
+        return self.eval_losses[-1][1] if self.eval_losses else None
+
+
+class Trainer(TrainerSetup):
+    """Trains ``model`` on ``train_data`` as ``cfg`` says, on every rank of the job.
+
+    Args:
+        cfg: the run configuration (see :mod:`gpufleet.config`).
+        model: your ``nn.Module``; built identically on every rank (DDP broadcasts
+            rank 0's weights anyway).
+        train_data: a map-style ``Dataset``; each item (or collated batch) is
+            ``(inputs, target)``, a tuple of model arguments, or a dict of them.
+        eval_data: optional evaluation ``Dataset``.
+        loss_fn: ``loss(model_output, target)``; omit when the model returns its loss.
+        callbacks: extra :class:`Callback` objects.
+
+    Example:
+        >>> trainer = Trainer(Config(), model, dataset, loss_fn=F.mse_loss)  # doctest: +SKIP
+        >>> result = trainer.fit()  # doctest: +SKIP
+    """
+
+    def __init__(self, cfg: Config, model: nn.Module, train_data: Dataset,
+                 eval_data: Dataset | None = None, *, loss_fn: Any = None,
+                 callbacks: list[Callback] | tuple[Callback, ...] = ()) -> None:
+        super().__init__(cfg, model, train_data, eval_data, loss_fn, list(callbacks))
+
+    # -- the loop --------------------------------------------------------------------
+    def fit(self) -> FitResult:
+        cfg, model, opt = self.cfg, self.model, self.optimizer
+        strategy, precision, cbs = self.strategy, self.precision, self.callbacks
+        accum, max_steps = cfg.optim.grad_accum, cfg.run.max_steps
+        phases = cbs.phase_listeners
+        cbs.on_fit_start(self)
+        # Running sum of micro-batch losses, kept on the device: adding to it does not
+        # wait for the GPU. It is read once per log interval.
+        loss_sum = torch.zeros((), device=self.device)
+        micro_steps = 0
+        interval_start = time.perf_counter()
+        model.train()
+        while self.step < max_steps:
+            # ---- forward/backward over grad_accum micro-batches ------------------------
+            for micro in range(accum):
+                for cb in phases:
+                    cb.on_phase(self, "data")
+                batch = self.next_batch()
+                for cb in phases:
+                    cb.on_phase(self, "compute")
+                # Gradients are all-reduced on the last micro-step only (DDP no_sync);
+                # the loss is scaled by 1/accum so the sum equals one big batch's mean.
+                sync = micro == accum - 1
+                with contextlib.nullcontext() if sync else strategy.no_sync(model):
+                    # COLLECTIVE (ddp, on the last micro-step): the gradient all-reduce
+                    # runs in buckets during backward.
+                    loss = strategy.forward_backward(model, batch, self.loss_fn, precision,
+                                                     1.0 / accum)
+                loss_sum += loss
+                micro_steps += 1
+            # ---- optimizer step ------------------------------------------------------
+            for cb in phases:
+                cb.on_phase(self, "optimizer")
+            precision.unscale(opt)  # true gradient sizes before clipping
+            if cfg.optim.clip_value:
+                torch.nn.utils.clip_grad_value_(model.parameters(), cfg.optim.clip_value)
+            if cfg.optim.clip_norm:
+                # The norm stays a device tensor; it is only read at log time.
+                self.grad_norm = strategy.clip_grad_norm(model, cfg.optim.clip_norm)
+            precision.step(opt)  # SYNC with fp16-mixed only: GradScaler reads found_inf
+            self.scheduler.step()
+            opt.zero_grad(set_to_none=True)
+            strategy.after_optimizer_step(model, self.step)
+            self.step += 1
+            for cb in phases:
+                cb.on_phase(self, "end")
+            cbs.on_step_end(self, self.step)
+            # ---- once per log interval: reduce and report -----------------------------
+            if self.step % cfg.log.every == 0 or self.step == max_steps:
+                now = time.perf_counter()
+                self._log_interval(loss_sum, micro_steps, now - interval_start)
+                loss_sum.zero_()
+                micro_steps = 0
+                interval_start = time.perf_counter()
+            # Evaluation and checkpoints are timed apart from training throughput.
+            if cfg.run.eval_every and self.step % cfg.run.eval_every == 0 \
+                    and self.step < max_steps and self.eval_loader is not None:
+                self.evaluate()
+                interval_start = time.perf_counter()
+            if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                self.save_checkpoint()
+                interval_start = time.perf_counter()
+        return self._finish()
+
+    def next_batch(self) -> Any:
+        """The next training batch on the device; epochs roll over by themselves."""
+        batch = next(self._batches, None)
+        if batch is None:  # end of epoch: the sampler has moved on to the next one
+            self.epoch += 1
+            self.consumed = 0
+            self._batches = iter(self.train_loader)
+            batch = next(self._batches)
+        self.consumed += batch_size_of(batch)
+        if self._samples_per_micro is None:
+            self._samples_per_micro = batch_size_of(batch)
+            self._tokens_per_micro = tokens_of(batch)
+        return to_device(batch, self.device, non_blocking=self.pin_memory)
+
+    def _log_interval(self, loss_sum: torch.Tensor, micro_steps: int, seconds: float) -> None:
+        world = self.env.world_size
+        stats = torch.stack([loss_sum.float(), self.grad_norm.float().to(self.device)])
+        # COLLECTIVE + SYNC, once per log interval: mean loss over ranks and micro-steps.
+        self.strategy.all_reduce(stats)
+        loss_total, norm_total = stats.tolist()
+        loss = loss_total / (micro_steps * world)
+        samples = micro_steps * (self._samples_per_micro or 0) * world
+        self._train_time += seconds
+        self._samples_seen += samples
+        metrics: dict[str, Any] = {
+            "step": self.step, "epoch": self.epoch, "loss": loss,
+            "lr": self.scheduler.get_last_lr()[0], "grad_norm": norm_total / world,
+            "samples_per_s": samples / seconds if seconds > 0 else 0.0,
+            "step_time_s": seconds / max(1, micro_steps // self.cfg.optim.grad_accum),
+        }
+        if self._tokens_per_micro:
+            tokens = micro_steps * self._tokens_per_micro * world
+            metrics["tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
+            self._tokens_seen += tokens
+        self.result.losses.append((self.step, loss))
+        self.callbacks.on_log(self, self.step, metrics)
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean loss over the evaluation set, summed exactly across ranks.
+
+        The evaluation sampler gives every sample to exactly one rank (no padding), so
+        the all-reduced sums count each sample once.
+        """
+        if self.eval_loader is None:
+            return None
+        model = self.strategy.eval_model(self.model)
+        model.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # [Σ loss·n, Σ n]
+        for i, batch in enumerate(self.eval_loader):
+            if self.cfg.run.eval_batches and i >= self.cfg.run.eval_batches:
+                break
+            n = batch_size_of(batch)
+            batch = to_device(batch, self.device, non_blocking=self.pin_memory)
+            with self.precision.autocast():
+                loss = self.loss_fn(model, batch)
+            totals[0] += loss.double() * n
+            totals[1] += n
+        self.model.train()
+        self.strategy.all_reduce(totals)  # COLLECTIVE + SYNC (below): once per evaluation
+        loss_total, count = totals.tolist()
+        value = loss_total / count if count else float("nan")
+        self.result.eval_losses.append((self.step, value))
+        self.callbacks.on_eval(self, self.step, {"step": self.step, "eval_loss": value,
+                                                 "eval_samples": int(count)})
+        return value
+
+    def _finish(self) -> FitResult:
+        result = self.result
+        if self.eval_loader is not None and (
+                not result.eval_losses or result.eval_losses[-1][0] != self.step):
+            self.evaluate()
+        if self.cfg.checkpoint.save_final and self._saved_step != self.step:
+            self.save_checkpoint()
+        result.steps = self.step
+        result.train_time_s = self._train_time
+        if self._train_time > 0:
+            result.samples_per_s = self._samples_seen / self._train_time
+            if self._tokens_per_micro:
+                result.tokens_per_s = self._tokens_seen / self._train_time
+        self.callbacks.on_fit_end(self, result)
+        return result

@@ -1,0 +1,47 @@
+"""Where a run writes: the run directory, decided once for all ranks and restarts."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+from gpufleet.config import Config
+from gpufleet.train.checkpoint import find_resume_checkpoint, list_checkpoints, run_dir_of
+
+
+def new_run_dir(out_dir: str, name: str) -> Path:
+    """``<out_dir>/<name>-<YYYYmmdd-HHMMSS>``, with a suffix if that exists already."""
+    base = Path(out_dir) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def plan_run(cfg: Config, restart_count: int = 0) -> tuple[Config, Path | None]:
+    """Fix ``run.dir`` and the checkpoint to resume from, if any.
+
+    Called once by the launching process (so every rank and every elastic restart
+    shares one directory) and again by rank 0, where it is then a no-op except that
+    after an elastic restart the newest checkpoint of the run is picked up.
+
+    Returns:
+        The config with ``run.dir`` and ``checkpoint.resume`` set to concrete paths, and
+        the checkpoint file to load (None for a fresh start).
+    """
+    run, ckpt = cfg.run, cfg.checkpoint
+    resume_from: Path | None = None
+    if restart_count > 0 and run.dir and list_checkpoints(run.dir):
+        resume_from = list_checkpoints(run.dir)[-1]  # the agent restarted us: carry on
+    elif ckpt.resume:
+        resume_from = find_resume_checkpoint(ckpt.resume, run.out_dir, run.name, run.dir)
+    run_dir = Path(run.dir) if run.dir else (
+        run_dir_of(resume_from) if resume_from else new_run_dir(run.out_dir, run.name))
+    cfg = dataclasses.replace(
+        cfg,
+        run=dataclasses.replace(run, dir=str(run_dir)),
+        checkpoint=dataclasses.replace(ckpt, resume=str(resume_from) if resume_from else ""),
+    )
+    return cfg, resume_from

@@ -1,0 +1,210 @@
+"""Everything the loop needs before its first step, one ``_build_*`` per concern.
+
+Order matters and is fixed here: process group → resolved config → device and seeds →
+model, optimizer, precision → run directory → data → resume → sinks.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from gpufleet.config import Config, Machine, resolve, write_config
+from gpufleet.data.loader import default_num_workers, seed_worker
+from gpufleet.data.sampler import ResumableDistributedSampler
+from gpufleet.errors import ConfigError, GpufleetError
+from gpufleet.launch import DistEnv, broadcast_object, init_process_group
+from gpufleet.parallel import build_strategy
+from gpufleet.precision import build_precision
+from gpufleet.train import checkpoint as ckpt
+from gpufleet.train.batches import make_loss_fn
+from gpufleet.train.callbacks import Callback, CallbackList
+from gpufleet.train.optim import build_scheduler, optimizer_spec
+from gpufleet.train.rundir import plan_run
+from gpufleet.train.seed import rng_state, seed_everything, set_deterministic, set_rng_state
+
+log = logging.getLogger(__name__)
+
+
+class TrainerSetup:
+    """Builds the pieces of a :class:`~gpufleet.train.loop.Trainer` (see its docs)."""
+
+    def __init__(self, cfg: Config, model: nn.Module, train_data: Dataset,
+                 eval_data: Dataset | None, loss_fn: Any, callbacks: list[Callback]) -> None:
+        from gpufleet.train.loop import FitResult
+
+        self.env = DistEnv.detect()
+        self._build_process_group(cfg)
+        self.cfg = resolve(cfg, Machine.detect(), self.env.world_size)
+        self._build_device()
+        self._build_model(model, loss_fn)
+        self._build_run_dir()
+        self._build_data(train_data, eval_data)
+        self.step, self.epoch, self.consumed = 0, 0, 0
+        self._saved_step = -1
+        self.result = FitResult(run_dir=str(self.run_dir))
+        self._samples_per_micro: int | None = None
+        self._tokens_per_micro: int | None = None
+        self._train_time, self._samples_seen, self._tokens_seen = 0.0, 0, 0
+        self.grad_norm = torch.zeros((), device=self.device)
+        if self.resume_from is not None:
+            self.load_checkpoint(self.resume_from)
+        self._batches = iter(self.train_loader)
+        self.callbacks = CallbackList(self._default_callbacks() + callbacks)
+
+    # -- builders --------------------------------------------------------------------
+    def _build_process_group(self, cfg: Config) -> None:
+        if not self.env.is_distributed or (dist.is_available() and dist.is_initialized()):
+            return
+        backend = cfg.dist.backend
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() and cfg.run.device != "cpu" \
+                else "gloo"
+        init_process_group(self.env, backend, cfg.dist.init_method, cfg.dist.timeout)
+
+    def _build_device(self) -> None:
+        cfg = self.cfg
+        if cfg.run.device == "cuda":
+            index = 0 if cfg.parallel.strategy == "dp" else self.env.local_rank
+            if index >= torch.cuda.device_count():
+                raise ConfigError(
+                    f"local rank {self.env.local_rank} has no GPU: only "
+                    f"{torch.cuda.device_count()} visible. Start at most that many ranks "
+                    "per node (--nproc), or check CUDA_VISIBLE_DEVICES."
+                )
+            self.device = torch.device("cuda", index)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        set_deterministic(cfg.run.deterministic)
+
+    def _build_model(self, model: nn.Module, loss_fn: Any) -> None:
+        cfg = self.cfg
+        self.strategy = build_strategy(cfg.parallel.strategy, cfg.parallel, self.device)
+        self.precision = build_precision(cfg.precision.mode, self.device.type, cfg.precision)
+        self.model = self.strategy.setup_model(model)
+        self.optimizer = self.strategy.setup_optimizer(
+            self.model, optimizer_spec(cfg.optim, self.device.type))
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.run.max_steps)
+        self.loss_fn = make_loss_fn(loss_fn)
+        # Every rank now draws different dropout masks; data order comes from the
+        # sampler's own generator and is independent of this.
+        seed_everything(cfg.run.seed + self.env.rank)
+
+    def _build_run_dir(self) -> None:
+        plan: Any = None
+        if self.env.is_main:
+            try:
+                plan = plan_run(self.cfg, self.env.restart_count)
+            except GpufleetError as e:
+                plan = e
+        # COLLECTIVE: every rank takes rank 0's run directory (and its error, if any).
+        plan = broadcast_object(plan)
+        if isinstance(plan, Exception):
+            raise plan
+        self.cfg, self.resume_from = plan
+        self.run_dir = Path(self.cfg.run.dir)
+        if self.env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            write_config(self.cfg, self.run_dir / "config.toml")
+
+    def _build_data(self, train_data: Dataset, eval_data: Dataset | None) -> None:
+        cfg, env = self.cfg, self.env
+        if isinstance(train_data, IterableDataset):
+            raise ConfigError("train_data is an IterableDataset; gpufleet needs a map-style "
+                              "Dataset (__len__ and __getitem__) to shard it across ranks "
+                              "and resume mid-epoch.")
+        workers = cfg.data.num_workers
+        if workers < 0:
+            workers = default_num_workers(self.device.type, env.local_world_size)
+        self.pin_memory = cfg.data.pin_memory and self.device.type == "cuda"
+        self.train_sampler = ResumableDistributedSampler(
+            len(train_data), rank=env.rank, world_size=env.world_size,
+            shuffle=cfg.data.shuffle, seed=cfg.run.seed)
+        if len(self.train_sampler) < cfg.data.batch_size:
+            raise ConfigError(
+                f"the training set gives each of {env.world_size} rank(s) "
+                f"{len(self.train_sampler)} samples, fewer than data.batch_size="
+                f"{cfg.data.batch_size}. Lower data.batch_size or use more data."
+            )
+        common = {"batch_size": cfg.data.batch_size, "num_workers": workers,
+                  "pin_memory": self.pin_memory, "worker_init_fn": seed_worker,
+                  "persistent_workers": workers > 0}
+        # drop_last: every step sees a full batch, so every rank runs the same number.
+        self.train_loader = DataLoader(train_data, sampler=self.train_sampler, drop_last=True,
+                                       **common)
+        self.eval_loader = None
+        if eval_data is not None and len(eval_data) > 0:
+            sampler = ResumableDistributedSampler(len(eval_data), rank=env.rank,
+                                                  world_size=env.world_size, eval_mode=True)
+            self.eval_loader = DataLoader(eval_data, sampler=sampler, **common)
+
+    def _default_callbacks(self) -> list[Callback]:
+        from gpufleet.monitor.jsonl import MetricsFile
+
+        return [MetricsFile(self.run_dir / "metrics.jsonl")] if self.env.is_main else []
+
+    # -- checkpoints -----------------------------------------------------------------
+    def save_checkpoint(self) -> Path | None:
+        """Save the full training state (rank 0 writes; every rank's RNG is included)."""
+        rngs = _gather_objects(rng_state())  # COLLECTIVE: every rank's RNG states
+        path = None
+        if self.env.is_main:
+            state = {
+                **self.strategy.state_dict(self.model, self.optimizer),
+                "scheduler": self.scheduler.state_dict(),
+                "precision": self.precision.state_dict(),
+                "step": self.step, "epoch": self.epoch,
+                "sampler": self.train_sampler.state_dict(consumed=self.consumed),
+                "rng": rngs, "world_size": self.env.world_size,
+                "config": _config_dict(self.cfg),
+            }
+            path = ckpt.save_checkpoint(self.run_dir, self.step, state,
+                                        self.cfg.checkpoint.keep_last)
+            log.info("checkpoint saved: %s", path)
+            self.result.checkpoint = str(path)
+            self.callbacks.on_checkpoint(self, self.step, str(path))
+        self._saved_step = self.step
+        return path
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore model, optimizer, scheduler, scaler, step, data position and RNG."""
+        state = ckpt.load_checkpoint(path)
+        self.strategy.load_state_dict(self.model, self.optimizer, state)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.precision.load_state_dict(state["precision"])
+        self.step, self.epoch = state["step"], state["epoch"]
+        self._saved_step = self.step
+        saved_world = state.get("world_size", 1)
+        if saved_world == self.env.world_size:
+            self.train_sampler.load_state_dict(state["sampler"])
+            self.consumed = state["sampler"]["position"]
+            set_rng_state(state["rng"][self.env.rank])
+        else:
+            # A different rank count splits the data differently: restart the epoch.
+            self.train_sampler.set_epoch(self.epoch)
+            log.warning("checkpoint %s was written by %d rank(s), this run has %d: the data "
+                        "position restarts at the beginning of epoch %d", path, saved_world,
+                        self.env.world_size, self.epoch)
+        if self.env.is_main:
+            log.info("resumed from %s at step %d", path, self.step)
+
+
+def _gather_objects(obj: Any) -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _config_dict(cfg: Config) -> dict[str, Any]:
+    from gpufleet.config import config_to_dict
+
+    return config_to_dict(cfg)

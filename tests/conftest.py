@@ -1,0 +1,46 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))  # `import toyjob` in this process
+
+
+def _env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
+    env["PYTHONUNBUFFERED"] = "1"
+    env["OMP_NUM_THREADS"] = "1"  # several ranks share 2 cores
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+              "SLURM_PROCID", "SLURM_NTASKS", "TORCHELASTIC_RESTART_COUNT"):
+        env.pop(k, None)
+    env.update(extra or {})
+    return env
+
+
+@pytest.fixture
+def run_cli(tmp_path):
+    """Run `python -m gpufleet ARGS` (or another module) as a user would; returns the
+    CompletedProcess. Fails the test with the output when the exit code is not `expect`."""
+
+    def run(*args: str, module: str = "gpufleet", expect: int | None = 0, timeout=240,
+            env: dict | None = None) -> subprocess.CompletedProcess:
+        proc = subprocess.run([sys.executable, "-m", module, *args], cwd=tmp_path,
+                              env=_env(env), capture_output=True, text=True, timeout=timeout)
+        if expect is not None and proc.returncode != expect:
+            pytest.fail(f"exit {proc.returncode} (wanted {expect})\nSTDOUT:\n{proc.stdout}"
+                        f"\nSTDERR:\n{proc.stderr}")
+        return proc
+
+    return run
+
+
+def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The model weights in a run's newest checkpoint."""
+    ckpts = sorted((Path(run_dir) / "checkpoints").glob("step-*.pt"))
+    assert ckpts, f"no checkpoint in {run_dir}"
+    return torch.load(ckpts[-1], map_location="cpu", weights_only=False)["model"]

@@ -1,0 +1,91 @@
+"""Real multi-process runs on CPU (gloo, 2 ranks), started the way users start them:
+`gpufleet train --nproc 2` (torch's elastic agent), `--launcher spawn`, and `torchrun`."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from conftest import final_params
+
+TOY = ["--model", "toyjob:make_model", "--data", "toyjob:make_data",
+       "--model.loss", "torch.nn.functional:mse_loss", "--max-steps", "12",
+       "--log.every", "1", "--optim.warmup_steps", "2", "--run.out_dir", "runs"]
+
+
+def _train(run_cli, tmp_path, name, *args, module="gpufleet", prefix=(), out=None):
+    proc = run_cli(*prefix, "train", *TOY, "--run-dir", f"runs/{name}", *args, module=module)
+    if out is not None:
+        out.append(proc)
+    return tmp_path / "runs" / name
+
+
+def _assert_same_params(a, b, atol=1e-5):
+    pa, pb = final_params(a), final_params(b)
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        torch.testing.assert_close(pa[k], pb[k], rtol=1e-4, atol=atol)
+
+
+def _losses(run_dir):
+    return [(r["step"], r["loss"]) for r in map(json.loads, open(run_dir / "metrics.jsonl"))
+            if r["kind"] == "train"]
+
+
+def test_ddp_two_ranks_equals_single_on_the_global_batch(run_cli, tmp_path):
+    single = _train(run_cli, tmp_path, "single", "--batch-size", "32")
+    ddp = _train(run_cli, tmp_path, "ddp", "--nproc", "2", "--strategy", "ddp",
+                 "--batch-size", "16")
+    _assert_same_params(single, ddp)
+    config = (ddp / "config.toml").read_text()
+    assert 'strategy = "ddp"' in config and 'backend = "gloo"' in config
+
+
+def test_ddp_with_accumulation_equals_single(run_cli, tmp_path):
+    single = _train(run_cli, tmp_path, "single", "--batch-size", "32")
+    acc = _train(run_cli, tmp_path, "acc", "--nproc", "2", "--batch-size", "4",
+                 "--grad-accum", "4")
+    _assert_same_params(single, acc)
+
+
+def test_spawn_launcher_matches_elastic(run_cli, tmp_path):
+    elastic = _train(run_cli, tmp_path, "elastic", "--nproc", "2", "--batch-size", "16")
+    spawn = _train(run_cli, tmp_path, "spawn", "--nproc", "2", "--batch-size", "16",
+                   "--launcher", "spawn")
+    _assert_same_params(elastic, spawn, atol=0)
+
+
+def test_runs_unchanged_under_torchrun(run_cli, tmp_path):
+    single = _train(run_cli, tmp_path, "single", "--batch-size", "32")
+    under_torchrun = _train(run_cli, tmp_path, "torchrun", "--batch-size", "16",
+                            module="torch.distributed.run",
+                            prefix=("--standalone", "--nproc-per-node", "2", "-m", "gpufleet"))
+    _assert_same_params(single, under_torchrun)
+
+
+def test_killed_rank_is_restarted_and_the_run_finishes_as_if_nothing_happened(
+        run_cli, tmp_path):
+    clean = _train(run_cli, tmp_path, "clean", "--nproc", "2", "--batch-size", "16",
+                   "--checkpoint.every", "2")
+    # Rank 1 SIGKILLs itself after 100 samples (in step 7 of 12) on the first attempt;
+    # the agent restarts both ranks, which resume from the step-6 checkpoint.
+    procs: list = []
+    killed = _train(run_cli, tmp_path, "killed", "--nproc", "2", "--batch-size", "16",
+                    "--checkpoint.every", "2", "--data", "toyjob:make_data_killing_rank",
+                    "--max-restarts", "1", out=procs)
+    assert "resumed from" in procs[0].stderr and "at step 6" in procs[0].stderr
+    assert [s for s, _ in _losses(killed)] == list(range(1, 13))
+    _assert_same_params(clean, killed, atol=0)
+    assert _losses(killed) == _losses(clean)
+
+
+def test_resume_latest_continues_steps_and_loss_curve(run_cli, tmp_path):
+    args = ["--optim.decay", "constant", "--batch-size", "16", "--name", "cont"]
+    straight = _train(run_cli, tmp_path, "straight", *args)
+    run_cli("train", *TOY, *args, "--max-steps", "5")
+    run_cli("train", *TOY, *args, "--resume", "latest")
+    (resumed,) = (tmp_path / "runs").glob("cont-*")
+    assert [s for s, _ in _losses(resumed)] == list(range(1, 13))
+    assert _losses(resumed) == _losses(straight)
+    _assert_same_params(straight, resumed, atol=0)

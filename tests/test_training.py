@@ -1,0 +1,153 @@
+"""The loop in one process: accumulation, precision, clipping, schedule, resume."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import gpufleet
+import toyjob
+from gpufleet.train.callbacks import Callback
+
+
+def _fit(tmp_path, overrides: dict, model=None, data=None, callbacks=(), eval_data=None):
+    torch.manual_seed(0)
+    model = model if model is not None else toyjob.make_model()
+    base = {"run.out_dir": str(tmp_path), "run.max_steps": 8, "log.progress": "off",
+            "log.every": 1, "data.batch_size": 32, "optim.warmup_steps": 2}
+    return model, gpufleet.fit(model, data or toyjob.make_data(), eval_data,
+                               loss_fn=F.mse_loss, overrides={**base, **overrides},
+                               callbacks=callbacks)
+
+
+def _params(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_loss_falls_and_run_dir_is_written(tmp_path):
+    _, result = _fit(tmp_path, {"run.max_steps": 40, "optim.lr": 0.01})
+    assert result.steps == 40
+    assert result.losses[-1][1] < 0.5 * result.losses[0][1]
+    lines = [json.loads(x) for x in open(f"{result.run_dir}/metrics.jsonl")]
+    assert [x["step"] for x in lines if x["kind"] == "train"] == list(range(1, 41))
+    assert (tmp_path / result.run_dir.split("/")[-1] / "config.toml").exists()
+    state = torch.load(result.checkpoint, weights_only=False)
+    assert state["step"] == 40
+    assert not any(k.startswith("module.") for k in state["model"])
+
+
+def test_accumulation_equals_one_big_batch(tmp_path):
+    big, _ = _fit(tmp_path / "a", {"data.batch_size": 32, "optim.grad_accum": 1})
+    acc, _ = _fit(tmp_path / "b", {"data.batch_size": 8, "optim.grad_accum": 4})
+    for k, v in _params(big).items():
+        torch.testing.assert_close(_params(acc)[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_accumulation_counts_samples(tmp_path):
+    _, result = _fit(tmp_path, {"data.batch_size": 8, "optim.grad_accum": 4,
+                                "log.every": 4, "run.max_steps": 4})
+    assert result.samples_per_s > 0
+    assert result.steps == 4
+
+
+@pytest.mark.parametrize("mode", ["bf16-mixed", "fp16-mixed"])
+def test_mixed_precision_runs_on_cpu(tmp_path, mode):
+    _, result = _fit(tmp_path, {"precision.mode": mode, "run.max_steps": 30, "optim.lr": 0.01})
+    losses = [loss for _, loss in result.losses]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("value, norm", [(1e-3, 0.0), (0.0, 1e-3), (1e-3, 5e-3)])
+def test_clip_by_value_then_by_norm(tmp_path, value, norm):
+    # One plain SGD step with lr 1: the update is exactly minus the clipped gradient.
+    plain = {"optim.name": "sgd", "optim.momentum": 0.0, "optim.weight_decay": 0.0,
+             "optim.lr": 1.0, "optim.warmup_steps": 0, "run.max_steps": 1}
+    torch.manual_seed(0)
+    start = torch.cat([p.detach().flatten() for p in toyjob.make_model().parameters()])
+    model, _ = _fit(tmp_path, {**plain, "optim.clip_value": value, "optim.clip_norm": norm})
+    step = torch.cat([p.detach().flatten() for p in model.parameters()]) - start
+    if value:
+        assert step.abs().max() <= value * (1 + 1e-5)
+    if norm:
+        assert step.norm().item() == pytest.approx(norm, rel=1e-4)  # the raw gradient is larger
+    else:
+        assert step.abs().max().item() == pytest.approx(value, rel=1e-4)
+
+
+def test_lr_warmup_then_cosine(tmp_path):
+    _, result = _fit(tmp_path, {"run.max_steps": 10, "optim.warmup_steps": 4,
+                                "optim.lr": 1.0, "optim.min_lr_ratio": 0.1})
+    lrs = [json.loads(x)["lr"] for x in open(f"{result.run_dir}/metrics.jsonl")
+           if '"train"' in x]
+    # scheduler.get_last_lr() after step s is the lr for step s+1 (0-based).
+    assert lrs[:3] == pytest.approx([0.5, 0.75, 1.0])
+    assert lrs[-2] == pytest.approx(0.1)
+    assert all(a >= b for a, b in itertools.pairwise(lrs[2:]))
+
+
+class _StopAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, trainer, step):
+        if step == self.step:
+            raise KeyboardInterrupt  # an interrupted run
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+    common = {"run.max_steps": 20, "checkpoint.every": 5, "data.batch_size": 48,
+              "run.name": "r"}  # 256/48: epochs end mid-way through checkpoints
+    straight, full = _fit(tmp_path / "a", common)
+    with pytest.raises(KeyboardInterrupt):
+        _fit(tmp_path / "b", common, callbacks=[_StopAt(12)])
+    resumed, rest = _fit(tmp_path / "b", {**common, "checkpoint.resume": "latest"})
+    assert [s for s, _ in rest.losses] == list(range(11, 21))  # from the step-10 checkpoint
+    assert rest.losses == full.losses[10:]
+    for k, v in _params(straight).items():
+        torch.testing.assert_close(_params(resumed)[k], v, rtol=0, atol=0)
+
+
+def test_resume_latest_without_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(gpufleet.CheckpointError, match="found no checkpoint"):
+        _fit(tmp_path, {"checkpoint.resume": "latest"})
+
+
+def test_corrupt_checkpoint_is_named(tmp_path):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(gpufleet.CheckpointError, match="cannot be read"):
+        _fit(tmp_path, {"checkpoint.resume": str(bad)})
+
+
+def test_evaluation_counts_every_sample_once(tmp_path):
+    train, held_out = toyjob.make_data(n=256, n_eval=50)
+    seen = []
+
+    class Grab(Callback):
+        def on_eval(self, trainer, step, metrics):
+            seen.append(metrics)
+
+    model, result = _fit(tmp_path, {"run.eval_every": 4, "run.eval_batches": 0},
+                         data=train, eval_data=held_out, callbacks=[Grab()])
+    assert [m["step"] for m in seen] == [4, 8]
+    assert all(m["eval_samples"] == 50 for m in seen)
+    x, y = held_out.tensors
+    with torch.no_grad():
+        expected = F.mse_loss(model(x), y).item()
+    assert result.eval_loss == pytest.approx(expected, rel=1e-5)
+
+
+def test_model_without_loss_gets_a_clear_error(tmp_path):
+    with pytest.raises(TypeError, match="pass a loss function"):
+        gpufleet.fit(toyjob.make_model(), toyjob.make_data(),
+                     overrides={"run.out_dir": str(tmp_path), "log.progress": "off"})
+
+
+def test_batch_larger_than_data_is_a_clear_error(tmp_path):
+    with pytest.raises(gpufleet.ConfigError, match=r"fewer than data\.batch_size"):
+        _fit(tmp_path, {"data.batch_size": 1000})

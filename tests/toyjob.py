@@ -1,0 +1,47 @@
+"""A small regression job for tests: importable by launched ranks (tests/ is put on
+PYTHONPATH by the tests that start processes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+
+def make_model(in_dim: int = 8, hidden: int = 16) -> nn.Module:
+    return nn.Sequential(nn.Linear(in_dim, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+
+
+def make_data(n: int = 256, in_dim: int = 8, n_eval: int = 0):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n + n_eval, in_dim, generator=g)
+    w = torch.randn(in_dim, 1, generator=g)
+    y = torch.tanh(x @ w) + 0.05 * torch.randn(n + n_eval, 1, generator=g)
+    train = TensorDataset(x[:n], y[:n])
+    return (train, TensorDataset(x[n:], y[n:])) if n_eval else train
+
+
+class _KillOnce(Dataset):
+    """Wraps a dataset; on the first attempt, rank ``rank`` SIGKILLs itself after
+    ``after`` items, like a node losing a process. Restarted ranks run normally."""
+
+    def __init__(self, inner: Dataset, rank: int, after: int) -> None:
+        self.inner, self.rank, self.after, self.seen = inner, rank, after, 0
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first_attempt and os.environ.get("RANK") == str(self.rank):
+            self.seen += 1
+            if self.seen > self.after:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return self.inner[i]
+
+
+def make_data_killing_rank(rank: int = 1, after: int = 100, n: int = 256):
+    return _KillOnce(make_data(n), rank, after)
