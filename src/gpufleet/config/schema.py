@@ -46,12 +46,12 @@ class RunConfig(Section):
     name: str = opt("gpt-stdlib", "Run name; the run directory is <out_dir>/<name>-<time>.")
     dir: str = opt("", "Run directory to use as is (default: a new one under out_dir).")
     out_dir: str = opt("runs", "Folder that holds the run directories.")
-    max_steps: int = opt(300, "Optimizer steps to train for.", min=1)
+    max_steps: int = opt(600, "Optimizer steps to train for.", min=1)
     seed: int = opt(1337, "Seed for python, numpy, torch (CPU and CUDA) and data workers.")
     deterministic: bool = opt(False, "Use only deterministic kernels (slower; bit-exact reruns).")
     device: str = opt("auto", "Where to train: auto (CUDA if present), cpu or cuda.",
                       choices=("auto", "cpu", "cuda"))
-    eval_every: int = opt(100, "Evaluate every N optimizer steps (0: only at the end).", min=0)
+    eval_every: int = opt(200, "Evaluate every N optimizer steps (0: only at the end).", min=0)
     eval_batches: int = opt(50, "Batches per rank in an evaluation (0: the whole set).", min=0)
 
 

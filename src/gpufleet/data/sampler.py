@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from collections.abc import Iterator
 from typing import Any
 
@@ -83,7 +84,9 @@ class ResumableDistributedSampler(Sampler[int]):
         self.drop_last = drop_last
         self.eval_mode = eval_mode
         self.epoch = 0  # the epoch the next iter() yields from
-        self.position = 0  # indices of that epoch this rank has already yielded
+        self._position = 0  # indices of that epoch this rank yielded before the live pass
+        self._live: Iterator[int] | None = None  # the pass being iterated, if any
+        self._live_len = 0
         self._pass_epoch = 0  # epoch of the pass most recently started (see state_dict)
 
     def __len__(self) -> int:
@@ -123,12 +126,33 @@ class ResumableDistributedSampler(Sampler[int]):
         self._pass_epoch = self.epoch
         return self._resume(self.epoch, self.position)
 
+    @property
+    def position(self) -> int:
+        """Indices of the current epoch this rank has yielded so far."""
+        if self._live is None:
+            return self._position
+        # A list iterator knows how many items it has left: no per-index bookkeeping,
+        # so the sampler costs what torch's RandomSampler costs per index.
+        return self._live_len - operator.length_hint(self._live)
+
+    @position.setter
+    def position(self, value: int) -> None:
+        self._live, self._position = None, value
+
     def _resume(self, epoch: int, start: int) -> Iterator[int]:
+        # Set up eagerly (a generator body would only run at the first next()), so
+        # `position` is right from the moment iter() returns.
         indices = self.rank_indices(epoch)
-        for pos in range(start, len(indices)):
-            self.position = pos + 1  # counted before the yield: this index has gone out
-            yield indices[pos]
-        self.epoch, self.position = epoch + 1, 0  # the pass ran to the end
+        live = iter(indices)
+        for _ in range(start):  # skip what an earlier run already consumed
+            next(live)
+        self._live, self._live_len = live, len(indices)
+        return self._drain(live, epoch)
+
+    def _drain(self, live: Iterator[int], epoch: int) -> Iterator[int]:
+        yield from live
+        if self._live is live:
+            self.epoch, self.position = epoch + 1, 0  # the pass ran to the end
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next ``iter()`` at the beginning of ``epoch``."""

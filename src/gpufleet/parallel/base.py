@@ -107,7 +107,7 @@ class Strategy:
         """
         with precision.autocast():
             loss = loss_fn(model, batch)
-        precision.backward(loss * loss_scale)
+        precision.backward(loss * loss_scale if loss_scale != 1.0 else loss)
         return loss.detach()
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:

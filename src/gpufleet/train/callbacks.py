@@ -41,16 +41,27 @@ class Callback:
 
 
 class CallbackList:
-    """Dispatches each hook to every callback in order."""
+    """Dispatches each hook to the callbacks that override it, looked up once."""
 
     def __init__(self, callbacks: list[Callback]) -> None:
         self.callbacks = list(callbacks)
+        for hook in _HOOKS:
+            base = getattr(Callback, hook)
+            listeners = [getattr(c, hook) for c in self.callbacks
+                         if getattr(type(c), hook, base) is not base]
+            setattr(self, hook, _dispatcher(listeners))
         base = Callback.on_phase
         self.phase_listeners = [c for c in self.callbacks
                                 if getattr(type(c), "on_phase", base) is not base]
 
-    def __getattr__(self, hook: str):
-        def call(*args: Any) -> None:
-            for c in self.callbacks:
-                getattr(c, hook)(*args)
-        return call
+
+_HOOKS = ("on_fit_start", "on_phase", "on_step_end", "on_log", "on_eval", "on_checkpoint",
+          "on_fit_end")
+
+
+def _dispatcher(listeners: list[Any]) -> Any:
+    def call(*args: Any) -> None:
+        for fn in listeners:
+            fn(*args)
+
+    return call

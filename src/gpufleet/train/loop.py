@@ -154,10 +154,13 @@ class Trainer(TrainerSetup):
             self.consumed = 0
             self._batches = iter(self.train_loader)
             batch = next(self._batches)
-        self.consumed += batch_size_of(batch)
+        # drop_last=True: every training batch holds exactly data.batch_size samples.
+        self.consumed += self.cfg.data.batch_size
         if self._samples_per_micro is None:
             self._samples_per_micro = batch_size_of(batch)
             self._tokens_per_micro = tokens_of(batch)
+        if self.device.type == "cpu":
+            return batch  # the loader already made CPU tensors
         return to_device(batch, self.device, non_blocking=self.pin_memory)
 
     def _log_interval(self, loss_sum: torch.Tensor, micro_steps: int, seconds: float) -> None:
