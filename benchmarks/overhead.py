@@ -107,17 +107,28 @@ def median_step(stamps: list[float]) -> float:
     return statistics.median(b - a for a, b in itertools.pairwise(timed))
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--widths", default="256,1024", help="hidden widths to try")
+    parser.add_argument("--widths", default="64,256,1024", help="hidden widths to try")
     args = parser.parse_args()
     import logging
 
     logging.getLogger("gpufleet").setLevel("WARNING")
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+    print(f"machine: {cpu_name()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"python {platform.python_version()}")
     print(f"{args.pairs} interleaved pairs x {args.steps} steps, batch {args.batch}, "

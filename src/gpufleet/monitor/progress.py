@@ -60,6 +60,7 @@ class Progress(Callback):
                 transient=False,
             )
             self._bar.start()
+            self._route_logging(to_bar=True)
             self._task = self._bar.add_task("train", total=self._total,
                                             completed=trainer.step, stats="")
 
@@ -94,5 +95,17 @@ class Progress(Callback):
 
     def on_fit_end(self, trainer: Any, result: Any) -> None:
         if self._bar is not None:
+            self._route_logging(to_bar=False)
             self._bar.stop()
             self._bar = None
+
+    def _route_logging(self, to_bar: bool) -> None:
+        """While the bar is live, rich swaps sys.stderr for a proxy that prints above the
+        bar; log handlers opened earlier still hold the real stderr, so point them at the
+        proxy (and back), or their lines would run into the bar."""
+        if to_bar:
+            self._moved = [h for h in logging.getLogger().handlers
+                           if isinstance(h, logging.StreamHandler)
+                           and h.stream is sys.__stderr__]
+        for handler in getattr(self, "_moved", []):
+            handler.setStream(sys.stderr if to_bar else sys.__stderr__)
