@@ -42,6 +42,12 @@ def test_console_script_and_version(run_cli):
     (["--launcher", "none", "--nproc", "2"], ["runs one process", "--launcher elastic"]),
     (["--optim.lr"], ["--optim.lr has no value"]),
     (["--dist.init_method=udp://x"], ["dist.init_method", "env://"]),
+    (["--nproc", "2", "--strategy", "single"], ["independent copies", "ddp"]),
+    (["--strategy", "ddp"], ["needs a process group", "--nproc N"]),
+    (["--model", "toyjob:make_model", "--model.kwargs={widht = 3}"],
+     ["model.kwargs", "widht", "make_model(in_dim"]),
+    (["--data.eval_fraction=1.0"], ["data.eval_fraction", "nothing to train on"]),
+    (["--nnodes", "2", "--master-port", "29500"], ["multi-node", "--rdzv-id"]),
 ])
 def test_user_errors_exit_2_with_the_fix(run_cli, args, words):
     proc = run_cli("train", *args, expect=2)

@@ -14,9 +14,10 @@ import toyjob
 from gpufleet.train.callbacks import Callback
 
 
-def _fit(tmp_path, overrides: dict, model=None, data=None, callbacks=(), eval_data=None):
-    torch.manual_seed(0)
-    model = model if model is not None else toyjob.make_model()
+def _fit(tmp_path, overrides: dict, model_kwargs=None, data=None, callbacks=(),
+         eval_data=None):
+    torch.manual_seed(0)  # every run starts from the same weights
+    model = toyjob.make_model(**(model_kwargs or {}))
     base = {"run.out_dir": str(tmp_path), "run.max_steps": 8, "log.progress": "off",
             "log.every": 1, "data.batch_size": 32, "optim.warmup_steps": 2}
     return model, gpufleet.fit(model, data or toyjob.make_data(), eval_data,
@@ -102,14 +103,57 @@ class _StopAt(Callback):
 def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     common = {"run.max_steps": 20, "checkpoint.every": 5, "data.batch_size": 48,
               "run.name": "r"}  # 256/48: epochs end mid-way through checkpoints
-    straight, full = _fit(tmp_path / "a", common)
+    # Dropout makes every step depend on the restored RNG state.
+    straight, full = _fit(tmp_path / "a", common, model_kwargs={"dropout": 0.3})
     with pytest.raises(KeyboardInterrupt):
-        _fit(tmp_path / "b", common, callbacks=[_StopAt(12)])
-    resumed, rest = _fit(tmp_path / "b", {**common, "checkpoint.resume": "latest"})
+        _fit(tmp_path / "b", common, model_kwargs={"dropout": 0.3},
+             callbacks=[_StopAt(12)])
+    resumed, rest = _fit(tmp_path / "b", {**common, "checkpoint.resume": "latest"},
+                         model_kwargs={"dropout": 0.3})
     assert [s for s, _ in rest.losses] == list(range(11, 21))  # from the step-10 checkpoint
     assert rest.losses == full.losses[10:]
     for k, v in _params(straight).items():
         torch.testing.assert_close(_params(resumed)[k], v, rtol=0, atol=0)
+
+
+def test_a_run_directory_with_checkpoints_is_never_trained_over(tmp_path):
+    _, first = _fit(tmp_path, {"run.dir": str(tmp_path / "run")})
+    with pytest.raises(gpufleet.ConfigError, match=r"already holds checkpoints.*--resume latest"):
+        _fit(tmp_path, {"run.dir": str(tmp_path / "run")})
+    assert torch.load(first.checkpoint, weights_only=False)["step"] == 8  # untouched
+
+
+def test_resume_latest_only_picks_runs_of_that_name(tmp_path):
+    _fit(tmp_path, {"run.name": "toy-long", "run.max_steps": 3})
+    with pytest.raises(gpufleet.CheckpointError, match="found no checkpoint"):
+        _fit(tmp_path, {"run.name": "toy", "checkpoint.resume": "latest"})
+    _, own = _fit(tmp_path, {"run.name": "toy", "run.max_steps": 2})
+    _, resumed = _fit(tmp_path, {"run.name": "toy", "run.max_steps": 4,
+                                 "checkpoint.resume": "latest"})
+    assert resumed.run_dir == own.run_dir
+    assert [s for s, _ in resumed.losses] == [3, 4]
+
+
+def test_resume_from_a_file_kept_elsewhere_starts_a_new_run_dir(tmp_path):
+    _, first = _fit(tmp_path, {"run.max_steps": 2})
+    kept = tmp_path / "saved" / "good.pt"
+    kept.parent.mkdir()
+    kept.write_bytes(open(first.checkpoint, "rb").read())
+    _, resumed = _fit(tmp_path, {"run.max_steps": 4, "checkpoint.resume": str(kept)})
+    assert resumed.run_dir.startswith(str(tmp_path)) and resumed.run_dir != first.run_dir
+    assert not (tmp_path / "saved" / "checkpoints").exists()
+
+
+def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
+    _, first = _fit(tmp_path, {"run.max_steps": 2})
+    with pytest.raises(gpufleet.CheckpointError, match="does not fit this run"):
+        _fit(tmp_path, {"checkpoint.resume": first.checkpoint},
+             model_kwargs={"hidden": 32})
+
+
+def test_ddp_in_a_lone_process_is_a_clear_error(tmp_path):
+    with pytest.raises(gpufleet.ConfigError, match="needs a process group"):
+        _fit(tmp_path, {"parallel.strategy": "ddp"})
 
 
 def test_resume_latest_without_checkpoint_is_a_clear_error(tmp_path):

@@ -11,8 +11,9 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 
-def make_model(in_dim: int = 8, hidden: int = 16) -> nn.Module:
-    return nn.Sequential(nn.Linear(in_dim, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+def make_model(in_dim: int = 8, hidden: int = 16, dropout: float = 0.0) -> nn.Module:
+    return nn.Sequential(nn.Linear(in_dim, hidden), nn.Tanh(), nn.Dropout(dropout),
+                         nn.Linear(hidden, 1))
 
 
 def make_data(n: int = 256, in_dim: int = 8, n_eval: int = 0):

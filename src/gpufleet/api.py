@@ -42,8 +42,11 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
         callbacks: extra :class:`~gpufleet.train.callbacks.Callback` objects.
     """
     cfg = _config(config, overrides)
+    from gpufleet.launch import DistEnv
     from gpufleet.monitor.progress import Progress
 
+    if not logging.getLogger().handlers:  # leave a logging setup of the user's alone
+        setup_logging(cfg.log.level, DistEnv.detect())
     trainer = Trainer(cfg, model, train_data, eval_data, loss_fn=loss_fn,
                       callbacks=[Progress(cfg.log.progress), *callbacks])
     return trainer.fit()
@@ -52,8 +55,12 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
 def train(cfg: Config, callbacks: Sequence[Callback] = ()) -> FitResult:
     """Run the job a config describes (model and data named in it); what the CLI runs."""
     from gpufleet.job import build_job
+    from gpufleet.launch import DistEnv
     from gpufleet.monitor.progress import Progress
+    from gpufleet.train.setup import join_process_group
 
+    # Join first, so the job can build its data with rank_zero_first.
+    join_process_group(cfg, DistEnv.detect())
     # The same seed on every rank, so every rank builds the same initial weights.
     seed_everything(cfg.run.seed)
     job = build_job(cfg)

@@ -137,6 +137,7 @@ def _cmd_train(args: argparse.Namespace, rest: Sequence[str]) -> int:
 def run_training(cfg: Config) -> Any:
     """Train here, or start the ranks and train there; returns rank 0's FitResult."""
     from gpufleet.api import run_worker
+    from gpufleet.config import Machine, resolve
     from gpufleet.launch import DistEnv, launch
     from gpufleet.train.rundir import plan_run
 
@@ -145,23 +146,32 @@ def run_training(cfg: Config) -> Any:
         return run_worker(config_to_dict(cfg))
     dist = cfg.dist
     nproc = dist.nproc or _visible_gpus(cfg)
-    multi_node = dist.nnodes != "1"
+    max_nodes = int(dist.nnodes.split(":")[-1])
+    multi_node = max_nodes > 1
     launcher = dist.launcher
     if launcher == "auto":
         needs_agent = nproc > 1 or multi_node or dist.max_restarts > 0
         launcher = "elastic" if needs_agent else "none"
+    if launcher == "none" and (nproc > 1 or multi_node):
+        raise ConfigError(f"dist.launcher = 'none' runs one process, but {nproc} rank(s) "
+                          f"on {dist.nnodes} node(s) were asked for. Use "
+                          "--launcher elastic (or spawn), or --nproc 1.")
+    # Check the whole config here, once, before any rank starts: a mistake then reads as
+    # one message instead of a traceback per rank (and per restart).
+    resolve(cfg, Machine.detect(), world_size=nproc * max_nodes, local_world_size=nproc)
+    cfg = dataclasses.replace(cfg, dist=dataclasses.replace(dist, nproc=nproc,
+                                                            launcher=launcher))
     if launcher == "none":
-        if nproc > 1 or multi_node:
-            raise ConfigError(f"dist.launcher = 'none' runs one process, but {nproc} rank(s) "
-                              f"on {dist.nnodes} node(s) were asked for. Use "
-                              "--launcher elastic (or spawn), or --nproc 1.")
         return run_worker(config_to_dict(cfg))
     if multi_node:
-        # Every node must agree on the run directory without talking: name it after the
-        # rendezvous id (put out_dir on a shared file system).
+        # Every node must agree on the run directory without talking to each other.
         if not cfg.run.dir:
-            tag = dist.rdzv_id or "multinode"
-            run_dir = f"{cfg.run.out_dir}/{cfg.run.name}-{tag}"
+            if not dist.rdzv_id:
+                raise ConfigError(
+                    "a multi-node run needs a run directory that every node agrees on. "
+                    "Pass --rdzv-id NAME (the run writes to <out_dir>/<name>-NAME) or "
+                    "--run-dir PATH, on a file system all nodes share.")
+            run_dir = f"{cfg.run.out_dir}/{cfg.run.name}-{dist.rdzv_id}"
             cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir))
     else:
         cfg, _ = plan_run(cfg)  # one directory for every rank and every restart
@@ -180,8 +190,8 @@ def _visible_gpus(cfg: Config) -> int:
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if cfg.parallel.strategy == "dp":
-        return 1  # one process drives every GPU
+    if cfg.parallel.strategy in ("dp", "single"):
+        return 1  # dp: one process drives every GPU; single: one process, one GPU
     return max(1, count)
 
 

@@ -71,7 +71,7 @@ def _build_model(cfg: Config) -> nn.Module:
         return build_gpt(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd,
                          block_size=m.block_size, dropout=m.dropout)
     _check_import_string(m.name, "model.name", BUILTIN_MODELS)
-    model = import_object(m.name, "model.name")(**m.kwargs)
+    model = _call_factory(import_object(m.name, "model.name"), m.kwargs, "model")
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model.name = {m.name!r} returned {type(model).__name__}, not a "
                           "torch.nn.Module. Make the factory return the model.")
@@ -88,9 +88,15 @@ def _build_data(cfg: Config) -> tuple[Dataset, Dataset | None]:
         # Each node's first rank builds the cached token file; the others then reuse it.
         with rank_zero_first(local=True):
             path = build_stdlib_corpus(max_bytes=d.corpus_bytes)
-        return split_train_eval(path, cfg.model.block_size, d.eval_fraction)
+        try:
+            return split_train_eval(path, cfg.model.block_size, d.eval_fraction)
+        except ValueError as e:
+            raise ConfigError(f"the stdlib corpus does not fit model.block_size = "
+                              f"{cfg.model.block_size} and data.eval_fraction = "
+                              f"{d.eval_fraction}: {e}. Lower model.block_size or "
+                              "data.eval_fraction, or raise data.corpus_bytes.") from e
     _check_import_string(d.name, "data.name", BUILTIN_DATA)
-    out = import_object(d.name, "data.name")(**d.kwargs)
+    out = _call_factory(import_object(d.name, "data.name"), d.kwargs, "data")
     if isinstance(out, dict):
         return out["train"], out.get("eval")
     if isinstance(out, (tuple, list)) and len(out) == 2:
@@ -99,6 +105,29 @@ def _build_data(cfg: Config) -> tuple[Dataset, Dataset | None]:
         return out, None
     raise ConfigError(f"data.name = {d.name!r} returned {type(out).__name__}. Return a "
                       "Dataset, a (train, eval) pair, or {'train': ..., 'eval': ...}.")
+
+
+def _call_factory(factory: Any, kwargs: dict, section: str) -> Any:
+    import inspect
+
+    try:
+        inspect.signature(factory).bind(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{section}.kwargs = {kwargs!r} do not fit "
+                          f"{getattr(factory, '__name__', factory)}{_signature(factory)}: {e}. "
+                          f"Fix the names in {section}.kwargs.") from None
+    except ValueError:  # no signature to check (a builtin): let the call decide
+        pass
+    return factory(**kwargs)
+
+
+def _signature(fn: Any) -> str:
+    import inspect
+
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(...)"
 
 
 def _check_import_string(name: str, key: str, builtins: tuple[str, ...]) -> None:

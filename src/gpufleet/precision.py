@@ -29,6 +29,8 @@ class Precision:
     """fp32: every hook is a plain pass-through."""
 
     name = "fp32"
+    #: dtype autocast computes in (None: no autocast)
+    autocast_dtype: torch.dtype | None = None
 
     def __init__(self, device_type: str) -> None:
         self.device_type = device_type
@@ -54,6 +56,7 @@ class Precision:
 
 class BF16Mixed(Precision):
     name = "bf16-mixed"
+    autocast_dtype = torch.bfloat16
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device_type, dtype=torch.bfloat16)
@@ -61,6 +64,7 @@ class BF16Mixed(Precision):
 
 class FP16Mixed(Precision):
     name = "fp16-mixed"
+    autocast_dtype = torch.float16
 
     def __init__(self, device_type: str, init_scale: float = 65536.0,
                  growth_interval: int = 2000) -> None:
@@ -78,8 +82,9 @@ class FP16Mixed(Precision):
         self.scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        # HOST SYNC: GradScaler.step reads the found-inf flag to decide whether to skip
-        # the step. This is the one per-step sync fp16 cannot avoid; bf16 has none.
+        # HOST SYNC unless the optimizer is fused: GradScaler.step reads the found-inf
+        # flag to decide whether to skip the step (a fused AdamW takes the flag on the
+        # device instead). bf16 needs no scaler and has no such sync.
         self.scaler.step(optimizer)
         self.scaler.update()
 

@@ -48,11 +48,17 @@ class Machine:
         import torch
 
         cuda = torch.cuda.is_available()
-        return cls(cuda=cuda, gpus=torch.cuda.device_count() if cuda else 0,
-                   bf16=cuda and torch.cuda.is_bf16_supported())
+        bf16 = False
+        if cuda:
+            try:  # native bf16 only: V100/T4 merely emulate it, slowly
+                bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+            except TypeError:  # torch without the keyword
+                bf16 = torch.cuda.is_bf16_supported()
+        return cls(cuda=cuda, gpus=torch.cuda.device_count() if cuda else 0, bf16=bf16)
 
 
-def resolve(cfg: Config, machine: Machine, world_size: int) -> Config:
+def resolve(cfg: Config, machine: Machine, world_size: int,
+            local_world_size: int = 1) -> Config:
     """Replace every ``auto`` by its value on this machine and check the combinations.
 
     The result is what a run writes to its directory, so a rerun from that file does
@@ -90,9 +96,15 @@ def resolve(cfg: Config, machine: Machine, world_size: int) -> Config:
     if backend == "nccl" and device != "cuda":
         raise ConfigError("dist.backend = 'nccl' needs CUDA GPUs. Use dist.backend=gloo "
                           "(or auto) on CPU.")
+    workers = cfg.data.num_workers
+    if workers < 0:
+        from gpufleet.data.loader import default_num_workers
+
+        workers = default_num_workers(device, local_world_size)
     return dataclasses.replace(
         cfg,
         run=dataclasses.replace(run, device=device),
+        data=dataclasses.replace(cfg.data, num_workers=workers),
         precision=dataclasses.replace(prec, mode=mode),
         parallel=dataclasses.replace(par, strategy=strategy),
         dist=dataclasses.replace(dist, backend=backend),

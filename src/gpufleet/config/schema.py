@@ -88,6 +88,12 @@ class DataConfig(Section):
     eval_fraction: float = opt(0.05, "stdlib corpus: share held out for evaluation.", min=0.0)
     corpus_bytes: int = opt(4_000_000, "stdlib corpus: size cap in bytes.", min=1024)
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.eval_fraction >= 1.0:
+            raise ConfigError(f"data.eval_fraction = {self.eval_fraction} leaves nothing to "
+                              "train on. Use a share below 1, e.g. 0.05 (0: no evaluation).")
+
 
 @dataclass
 class OptimConfig(Section):

@@ -60,7 +60,8 @@ def init_process_group(env: DistEnv, backend: str, init_method: str = "env://",
         if not torch.cuda.is_available():
             raise LaunchError(f"dist.backend = {backend!r} needs CUDA GPUs, but this machine has "
                               "none. Use --dist.backend gloo (or auto) on CPU.")
-        torch.cuda.set_device(env.local_rank)
+        # One visible GPU (e.g. SLURM --gpus-per-task=1) is device 0 whatever the rank.
+        torch.cuda.set_device(0 if torch.cuda.device_count() == 1 else env.local_rank)
     export_for_torch(env)
     where = (f"{env.master_addr}:{env.master_port}" if init_method.startswith("env://")
              else init_method)

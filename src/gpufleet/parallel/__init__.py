@@ -31,11 +31,11 @@ def strategy_names() -> list[str]:
     return list(_REGISTRY)
 
 
-def build_strategy(name: str, cfg, device: torch.device) -> Strategy:
+def build_strategy(name: str, cfg, device: torch.device, precision=None) -> Strategy:
     """Make the strategy called ``name`` for ``device``."""
     if name not in _REGISTRY:
         raise ConfigError(unknown_choice("parallel.strategy", name, _REGISTRY))
-    return _REGISTRY[name](cfg, device)
+    return _REGISTRY[name](cfg, device, precision)
 
 
 def _register_builtins() -> None:

@@ -68,6 +68,8 @@ class Strategy:
     Args:
         cfg: the ``[parallel]`` config section.
         device: this rank's device.
+        precision: the run's precision object (FSDP's mixed-precision policy and
+            DataParallel's per-replica autocast need it).
     """
 
     name: ClassVar[str] = "base"
@@ -75,9 +77,11 @@ class Strategy:
     #: rank 0 writes the whole state.
     saves_on_every_rank: ClassVar[bool] = False
 
-    def __init__(self, cfg: ParallelConfig, device: torch.device) -> None:
+    def __init__(self, cfg: ParallelConfig, device: torch.device,
+                 precision: Any = None) -> None:
         self.cfg = cfg
         self.device = device
+        self.precision = precision
 
     # -- building ------------------------------------------------------------------
     def setup_model(self, model: nn.Module) -> nn.Module:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from gpufleet.config.loader import tomllib
 from gpufleet.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -36,12 +37,16 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    return checkpoint_dir(run_dir) / f"step-{step:07d}.pt"
+
+
 def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any],
                     keep_last: int) -> Path:
     """Write ``state`` for ``step`` atomically and prune all but the newest ``keep_last``."""
     folder = checkpoint_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"step-{step:07d}.pt"
+    path = checkpoint_path(run_dir, step)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -83,17 +88,19 @@ def find_resume_checkpoint(resume: str, out_dir: str | Path, run_name: str,
                            run_dir: str = "") -> Path:
     """Turn ``checkpoint.resume`` into a checkpoint file.
 
-    ``latest`` means the newest checkpoint of ``run_dir`` when it is set, else of the
-    newest run directory ``<out_dir>/<run_name>-*`` that has one. A directory means the
-    newest checkpoint inside it (a run directory or its ``checkpoints`` folder).
+    ``latest`` means the newest checkpoint of ``run_dir`` when it is set, else the newest
+    checkpoint of any run named ``run_name`` under ``out_dir`` (the name recorded in each
+    run's ``config.toml``, so ``gpt`` never picks up a run named ``gpt-stdlib``). A
+    directory means the newest checkpoint inside it (a run directory or its
+    ``checkpoints`` folder).
     """
     if resume == "latest":
-        candidates = [Path(run_dir)] if run_dir else sorted(
-            Path(out_dir).glob(f"{glob_escape(run_name)}-*"), key=lambda p: p.name)
-        for candidate in reversed(candidates):
-            found = list_checkpoints(candidate)
-            if found:
-                return found[-1]
+        candidates = [Path(run_dir)] if run_dir else [
+            p for p in Path(out_dir).glob(f"{glob_escape(run_name)}-*")
+            if _recorded_name(p) == run_name]
+        found = [c[-1] for c in map(list_checkpoints, candidates) if c]
+        if found:
+            return max(found, key=lambda p: p.stat().st_mtime)
         where = run_dir or f"{out_dir}/{run_name}-*"
         raise CheckpointError(
             f"--resume latest found no checkpoint under {where!r}. Start without --resume, "
@@ -112,9 +119,17 @@ def find_resume_checkpoint(resume: str, out_dir: str | Path, run_name: str,
     return path
 
 
-def run_dir_of(checkpoint: Path) -> Path:
-    """The run directory a checkpoint file belongs to."""
-    return checkpoint.parent.parent
+def run_dir_of(checkpoint: Path) -> Path | None:
+    """The run directory a checkpoint file belongs to (None for a file kept elsewhere)."""
+    return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
+
+
+def _recorded_name(run_dir: Path) -> str | None:
+    try:
+        with open(run_dir / "config.toml", "rb") as f:
+            return tomllib.load(f).get("run", {}).get("name")
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
 
 
 def glob_escape(text: str) -> str:

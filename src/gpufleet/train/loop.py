@@ -152,7 +152,7 @@ class Trainer(TrainerSetup):
         if batch is None:  # end of epoch: the sampler has moved on to the next one
             self.epoch += 1
             self.consumed = 0
-            self._batches = iter(self.train_loader)
+            self._batches = self._epoch_iterator()
             batch = next(self._batches)
         # drop_last=True: every training batch holds exactly data.batch_size samples.
         self.consumed += self.cfg.data.batch_size

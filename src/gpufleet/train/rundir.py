@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from pathlib import Path
 
 from gpufleet.config import Config
+from gpufleet.errors import ConfigError
 from gpufleet.train.checkpoint import find_resume_checkpoint, list_checkpoints, run_dir_of
 
 
@@ -25,20 +27,37 @@ def plan_run(cfg: Config, restart_count: int = 0) -> tuple[Config, Path | None]:
 
     Called once by the launching process (so every rank and every elastic restart
     shares one directory) and again by rank 0, where it is then a no-op except that
-    after an elastic restart the newest checkpoint of the run is picked up.
+    after an elastic restart the newest checkpoint of the run is picked up. Under
+    torchrun (which restarts ranks itself) the directory is named after torchrun's run
+    id, so restarted ranks find it again.
 
     Returns:
         The config with ``run.dir`` and ``checkpoint.resume`` set to concrete paths, and
         the checkpoint file to load (None for a fresh start).
+
+    Raises:
+        ConfigError: ``run.dir`` already holds checkpoints of another run and this is
+            neither a resume nor a restart (training on would mix, then prune, the two).
     """
     run, ckpt = cfg.run, cfg.checkpoint
+    run_dir = run.dir
+    if not run_dir and os.environ.get("TORCHELASTIC_RUN_ID"):
+        run_dir = str(Path(run.out_dir) / f"{run.name}-{os.environ['TORCHELASTIC_RUN_ID']}")
     resume_from: Path | None = None
-    if restart_count > 0 and run.dir and list_checkpoints(run.dir):
-        resume_from = list_checkpoints(run.dir)[-1]  # the agent restarted us: carry on
+    if restart_count > 0 and run_dir and list_checkpoints(run_dir):
+        resume_from = list_checkpoints(run_dir)[-1]  # the agent restarted us: carry on
     elif ckpt.resume:
-        resume_from = find_resume_checkpoint(ckpt.resume, run.out_dir, run.name, run.dir)
-    run_dir = Path(run.dir) if run.dir else (
-        run_dir_of(resume_from) if resume_from else new_run_dir(run.out_dir, run.name))
+        resume_from = find_resume_checkpoint(ckpt.resume, run.out_dir, run.name, run_dir)
+    elif run_dir and list_checkpoints(run_dir):
+        raise ConfigError(
+            f"run.dir = {run_dir!r} already holds checkpoints of an earlier run "
+            f"(newest: {list_checkpoints(run_dir)[-1].name}). Continue it with --resume "
+            "latest, or start a new run with another --run-dir (or none, for a fresh "
+            "timestamped one)."
+        )
+    if not run_dir:
+        run_dir = str((resume_from and run_dir_of(resume_from))
+                      or new_run_dir(run.out_dir, run.name))
     cfg = dataclasses.replace(
         cfg,
         run=dataclasses.replace(run, dir=str(run_dir)),

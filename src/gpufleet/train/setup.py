@@ -16,9 +16,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from gpufleet.config import Config, Machine, resolve, write_config
-from gpufleet.data.loader import default_num_workers, seed_worker
+from gpufleet.data.loader import seed_worker
 from gpufleet.data.sampler import ResumableDistributedSampler
-from gpufleet.errors import ConfigError, GpufleetError
+from gpufleet.errors import CheckpointError, ConfigError, GpufleetError
 from gpufleet.launch import DistEnv, broadcast_object, init_process_group
 from gpufleet.parallel import build_strategy
 from gpufleet.precision import build_precision
@@ -40,8 +40,9 @@ class TrainerSetup:
         from gpufleet.train.loop import FitResult
 
         self.env = DistEnv.detect()
-        self._build_process_group(cfg)
-        self.cfg = resolve(cfg, Machine.detect(), self.env.world_size)
+        join_process_group(cfg, self.env)
+        self.cfg = resolve(cfg, Machine.detect(), self.env.world_size,
+                           local_world_size=self.env.local_world_size)
         self._build_device()
         self._build_model(model, loss_fn)
         self._build_run_dir()
@@ -55,39 +56,32 @@ class TrainerSetup:
         self.grad_norm = torch.zeros((), device=self.device)
         if self.resume_from is not None:
             self.load_checkpoint(self.resume_from)
-        self._batches = iter(self.train_loader)
+        self._batches = self._epoch_iterator()
         self.callbacks = CallbackList(self._default_callbacks() + callbacks)
 
     # -- builders --------------------------------------------------------------------
-    def _build_process_group(self, cfg: Config) -> None:
-        if not self.env.is_distributed or (dist.is_available() and dist.is_initialized()):
-            return
-        backend = cfg.dist.backend
-        if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() and cfg.run.device != "cpu" \
-                else "gloo"
-        init_process_group(self.env, backend, cfg.dist.init_method, cfg.dist.timeout)
-
     def _build_device(self) -> None:
         cfg = self.cfg
         if cfg.run.device == "cuda":
-            index = 0 if cfg.parallel.strategy == "dp" else self.env.local_rank
-            if index >= torch.cuda.device_count():
-                raise ConfigError(
-                    f"local rank {self.env.local_rank} has no GPU: only "
-                    f"{torch.cuda.device_count()} visible. Start at most that many ranks "
-                    "per node (--nproc), or check CUDA_VISIBLE_DEVICES."
-                )
+            index = 0 if cfg.parallel.strategy == "dp" else local_gpu_index(self.env)
             self.device = torch.device("cuda", index)
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
+        if cfg.parallel.strategy != "single" and cfg.parallel.strategy != "dp" \
+                and not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError(
+                f"parallel.strategy = {cfg.parallel.strategy!r} needs a process group, and "
+                "this process was started alone. Use --nproc N (or torchrun), or "
+                "parallel.strategy=single for one process."
+            )
         set_deterministic(cfg.run.deterministic)
 
     def _build_model(self, model: nn.Module, loss_fn: Any) -> None:
         cfg = self.cfg
-        self.strategy = build_strategy(cfg.parallel.strategy, cfg.parallel, self.device)
         self.precision = build_precision(cfg.precision.mode, self.device.type, cfg.precision)
+        self.strategy = build_strategy(cfg.parallel.strategy, cfg.parallel, self.device,
+                                       self.precision)
         self.model = self.strategy.setup_model(model)
         self.optimizer = self.strategy.setup_optimizer(
             self.model, optimizer_spec(cfg.optim, self.device.type))
@@ -102,17 +96,18 @@ class TrainerSetup:
         if self.env.is_main:
             try:
                 plan = plan_run(self.cfg, self.env.restart_count)
-            except GpufleetError as e:
+                run_dir = Path(plan[0].run.dir)
+                run_dir.mkdir(parents=True, exist_ok=True)
+                write_config(plan[0], run_dir / "config.toml")
+            except (GpufleetError, OSError) as e:
                 plan = e
-        # COLLECTIVE: every rank takes rank 0's run directory (and its error, if any).
+        # COLLECTIVE: every rank takes rank 0's run directory, or its error: a rank 0
+        # that failed here must not leave the others waiting in the next collective.
         plan = broadcast_object(plan)
         if isinstance(plan, Exception):
             raise plan
         self.cfg, self.resume_from = plan
         self.run_dir = Path(self.cfg.run.dir)
-        if self.env.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            write_config(self.cfg, self.run_dir / "config.toml")
 
     def _build_data(self, train_data: Dataset, eval_data: Dataset | None) -> None:
         cfg, env = self.cfg, self.env
@@ -120,9 +115,7 @@ class TrainerSetup:
             raise ConfigError("train_data is an IterableDataset; gpufleet needs a map-style "
                               "Dataset (__len__ and __getitem__) to shard it across ranks "
                               "and resume mid-epoch.")
-        workers = cfg.data.num_workers
-        if workers < 0:
-            workers = default_num_workers(self.device.type, env.local_world_size)
+        workers = cfg.data.num_workers  # resolved from the machine when it was -1
         self.pin_memory = cfg.data.pin_memory and self.device.type == "cuda"
         self.train_sampler = ResumableDistributedSampler(
             len(train_data), rank=env.rank, world_size=env.world_size,
@@ -134,6 +127,7 @@ class TrainerSetup:
                 f"{cfg.data.batch_size}. Lower data.batch_size or use more data."
             )
         common = {"batch_size": cfg.data.batch_size, "num_workers": workers,
+                  "generator": torch.Generator(),
                   "pin_memory": self.pin_memory, "worker_init_fn": seed_worker,
                   "persistent_workers": workers > 0}
         # drop_last: every step sees a full batch, so every rank runs the same number.
@@ -145,6 +139,16 @@ class TrainerSetup:
                                                   world_size=env.world_size, eval_mode=True)
             self.eval_loader = DataLoader(eval_data, sampler=sampler, **common)
 
+    def _epoch_iterator(self) -> Any:
+        """A fresh pass over the training loader for ``self.epoch``.
+
+        The loader draws its workers' base seed from its own generator, seeded from
+        (seed, rank, epoch), not from the global RNG: a resumed run then restores the
+        global RNG exactly and its workers get the seeds the uninterrupted run's got.
+        """
+        self.train_loader.generator.manual_seed(
+            self.cfg.run.seed * 1_000_003 + self.env.rank * 7919 + self.epoch)
+        return iter(self.train_loader)
     def _default_callbacks(self) -> list[Callback]:
         from gpufleet.monitor.jsonl import MetricsFile
 
@@ -154,7 +158,7 @@ class TrainerSetup:
     def save_checkpoint(self) -> Path | None:
         """Save the full training state (rank 0 writes; every rank's RNG is included)."""
         rngs = _gather_objects(rng_state())  # COLLECTIVE: every rank's RNG states
-        path = None
+        path = ckpt.checkpoint_path(self.run_dir, self.step)
         if self.env.is_main:
             state = {
                 **self.strategy.state_dict(self.model, self.optimizer),
@@ -165,25 +169,35 @@ class TrainerSetup:
                 "rng": rngs, "world_size": self.env.world_size,
                 "config": _config_dict(self.cfg),
             }
-            path = ckpt.save_checkpoint(self.run_dir, self.step, state,
-                                        self.cfg.checkpoint.keep_last)
+            ckpt.save_checkpoint(self.run_dir, self.step, state, self.cfg.checkpoint.keep_last)
             log.info("checkpoint saved: %s", path)
-            self.result.checkpoint = str(path)
             self.callbacks.on_checkpoint(self, self.step, str(path))
+        self.result.checkpoint = str(path)
         self._saved_step = self.step
         return path
 
     def load_checkpoint(self, path: Path) -> None:
         """Restore model, optimizer, scheduler, scaler, step, data position and RNG."""
         state = ckpt.load_checkpoint(path)
-        self.strategy.load_state_dict(self.model, self.optimizer, state)
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.precision.load_state_dict(state["precision"])
+        try:
+            self.strategy.load_state_dict(self.model, self.optimizer, state)
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.precision.load_state_dict(state["precision"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} does not fit this run: {e}. It was written by "
+                "a different model, optimizer or config; resume with the config saved in "
+                "its run directory (config.toml), or start a new run."
+            ) from e
         self.step, self.epoch = state["step"], state["epoch"]
         self._saved_step = self.step
         saved_world = state.get("world_size", 1)
         if saved_world == self.env.world_size:
-            self.train_sampler.load_state_dict(state["sampler"])
+            try:
+                self.train_sampler.load_state_dict(state["sampler"])
+            except ValueError as e:
+                raise CheckpointError(f"checkpoint {str(path)!r}: the training data does "
+                                      f"not match the run that wrote it ({e}).") from e
             self.consumed = state["sampler"]["position"]
             set_rng_state(state["rng"][self.env.rank])
         else:
@@ -194,6 +208,34 @@ class TrainerSetup:
                         self.env.world_size, self.epoch)
         if self.env.is_main:
             log.info("resumed from %s at step %d", path, self.step)
+
+
+def join_process_group(cfg: Config, env: DistEnv) -> None:
+    """Join the job's process group if this process is one of several ranks.
+
+    Done before anything else (also before the job builds its data), so that
+    ``rank_zero_first`` and every collective work from the start.
+    """
+    if not env.is_distributed or (dist.is_available() and dist.is_initialized()):
+        return
+    backend = cfg.dist.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() and cfg.run.device != "cpu" else "gloo"
+    init_process_group(env, backend, cfg.dist.init_method, cfg.dist.timeout)
+
+
+def local_gpu_index(env: DistEnv) -> int:
+    """This rank's GPU: its local rank, or 0 when the launcher gave it a single GPU
+    (SLURM's --gpus-per-task=1 shows each task one device, whatever its local rank)."""
+    count = torch.cuda.device_count()
+    if count == 1:
+        return 0
+    if env.local_rank >= count:
+        raise ConfigError(
+            f"local rank {env.local_rank} has no GPU: only {count} visible. Start at most "
+            "that many ranks per node (--nproc), or check CUDA_VISIBLE_DEVICES."
+        )
+    return env.local_rank
 
 
 def _gather_objects(obj: Any) -> list[Any]:
