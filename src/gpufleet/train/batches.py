@@ -65,6 +65,8 @@ def make_loss_fn(loss: Callable[[Any, Any], torch.Tensor] | None = None) -> Loss
 
     def compute(model: nn.Module, batch: Any) -> torch.Tensor:
         if loss is not None:
+            if type(batch) in (tuple, list) and len(batch) == 2:  # the common (x, y)
+                return _as_loss(loss(model(batch[0]), batch[1]), False)
             if not isinstance(batch, (tuple, list)) or len(batch) < 2:
                 raise TypeError(f"with a loss function the batch must be (inputs, target); "
                                 f"got {type(batch).__name__}. Return (x, y) from your dataset.")
@@ -98,6 +100,8 @@ def _call_with_batch(model: nn.Module, batch: Any) -> Any:
 
 
 def _as_loss(out: Any, data_parallel: bool) -> torch.Tensor:
+    if type(out) is torch.Tensor and out.ndim == 0:
+        return out  # the common case, decided without the checks below
     if isinstance(out, Mapping) and "loss" in out:
         out = out["loss"]
     elif not isinstance(out, torch.Tensor) and getattr(out, "loss", None) is not None:

@@ -8,7 +8,6 @@ is none per step, only one per log interval (unless fp16 loss scaling is on).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -86,6 +85,7 @@ class Trainer(TrainerSetup):
         cfg, model, opt = self.cfg, self.model, self.optimizer
         strategy, precision, cbs = self.strategy, self.precision, self.callbacks
         accum, max_steps = cfg.optim.grad_accum, cfg.run.max_steps
+        loss_scale = 1.0 / accum
         phases = cbs.phase_listeners
         cbs.on_fit_start(self)
         # Running sum of micro-batch losses, kept on the device: adding to it does not
@@ -104,12 +104,15 @@ class Trainer(TrainerSetup):
                     cb.on_phase(self, "compute")
                 # Gradients are all-reduced on the last micro-step only (DDP no_sync);
                 # the loss is scaled by 1/accum so the sum equals one big batch's mean.
-                sync = micro == accum - 1
-                with contextlib.nullcontext() if sync else strategy.no_sync(model):
-                    # COLLECTIVE (ddp, on the last micro-step): the gradient all-reduce
-                    # runs in buckets during backward.
+                if micro == accum - 1:
+                    # COLLECTIVE (ddp): the gradient all-reduce runs in buckets during
+                    # this backward.
                     loss = strategy.forward_backward(model, batch, self.loss_fn, precision,
-                                                     1.0 / accum)
+                                                     loss_scale)
+                else:
+                    with strategy.no_sync(model):
+                        loss = strategy.forward_backward(model, batch, self.loss_fn,
+                                                         precision, loss_scale)
                 loss_sum += loss
                 micro_steps += 1
             # ---- optimizer step ------------------------------------------------------
