@@ -89,3 +89,27 @@ def test_resume_latest_continues_steps_and_loss_curve(run_cli, tmp_path):
     assert [s for s, _ in _losses(resumed)] == list(range(1, 13))
     assert _losses(resumed) == _losses(straight)
     _assert_same_params(straight, resumed, atol=0)
+
+
+def test_resume_mid_epoch_reads_the_same_samples_on_every_rank(run_cli, tmp_path):
+    """A 2-rank run killed mid-epoch (no restarts), then resumed with --resume latest,
+    reads exactly the sample indices the uninterrupted run reads, rank by rank."""
+    common = [*TOY, "--nproc", "2", "--batch-size", "16", "--checkpoint.every", "3",
+              "--data.num_workers", "0", "--name", "rec"]
+    # 128 samples per rank = 8 steps per epoch: step 6 is mid-epoch, 12 is in epoch 2.
+    def data(out, **kill):
+        extra = "".join(f", {k} = {v}" for k, v in kill.items())
+        return ["--data", "toyjob:make_data_recording",
+                f"--data.kwargs={{out = '{tmp_path / out}'{extra}}}"]
+    run_cli("train", *common, *data("straight"), "--run-dir", "runs/straight")
+    # Rank 1 dies while reading its batch of step 7; the step-6 checkpoint survives.
+    failed = run_cli("train", *common, *data("first", kill_rank=1, kill_after=6 * 16),
+                     "--run-dir", "runs/cut", expect=1)
+    assert "rank 1" in failed.stderr.lower() or "rank: 1" in failed.stderr.lower()
+    run_cli("train", *common, *data("resumed"), "--run-dir", "runs/cut", "--resume", "latest")
+    for rank in (0, 1):
+        straight = (tmp_path / "straight" / f"rank{rank}.txt").read_text().split()
+        first = (tmp_path / "first" / f"rank{rank}.txt").read_text().split()
+        resumed = (tmp_path / "resumed" / f"rank{rank}.txt").read_text().split()
+        assert len(straight) == 12 * 16
+        assert first[:6 * 16] + resumed == straight  # steps 1-6, then 7-12 after resume

@@ -46,3 +46,30 @@ class _KillOnce(Dataset):
 
 def make_data_killing_rank(rank: int = 1, after: int = 100, n: int = 256):
     return _KillOnce(make_data(n), rank, after)
+
+
+class _Recording(Dataset):
+    """Appends every index it is asked for to ``<out>/rank<R>.txt`` (num_workers=0 reads
+    exactly what training consumes); rank ``kill_rank`` SIGKILLs itself after
+    ``kill_after`` items."""
+
+    def __init__(self, inner: Dataset, out: str, kill_rank: int, kill_after: int) -> None:
+        self.inner, self.out, self.kill_rank, self.kill_after = inner, out, kill_rank, kill_after
+        self.seen = 0
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):
+        rank = int(os.environ.get("RANK", "0"))
+        self.seen += 1
+        if rank == self.kill_rank and self.seen > self.kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        os.makedirs(self.out, exist_ok=True)
+        with open(os.path.join(self.out, f"rank{rank}.txt"), "a") as f:
+            f.write(f"{i}\n")
+        return self.inner[i]
+
+
+def make_data_recording(out: str, kill_rank: int = -1, kill_after: int = 0, n: int = 256):
+    return _Recording(make_data(n), out, kill_rank, kill_after)
