@@ -84,6 +84,8 @@ class DataConfig(Section):
     num_workers: int = opt(-1, "DataLoader workers per rank (-1: picked from the machine).",
                            min=-1)
     pin_memory: bool = opt(True, "Pin host memory for faster copies (only used with CUDA).")
+    prefetch_factor: int = opt(2, "Batches each worker loads ahead (with num_workers > 0).",
+                               min=1)
     shuffle: bool = opt(True, "Shuffle the training set every epoch.")
     eval_fraction: float = opt(0.05, "stdlib corpus: share held out for evaluation.", min=0.0)
     corpus_bytes: int = opt(4_000_000, "stdlib corpus: size cap in bytes.", min=1024)

@@ -126,10 +126,15 @@ class TrainerSetup:
                 f"{len(self.train_sampler)} samples, fewer than data.batch_size="
                 f"{cfg.data.batch_size}. Lower data.batch_size or use more data."
             )
-        common = {"batch_size": cfg.data.batch_size, "num_workers": workers,
-                  "generator": torch.Generator(),
-                  "pin_memory": self.pin_memory, "worker_init_fn": seed_worker,
-                  "persistent_workers": workers > 0}
+        common: dict[str, Any] = {
+            "batch_size": cfg.data.batch_size, "num_workers": workers,
+            "generator": torch.Generator(), "pin_memory": self.pin_memory,
+            "worker_init_fn": seed_worker,
+            # Workers live for the whole run instead of being forked again every epoch.
+            "persistent_workers": workers > 0,
+        }
+        if workers > 0:
+            common["prefetch_factor"] = cfg.data.prefetch_factor
         # drop_last: every step sees a full batch, so every rank runs the same number.
         self.train_loader = DataLoader(train_data, sampler=self.train_sampler, drop_last=True,
                                        **common)
