@@ -195,3 +195,31 @@ def test_model_without_loss_gets_a_clear_error(tmp_path):
 def test_batch_larger_than_data_is_a_clear_error(tmp_path):
     with pytest.raises(gpufleet.ConfigError, match=r"fewer than data\.batch_size"):
         _fit(tmp_path, {"data.batch_size": 1000})
+
+
+def _fit_tokens(tmp_path, overrides, callbacks=()):
+    torch.manual_seed(0)
+    base = {"run.out_dir": str(tmp_path), "log.progress": "off", "log.every": 1,
+            "data.batching": "tokens", "data.token_budget": 512, "optim.warmup_steps": 2,
+            "run.max_steps": 12, "optim.lr": 0.05, "data.batch_size": 8}
+    return gpufleet.fit(toyjob.BagModel(), toyjob.VarLenData(), toyjob.VarLenData(n=40, seed=1),
+                        loss_fn=F.cross_entropy, overrides={**base, **overrides},
+                        callbacks=callbacks)
+
+
+def test_token_budget_batching_trains_and_resumes_exactly(tmp_path):
+    full = _fit_tokens(tmp_path / "a", {"checkpoint.every": 4, "run.name": "t"})
+    rows = [json.loads(x) for x in open(f"{full.run_dir}/metrics.jsonl") if '"train"' in x]
+    assert all(r["tokens_per_s"] > 0 and r["samples_per_s"] > 0 for r in rows)
+    assert full.eval_losses[-1][1] > 0
+    with pytest.raises(KeyboardInterrupt):
+        _fit_tokens(tmp_path / "b", {"checkpoint.every": 4, "run.name": "t"},
+                    callbacks=[_StopAt(10)])
+    rest = _fit_tokens(tmp_path / "b", {"checkpoint.every": 4, "run.name": "t",
+                                        "checkpoint.resume": "latest"})
+    assert rest.losses == full.losses[8:]  # resumed from the step-8 checkpoint
+
+
+def test_token_batching_needs_lengths(tmp_path):
+    with pytest.raises(gpufleet.ConfigError, match="no `lengths` attribute"):
+        _fit(tmp_path, {"data.batching": "tokens", "data.token_budget": 64})

@@ -73,3 +73,31 @@ class _Recording(Dataset):
 
 def make_data_recording(out: str, kill_rank: int = -1, kill_after: int = 0, n: int = 256):
     return _Recording(make_data(n), out, kill_rank, kill_after)
+
+
+class VarLenData(Dataset):
+    """Token sequences of log-normal lengths; the label is whether token 1 is frequent.
+    Exposes ``lengths`` for token-budget batching."""
+
+    def __init__(self, n: int = 400, vocab: int = 16, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.exp(torch.randn(n, generator=g) * 0.8 + 3.0).clamp(2, 200).long()
+        self.items = [torch.randint(0, vocab, (int(k),), generator=g) for k in lengths]
+        self.lengths = [int(k) for k in lengths]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int):
+        x = self.items[i]
+        return x, int((x == 1).float().mean() > 1 / 16)
+
+
+class BagModel(nn.Module):
+    def __init__(self, vocab: int = 16, dim: int = 8) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim, padding_idx=0)
+        self.out = nn.Linear(dim, 2)
+
+    def forward(self, x):
+        return self.out(self.emb(x).mean(dim=1))

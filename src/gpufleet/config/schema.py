@@ -87,6 +87,15 @@ class DataConfig(Section):
     prefetch_factor: int = opt(2, "Batches each worker loads ahead (with num_workers > 0).",
                                min=1)
     shuffle: bool = opt(True, "Shuffle the training set every epoch.")
+    batching: str = opt("fixed", "fixed (batch_size samples per batch) or tokens (pack "
+                        "variable-length samples under token_budget; the data set needs "
+                        "`lengths`).", choices=("fixed", "tokens"))
+    token_budget: int = opt(0, "tokens batching: longest sample x samples <= this.", min=0)
+    max_len: int = opt(0, "tokens batching: longer samples are left out and counted "
+                       "(0: no limit beyond token_budget).", min=0)
+    max_samples: int = opt(0, "tokens batching: cap on samples per batch (0: none).", min=0)
+    sort_size: int = opt(100, "tokens batching: batches per rank sorted together by length.",
+                         min=1)
     eval_fraction: float = opt(0.05, "stdlib corpus: share held out for evaluation.", min=0.0)
     corpus_bytes: int = opt(4_000_000, "stdlib corpus: size cap in bytes.", min=1024)
 

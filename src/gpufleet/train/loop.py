@@ -157,23 +157,32 @@ class Trainer(TrainerSetup):
             self.consumed = 0
             self._batches = self._epoch_iterator()
             batch = next(self._batches)
-        # drop_last=True: every training batch holds exactly data.batch_size samples.
-        self.consumed += self.cfg.data.batch_size
-        if self._samples_per_micro is None:
-            self._samples_per_micro = batch_size_of(batch)
-            self._tokens_per_micro = tokens_of(batch)
+        self.consumed += self._consume_unit  # samples ("fixed") or batches ("tokens")
+        # Sizes come from tensor shapes on the host: no device sync.
+        if self._variable_batches:
+            self._interval_samples += batch_size_of(batch)
+            self._interval_tokens += tokens_of(batch) or 0  # padding included
+        else:  # drop_last=True: every batch holds exactly data.batch_size samples
+            if self._fixed_tokens is None:
+                self._fixed_tokens = tokens_of(batch) or 0
+            self._interval_samples += self._consume_unit
+            self._interval_tokens += self._fixed_tokens
         if self.device.type == "cpu":
             return batch  # the loader already made CPU tensors
         return to_device(batch, self.device, non_blocking=self.pin_memory)
 
     def _log_interval(self, loss_sum: torch.Tensor, micro_steps: int, seconds: float) -> None:
         world = self.env.world_size
-        stats = torch.stack([loss_sum.float(), self.grad_norm.float().to(self.device)])
-        # COLLECTIVE + SYNC, once per log interval: mean loss over ranks and micro-steps.
+        counts = torch.tensor([self._interval_samples, self._interval_tokens],
+                              dtype=torch.float32, device=self.device)
+        self._interval_samples, self._interval_tokens = 0, 0
+        stats = torch.cat([torch.stack([loss_sum.float(),
+                                        self.grad_norm.float().to(self.device)]), counts])
+        # COLLECTIVE + SYNC, once per log interval: mean loss over ranks and micro-steps,
+        # and the exact global sample and token counts.
         self.strategy.all_reduce(stats)
-        loss_total, norm_total = stats.tolist()
+        loss_total, norm_total, samples, tokens = stats.tolist()
         loss = loss_total / (micro_steps * world)
-        samples = micro_steps * (self._samples_per_micro or 0) * world
         self._train_time += seconds
         self._samples_seen += samples
         metrics: dict[str, Any] = {
@@ -182,8 +191,7 @@ class Trainer(TrainerSetup):
             "samples_per_s": samples / seconds if seconds > 0 else 0.0,
             "step_time_s": seconds / max(1, micro_steps // self.cfg.optim.grad_accum),
         }
-        if self._tokens_per_micro:
-            tokens = micro_steps * self._tokens_per_micro * world
+        if tokens:
             metrics["tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
             self._tokens_seen += tokens
         self.result.losses.append((self.step, loss))
@@ -230,7 +238,7 @@ class Trainer(TrainerSetup):
         result.train_time_s = self._train_time
         if self._train_time > 0:
             result.samples_per_s = self._samples_seen / self._train_time
-            if self._tokens_per_micro:
+            if self._tokens_seen:
                 result.tokens_per_s = self._tokens_seen / self._train_time
         self.callbacks.on_fit_end(self, result)
         return result

@@ -13,11 +13,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import Dataset, IterableDataset
 
 from gpufleet.config import Config, Machine, resolve, write_config
-from gpufleet.data.loader import seed_worker
-from gpufleet.data.sampler import ResumableDistributedSampler
+from gpufleet.data.loaders import build_eval_loader, build_train_loader
 from gpufleet.errors import CheckpointError, ConfigError, GpufleetError
 from gpufleet.launch import DistEnv, broadcast_object, init_process_group
 from gpufleet.parallel import build_strategy
@@ -50,8 +49,9 @@ class TrainerSetup:
         self.step, self.epoch, self.consumed = 0, 0, 0
         self._saved_step = -1
         self.result = FitResult(run_dir=str(self.run_dir))
-        self._samples_per_micro: int | None = None
-        self._tokens_per_micro: int | None = None
+        # Samples and tokens read since the last log line (host ints, from batch shapes).
+        self._interval_samples, self._interval_tokens = 0, 0
+        self._fixed_tokens: int | None = None  # tokens per batch when batches are fixed
         self._train_time, self._samples_seen, self._tokens_seen = 0.0, 0, 0
         self.grad_norm = torch.zeros((), device=self.device)
         if self.resume_from is not None:
@@ -115,34 +115,15 @@ class TrainerSetup:
             raise ConfigError("train_data is an IterableDataset; gpufleet needs a map-style "
                               "Dataset (__len__ and __getitem__) to shard it across ranks "
                               "and resume mid-epoch.")
-        workers = cfg.data.num_workers  # resolved from the machine when it was -1
         self.pin_memory = cfg.data.pin_memory and self.device.type == "cuda"
-        self.train_sampler = ResumableDistributedSampler(
-            len(train_data), rank=env.rank, world_size=env.world_size,
-            shuffle=cfg.data.shuffle, seed=cfg.run.seed)
-        if len(self.train_sampler) < cfg.data.batch_size:
-            raise ConfigError(
-                f"the training set gives each of {env.world_size} rank(s) "
-                f"{len(self.train_sampler)} samples, fewer than data.batch_size="
-                f"{cfg.data.batch_size}. Lower data.batch_size or use more data."
-            )
-        common: dict[str, Any] = {
-            "batch_size": cfg.data.batch_size, "num_workers": workers,
-            "generator": torch.Generator(), "pin_memory": self.pin_memory,
-            "worker_init_fn": seed_worker,
-            # Workers live for the whole run instead of being forked again every epoch.
-            "persistent_workers": workers > 0,
-        }
-        if workers > 0:
-            common["prefetch_factor"] = cfg.data.prefetch_factor
-        # drop_last: every step sees a full batch, so every rank runs the same number.
-        self.train_loader = DataLoader(train_data, sampler=self.train_sampler, drop_last=True,
-                                       **common)
-        self.eval_loader = None
-        if eval_data is not None and len(eval_data) > 0:
-            sampler = ResumableDistributedSampler(len(eval_data), rank=env.rank,
-                                                  world_size=env.world_size, eval_mode=True)
-            self.eval_loader = DataLoader(eval_data, sampler=sampler, **common)
+        train = build_train_loader(train_data, cfg.data, rank=env.rank,
+                                   world_size=env.world_size, seed=cfg.run.seed,
+                                   pin_memory=self.pin_memory)
+        self.train_loader, self.train_sampler = train.loader, train.sampler
+        self._consume_unit, self._variable_batches = train.unit, train.variable
+        self.eval_loader = build_eval_loader(eval_data, cfg.data, rank=env.rank,
+                                             world_size=env.world_size,
+                                             pin_memory=self.pin_memory)
 
     def _epoch_iterator(self) -> Any:
         """A fresh pass over the training loader for ``self.epoch``.
@@ -154,6 +135,7 @@ class TrainerSetup:
         self.train_loader.generator.manual_seed(
             self.cfg.run.seed * 1_000_003 + self.env.rank * 7919 + self.epoch)
         return iter(self.train_loader)
+
     def _default_callbacks(self) -> list[Callback]:
         from gpufleet.monitor.jsonl import MetricsFile
 
@@ -170,7 +152,7 @@ class TrainerSetup:
                 "scheduler": self.scheduler.state_dict(),
                 "precision": self.precision.state_dict(),
                 "step": self.step, "epoch": self.epoch,
-                "sampler": self.train_sampler.state_dict(consumed=self.consumed),
+                "sampler": self.train_sampler.state_dict(self.consumed),
                 "rng": rngs, "world_size": self.env.world_size,
                 "config": _config_dict(self.cfg),
             }

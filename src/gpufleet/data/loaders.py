@@ -1,0 +1,107 @@
+"""The training and evaluation DataLoaders of a run, built from the ``[data]`` section.
+
+Two ways to batch the training set:
+
+* ``data.batching = "fixed"``: ``data.batch_size`` samples per batch from a
+  :class:`ResumableDistributedSampler`.
+* ``data.batching = "tokens"``: variable-length samples packed under
+  ``data.token_budget`` tokens per batch by a :class:`BucketBatchSampler`. The data set
+  must expose ``lengths`` (one int per sample); batches are padded with
+  :func:`pad_collate` unless the data set has its own ``collate_fn``.
+
+Either sampler resumes from the count the loop consumed (samples for "fixed", batches
+for "tokens"), because a DataLoader prefetches and runs its sampler ahead of training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from gpufleet.config import DataConfig
+from gpufleet.data.bucket import BucketBatchSampler, pad_collate
+from gpufleet.data.loader import seed_worker
+from gpufleet.data.sampler import ResumableDistributedSampler
+from gpufleet.errors import ConfigError
+
+
+@dataclass
+class TrainLoader:
+    """The training loader and what the loop needs to track its position.
+
+    Attributes:
+        loader: the DataLoader.
+        sampler: the resumable sampler (``state_dict(consumed)`` / ``load_state_dict``).
+        unit: what one ``consumed`` count is per batch: ``batch_size`` samples ("fixed")
+            or 1 batch ("tokens").
+        variable: batches differ in size (count samples and tokens per batch).
+    """
+
+    loader: DataLoader
+    sampler: Any
+    unit: int
+    variable: bool
+
+
+def loader_options(cfg: DataConfig, workers: int, pin_memory: bool) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "num_workers": workers, "pin_memory": pin_memory, "worker_init_fn": seed_worker,
+        # The loop reseeds this per epoch; see Trainer._epoch_iterator.
+        "generator": torch.Generator(),
+        # Workers live for the whole run instead of being forked again every epoch.
+        "persistent_workers": workers > 0,
+    }
+    if workers > 0:
+        options["prefetch_factor"] = cfg.prefetch_factor
+    return options
+
+
+def build_train_loader(data: Dataset, cfg: DataConfig, *, rank: int, world_size: int,
+                       seed: int, pin_memory: bool) -> TrainLoader:
+    """The training loader for this rank."""
+    options = loader_options(cfg, cfg.num_workers, pin_memory)
+    if cfg.batching == "tokens":
+        lengths = getattr(data, "lengths", None)
+        if lengths is None:
+            raise ConfigError(
+                f"data.batching = 'tokens' needs the data set's sample lengths, and "
+                f"{type(data).__name__} has no `lengths` attribute. Add `lengths` (one int "
+                "per sample) to your Dataset, or use data.batching=fixed.")
+        if cfg.token_budget <= 0:
+            raise ConfigError("data.batching = 'tokens' needs data.token_budget > 0 (tokens "
+                              "per batch, padding included), e.g. data.token_budget=8192.")
+        sampler = BucketBatchSampler(
+            lengths, token_budget=cfg.token_budget, max_samples=cfg.max_samples,
+            max_len=cfg.max_len, sort_size=cfg.sort_size, rank=rank, world_size=world_size,
+            seed=seed, shuffle=cfg.shuffle)
+        collate = getattr(data, "collate_fn", None) or pad_collate
+        loader = DataLoader(data, batch_sampler=sampler, collate_fn=collate, **options)
+        return TrainLoader(loader, sampler, unit=1, variable=True)
+    sampler = ResumableDistributedSampler(len(data), rank=rank, world_size=world_size,
+                                          shuffle=cfg.shuffle, seed=seed)
+    if len(sampler) < cfg.batch_size:
+        raise ConfigError(
+            f"the training set gives each of {world_size} rank(s) {len(sampler)} samples, "
+            f"fewer than data.batch_size={cfg.batch_size}. Lower data.batch_size or use "
+            "more data.")
+    # drop_last: every step sees a full batch, so every rank runs the same number.
+    loader = DataLoader(data, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
+                        collate_fn=getattr(data, "collate_fn", None), **options)
+    return TrainLoader(loader, sampler, unit=cfg.batch_size, variable=False)
+
+
+def build_eval_loader(data: Dataset | None, cfg: DataConfig, *, rank: int, world_size: int,
+                      pin_memory: bool) -> DataLoader | None:
+    """Evaluation loader: every sample on exactly one rank, fixed batches (padded for
+    variable-length data), so cross-rank sums count each sample once."""
+    if data is None or len(data) == 0:
+        return None
+    sampler = ResumableDistributedSampler(len(data), rank=rank, world_size=world_size,
+                                          eval_mode=True)
+    collate = getattr(data, "collate_fn", None) or (
+        pad_collate if cfg.batching == "tokens" else None)
+    return DataLoader(data, batch_size=cfg.batch_size, sampler=sampler, collate_fn=collate,
+                      **loader_options(cfg, cfg.num_workers, pin_memory))
