@@ -167,9 +167,9 @@ class Trainer(TrainerSetup):
                 self._fixed_tokens = tokens_of(batch) or 0
             self._interval_samples += self._consume_unit
             self._interval_tokens += self._fixed_tokens
-        if self.device.type == "cpu":
-            return batch  # the loader already made CPU tensors
-        return to_device(batch, self.device, non_blocking=self.pin_memory)
+        # On CPU the loader already made the tensors; on CUDA the DevicePrefetcher has
+        # copied them on its side stream (see _epoch_iterator).
+        return batch
 
     def _log_interval(self, loss_sum: torch.Tensor, micro_steps: int, seconds: float) -> None:
         world = self.env.world_size

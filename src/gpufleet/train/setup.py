@@ -17,6 +17,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 from gpufleet.config import Config, Machine, resolve, write_config
 from gpufleet.data.loaders import build_eval_loader, build_train_loader
+from gpufleet.data.prefetch import DevicePrefetcher
 from gpufleet.errors import CheckpointError, ConfigError, GpufleetError
 from gpufleet.launch import DistEnv, broadcast_object, init_process_group
 from gpufleet.parallel import build_strategy
@@ -134,7 +135,11 @@ class TrainerSetup:
         """
         self.train_loader.generator.manual_seed(
             self.cfg.run.seed * 1_000_003 + self.env.rank * 7919 + self.epoch)
-        return iter(self.train_loader)
+        batches = iter(self.train_loader)
+        if self.device.type == "cuda":
+            # Copy the next batch to the GPU on a side stream while this step computes.
+            return iter(DevicePrefetcher(batches, self.device))
+        return batches
 
     def _default_callbacks(self) -> list[Callback]:
         from gpufleet.monitor.jsonl import MetricsFile
