@@ -50,6 +50,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _cmd_train(args, rest)
+        if args.command == "bench" and not rest:
+            from gpufleet.bench import run_bench
+
+            return run_bench(args)
         parser.error(f"unrecognised arguments: {' '.join(rest)}")
     except LaunchError as e:
         print(f"gpufleet: error: {e}", file=sys.stderr)
@@ -62,6 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _build_parser() -> argparse.ArgumentParser:
     from gpufleet import __version__
+    from gpufleet.bench import add_bench_parser
 
     parser = argparse.ArgumentParser(
         prog="gpufleet",
@@ -78,6 +83,7 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", metavar="FILE", help="TOML file with [section] tables")
     for flag, (key, text) in SHORTCUTS.items():
         train.add_argument(flag, dest=key, metavar="V", help=f"{text} (= --{key})")
+    add_bench_parser(sub)
     return parser
 
 

@@ -59,7 +59,7 @@ def import_object(spec: str, key: str) -> Any:
 
 def build_job(cfg: Config) -> Job:
     """Build the model, the data sets and the loss that ``cfg`` names."""
-    return Job(_build_model(cfg), *_build_data(cfg),
+    return Job(_build_model(cfg), *build_data(cfg),
                loss_fn=import_object(cfg.model.loss, "model.loss") if cfg.model.loss else None)
 
 
@@ -78,7 +78,8 @@ def _build_model(cfg: Config) -> nn.Module:
     return model
 
 
-def _build_data(cfg: Config) -> tuple[Dataset, Dataset | None]:
+def build_data(cfg: Config) -> tuple[Dataset, Dataset | None]:
+    """The (train, eval) data sets ``data.name`` describes (eval may be None)."""
     d = cfg.data
     if d.name == "stdlib":
         from gpufleet.data.corpus import build_stdlib_corpus
