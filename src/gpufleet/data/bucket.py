@@ -13,7 +13,6 @@ from __future__ import annotations
 import difflib
 import logging
 import math
-import operator
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -22,14 +21,11 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Sampler
 
+from gpufleet.data.passes import EpochPasses, check_int, check_shard
+
 log = logging.getLogger(__name__)
 
 UNEVEN_MODES = ("repeat", "drop")
-
-
-def _check_int(name: str, value: object, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name} = {value!r}: must be an integer >= {low}.")
 
 
 def _as_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -45,7 +41,7 @@ def _as_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
     return arr
 
 
-class BucketBatchSampler(Sampler[list[int]]):
+class BucketBatchSampler(EpochPasses, Sampler[list[int]]):
     """Yields batches of sample indices of similar length that fit a token budget.
 
     Use it as a DataLoader's ``batch_sampler`` (with ``pad_collate`` or your own
@@ -106,17 +102,11 @@ class BucketBatchSampler(Sampler[list[int]]):
                  rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = True,
                  uneven: str = "repeat") -> None:
         super().__init__()
-        _check_int("token_budget", token_budget, 1)
-        _check_int("max_samples", max_samples, 0)
-        _check_int("max_len", max_len, 0)
-        _check_int("sort_size", sort_size, 1)
-        _check_int("world_size", world_size, 1)
-        _check_int("rank", rank, 0)
-        if rank >= world_size:
-            raise ValueError(f"rank = {rank} is out of range for world_size = {world_size}; "
-                             f"ranks run from 0 to {world_size - 1}.")
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise TypeError(f"seed = {seed!r}: must be an int.")
+        check_int("token_budget", token_budget, 1)
+        check_int("max_samples", max_samples, 0)
+        check_int("max_len", max_len, 0)
+        check_int("sort_size", sort_size, 1)
+        check_shard(rank, world_size, seed)
         if uneven not in UNEVEN_MODES:
             choices = difflib.get_close_matches(str(uneven), UNEVEN_MODES, n=2, cutoff=0)
             raise ValueError(f"uneven = {uneven!r}: choose one of {', '.join(map(repr, choices))}.")
@@ -142,11 +132,7 @@ class BucketBatchSampler(Sampler[list[int]]):
                         "their indices are in sampler.overlong_indices.",
                         self.overlong, len(self.lengths), limit, max_len, token_budget)
 
-        self.epoch = 0  # the epoch the next iter() yields from
-        self._position = 0  # batches of that epoch this rank yielded before the live pass
-        self._live: Iterator[list[int]] | None = None  # the pass being iterated, if any
-        self._live_len = 0
-        self._pass_epoch = 0  # epoch of the pass most recently started (see state_dict)
+        self._init_passes()
         self._cache: tuple[int, list[list[int]]] | None = None  # (epoch, all ranks' batches)
 
     @property
@@ -216,39 +202,13 @@ class BucketBatchSampler(Sampler[list[int]]):
         return len(self.epoch_batches(self.epoch)) // self.world_size
 
     def __iter__(self) -> Iterator[list[int]]:
-        self._pass_epoch = self.epoch
-        return self._resume(self.epoch, self.position)
+        return self._start_pass()
 
-    @property
-    def position(self) -> int:
-        """Batches of the current epoch this rank has yielded so far."""
-        if self._live is None:
-            return self._position
-        return self._live_len - operator.length_hint(self._live)
+    def _items(self, epoch: int) -> list[list[int]]:
+        return self.rank_batches(epoch)
 
-    @position.setter
-    def position(self, value: int) -> None:
-        self._live, self._position = None, value
-
-    def _resume(self, epoch: int, start: int) -> Iterator[list[int]]:
-        # Set up eagerly so `position` is right from the moment iter() returns.
-        batches = self.rank_batches(epoch)
-        live = iter(batches)
-        for _ in range(start):  # skip what an earlier run already consumed
-            next(live)
-        self._live, self._live_len = live, len(batches)
-        return self._drain(live, epoch)
-
-    def _drain(self, live: Iterator[list[int]], epoch: int) -> Iterator[list[int]]:
-        for batch in live:
-            yield list(batch)  # a copy: the cached epoch must not change under the caller
-        if self._live is live:
-            self.epoch, self.position = epoch + 1, 0  # the pass ran to the end
-
-    def set_epoch(self, epoch: int) -> None:
-        """Start the next ``iter()`` at the beginning of ``epoch``."""
-        _check_int("epoch", epoch, 0)
-        self.epoch, self.position, self._pass_epoch = epoch, 0, epoch
+    def _emit(self, live: Iterator[list[int]]) -> Iterator[list[int]]:
+        return map(list, live)  # copies: the cached epoch must not change under the caller
 
     def _config(self) -> dict[str, Any]:
         return {"dataset_len": self.dataset_len, "world_size": self.world_size,
@@ -274,16 +234,7 @@ class BucketBatchSampler(Sampler[list[int]]):
             >>> s.state_dict(consumed_batches=2)["position"]
             2
         """
-        if consumed_batches is None:
-            epoch, position = self.epoch, self.position
-        else:
-            epoch = self._pass_epoch
-            total = len(self.rank_batches(epoch))
-            if (not isinstance(consumed_batches, int) or isinstance(consumed_batches, bool)
-                    or not 0 <= consumed_batches <= total):
-                raise ValueError(f"consumed_batches = {consumed_batches!r}: must be an int "
-                                 f"from 0 to {total} (this rank's batches in epoch {epoch}).")
-            position = consumed_batches
+        epoch, position = self._saved_position(consumed_batches, "consumed_batches")
         return {"epoch": epoch, "position": position, "seed": self.seed, **self._config()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -306,17 +257,11 @@ class BucketBatchSampler(Sampler[list[int]]):
                     f"sampler state was saved with {key} = {state[key]!r}, but this sampler "
                     f"has {key} = {value!r}. Resume with the same data, rank count and "
                     "batching settings, or call set_epoch() to restart the epoch instead.")
-        epoch, position = state["epoch"], state["position"]
-        _check_int("epoch", epoch, 0)
         if state["seed"] != self.seed:
             log.info("sampler: using the saved seed %d instead of %d to resume the same order",
                      state["seed"], self.seed)
             self.seed, self._cache = state["seed"], None
-        total = len(self.rank_batches(epoch))
-        if not isinstance(position, int) or not 0 <= position <= total:
-            raise ValueError(f"sampler state position = {position!r}: must be from 0 to "
-                             f"{total} (this rank's batches in epoch {epoch}).")
-        self.epoch, self.position, self._pass_epoch = epoch, position, epoch
+        self._restore_position(state["epoch"], state["position"])
 
 
 def padded_waste(lengths: Sequence[int] | np.ndarray, batches: Sequence[Sequence[int]]) -> float:

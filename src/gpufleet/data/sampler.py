@@ -10,22 +10,18 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import Sampler
 
+from gpufleet.data.passes import EpochPasses, check_int, check_shard
+
 log = logging.getLogger(__name__)
 
 
-def _check_int(name: str, value: object, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name} = {value!r}: must be an integer >= {low}.")
-
-
-class ResumableDistributedSampler(Sampler[int]):
+class ResumableDistributedSampler(EpochPasses, Sampler[int]):
     """Shards dataset indices over ranks; resumable at any sample.
 
     Training mode (the default): each epoch draws a permutation from a generator seeded
@@ -68,14 +64,8 @@ class ResumableDistributedSampler(Sampler[int]):
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False,
                  eval_mode: bool = False) -> None:
         super().__init__()
-        _check_int("dataset_len", dataset_len, 0)
-        _check_int("world_size", world_size, 1)
-        _check_int("rank", rank, 0)
-        if rank >= world_size:
-            raise ValueError(f"rank = {rank} is out of range for world_size = {world_size}; "
-                             f"ranks run from 0 to {world_size - 1}.")
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise TypeError(f"seed = {seed!r}: must be an int.")
+        check_int("dataset_len", dataset_len, 0)
+        check_shard(rank, world_size, seed)
         self.dataset_len = dataset_len
         self.rank = rank
         self.world_size = world_size
@@ -83,11 +73,7 @@ class ResumableDistributedSampler(Sampler[int]):
         self.seed = seed
         self.drop_last = drop_last
         self.eval_mode = eval_mode
-        self.epoch = 0  # the epoch the next iter() yields from
-        self._position = 0  # indices of that epoch this rank yielded before the live pass
-        self._live: Iterator[int] | None = None  # the pass being iterated, if any
-        self._live_len = 0
-        self._pass_epoch = 0  # epoch of the pass most recently started (see state_dict)
+        self._init_passes()
 
     def __len__(self) -> int:
         """Indices this rank yields in one full epoch (or one evaluation pass)."""
@@ -123,41 +109,10 @@ class ResumableDistributedSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         if self.eval_mode:
             return iter(self.rank_indices(0))
-        self._pass_epoch = self.epoch
-        return self._resume(self.epoch, self.position)
+        return self._start_pass()
 
-    @property
-    def position(self) -> int:
-        """Indices of the current epoch this rank has yielded so far."""
-        if self._live is None:
-            return self._position
-        # A list iterator knows how many items it has left: no per-index bookkeeping,
-        # so the sampler costs what torch's RandomSampler costs per index.
-        return self._live_len - operator.length_hint(self._live)
-
-    @position.setter
-    def position(self, value: int) -> None:
-        self._live, self._position = None, value
-
-    def _resume(self, epoch: int, start: int) -> Iterator[int]:
-        # Set up eagerly (a generator body would only run at the first next()), so
-        # `position` is right from the moment iter() returns.
-        indices = self.rank_indices(epoch)
-        live = iter(indices)
-        for _ in range(start):  # skip what an earlier run already consumed
-            next(live)
-        self._live, self._live_len = live, len(indices)
-        return self._drain(live, epoch)
-
-    def _drain(self, live: Iterator[int], epoch: int) -> Iterator[int]:
-        yield from live
-        if self._live is live:
-            self.epoch, self.position = epoch + 1, 0  # the pass ran to the end
-
-    def set_epoch(self, epoch: int) -> None:
-        """Start the next ``iter()`` at the beginning of ``epoch``."""
-        _check_int("epoch", epoch, 0)
-        self.epoch, self.position, self._pass_epoch = epoch, 0, epoch
+    def _items(self, epoch: int) -> list[int]:
+        return self.rank_indices(epoch)
 
     def state_dict(self, consumed: int | None = None) -> dict[str, int]:
         """The position to resume from.
@@ -176,13 +131,7 @@ class ResumableDistributedSampler(Sampler[int]):
             >>> s.state_dict(consumed=3)["position"]
             3
         """
-        if consumed is None:
-            epoch, position = self.epoch, self.position
-        else:
-            if not isinstance(consumed, int) or not 0 <= consumed <= len(self):
-                raise ValueError(f"consumed = {consumed!r}: must be an int from 0 to "
-                                 f"{len(self)} (the indices this rank gets per epoch).")
-            epoch, position = self._pass_epoch, consumed
+        epoch, position = self._saved_position(consumed, "consumed")
         return {"epoch": epoch, "position": position, "seed": self.seed,
                 "world_size": self.world_size, "dataset_len": self.dataset_len}
 
@@ -206,13 +155,8 @@ class ResumableDistributedSampler(Sampler[int]):
                     f"sampler state was saved with {key} = {state[key]}, but this sampler "
                     f"has {key} = {getattr(self, key)}. Resume with the same data and rank "
                     "count, or call set_epoch() to restart the epoch instead.")
-        epoch, position = state["epoch"], state["position"]
-        _check_int("epoch", epoch, 0)
-        if not isinstance(position, int) or not 0 <= position <= len(self):
-            raise ValueError(f"sampler state position = {position!r}: must be from 0 to "
-                             f"{len(self)}.")
         if state["seed"] != self.seed:
             log.info("sampler: using the saved seed %d instead of %d to resume the same order",
                      state["seed"], self.seed)
         self.seed = state["seed"]
-        self.epoch, self.position, self._pass_epoch = epoch, position, epoch
+        self._restore_position(state["epoch"], state["position"])
