@@ -101,3 +101,14 @@ class BagModel(nn.Module):
 
     def forward(self, x):
         return self.out(self.emb(x).mean(dim=1))
+
+
+def make_conv_model() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(8, 1))
+
+
+def make_image_data(n: int = 64) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 3, 8, 8, generator=g)
+    return TensorDataset(x, x.mean(dim=(1, 2, 3)).unsqueeze(1))

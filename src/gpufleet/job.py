@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,8 @@ from torch.utils.data import Dataset
 
 from gpufleet.config import Config
 from gpufleet.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 BUILTIN_MODELS = ("gpt",)
 BUILTIN_DATA = ("stdlib",)
@@ -68,6 +71,10 @@ def _build_model(cfg: Config) -> nn.Module:
     if m.name == "gpt":
         from gpufleet.models import build_gpt
 
+        if m.n_embd % 64 or (m.n_embd // m.n_head) % 8:
+            log.warning("model.n_embd = %d (head size %d): tensor cores run fastest when the "
+                        "width is a multiple of 64 and the head size a multiple of 8",
+                        m.n_embd, m.n_embd // m.n_head)
         return build_gpt(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd,
                          block_size=m.block_size, dropout=m.dropout)
     _check_import_string(m.name, "model.name", BUILTIN_MODELS)

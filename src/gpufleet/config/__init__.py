@@ -22,6 +22,7 @@ from gpufleet.config.schema import (
     ModelConfig,
     OptimConfig,
     ParallelConfig,
+    PerfConfig,
     PrecisionConfig,
     RunConfig,
 )
@@ -29,7 +30,8 @@ from gpufleet.errors import ConfigError
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "DistConfig", "LogConfig", "Machine",
-    "ModelConfig", "OptimConfig", "ParallelConfig", "PrecisionConfig", "RunConfig",
+    "ModelConfig", "OptimConfig", "ParallelConfig", "PerfConfig", "PrecisionConfig",
+    "RunConfig",
     "config_from_dict", "config_to_dict", "help_rows", "load_config", "parse_override",
     "resolve", "write_config",
 ]
@@ -90,6 +92,13 @@ def resolve(cfg: Config, machine: Machine, world_size: int,
     if strategy == "single" and world_size > 1:
         raise ConfigError(f"parallel.strategy = 'single' with {world_size} ranks would train "
                           "independent copies. Use parallel.strategy=ddp, or --nproc 1.")
+    if strategy == "dp" and cfg.perf.compile:
+        raise ConfigError("perf.compile with parallel.strategy = 'dp': nn.DataParallel "
+                          "copies the module to every GPU each step, which a compiled module "
+                          "does not survive. Use parallel.strategy=ddp (one process per GPU).")
+    if run.deterministic and cfg.perf.cudnn_benchmark:
+        raise ConfigError("run.deterministic and perf.cudnn_benchmark contradict each other: "
+                          "benchmarking picks algorithms by timing. Turn one of them off.")
     backend = dist.backend
     if backend == "auto":
         backend = "nccl" if device == "cuda" else "gloo"

@@ -146,6 +146,21 @@ class PrecisionConfig(Section):
 
 
 @dataclass
+class PerfConfig(Section):
+    compile: bool = opt(False, "torch.compile the model (in place, so checkpoint names stay "
+                        "the same).")
+    compile_mode: str = opt("default", "torch.compile mode; reduce-overhead replays CUDA "
+                            "graphs (best for small models whose steps are launch-bound).",
+                            choices=("default", "reduce-overhead", "max-autotune"))
+    tf32: bool = opt(True, "TF32 tensor cores for fp32 matmuls and convolutions on CUDA "
+                     "(Ampere and newer): about 8x fp32 speed, 10-bit mantissa.")
+    cudnn_benchmark: bool = opt(False, "cuDNN times its convolution algorithms and keeps the "
+                                "fastest (for conv nets with fixed input shapes).")
+    channels_last: bool = opt(False, "NHWC memory format for conv nets: model weights and "
+                              "4-D float inputs (faster convolutions on tensor cores).")
+
+
+@dataclass
 class CheckpointConfig(Section):
     every: int = opt(0, "Save every N optimizer steps (0: only at the end).", min=0)
     keep_last: int = opt(3, "Checkpoints to keep (older ones are deleted).", min=1)
@@ -212,6 +227,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    perf: PerfConfig = field(default_factory=PerfConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     log: LogConfig = field(default_factory=LogConfig)

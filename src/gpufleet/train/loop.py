@@ -20,6 +20,7 @@ from torch.utils.data import Dataset
 from gpufleet.config import Config
 from gpufleet.train.batches import batch_size_of, to_device, tokens_of
 from gpufleet.train.callbacks import Callback
+from gpufleet.train.perf import to_channels_last
 from gpufleet.train.setup import TrainerSetup
 
 log = logging.getLogger(__name__)
@@ -169,6 +170,8 @@ class Trainer(TrainerSetup):
             self._interval_tokens += self._fixed_tokens
         # On CPU the loader already made the tensors; on CUDA the DevicePrefetcher has
         # copied them on its side stream (see _epoch_iterator).
+        if self.cfg.perf.channels_last:
+            return to_channels_last(batch)
         return batch
 
     def _log_interval(self, loss_sum: torch.Tensor, micro_steps: int, seconds: float) -> None:
@@ -214,6 +217,8 @@ class Trainer(TrainerSetup):
                 break
             n = batch_size_of(batch)
             batch = to_device(batch, self.device, non_blocking=self.pin_memory)
+            if self.cfg.perf.channels_last:
+                batch = to_channels_last(batch)
             with self.precision.autocast():
                 loss = self.loss_fn(model, batch)
             totals[0] += loss.double() * n

@@ -26,6 +26,7 @@ from gpufleet.train import checkpoint as ckpt
 from gpufleet.train.batches import make_loss_fn
 from gpufleet.train.callbacks import Callback, CallbackList
 from gpufleet.train.optim import build_scheduler, optimizer_spec
+from gpufleet.train.perf import apply_backend_flags, prepare_model
 from gpufleet.train.rundir import plan_run
 from gpufleet.train.seed import rng_state, seed_everything, set_deterministic, set_rng_state
 
@@ -77,13 +78,14 @@ class TrainerSetup:
                 "parallel.strategy=single for one process."
             )
         set_deterministic(cfg.run.deterministic)
+        apply_backend_flags(cfg.perf, cfg.run.deterministic)
 
     def _build_model(self, model: nn.Module, loss_fn: Any) -> None:
         cfg = self.cfg
         self.precision = build_precision(cfg.precision.mode, self.device.type, cfg.precision)
         self.strategy = build_strategy(cfg.parallel.strategy, cfg.parallel, self.device,
                                        self.precision)
-        self.model = self.strategy.setup_model(model)
+        self.model = self.strategy.setup_model(prepare_model(model, cfg.perf))
         self.optimizer = self.strategy.setup_optimizer(
             self.model, optimizer_spec(cfg.optim, self.device.type))
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.run.max_steps)

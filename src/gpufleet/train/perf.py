@@ -1,0 +1,52 @@
+"""The fast-path switches of the ``[perf]`` section, applied in one place."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from gpufleet.config import PerfConfig
+
+log = logging.getLogger(__name__)
+
+
+def apply_backend_flags(perf: PerfConfig, deterministic: bool) -> None:
+    """Process-wide matmul and cuDNN settings (they only matter on CUDA).
+
+    TF32 runs fp32 matmuls and convolutions on tensor cores with a 10-bit mantissa;
+    cuDNN benchmarking times the convolution algorithms once per input shape.
+    """
+    torch.backends.cuda.matmul.allow_tf32 = perf.tf32
+    torch.backends.cudnn.allow_tf32 = perf.tf32
+    torch.backends.cudnn.benchmark = perf.cudnn_benchmark and not deterministic
+
+
+def prepare_model(model: nn.Module, perf: PerfConfig) -> nn.Module:
+    """Memory format and compilation, before the strategy wraps the model.
+
+    ``nn.Module.compile`` compiles in place: the module keeps its class and its
+    state-dict names, so checkpoints load with or without compilation, and DDP wraps the
+    compiled module as it would any other.
+    """
+    if perf.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if perf.compile:
+        model.compile(mode=None if perf.compile_mode == "default" else perf.compile_mode)
+        log.info("model compiled with torch.compile (mode %s); the first steps are slow "
+                 "while it compiles", perf.compile_mode)
+    return model
+
+
+def to_channels_last(batch: object) -> object:
+    """4-D float tensors of a batch in NHWC layout (others untouched)."""
+    if isinstance(batch, torch.Tensor):
+        if batch.ndim == 4 and batch.is_floating_point():
+            return batch.contiguous(memory_format=torch.channels_last)
+        return batch
+    if isinstance(batch, dict):
+        return {k: to_channels_last(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_channels_last(v) for v in batch)
+    return batch

@@ -1,0 +1,98 @@
+"""The [perf] fast-path switches change the computation as intended (on CPU where they
+can; the GPU numbers come from benchmarks/mfu.py on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import gpufleet
+import toyjob
+from gpufleet.config import Machine, load_config, resolve
+from gpufleet.train.callbacks import Callback
+from gpufleet.train.perf import apply_backend_flags
+
+
+def _fit(tmp_path, overrides, model, data):
+    base = {"run.out_dir": str(tmp_path), "log.progress": "off", "log.every": 1,
+            "run.max_steps": 6, "data.batch_size": 16, "optim.warmup_steps": 1}
+    return gpufleet.fit(model, data, loss_fn=F.mse_loss, overrides={**base, **overrides})
+
+
+def test_compile_compiles_in_place_and_matches_eager(tmp_path):
+    torch.manual_seed(0)
+    eager_model = toyjob.make_model()
+    torch.manual_seed(0)
+    compiled_model = toyjob.make_model()
+    eager = _fit(tmp_path / "a", {}, eager_model, toyjob.make_data())
+    compiled = _fit(tmp_path / "b", {"perf.compile": True}, compiled_model, toyjob.make_data())
+    assert compiled_model._compiled_call_impl is not None  # forward goes through dynamo
+    assert eager_model._compiled_call_impl is None
+    # Same state-dict names as the eager model: checkpoints load either way.
+    saved = torch.load(compiled.checkpoint, weights_only=False)["model"]
+    assert saved.keys() == eager_model.state_dict().keys()
+    for (_, a), (_, b) in zip(eager.losses, compiled.losses):
+        assert a == pytest.approx(b, rel=1e-4)
+
+
+def test_channels_last_reaches_weights_and_inputs(tmp_path):
+    seen = []
+
+    class Spy(Callback):
+        def on_phase(self, trainer, phase):
+            if phase == "compute" and not seen:
+                conv = trainer.strategy.unwrap(trainer.model)[0]
+                seen.append(conv.weight.is_contiguous(memory_format=torch.channels_last))
+
+    torch.manual_seed(0)
+    model = toyjob.make_conv_model()
+    result = gpufleet.fit(model, toyjob.make_image_data(), loss_fn=F.mse_loss, callbacks=[Spy()],
+                          overrides={"run.out_dir": str(tmp_path), "log.progress": "off",
+                                     "run.max_steps": 3, "data.batch_size": 8,
+                                     "perf.channels_last": True})
+    assert seen == [True]
+    assert result.steps == 3
+    # The input conversion the loop applies to 4-D float batches:
+    from gpufleet.train.perf import to_channels_last
+
+    x, y = to_channels_last((torch.randn(2, 3, 4, 4), torch.randn(2, 1)))
+    assert x.is_contiguous(memory_format=torch.channels_last) and y.is_contiguous()
+
+
+def test_backend_flags_follow_the_config():
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+              torch.backends.cudnn.benchmark)
+    try:
+        apply_backend_flags(load_config(overrides=["perf.cudnn_benchmark=true"]).perf, False)
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.benchmark
+        apply_backend_flags(load_config(overrides=["perf.tf32=false"]).perf, False)
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        apply_backend_flags(load_config(overrides=["perf.cudnn_benchmark=true"]).perf, True)
+        assert not torch.backends.cudnn.benchmark  # deterministic wins
+    finally:
+        (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+         torch.backends.cudnn.benchmark) = before
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["parallel.strategy=dp", "perf.compile=true"], ["perf.compile", "ddp"]),
+    (["run.deterministic=true", "perf.cudnn_benchmark=true"], ["contradict"]),
+    (["perf.compile_mode=fast"], ["perf.compile_mode", "Valid:"]),
+])
+def test_perf_combinations_that_cannot_work(overrides, words):
+    with pytest.raises(gpufleet.ConfigError) as info:
+        resolve(load_config(overrides=overrides), Machine(cuda=True, gpus=2, bf16=True), 1)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_gpt_widths_off_tensor_core_multiples_are_flagged(caplog, tmp_path, monkeypatch):
+    from gpufleet.job import build_job
+
+    monkeypatch.setenv("GPUFLEET_CACHE", str(tmp_path))
+    cfg = load_config(overrides=["model.n_embd=96", "model.n_head=4", "data.corpus_bytes=20000",
+                                 "model.block_size=16"])
+    with caplog.at_level("WARNING", logger="gpufleet.job"):
+        build_job(cfg)
+    assert "multiple of 64" in caplog.text
