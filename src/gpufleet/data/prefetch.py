@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-from gpufleet.train.batches import to_device
+from gpufleet.train.batches import map_tensors, to_device
 
 _END = object()  # marks an exhausted loader in the one-batch look-ahead
 
@@ -98,12 +98,4 @@ class DevicePrefetcher:
 
 def _record_stream(batch: Any, stream: torch.cuda.Stream) -> None:
     """Call ``record_stream(stream)`` on every CUDA tensor in a nested batch."""
-    if isinstance(batch, torch.Tensor):
-        if batch.is_cuda:
-            batch.record_stream(stream)
-    elif isinstance(batch, Mapping):
-        for value in batch.values():
-            _record_stream(value, stream)
-    elif isinstance(batch, (tuple, list)):
-        for value in batch:
-            _record_stream(value, stream)
+    map_tensors(batch, lambda t: t.record_stream(stream) if t.is_cuda else None)

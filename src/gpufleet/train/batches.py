@@ -11,15 +11,25 @@ from torch import nn
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
+def map_tensors(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """Apply ``fn`` to every tensor in a (nested) tuple, list or dict; keep the rest.
+
+    Example:
+        >>> map_tensors({"x": torch.ones(2), "n": 3}, lambda t: t * 2)
+        {'x': tensor([2., 2.]), 'n': 3}
+    """
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        return {k: map_tensors(v, fn) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(map_tensors(v, fn) for v in batch)
+    return batch
+
+
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """Move every tensor in a (nested) tuple, list or dict to ``device``."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, Mapping):
-        return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(to_device(v, device, non_blocking) for v in batch)
-    return batch
+    return map_tensors(batch, lambda t: t.to(device, non_blocking=non_blocking))
 
 
 def first_tensor(batch: Any) -> torch.Tensor | None:

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from gpufleet.config import PerfConfig
+from gpufleet.train.batches import map_tensors
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +42,10 @@ def prepare_model(model: nn.Module, perf: PerfConfig) -> nn.Module:
 
 def to_channels_last(batch: object) -> object:
     """4-D float tensors of a batch in NHWC layout (others untouched)."""
-    if isinstance(batch, torch.Tensor):
-        if batch.ndim == 4 and batch.is_floating_point():
-            return batch.contiguous(memory_format=torch.channels_last)
-        return batch
-    if isinstance(batch, dict):
-        return {k: to_channels_last(v) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(to_channels_last(v) for v in batch)
-    return batch
+    return map_tensors(batch, _nhwc)
+
+
+def _nhwc(t: torch.Tensor) -> torch.Tensor:
+    if t.ndim == 4 and t.is_floating_point():
+        return t.contiguous(memory_format=torch.channels_last)
+    return t
