@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def _initialized() -> bool:
+def is_initialized() -> bool:
+    """Whether this process has joined a process group."""
     return dist.is_available() and dist.is_initialized()
 
 
@@ -47,7 +48,7 @@ def init_process_group(env: DistEnv, backend: str, init_method: str = "env://",
     Example:
         >>> init_process_group(DistEnv.detect(), "gloo")  # doctest: +SKIP
     """
-    if _initialized():
+    if is_initialized():
         return
     if not dist.is_available():
         raise LaunchError("This torch build has no torch.distributed. Install a torch build "
@@ -87,7 +88,7 @@ def destroy_process_group() -> None:
     Example:
         >>> destroy_process_group()
     """
-    if _initialized():
+    if is_initialized():
         dist.destroy_process_group()
 
 
@@ -97,7 +98,7 @@ def barrier() -> None:
     Example:
         >>> barrier()
     """
-    if _initialized():
+    if is_initialized():
         dist.barrier()  # collective: every rank must call it
 
 
@@ -110,11 +111,27 @@ def broadcast_object(obj: T, src: int = 0) -> T:
         >>> broadcast_object({"run_dir": "runs/a"})
         {'run_dir': 'runs/a'}
     """
-    if not _initialized():
+    if not is_initialized():
         return obj
     box: list[Any] = [obj]
     dist.broadcast_object_list(box, src=src)  # collective; pickles through the backend
     return box[0]
+
+
+def gather_objects(obj: T) -> list[T]:
+    """Every rank's ``obj``, in rank order, on every rank (picklable objects only).
+
+    Without a process group the list holds ``obj`` alone.
+
+    Example:
+        >>> gather_objects(3)
+        [3]
+    """
+    if not is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)  # collective; pickles through the backend
+    return out
 
 
 def world_size() -> int:
@@ -124,7 +141,7 @@ def world_size() -> int:
         >>> world_size()  # a plain process
         1
     """
-    return dist.get_world_size() if _initialized() else DistEnv.detect().world_size
+    return dist.get_world_size() if is_initialized() else DistEnv.detect().world_size
 
 
 def rank() -> int:
@@ -134,7 +151,7 @@ def rank() -> int:
         >>> rank()  # a plain process
         0
     """
-    return dist.get_rank() if _initialized() else DistEnv.detect().rank
+    return dist.get_rank() if is_initialized() else DistEnv.detect().rank
 
 
 @contextmanager
@@ -152,7 +169,7 @@ def rank_zero_first(local: bool = False) -> Iterator[None]:
         >>> with rank_zero_first():
         ...     pass  # e.g. download the data set into the shared cache
     """
-    if not _initialized():
+    if not is_initialized():
         yield
         return
     first = (DistEnv.detect().local_rank if local else dist.get_rank()) == 0

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gpufleet.config import ParallelConfig
+from gpufleet.launch.process_group import is_initialized
 
 
 @dataclass
@@ -139,7 +140,7 @@ class Strategy:
     # -- collectives -----------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce ``tensor`` in place over all ranks (no-op in a single process)."""
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(tensor, op=_REDUCE_OPS[op])
         return tensor
 

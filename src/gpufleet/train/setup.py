@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
@@ -19,7 +18,13 @@ from gpufleet.config import Config, Machine, resolve, write_config
 from gpufleet.data.loaders import build_eval_loader, build_train_loader
 from gpufleet.data.prefetch import DevicePrefetcher
 from gpufleet.errors import CheckpointError, ConfigError, GpufleetError
-from gpufleet.launch import DistEnv, broadcast_object, init_process_group
+from gpufleet.launch import (
+    DistEnv,
+    broadcast_object,
+    gather_objects,
+    init_process_group,
+    is_initialized,
+)
 from gpufleet.parallel import build_strategy
 from gpufleet.precision import build_precision
 from gpufleet.train import checkpoint as ckpt
@@ -71,7 +76,7 @@ class TrainerSetup:
         else:
             self.device = torch.device("cpu")
         if cfg.parallel.strategy != "single" and cfg.parallel.strategy != "dp" \
-                and not (dist.is_available() and dist.is_initialized()):
+                and not is_initialized():
             raise ConfigError(
                 f"parallel.strategy = {cfg.parallel.strategy!r} needs a process group, and "
                 "this process was started alone. Use --nproc N (or torchrun), or "
@@ -151,7 +156,7 @@ class TrainerSetup:
     # -- checkpoints -----------------------------------------------------------------
     def save_checkpoint(self) -> Path | None:
         """Save the full training state (rank 0 writes; every rank's RNG is included)."""
-        rngs = _gather_objects(rng_state())  # COLLECTIVE: every rank's RNG states
+        rngs = gather_objects(rng_state())  # COLLECTIVE: every rank's RNG states
         path = ckpt.checkpoint_path(self.run_dir, self.step)
         if self.env.is_main:
             state = {
@@ -210,7 +215,7 @@ def join_process_group(cfg: Config, env: DistEnv) -> None:
     Done before anything else (also before the job builds its data), so that
     ``rank_zero_first`` and every collective work from the start.
     """
-    if not env.is_distributed or (dist.is_available() and dist.is_initialized()):
+    if not env.is_distributed or is_initialized():
         return
     backend = cfg.dist.backend
     if backend == "auto":
@@ -230,14 +235,6 @@ def local_gpu_index(env: DistEnv) -> int:
             "that many ranks per node (--nproc), or check CUDA_VISIBLE_DEVICES."
         )
     return env.local_rank
-
-
-def _gather_objects(obj: Any) -> list[Any]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def _config_dict(cfg: Config) -> dict[str, Any]:
