@@ -77,6 +77,8 @@ class Strategy:
     #: True when every rank writes its own shard of a checkpoint (FSDP), False when
     #: rank 0 writes the whole state.
     saves_on_every_rank: ClassVar[bool] = False
+    #: True when the strategy talks to other ranks, so a process group must exist.
+    needs_process_group: ClassVar[bool] = False
 
     def __init__(self, cfg: ParallelConfig, device: torch.device,
                  precision: Any = None) -> None:

@@ -19,6 +19,7 @@ class DistributedDataParallel(Strategy):
     """Wrap the model in DDP with the ``[parallel]`` bucket and graph options."""
 
     name = "ddp"
+    needs_process_group = True
 
     def setup_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)

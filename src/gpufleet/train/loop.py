@@ -125,7 +125,7 @@ class Trainer(TrainerSetup):
             if cfg.optim.clip_norm:
                 # The norm stays a device tensor; it is only read at log time.
                 self.grad_norm = strategy.clip_grad_norm(model, cfg.optim.clip_norm)
-            precision.step(opt)  # SYNC with fp16-mixed only: GradScaler reads found_inf
+            precision.step(opt)  # SYNC with fp16-mixed and a non-fused optimizer (found_inf)
             self.scheduler.step()
             opt.zero_grad(set_to_none=True)
             strategy.after_optimizer_step(model, self.step)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
-from gpufleet.config import Config, Machine, resolve, write_config
+from gpufleet.config import Config, Machine, config_to_dict, resolve, write_config
 from gpufleet.data.loaders import build_eval_loader, build_train_loader
 from gpufleet.data.prefetch import DevicePrefetcher
 from gpufleet.errors import CheckpointError, ConfigError, GpufleetError
@@ -75,13 +75,6 @@ class TrainerSetup:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-        if cfg.parallel.strategy != "single" and cfg.parallel.strategy != "dp" \
-                and not is_initialized():
-            raise ConfigError(
-                f"parallel.strategy = {cfg.parallel.strategy!r} needs a process group, and "
-                "this process was started alone. Use --nproc N (or torchrun), or "
-                "parallel.strategy=single for one process."
-            )
         set_deterministic(cfg.run.deterministic)
         apply_backend_flags(cfg.perf, cfg.run.deterministic)
 
@@ -90,6 +83,12 @@ class TrainerSetup:
         self.precision = build_precision(cfg.precision.mode, self.device.type, cfg.precision)
         self.strategy = build_strategy(cfg.parallel.strategy, cfg.parallel, self.device,
                                        self.precision)
+        if self.strategy.needs_process_group and not is_initialized():
+            raise ConfigError(
+                f"parallel.strategy = {cfg.parallel.strategy!r} needs a process group, and "
+                "this process was started alone. Use --nproc N (or torchrun), or "
+                "parallel.strategy=single for one process."
+            )
         self.model = self.strategy.setup_model(prepare_model(model, cfg.perf))
         self.optimizer = self.strategy.setup_optimizer(
             self.model, optimizer_spec(cfg.optim, self.device.type))
@@ -166,7 +165,7 @@ class TrainerSetup:
                 "step": self.step, "epoch": self.epoch,
                 "sampler": self.train_sampler.state_dict(self.consumed),
                 "rng": rngs, "world_size": self.env.world_size,
-                "config": _config_dict(self.cfg),
+                "config": config_to_dict(self.cfg),
             }
             ckpt.save_checkpoint(self.run_dir, self.step, state, self.cfg.checkpoint.keep_last)
             log.info("checkpoint saved: %s", path)
@@ -218,8 +217,9 @@ def join_process_group(cfg: Config, env: DistEnv) -> None:
     if not env.is_distributed or is_initialized():
         return
     backend = cfg.dist.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() and cfg.run.device != "cpu" else "gloo"
+    if backend == "auto":  # the rule lives in resolve(): nccl on CUDA, gloo on CPU
+        backend = resolve(cfg, Machine.detect(), env.world_size,
+                          env.local_world_size).dist.backend
     init_process_group(env, backend, cfg.dist.init_method, cfg.dist.timeout)
 
 
@@ -235,9 +235,3 @@ def local_gpu_index(env: DistEnv) -> int:
             "that many ranks per node (--nproc), or check CUDA_VISIBLE_DEVICES."
         )
     return env.local_rank
-
-
-def _config_dict(cfg: Config) -> dict[str, Any]:
-    from gpufleet.config import config_to_dict
-
-    return config_to_dict(cfg)
