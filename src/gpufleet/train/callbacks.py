@@ -47,12 +47,11 @@ class CallbackList:
         self.callbacks = list(callbacks)
         for hook in _HOOKS:
             base = getattr(Callback, hook)
-            listeners = [getattr(c, hook) for c in self.callbacks
-                         if getattr(type(c), hook, base) is not base]
-            setattr(self, hook, _dispatcher(listeners))
-        base = Callback.on_phase
-        self.phase_listeners = [c for c in self.callbacks
-                                if getattr(type(c), "on_phase", base) is not base]
+            owners = [c for c in self.callbacks if getattr(type(c), hook, base) is not base]
+            setattr(self, hook, _dispatcher([getattr(c, hook) for c in owners]))
+            if hook == "on_phase":
+                # The loop calls these directly, with no dispatcher in between.
+                self.phase_listeners = owners
 
 
 _HOOKS = ("on_fit_start", "on_phase", "on_step_end", "on_log", "on_eval", "on_checkpoint",

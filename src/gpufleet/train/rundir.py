@@ -44,14 +44,15 @@ def plan_run(cfg: Config, restart_count: int = 0) -> tuple[Config, Path | None]:
     if not run_dir and os.environ.get("TORCHELASTIC_RUN_ID"):
         run_dir = str(Path(run.out_dir) / f"{run.name}-{os.environ['TORCHELASTIC_RUN_ID']}")
     resume_from: Path | None = None
-    if restart_count > 0 and run_dir and list_checkpoints(run_dir):
-        resume_from = list_checkpoints(run_dir)[-1]  # the agent restarted us: carry on
+    existing = list_checkpoints(run_dir) if run_dir else []
+    if restart_count > 0 and existing:
+        resume_from = existing[-1]  # the agent restarted us: carry on
     elif ckpt.resume:
         resume_from = find_resume_checkpoint(ckpt.resume, run.out_dir, run.name, run_dir)
-    elif run_dir and list_checkpoints(run_dir):
+    elif existing:
         raise ConfigError(
             f"run.dir = {run_dir!r} already holds checkpoints of an earlier run "
-            f"(newest: {list_checkpoints(run_dir)[-1].name}). Continue it with --resume "
+            f"(newest: {existing[-1].name}). Continue it with --resume "
             "latest, or start a new run with another --run-dir (or none, for a fresh "
             "timestamped one)."
         )
