@@ -25,6 +25,10 @@ class CheckpointError(GpufleetError, RuntimeError):
     """A checkpoint could not be found, read or written."""
 
 
+class JsonlError(GpufleetError, ValueError):
+    """A JSON Lines file, or its index, that cannot be read as asked."""
+
+
 def closest_first(value: str, choices: Iterable[str]) -> list[str]:
     """Return ``choices`` ordered so that the ones closest to ``value`` come first.
 

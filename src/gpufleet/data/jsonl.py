@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from gpufleet.errors import GpufleetError, unknown_choice
+from gpufleet.errors import JsonlError, unknown_choice
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +56,6 @@ MAX_LISTED = 10  # malformed line numbers kept for ``JsonlDataset.skipped_lines`
 CHUNK_BYTES = 64 << 20  # bytes scanned per numpy pass while building the index
 _ON_ERROR = ("raise", "skip")
 _NEWLINE, _CR = 10, 13
-
-
-class JsonlError(GpufleetError, ValueError):
-    """A JSON Lines file, or its index, that cannot be read as asked."""
 
 
 def _excerpt(raw: bytes, limit: int = 80) -> str:
