@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from gpufleet.data import TokenWindowDataset, default_num_workers, seed_worker, split_train_eval
-from gpufleet.data import loader as loader_module
+from gpufleet.data import loaders as loader_module
 
 
 @pytest.fixture

@@ -107,7 +107,7 @@ def resolve(cfg: Config, machine: Machine, world_size: int,
                           "(or auto) on CPU.")
     workers = cfg.data.num_workers
     if workers < 0:
-        from gpufleet.data.loader import default_num_workers
+        from gpufleet.data.loaders import default_num_workers
 
         workers = default_num_workers(device, local_world_size)
     return dataclasses.replace(

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 
-from gpufleet.data.loader import seed_worker
+from gpufleet.data.loaders import seed_worker
 from gpufleet.errors import ConfigError
 
 log = logging.getLogger(__name__)
