@@ -35,9 +35,10 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
 def first_tensor(batch: Any) -> torch.Tensor | None:
     if isinstance(batch, torch.Tensor):
         return batch
-    values = batch.values() if isinstance(batch, Mapping) else batch
-    if isinstance(values, (tuple, list)) or isinstance(batch, Mapping):
-        for v in values:
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (tuple, list)):
+        for v in batch:
             t = first_tensor(v)
             if t is not None:
                 return t

@@ -1,6 +1,6 @@
 """Everything the loop needs before its first step, one ``_build_*`` per concern.
 
-Order matters and is fixed here: process group → resolved config → device and seeds →
+Order matters and is fixed here: resolved config → process group → device and seeds →
 model, optimizer, precision → run directory → data → resume → sinks.
 """
 
@@ -46,9 +46,10 @@ class TrainerSetup:
         from gpufleet.train.loop import FitResult
 
         self.env = DistEnv.detect()
-        join_process_group(cfg, self.env)
+        # Resolving needs no process group; the resolved backend then needs no second look.
         self.cfg = resolve(cfg, Machine.detect(), self.env.world_size,
                            local_world_size=self.env.local_world_size)
+        join_process_group(self.cfg, self.env)
         self._build_device()
         self._build_model(model, loss_fn)
         self._build_run_dir()
