@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import sys
 import textwrap
 from collections.abc import Sequence
@@ -40,6 +41,14 @@ SHORTCUTS: dict[str, tuple[str, str]] = {
 }
 
 
+# Subcommands other than `train`: name -> module. Each module has
+# ``add_parser(subparsers)`` and ``run(args) -> int`` and imports only the standard
+# library at the top, so building the parser stays fast; heavy imports go inside run().
+COMMANDS: dict[str, str] = {
+    "bench": "gpufleet.bench",
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _build_parser()
@@ -50,10 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _cmd_train(args, rest)
-        if args.command == "bench" and not rest:
-            from gpufleet.bench import run_bench
-
-            return run_bench(args)
+        if args.command in COMMANDS and not rest:
+            return importlib.import_module(COMMANDS[args.command]).run(args)
         parser.error(f"unrecognised arguments: {' '.join(rest)}")
     except LaunchError as e:
         print(f"gpufleet: error: {e}", file=sys.stderr)
@@ -66,7 +73,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _build_parser() -> argparse.ArgumentParser:
     from gpufleet import __version__
-    from gpufleet.bench import add_bench_parser
 
     parser = argparse.ArgumentParser(
         prog="gpufleet",
@@ -83,7 +89,8 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", metavar="FILE", help="TOML file with [section] tables")
     for flag, (key, text) in SHORTCUTS.items():
         train.add_argument(flag, dest=key, metavar="V", help=f"{text} (= --{key})")
-    add_bench_parser(sub)
+    for module in COMMANDS.values():
+        importlib.import_module(module).add_parser(sub)
     return parser
 
 

@@ -12,12 +12,12 @@ from gpufleet.bench import loader
 BENCHMARKS = {"loader": loader}
 
 
-def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     """Add ``gpufleet bench`` and one subcommand per benchmark to the CLI's subparsers.
 
     Example:
         >>> parser = argparse.ArgumentParser(prog="gpufleet")
-        >>> add_bench_parser(parser.add_subparsers(dest="command"))
+        >>> add_parser(parser.add_subparsers(dest="command"))
         >>> parser.parse_args(["bench", "loader", "--batches", "5"]).batches
         5
     """
@@ -28,6 +28,6 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         module.add_parser(benches)
 
 
-def run_bench(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Run the benchmark that ``args.bench`` names; returns the exit code."""
     return BENCHMARKS[args.bench].run(args)
