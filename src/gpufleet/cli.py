@@ -46,6 +46,8 @@ SHORTCUTS: dict[str, tuple[str, str]] = {
 # library at the top, so building the parser stays fast; heavy imports go inside run().
 COMMANDS: dict[str, str] = {
     "bench": "gpufleet.bench",
+    "doctor": "gpufleet.doctor.cli",
+    "cleanup": "gpufleet.procs",
 }
 
 
@@ -152,6 +154,7 @@ def run_training(cfg: Config) -> Any:
     from gpufleet.api import run_worker
     from gpufleet.config import Machine, resolve
     from gpufleet.launch import DistEnv, launch
+    from gpufleet.procs import forget_process, record_process
     from gpufleet.train.rundir import plan_run
 
     env = DistEnv.detect()
@@ -188,12 +191,14 @@ def run_training(cfg: Config) -> Any:
             cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir))
     else:
         cfg, _ = plan_run(cfg)  # one directory for every rank and every restart
+    record_process(cfg.run.dir, "launcher")  # for `gpufleet cleanup RUN_DIR`
     results = launch(
         run_worker, (config_to_dict(cfg),), nproc=nproc, launcher=launcher,
         nnodes=dist.nnodes, node_rank=dist.node_rank, master_addr=dist.master_addr,
         master_port=dist.master_port, rdzv_endpoint=dist.rdzv_endpoint,
         rdzv_backend=dist.rdzv_backend, rdzv_id=dist.rdzv_id or cfg.run.name,
         max_restarts=dist.max_restarts)
+    forget_process(cfg.run.dir)
     return results.get(0)
 
 
