@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import torch
 from torch import nn
@@ -46,6 +47,39 @@ class _KillOnce(Dataset):
 
 def make_data_killing_rank(rank: int = 1, after: int = 100, n: int = 256):
     return _KillOnce(make_data(n), rank, after)
+
+
+class _Faulty(Dataset):
+    """Wraps a dataset; on rank ``rank`` (RANK, 0 in a single process) the items from
+    the ``after``-th read on are poisoned with NaN (``nan`` of them) or the ``after``-th
+    read sleeps ``sleep`` seconds (a stalled rank)."""
+
+    def __init__(self, inner: Dataset, rank: int, after: int, nan: int, sleep: float) -> None:
+        self.inner, self.rank, self.after = inner, rank, after
+        self.nan, self.sleep, self.seen = nan, sleep, 0
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):
+        x, y = self.inner[i]
+        if int(os.environ.get("RANK", "0")) != self.rank:
+            return x, y
+        self.seen += 1
+        if self.sleep and self.seen == self.after:
+            time.sleep(self.sleep)
+        if self.after <= self.seen < self.after + self.nan:
+            x = torch.full_like(x, float("nan"))
+        return x, y
+
+
+def make_data_nan_on_rank(rank: int = 1, after: int = 100, nan: int = 1, n: int = 256):
+    return _Faulty(make_data(n), rank, after, nan, 0.0)
+
+
+def make_data_stalling_rank(rank: int = 1, after: int = 100, sleep: float = 5.0,
+                            n: int = 256):
+    return _Faulty(make_data(n), rank, after, 0, sleep)
 
 
 class _Recording(Dataset):

@@ -25,6 +25,10 @@ class CheckpointError(GpufleetError, RuntimeError):
     """A checkpoint could not be found, read or written."""
 
 
+class TrainingStopped(GpufleetError, RuntimeError):
+    """Training cannot go on (e.g. the loss stayed non-finite for too many steps)."""
+
+
 class JsonlError(GpufleetError, ValueError):
     """A JSON Lines file, or its index, that cannot be read as asked."""
 

@@ -88,6 +88,13 @@ class FP16Mixed(Precision):
         self.scaler.step(optimizer)
         self.scaler.update()
 
+    def backoff(self) -> float:
+        """The step is skipped on every rank: lower the scale as an overflow would (the
+        same on every rank, whatever each one's own gradients held). Returns the scale."""
+        scale = self.scaler.get_scale() * self.scaler.get_backoff_factor()
+        self.scaler.update(scale)
+        return scale
+
     def state_dict(self) -> dict[str, Any]:
         return {"scaler": self.scaler.state_dict()}
 

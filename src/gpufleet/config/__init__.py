@@ -18,6 +18,7 @@ from gpufleet.config.schema import (
     Config,
     DataConfig,
     DistConfig,
+    FaultConfig,
     LogConfig,
     ModelConfig,
     OptimConfig,
@@ -29,7 +30,7 @@ from gpufleet.config.schema import (
 from gpufleet.errors import ConfigError
 
 __all__ = [
-    "CheckpointConfig", "Config", "DataConfig", "DistConfig", "LogConfig", "Machine",
+    "CheckpointConfig", "Config", "DataConfig", "DistConfig", "FaultConfig", "LogConfig", "Machine",
     "ModelConfig", "OptimConfig", "ParallelConfig", "PerfConfig", "PrecisionConfig",
     "RunConfig",
     "config_from_dict", "config_to_dict", "help_rows", "load_config", "parse_override",

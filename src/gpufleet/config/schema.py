@@ -204,6 +204,24 @@ class DistConfig(Section):
 
 
 @dataclass
+class FaultConfig(Section):
+    skip_nonfinite: bool = opt(True, "Skip an optimizer step whose loss or gradients are "
+                               "not finite on any rank (all ranks agree through one "
+                               "all-reduced flag; costs one host sync per step).")
+    max_skips_in_row: int = opt(10, "Stop the run after this many skipped steps in a row, "
+                                "naming the first parameter whose gradient went bad.", min=1)
+    watchdog: bool = opt(True, "Watch for stalled steps; dump every rank's Python stack "
+                         "and name the rank that is behind.")
+    stall_factor: float = opt(10.0, "A step counts as stalled once it runs this many times "
+                              "the median of the recent step times (and stall_min_s).",
+                              min=1.0)
+    stall_min_s: float = opt(300.0, "A step never counts as stalled before this many "
+                             "seconds (the only limit until a few steps are timed).",
+                             min=0.1)
+    watchdog_poll_s: float = opt(1.0, "Seconds between the watchdog's checks.", min=0.05)
+
+
+@dataclass
 class LogConfig(Section):
     every: int = opt(10, "Log (and reduce metrics across ranks) every N steps.", min=1)
     progress: str = opt("auto", "Progress display: auto (bar on a terminal, lines otherwise), "
@@ -230,6 +248,7 @@ class Config:
     perf: PerfConfig = field(default_factory=PerfConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:

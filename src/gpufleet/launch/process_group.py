@@ -92,6 +92,21 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
+def job_store() -> Any:
+    """The key-value store the process group was built on (a ``TCPStore`` on rank 0 for
+    env:// and tcp://), or None without a process group.
+
+    Side channels that must work while a collective hangs (the watchdog's heartbeats)
+    use it: the store answers from its own thread, whatever the ranks are doing.
+    """
+    if not is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):  # not exposed by this torch
+        return None
+
+
 def barrier() -> None:
     """Wait until every rank gets here; does nothing without a process group.
 

@@ -11,7 +11,12 @@ from gpufleet.train.callbacks import Callback
 
 
 class MetricsFile(Callback):
-    """Appends metrics to a JSON-lines file (a resumed run keeps adding to it)."""
+    """Appends metrics to a JSON-lines file (a resumed run keeps adding to it).
+
+    Not essential: a full disk loses lines, not the run.
+    """
+
+    essential = False
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)

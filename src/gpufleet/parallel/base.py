@@ -121,6 +121,17 @@ class Strategy:
         """Clip the global gradient norm; returns the norm before clipping (on device)."""
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
 
+    def grad_norm(self, model: nn.Module) -> torch.Tensor:
+        """The global L2 norm of the gradients (on device), without clipping."""
+        grads = list(grads_of(model))
+        if not grads:
+            return torch.zeros((), device=self.device)
+        total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
+        if total_norm is not None:
+            return total_norm(grads, foreach=True)
+        return torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))
+
     def after_optimizer_step(self, model: nn.Module, step: int) -> None:
         """Called after every optimizer step (model averaging hooks in here)."""
 

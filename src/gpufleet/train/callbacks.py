@@ -6,15 +6,24 @@ on callbacks that override it, so an unused hook costs nothing per step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import logging
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from gpufleet.train.loop import FitResult, Trainer
 
+log = logging.getLogger(__name__)
+
 
 class Callback:
     """Subclass and override what you need. Runs on every rank; check
-    ``trainer.env.is_main`` for things that should happen once."""
+    ``trainer.env.is_main`` for things that should happen once.
+
+    A callback with ``essential = False`` (a metrics sink, a remote logger) may fail
+    without stopping training: its error is reported, counted, and the run goes on.
+    """
+
+    essential: ClassVar[bool] = True
 
     def on_fit_start(self, trainer: Trainer) -> None:
         """After setup (and resume), before the first step."""
@@ -48,7 +57,9 @@ class CallbackList:
         for hook in _HOOKS:
             base = getattr(Callback, hook)
             owners = [c for c in self.callbacks if getattr(type(c), hook, base) is not base]
-            setattr(self, hook, _dispatcher([getattr(c, hook) for c in owners]))
+            setattr(self, hook, _dispatcher([
+                getattr(c, hook) if c.essential else _tolerant(c, getattr(c, hook))
+                for c in owners]))
             if hook == "on_phase":
                 # The loop calls these directly, with no dispatcher in between.
                 self.phase_listeners = owners
@@ -62,5 +73,23 @@ def _dispatcher(listeners: list[Any]) -> Any:
     def call(*args: Any) -> None:
         for fn in listeners:
             fn(*args)
+
+    return call
+
+
+def _tolerant(callback: Callback, fn: Any) -> Any:
+    """``fn`` with its errors reported instead of raised (the 1st, then every 100th)."""
+    name = type(callback).__name__
+    failures = 0
+
+    def call(*args: Any) -> None:
+        nonlocal failures
+        try:
+            fn(*args)
+        except Exception as e:
+            failures += 1
+            if failures == 1 or failures % 100 == 0:
+                log.error("%s failed in %s (%d time(s) so far): %s: %s. Training goes on "
+                          "without it.", name, fn.__name__, failures, type(e).__name__, e)
 
     return call

@@ -1,15 +1,22 @@
-"""Checkpoint files: where they live, how they are written and found again.
+"""Checkpoint files: where they live, how they are written, checked and found again.
 
-A checkpoint is one ``torch.save`` file, ``<run_dir>/checkpoints/step-<N>.pt``, written
-by rank 0 to a temporary name and renamed, so a crash mid-write never leaves a
-half-written file under the real name. The newest ``keep_last`` are kept.
+A checkpoint is one ``torch.save`` file, ``<run_dir>/checkpoints/step-<N>.pt``, plus its
+SHA-256 in ``step-<N>.pt.sha256`` (the format of ``sha256sum``, so ``sha256sum -c`` checks
+it too). Rank 0 writes the file to a temporary name while hashing the bytes it writes,
+fsyncs it, puts the checksum in place, then renames the file: a crash mid-write never
+leaves a half-written file under the real name, and a file damaged later (a truncated
+copy, a bad disk) fails its checksum on load. Older checkpoints are pruned only after
+the new one is complete, so a failed write leaves the previous ones intact. The newest
+``keep_last`` are kept.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +29,7 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^step-(\d+)\.pt$")
+_CHUNK = 1 << 20  # bytes hashed per read when verifying
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -41,29 +49,156 @@ def checkpoint_path(run_dir: str | Path, step: int) -> Path:
     return checkpoint_dir(run_dir) / f"step-{step:07d}.pt"
 
 
+def checksum_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
 def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any],
                     keep_last: int) -> Path:
-    """Write ``state`` for ``step`` atomically and prune all but the newest ``keep_last``."""
+    """Write ``state`` for ``step`` atomically with its checksum, then prune all but the
+    newest ``keep_last``.
+
+    Raises:
+        OSError: the write failed (e.g. no space left on device). Nothing is left under
+            the checkpoint's name and the older checkpoints are untouched.
+    """
     folder = checkpoint_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
     path = checkpoint_path(run_dir, step)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    sums = checksum_path(path)
+    sums_tmp = sums.with_name(f".{sums.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            torch.save({"format": FORMAT_VERSION, **state}, f)
+            out = _HashingWriter(f)
+            try:
+                torch.save({"format": FORMAT_VERSION, **state}, out)
+            except RuntimeError as e:
+                # torch's zip writer turns a failed write into a RuntimeError: give the
+                # caller the OSError (ENOSPC, EIO, ...) that caused it.
+                if out.error is not None:
+                    raise out.error from e
+                raise
             f.flush()
             os.fsync(f.fileno())
+        with open(sums_tmp, "w") as f:
+            f.write(f"{out.sha256.hexdigest()}  {path.name}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        # The checksum goes in place first: a checkpoint under its real name always has
+        # one (a crash between the two renames leaves only a stray .sha256).
+        os.replace(sums_tmp, sums)
         os.replace(tmp, path)
+        _fsync_dir(folder)
     finally:
         tmp.unlink(missing_ok=True)
+        sums_tmp.unlink(missing_ok=True)
     for old in list_checkpoints(run_dir)[:-keep_last]:
         old.unlink(missing_ok=True)
+        checksum_path(old).unlink(missing_ok=True)
+    _remove_strays(folder)
     return path
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Read a checkpoint on the CPU; a damaged file raises :class:`CheckpointError`."""
+class _HashingWriter:
+    """A file wrapper that hashes every byte ``torch.save`` writes through it."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.sha256 = f, hashlib.sha256()
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the renames durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove_strays(folder: Path) -> None:
+    """Temporary files of writers that died mid-write, and checksums without a file."""
+    for p in folder.iterdir():
+        stray_tmp = p.name.startswith(".step-") and f".tmp-{os.getpid()}" not in p.name
+        orphan_sum = p.suffix == ".sha256" and not p.with_suffix("").exists()
+        if stray_tmp or orphan_sum:
+            p.unlink(missing_ok=True)
+
+
+def verify_checkpoint(path: str | Path) -> None:
+    """Check a checkpoint file against its recorded SHA-256.
+
+    Raises:
+        CheckpointError: the file is missing, or its bytes do not match the checksum
+            written with it (truncated or damaged after it was written).
+    """
     path = Path(path)
+    sums = checksum_path(path)
+    try:
+        expected = sums.read_text().split()[0]
+    except FileNotFoundError:
+        if not path.exists():
+            raise CheckpointError(f"checkpoint {str(path)!r} does not exist.") from None
+        log.warning("checkpoint %s has no checksum file (%s): it cannot be verified",
+                    path, sums.name)
+        return
+    except (OSError, IndexError) as e:
+        raise CheckpointError(f"checksum file {str(sums)!r} cannot be read ({e}).") from e
+    digest, size = hashlib.sha256(), 0
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                digest.update(chunk)
+                size += len(chunk)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist.") from None
+    if digest.hexdigest() != expected:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is damaged: its SHA-256 does not match the one "
+            f"written with it ({size:,} bytes now; truncated or corrupted after writing). "
+            f"Resume from an earlier checkpoint in {str(path.parent)!r}."
+        )
+
+
+def newest_intact(paths: Iterable[Path]) -> Path | None:
+    """The newest checkpoint among ``paths`` (oldest first) that passes its checksum;
+    each damaged newer one is reported and skipped."""
+    for path in reversed(list(paths)):
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as e:
+            log.error("%s Falling back to the previous checkpoint.", e)
+            continue
+        return path
+    return None
+
+
+def load_checkpoint(path: str | Path, verify: bool = True) -> dict[str, Any]:
+    """Read a checkpoint on the CPU; a damaged file raises :class:`CheckpointError`.
+
+    ``verify=False`` skips the checksum (for a file verified once already, so that N
+    ranks do not each hash it again).
+    """
+    path = Path(path)
+    if verify:
+        verify_checkpoint(path)
     try:
         # weights_only=False: the file holds RNG states and the config, which are plain
         # Python objects. Only load checkpoints you wrote yourself.
@@ -92,15 +227,23 @@ def find_resume_checkpoint(resume: str, out_dir: str | Path, run_name: str,
     checkpoint of any run named ``run_name`` under ``out_dir`` (the name recorded in each
     run's ``config.toml``, so ``gpt`` never picks up a run named ``gpt-stdlib``). A
     directory means the newest checkpoint inside it (a run directory or its
-    ``checkpoints`` folder).
+    ``checkpoints`` folder). Both pass over damaged checkpoints (failed checksum) to the
+    newest intact one, saying so; a file named explicitly must be intact.
     """
     if resume == "latest":
         candidates = [Path(run_dir)] if run_dir else [
             p for p in Path(out_dir).glob(f"{glob_escape(run_name)}-*")
             if _recorded_name(p) == run_name]
-        found = [c[-1] for c in map(list_checkpoints, candidates) if c]
-        if found:
-            return max(found, key=lambda p: p.stat().st_mtime)
+        runs = [c for c in map(list_checkpoints, candidates) if c]
+        if runs:
+            # The run written last, then its newest intact checkpoint.
+            runs.sort(key=lambda c: c[-1].stat().st_mtime)
+            found = newest_intact(runs[-1])
+            if found is None:
+                raise CheckpointError(
+                    f"every checkpoint in {str(runs[-1][-1].parent)!r} failed its checksum. "
+                    "Start a new run without --resume.")
+            return found
         where = run_dir or f"{out_dir}/{run_name}-*"
         raise CheckpointError(
             f"--resume latest found no checkpoint under {where!r}. Start without --resume, "
@@ -112,10 +255,15 @@ def find_resume_checkpoint(resume: str, out_dir: str | Path, run_name: str,
         if not found:
             raise CheckpointError(f"no checkpoint (step-N.pt) in {resume!r}. "
                                   "Pass a run directory that has checkpoints/ or a .pt file.")
-        return found[-1]
+        intact = newest_intact(found)
+        if intact is None:
+            raise CheckpointError(f"every checkpoint in {resume!r} failed its checksum. "
+                                  "Start a new run without --resume.")
+        return intact
     if not path.is_file():
         raise CheckpointError(f"--resume {resume!r}: no such file or directory. "
                               "Use 'latest' or the path of a checkpoint or run directory.")
+    verify_checkpoint(path)
     return path
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from gpufleet.config import Config
+from gpufleet.fault.crash import write_crash_report
+from gpufleet.procs import forget_process
 from gpufleet.train.batches import batch_size_of, to_device, tokens_of
 from gpufleet.train.callbacks import Callback
 from gpufleet.train.perf import to_channels_last
@@ -37,7 +40,9 @@ class FitResult:
         samples_per_s / tokens_per_s: global throughput over training time (evaluation
             and checkpoint time excluded); tokens only for integer-id inputs.
         train_time_s: seconds spent in training steps this session.
-        run_dir / checkpoint: where the run and its last checkpoint are.
+        run_dir / checkpoint: where the run and its last written checkpoint are.
+        skipped_steps: optimizer steps skipped for non-finite loss or gradients.
+        checkpoint_errors: checkpoint writes that failed (training went on).
     """
 
     steps: int = 0
@@ -48,6 +53,8 @@ class FitResult:
     train_time_s: float = 0.0
     run_dir: str = ""
     checkpoint: str | None = None
+    skipped_steps: int = 0
+    checkpoint_errors: list[str] = field(default_factory=list)
 
     @property
     def final_loss(self) -> float | None:
@@ -83,8 +90,23 @@ class Trainer(TrainerSetup):
 
     # -- the loop --------------------------------------------------------------------
     def fit(self) -> FitResult:
+        try:
+            result = self._fit()
+            forget_process(self.run_dir)  # a clean end leaves nothing to clean up
+            return result
+        except Exception as e:
+            # Fatal (OOM, a failed collective, a bug): leave a report in the run
+            # directory that says where and why, then fail as before.
+            write_crash_report(self, e)
+            raise
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.stop()
+
+    def _fit(self) -> FitResult:
         cfg, model, opt = self.cfg, self.model, self.optimizer
         strategy, precision, cbs = self.strategy, self.precision, self.callbacks
+        guard = self.nonfinite  # None when fault.skip_nonfinite is off
         accum, max_steps = cfg.optim.grad_accum, cfg.run.max_steps
         loss_scale = 1.0 / accum
         phases = cbs.phase_listeners
@@ -97,6 +119,7 @@ class Trainer(TrainerSetup):
         model.train()
         while self.step < max_steps:
             # ---- forward/backward over grad_accum micro-batches ------------------------
+            step_loss: torch.Tensor | None = None  # this step's loss summed over micro-steps
             for micro in range(accum):
                 for cb in phases:
                     cb.on_phase(self, "data")
@@ -114,27 +137,45 @@ class Trainer(TrainerSetup):
                     with strategy.no_sync(model):
                         loss = strategy.forward_backward(model, batch, self.loss_fn,
                                                          precision, loss_scale)
-                loss_sum += loss
-                micro_steps += 1
+                step_loss = loss if step_loss is None else step_loss + loss
             # ---- optimizer step ------------------------------------------------------
             for cb in phases:
                 cb.on_phase(self, "optimizer")
             precision.unscale(opt)  # true gradient sizes before clipping
             if cfg.optim.clip_value:
                 torch.nn.utils.clip_grad_value_(model.parameters(), cfg.optim.clip_value)
+            norm = None
             if cfg.optim.clip_norm:
                 # The norm stays a device tensor; it is only read at log time.
-                self.grad_norm = strategy.clip_grad_norm(model, cfg.optim.clip_norm)
-            precision.step(opt)  # SYNC with fp16-mixed and a non-fused optimizer (found_inf)
-            self.scheduler.step()
+                self.grad_norm = norm = strategy.clip_grad_norm(model, cfg.optim.clip_norm)
+            # COLLECTIVE + SYNC (fault.skip_nonfinite): all ranks agree to skip a step
+            # whose loss or gradients are not finite on any of them.
+            skip = guard is not None and guard.should_skip(model, step_loss, norm)
+            if not skip:
+                precision.step(opt)  # SYNC with fp16 and a non-fused optimizer (found_inf)
+                loss_sum += step_loss
+                micro_steps += accum
+            if not skip:
+                self.scheduler.step()
+            else:
+                with warnings.catch_warnings():
+                    # The schedule follows the step count, skipped steps included, so
+                    # torch's warning about a scheduler step without an optimizer step
+                    # does not apply.
+                    warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
+                    self.scheduler.step()
             opt.zero_grad(set_to_none=True)
             strategy.after_optimizer_step(model, self.step)
             self.step += 1
+            if skip:
+                guard.report(self.step, self.env.is_main)  # stops after too many in a row
             for cb in phases:
                 cb.on_phase(self, "end")
             cbs.on_step_end(self, self.step)
             # ---- once per log interval: reduce and report -----------------------------
             if self.step % cfg.log.every == 0 or self.step == max_steps:
+                for cb in phases:
+                    cb.on_phase(self, "log")
                 now = time.perf_counter()
                 self._log_interval(loss_sum, micro_steps, now - interval_start)
                 loss_sum.zero_()
@@ -143,9 +184,13 @@ class Trainer(TrainerSetup):
             # Evaluation and checkpoints are timed apart from training throughput.
             if cfg.run.eval_every and self.step % cfg.run.eval_every == 0 \
                     and self.step < max_steps and self.eval_loader is not None:
+                for cb in phases:
+                    cb.on_phase(self, "eval")
                 self.evaluate()
                 interval_start = time.perf_counter()
             if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                for cb in phases:
+                    cb.on_phase(self, "checkpoint")
                 self.save_checkpoint()
                 interval_start = time.perf_counter()
         return self._finish()
@@ -185,15 +230,20 @@ class Trainer(TrainerSetup):
         # and the exact global sample and token counts.
         self.strategy.all_reduce(stats)
         loss_total, norm_total, samples, tokens = stats.tolist()
-        loss = loss_total / (micro_steps * world)
+        # Skipped steps add no loss; an interval of skipped steps only has none.
+        loss = loss_total / (micro_steps * world) if micro_steps else float("nan")
         self._train_time += seconds
         self._samples_seen += samples
         metrics: dict[str, Any] = {
             "step": self.step, "epoch": self.epoch, "loss": loss,
             "lr": self.scheduler.get_last_lr()[0], "grad_norm": norm_total / world,
             "samples_per_s": samples / seconds if seconds > 0 else 0.0,
-            "step_time_s": seconds / max(1, micro_steps // self.cfg.optim.grad_accum),
+            "step_time_s": seconds / max(1, self.step - self._last_log_step),
         }
+        self._last_log_step = self.step
+        if self.nonfinite is not None and self.nonfinite.interval_skipped:
+            metrics["skipped_steps"] = self.nonfinite.interval_skipped  # same on all ranks
+            self.nonfinite.interval_skipped = 0
         if tokens:
             metrics["tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
             self._tokens_seen += tokens
@@ -233,13 +283,18 @@ class Trainer(TrainerSetup):
         return value
 
     def _finish(self) -> FitResult:
-        result = self.result
+        result, phases = self.result, self.callbacks.phase_listeners
         if self.eval_loader is not None and (
                 not result.eval_losses or result.eval_losses[-1][0] != self.step):
+            for cb in phases:
+                cb.on_phase(self, "eval")
             self.evaluate()
         if self.cfg.checkpoint.save_final and self._saved_step != self.step:
+            for cb in phases:
+                cb.on_phase(self, "checkpoint")
             self.save_checkpoint()
         result.steps = self.step
+        result.skipped_steps = self.nonfinite.skipped if self.nonfinite is not None else 0
         result.train_time_s = self._train_time
         if self._train_time > 0:
             result.samples_per_s = self._samples_seen / self._train_time

@@ -8,8 +8,13 @@ import time
 from pathlib import Path
 
 from gpufleet.config import Config
-from gpufleet.errors import ConfigError
-from gpufleet.train.checkpoint import find_resume_checkpoint, list_checkpoints, run_dir_of
+from gpufleet.errors import CheckpointError, ConfigError
+from gpufleet.train.checkpoint import (
+    find_resume_checkpoint,
+    list_checkpoints,
+    newest_intact,
+    run_dir_of,
+)
 
 
 def new_run_dir(out_dir: str, name: str) -> Path:
@@ -46,7 +51,10 @@ def plan_run(cfg: Config, restart_count: int = 0) -> tuple[Config, Path | None]:
     resume_from: Path | None = None
     existing = list_checkpoints(run_dir) if run_dir else []
     if restart_count > 0 and existing:
-        resume_from = existing[-1]  # the agent restarted us: carry on
+        resume_from = newest_intact(existing)  # the agent restarted us: carry on
+        if resume_from is None:
+            raise CheckpointError(f"restart {restart_count}: every checkpoint in "
+                                  f"{run_dir!r} failed its checksum; nothing to resume.")
     elif ckpt.resume:
         resume_from = find_resume_checkpoint(ckpt.resume, run.out_dir, run.name, run_dir)
     elif existing:

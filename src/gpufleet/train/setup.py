@@ -18,15 +18,20 @@ from gpufleet.config import Config, Machine, config_to_dict, resolve, write_conf
 from gpufleet.data.loaders import build_eval_loader, build_train_loader
 from gpufleet.data.prefetch import DevicePrefetcher
 from gpufleet.errors import CheckpointError, ConfigError, GpufleetError
+from gpufleet.fault.ncclenv import apply_nccl_defaults
+from gpufleet.fault.nonfinite import NonFiniteGuard
+from gpufleet.fault.watchdog import Watchdog
 from gpufleet.launch import (
     DistEnv,
     broadcast_object,
     gather_objects,
     init_process_group,
     is_initialized,
+    job_store,
 )
 from gpufleet.parallel import build_strategy
 from gpufleet.precision import build_precision
+from gpufleet.procs import record_process
 from gpufleet.train import checkpoint as ckpt
 from gpufleet.train.batches import make_loss_fn
 from gpufleet.train.callbacks import Callback, CallbackList
@@ -56,6 +61,9 @@ class TrainerSetup:
         self._build_data(train_data, eval_data)
         self.step, self.epoch, self.consumed = 0, 0, 0
         self._saved_step = -1
+        self.watchdog = (Watchdog(self.cfg.fault, self.run_dir, self.env.rank,
+                                  self.env.world_size, job_store(), self.env.restart_count)
+                         if self.cfg.fault.watchdog else None)
         self.result = FitResult(run_dir=str(self.run_dir))
         # Samples and tokens read since the last log line (host ints, from batch shapes).
         self._interval_samples, self._interval_tokens = 0, 0
@@ -64,6 +72,7 @@ class TrainerSetup:
         self.grad_norm = torch.zeros((), device=self.device)
         if self.resume_from is not None:
             self.load_checkpoint(self.resume_from)
+        self._last_log_step = self.step
         self._batches = self._epoch_iterator()
         self.callbacks = CallbackList(self._default_callbacks() + callbacks)
 
@@ -95,6 +104,8 @@ class TrainerSetup:
             self.model, optimizer_spec(cfg.optim, self.device.type))
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.run.max_steps)
         self.loss_fn = make_loss_fn(loss_fn)
+        self.nonfinite = (NonFiniteGuard(cfg.fault, self.strategy, self.precision)
+                          if cfg.fault.skip_nonfinite else None)
         # Every rank now draws different dropout masks; data order comes from the
         # sampler's own generator and is independent of this.
         seed_everything(cfg.run.seed + self.env.rank)
@@ -116,6 +127,9 @@ class TrainerSetup:
             raise plan
         self.cfg, self.resume_from = plan
         self.run_dir = Path(self.cfg.run.dir)
+        # By pid, so `gpufleet cleanup RUN_DIR` can end this rank (and its data-loader
+        # workers) if the run is left hanging; removed again when training ends well.
+        record_process(self.run_dir, "rank", self.env.rank)
 
     def _build_data(self, train_data: Dataset, eval_data: Dataset | None) -> None:
         cfg, env = self.cfg, self.env
@@ -151,13 +165,22 @@ class TrainerSetup:
     def _default_callbacks(self) -> list[Callback]:
         from gpufleet.monitor.jsonl import MetricsFile
 
-        return [MetricsFile(self.run_dir / "metrics.jsonl")] if self.env.is_main else []
+        sinks: list[Callback] = [self.watchdog] if self.watchdog else []
+        if self.env.is_main:
+            sinks.append(MetricsFile(self.run_dir / "metrics.jsonl"))
+        return sinks
 
     # -- checkpoints -----------------------------------------------------------------
     def save_checkpoint(self) -> Path | None:
-        """Save the full training state (rank 0 writes; every rank's RNG is included)."""
+        """Save the full training state (rank 0 writes; every rank's RNG is included).
+
+        A failed write (a full disk, a lost mount) is reported and training goes on:
+        nothing is left under the new checkpoint's name and the older ones stay intact.
+        Returns the path, or None when the write failed.
+        """
         rngs = gather_objects(rng_state())  # COLLECTIVE: every rank's RNG states
         path = ckpt.checkpoint_path(self.run_dir, self.step)
+        error = None
         if self.env.is_main:
             state = {
                 **self.strategy.state_dict(self.model, self.optimizer),
@@ -168,7 +191,21 @@ class TrainerSetup:
                 "rng": rngs, "world_size": self.env.world_size,
                 "config": config_to_dict(self.cfg),
             }
-            ckpt.save_checkpoint(self.run_dir, self.step, state, self.cfg.checkpoint.keep_last)
+            try:
+                ckpt.save_checkpoint(self.run_dir, self.step, state,
+                                     self.cfg.checkpoint.keep_last)
+            except OSError as e:
+                error = (f"checkpoint {path.name} could not be written: {e}. Training goes "
+                         f"on; the last good checkpoint is {self.result.checkpoint or 'none'}."
+                         " Free space in (or fix) the run directory's file system.")
+        # COLLECTIVE: every rank learns whether rank 0's write succeeded (a few bytes).
+        error = broadcast_object(error)
+        if error is not None:
+            if self.env.is_main:
+                log.error("%s", error)
+            self.result.checkpoint_errors.append(error)
+            return None
+        if self.env.is_main:
             log.info("checkpoint saved: %s", path)
             self.callbacks.on_checkpoint(self, self.step, str(path))
         self.result.checkpoint = str(path)
@@ -177,7 +214,9 @@ class TrainerSetup:
 
     def load_checkpoint(self, path: Path) -> None:
         """Restore model, optimizer, scheduler, scaler, step, data position and RNG."""
-        state = ckpt.load_checkpoint(path)
+        # Rank 0 checked the checksum when it chose this file (plan_run): no rank
+        # hashes it again.
+        state = ckpt.load_checkpoint(path, verify=False)
         try:
             self.strategy.load_state_dict(self.model, self.optimizer, state)
             self.scheduler.load_state_dict(state["scheduler"])
@@ -221,6 +260,8 @@ def join_process_group(cfg: Config, env: DistEnv) -> None:
     if backend == "auto":  # the rule lives in resolve(): nccl on CUDA, gloo on CPU
         backend = resolve(cfg, Machine.detect(), env.world_size,
                           env.local_world_size).dist.backend
+    if "nccl" in backend:
+        apply_nccl_defaults(cfg.run.dir or None)  # flight recorder, dump on timeout
     init_process_group(env, backend, cfg.dist.init_method, cfg.dist.timeout)
 
 

@@ -1,0 +1,80 @@
+"""What a rank leaves behind when training fails: a crash report in plain words.
+
+``<run_dir>/crash/rank-<R>.txt`` holds what failed, where (step and phase), the likely
+cause and its fix for the failures people meet most (out of memory, a collective that
+failed or timed out), the traceback and the memory state. The error is then raised as
+before, so the launcher (and the elastic agent, which may restart the ranks) sees it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def crash_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "crash"
+
+
+def explain(error: BaseException) -> str:
+    """The likely cause of a fatal error and what to do about it, in one paragraph."""
+    text = f"{type(error).__name__}: {error}"
+    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in text.lower():
+        return ("The GPU ran out of memory. Lower data.batch_size and raise "
+                "optim.grad_accum to keep the same global batch, use precision.mode="
+                "bf16-mixed, or shard the model (parallel.strategy=fsdp when available).")
+    if any(k in text for k in ("NCCL", "ProcessGroup", "Connection reset", "Gloo",
+                               "Timed out", "timed out")):
+        return ("A collective failed or timed out: another rank died, stalled or took a "
+                "different path through the code. Look at that rank's crash report and at "
+                "hangs/ (the watchdog's stack dumps), and run `gpufleet doctor`. With "
+                "--max-restarts K the agent restarts the ranks from the last checkpoint.")
+    return "An error in the training code or the data; the traceback below shows where."
+
+
+def write_crash_report(trainer: Any, error: BaseException) -> Path | None:
+    """Write this rank's crash report; returns its path (None if it could not be written:
+    the original error matters more than the report)."""
+    rank = trainer.env.rank
+    path = crash_dir(trainer.run_dir) / f"rank-{rank}.txt"
+    lines = [
+        f"gpufleet crash report: rank {rank} of {trainer.env.world_size}, "
+        f"host {socket.gethostname()}, pid {os.getpid()}",
+        f"time: {time.strftime('%Y-%m-%d %H:%M:%S')}",
+        f"step: {trainer.step} (steps done), epoch {trainer.epoch}, "
+        f"phase: {trainer.watchdog.phase if trainer.watchdog else 'unknown (no watchdog)'}",
+        f"error: {type(error).__name__}: {error}",
+        "",
+        "likely cause: " + explain(error),
+        "",
+        "traceback:",
+        "".join(traceback.format_exception(type(error), error, error.__traceback__)),
+        _memory_state(trainer.device),
+    ]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines))
+    except OSError as e:
+        log.error("could not write the crash report %s: %s", path, e)
+        return None
+    log.error("rank %d failed at step %d: %s: %s. Crash report: %s", rank, trainer.step,
+              type(error).__name__, error, path)
+    return path
+
+
+def _memory_state(device: torch.device) -> str:
+    if device.type != "cuda":
+        return ""
+    try:
+        return "CUDA memory:\n" + torch.cuda.memory_summary(device, abbreviated=True)
+    except Exception as e:  # the device itself may be what failed
+        return f"CUDA memory: unavailable ({e})"

@@ -1,0 +1,262 @@
+"""Hang forensics: notice a stalled step long before the process-group timeout.
+
+Every rank runs a :class:`Watchdog` thread. The loop tells it each phase change (a clock
+read and two attribute writes, nothing more); the thread compares the time the current
+step (or evaluation, or checkpoint) has run with ``fault.stall_factor`` × the median of
+the recent ones, and never less than ``fault.stall_min_s``.
+
+The ranks talk over the job's key-value store (the ``TCPStore`` the process group was
+built on), which answers from its own thread even while every rank is blocked in a
+collective. Each watchdog publishes a heartbeat (step, phase, since when) there. The
+first rank to see a stall bumps a hang counter; every rank that sees the counter move
+dumps its Python stacks to ``<run_dir>/hangs/<id>/rank-<R>.txt``, and rank 0 writes
+``report.txt``: which rank is behind and what the others are waiting in. An all-reduce
+makes every rank's *step* slow, so "behind" is read from how far each rank got
+(steps done, then the phase within the step), not from step times.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from gpufleet.config import FaultConfig
+from gpufleet.train.callbacks import Callback
+
+log = logging.getLogger(__name__)
+
+# Where a phase sits in the progress of a rank: steps done × 10 + this offset. Phases
+# after "end" belong to the step just done; data/compute/optimizer to the next one.
+_OFFSET = {"end": 0, "log": 1, "eval": 2, "checkpoint": 3, "data": 4, "compute": 5,
+           "optimizer": 6}
+# What a rank in each phase is doing, for the report.
+DOING = {
+    "setup": "setting up",
+    "data": "loading the next batch (no collective)",
+    "compute": "forward/backward (with ddp: the gradient all-reduce that ends backward)",
+    "optimizer": "the optimizer step (with fault.skip_nonfinite: the non-finite flag "
+                 "all-reduce)",
+    "end": "finishing the step",
+    "log": "the metrics all-reduce of the log interval",
+    "eval": "evaluation (its loss all-reduce at the end)",
+    "checkpoint": "saving a checkpoint (the gather of every rank's RNG state)",
+}
+# Which clock a phase runs on: training steps, evaluations and checkpoints are timed
+# (and judged) apart.
+_ACTIVITY = {"eval": "eval", "checkpoint": "checkpoint"}
+_KEY = "gpufleet/watchdog"
+
+
+class Watchdog(Callback):
+    """Watches this rank's progress; see the module docs.
+
+    Args:
+        cfg: the ``[fault]`` section.
+        run_dir: where ``hangs/`` goes.
+        rank / world_size: this rank's place in the job.
+        store: the job's key-value store (``gpufleet.launch.job_store()``), or None in a
+            single process.
+        restart: the elastic restart count (keys and folders are per restart).
+    """
+
+    def __init__(self, cfg: FaultConfig, run_dir: str | Path, rank: int = 0,
+                 world_size: int = 1, store: Any = None, restart: int = 0) -> None:
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.rank, self.world_size, self.store = rank, world_size, store
+        self.prefix = f"{_KEY}/{restart}"
+        self.folder_prefix = f"r{restart}-" if restart else ""
+        self.phase, self.step = "setup", 0
+        self.phase_since = time.time()  # wall clock: compared across hosts in reports
+        self._activity, self._activity_start = "step", time.monotonic()
+        self._durations: dict[str, deque[float]] = {
+            "step": deque(maxlen=100), "eval": deque(maxlen=20), "checkpoint": deque(maxlen=20)}
+        self._flagged = False  # this activity was reported already
+        self._hangs_seen = 0
+        self._local_hangs = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.reports: list[Path] = []  # report.txt files written (rank 0)
+
+    # -- called by the loop (main thread): clock reads only ---------------------------
+    def on_fit_start(self, trainer: Any) -> None:
+        self.step = trainer.step
+        self._restart_clock("step")
+        self._thread = threading.Thread(target=self._run, name="gpufleet-watchdog",
+                                        daemon=True)
+        self._thread.start()
+
+    def on_phase(self, trainer: Any, phase: str) -> None:
+        activity = _ACTIVITY.get(phase, "step")
+        if phase == "end":  # a training step is done: time it, start the next one
+            self.step = trainer.step
+            self._close_activity()
+            self._restart_clock("step")
+        elif activity != self._activity:  # into or out of evaluation / checkpointing
+            self._close_activity()
+            self._restart_clock(activity)
+        self.phase, self.phase_since = phase, time.time()
+
+    def on_fit_end(self, trainer: Any, result: Any) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _close_activity(self) -> None:
+        self._durations[self._activity].append(time.monotonic() - self._activity_start)
+
+    def _restart_clock(self, activity: str) -> None:
+        self._activity, self._activity_start = activity, time.monotonic()
+        self._flagged = False
+
+    # -- the thread ---------------------------------------------------------------------
+    def limit(self, activity: str) -> float:
+        """Seconds after which the current ``activity`` counts as stalled."""
+        past = self._durations[activity]
+        typical = statistics.median(past) if past else 0.0
+        return max(self.cfg.stall_min_s, self.cfg.stall_factor * typical)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.cfg.watchdog_poll_s):
+            try:
+                self._tick()
+            except Exception as e:  # the watchdog must never take training down
+                log.debug("watchdog check failed: %s", e)
+
+    def _tick(self) -> None:
+        self._publish()
+        activity, elapsed = self._activity, time.monotonic() - self._activity_start
+        limit = self.limit(activity)
+        if not self._flagged and elapsed > limit:
+            self._raise_hang()
+            typical = self._durations[activity]
+            log.warning("rank %d: this %s has run %.1f s (limit %.1f s; median %s): "
+                        "dumping stacks", self.rank, activity, elapsed, limit,
+                        f"{statistics.median(typical):.3g} s" if typical else "none yet")
+        hangs = self._hang_count()
+        if hangs > self._hangs_seen:
+            self._hangs_seen = hangs
+            self._flagged = True  # one report per stalled step, whoever saw it first
+            folder = self.run_dir / "hangs" / f"{self.folder_prefix}{hangs}"
+            self._dump_stacks(folder)
+            if self.rank == 0:
+                # Give every rank a couple of polls to publish and dump, then report.
+                time.sleep(2 * self.cfg.watchdog_poll_s)
+                self._publish()
+                self._write_report(folder)
+
+    # -- the store: heartbeats and the hang counter --------------------------------------
+    def heartbeat(self) -> dict[str, Any]:
+        return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
+                "step": self.step, "phase": self.phase, "phase_since": self.phase_since,
+                "activity": self._activity,
+                "activity_s": time.monotonic() - self._activity_start}
+
+    def _publish(self) -> None:
+        if self.store is not None:
+            self.store.set(f"{self.prefix}/hb/{self.rank}", json.dumps(self.heartbeat()))
+
+    def _raise_hang(self) -> None:
+        """Count a new hang, unless another rank already counted one that this rank has
+        not handled yet (then this rank just dumps its stacks for that one)."""
+        if self.store is None:
+            self._local_hangs += 1
+            return
+        key = f"{self.prefix}/hangs"
+        self.store.add(key, 0)  # make sure the counter exists
+        # Atomic: seen -> seen + 1 only if no other rank moved the counter first.
+        self.store.compare_set(key, str(self._hangs_seen), str(self._hangs_seen + 1))
+
+    def _hang_count(self) -> int:
+        if self.store is not None:
+            return int(self.store.add(f"{self.prefix}/hangs", 0))  # an atomic read
+        return self._local_hangs
+
+    def _heartbeats(self) -> list[dict[str, Any] | None]:
+        if self.store is None:
+            return [self.heartbeat()]
+        beats: list[dict[str, Any] | None] = []
+        for r in range(self.world_size):
+            key = f"{self.prefix}/hb/{r}"
+            beats.append(json.loads(self.store.get(key)) if self.store.check([key]) else None)
+        return beats
+
+    # -- what is written -----------------------------------------------------------------
+    def _dump_stacks(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        beat = self.heartbeat()
+        lines = [f"rank {self.rank} (host {beat['host']}, pid {beat['pid']}): step "
+                 f"{self.step} done, in phase {self.phase!r} for "
+                 f"{time.time() - self.phase_since:.1f} s", ""]
+        names = {t.ident: t.name for t in threading.enumerate()}
+        for ident, frame in sys._current_frames().items():
+            if ident == threading.get_ident():
+                continue  # this watchdog thread
+            lines.append(f"--- thread {names.get(ident, ident)} ---")
+            lines.extend(line.rstrip("\n") for line in traceback.format_stack(frame))
+            lines.append("")
+        (folder / f"rank-{self.rank}.txt").write_text("\n".join(lines))
+
+    def _write_report(self, folder: Path) -> None:
+        text = stall_report(self._heartbeats(), time.time())
+        path = folder / "report.txt"
+        path.write_text(text + f"\nStacks: {folder}/rank-*.txt\n")
+        self.reports.append(path)
+        log.error("stalled step: %s (stacks and report in %s)", text.splitlines()[0],
+                  folder)
+
+
+def stall_report(beats: list[dict[str, Any] | None], now: float) -> str:
+    """Name the rank(s) that are behind and what the others wait in.
+
+    The first line is the summary; one line per rank follows.
+
+    Example:
+        >>> beats = [{"rank": 0, "step": 7, "phase": "compute", "phase_since": 0.0},
+        ...          {"rank": 1, "step": 7, "phase": "data", "phase_since": 0.0}]
+        >>> stall_report(beats, 9.0).splitlines()[0][:66]
+        'rank 1 is behind: step 8, loading the next batch (no collective) f'
+    """
+    known = [b for b in beats if b]
+    silent = [r for r, b in enumerate(beats) if not b]
+    where = {b["rank"]: b["step"] * 10 + _OFFSET.get(b["phase"], 0) for b in known}
+    lines = []
+    if known:
+        low = min(where.values())
+        behind = [b for b in known if where[b["rank"]] == low]
+        ahead = [b for b in known if where[b["rank"]] != low]
+        b0 = behind[0]
+        step = b0["step"] + (1 if _OFFSET.get(b0["phase"], 0) >= 4 else 0)
+        doing = f"{DOING.get(b0['phase'], b0['phase'])} for {now - b0['phase_since']:.1f} s"
+        ranks = ", ".join(str(b["rank"]) for b in behind)
+        if len(known) == 1 and not silent:
+            lines.append(f"rank {ranks}: step {step}, {doing}")
+        elif ahead:
+            waits = sorted({DOING.get(b["phase"], b["phase"]) for b in ahead})
+            others = ", ".join(str(b["rank"]) for b in ahead)
+            lines.append(f"rank {ranks} {'is' if len(behind) == 1 else 'are'} behind: "
+                         f"step {step}, {doing}; rank {others} "
+                         f"{'waits' if len(ahead) == 1 else 'wait'} in {'; '.join(waits)}")
+        else:
+            lines.append(f"every rank is at the same point: step {step}, {doing} (a "
+                         "collective or the device itself is stuck; see the stacks)")
+    if silent:
+        lines.append(f"no heartbeat from rank {', '.join(map(str, silent))} (dead or "
+                     "never started)")
+    for b in known:
+        lines.append(f"  rank {b['rank']}: {b['step']} steps done, phase {b['phase']!r} "
+                     f"for {now - b['phase_since']:.1f} s (host {b.get('host', '?')}, "
+                     f"pid {b.get('pid', '?')})")
+    return "\n".join(lines)

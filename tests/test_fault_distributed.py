@@ -1,0 +1,87 @@
+"""Faults with two real ranks (gloo on CPU, started by torch's elastic agent): a NaN on
+one rank only, and a rank that stalls. (A rank killed with SIGKILL and restarted by the
+agent is in test_distributed.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from conftest import _env, final_params
+
+TOY = ["--model", "toyjob:make_model", "--model.loss", "torch.nn.functional:mse_loss",
+       "--max-steps", "10", "--log.every", "1", "--optim.warmup_steps", "2",
+       "--nproc", "2", "--batch-size", "16", "--data.num_workers", "0"]
+
+
+def _metrics(run_dir) -> list[dict]:
+    return [json.loads(x) for x in open(run_dir / "metrics.jsonl")]
+
+
+def test_a_nan_on_one_rank_is_skipped_on_both_without_a_hang(run_cli, tmp_path):
+    # Rank 1's 3rd batch (step 3) holds a NaN sample; rank 0's data is clean.
+    proc = run_cli("train", *TOY, "--data", "toyjob:make_data_nan_on_rank",
+                   "--data.kwargs={rank = 1, after = 33}", "--run-dir", "runs/nan",
+                   timeout=180)
+    run = tmp_path / "runs" / "nan"
+    assert "step 3 skipped on every rank: non-finite loss on rank 1" in proc.stderr
+    train = [m for m in _metrics(run) if m["kind"] == "train"]
+    assert [m["step"] for m in train] == list(range(1, 11))  # the run went on to the end
+    assert [m.get("skipped_steps", 0) for m in train] == [0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
+    assert all(torch.isfinite(v).all() for v in final_params(run).values())
+
+
+def test_a_stalled_rank_is_named_with_every_stack_saved(run_cli, tmp_path):
+    # Rank 1 sleeps 6 s reading its 5th batch (step 5); the watchdog allows 1.5 s.
+    run_cli("train", *TOY, "--data", "toyjob:make_data_stalling_rank",
+            "--data.kwargs={rank = 1, after = 65, sleep = 6.0}", "--run-dir", "runs/stall",
+            "--fault.stall_min_s", "1.5", "--fault.watchdog_poll_s", "0.2", timeout=180)
+    hangs = tmp_path / "runs" / "stall" / "hangs" / "1"
+    report = (hangs / "report.txt").read_text()
+    first = report.splitlines()[0]
+    assert first.startswith("rank 1 is behind: step 5, loading the next batch"), report
+    assert "rank 0 waits in forward/backward" in first  # DDP's gradient all-reduce
+    # Named while rank 1 was still asleep, well before its 6 s (and the 600 s timeout).
+    stalled_for = float(re.search(r"for ([\d.]+) s", first).group(1))
+    assert 1.5 <= stalled_for < 6.0
+    assert "time.sleep(self.sleep)" in (hangs / "rank-1.txt").read_text()
+    rank0 = (hangs / "rank-0.txt").read_text()
+    assert "in phase 'compute'" in rank0 and "backward" in rank0
+
+
+def test_cleanup_ends_a_hung_run_by_its_recorded_pids(run_cli, tmp_path):
+    """A 2-rank run hangs (rank 1 sleeps 120 s in its data); `gpufleet cleanup RUN_DIR`
+    ends the launcher and both ranks from the pids they recorded."""
+    run = tmp_path / "runs" / "hung"
+    cmd = [sys.executable, "-m", "gpufleet", "train", *TOY, "--data",
+           "toyjob:make_data_stalling_rank", "--data.kwargs={rank = 1, after = 20, "
+           "sleep = 120.0}", "--run-dir", "runs/hung", "--fault.watchdog", "false"]
+    job = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list((run / "procs").glob("*.json"))) < 3:  # the launcher and 2 ranks
+            assert job.poll() is None and time.monotonic() < deadline, "no hung run"
+            time.sleep(0.2)
+        roles = sorted(json.loads(p.read_text())["role"] for p in (run / "procs").iterdir())
+        assert roles == ["launcher", "rank", "rank"]
+        done = run_cli("cleanup", str(run), "--grace", "5")
+        assert job.wait(timeout=30) != 0  # ended, not finished
+        assert "launcher" in done.stdout and not list((run / "procs").glob("*.json"))
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+
+
+def test_a_clean_run_leaves_no_process_records(run_cli, tmp_path):
+    run_cli("train", *TOY, "--data", "toyjob:make_data", "--max-steps", "2",
+            "--run-dir", "runs/ok")
+    assert not list((tmp_path / "runs" / "ok" / "procs").glob("*.json"))
