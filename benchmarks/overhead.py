@@ -9,6 +9,7 @@ time of each loop and their ratio; the result is the median ratio. Target: <= 1.
 
     python benchmarks/overhead.py              # about a minute on 2 cores
     python benchmarks/overhead.py --repeats 3 --steps 500 --widths 64
+    python benchmarks/overhead.py --set fault.skip_nonfinite=false   # a config override
 """
 
 from __future__ import annotations
@@ -104,16 +105,17 @@ class _Lockstep(Callback):
         self.resumed = time.perf_counter()
 
 
-def lockstep(width: int, steps: int, batch: int, out_dir: str) -> tuple[float, float]:
+def lockstep(width: int, steps: int, batch: int, out_dir: str,
+             extra: tuple[str, ...] = ()) -> tuple[float, float]:
     """Median step time (s) of the hand-written loop and of gpufleet, run in lockstep."""
     hand = hand_written(width, steps, batch)
     torch.manual_seed(0)
     timer = _Lockstep(hand)
     gpufleet.fit(make_model(width), make_data(), loss_fn=F.mse_loss, callbacks=[timer],
-                 overrides={"run.max_steps": steps, "data.batch_size": batch,
-                            "data.num_workers": 0, "optim.lr": 1e-3, "optim.warmup_steps": 20,
-                            "log.every": 10, "log.progress": "off", "run.out_dir": out_dir,
-                            "checkpoint.save_final": False, "run.eval_every": 0})
+                 overrides=[f"run.max_steps={steps}", f"data.batch_size={batch}",
+                            "data.num_workers=0", "optim.lr=1e-3", "optim.warmup_steps=20",
+                            "log.every=10", "log.progress=off", f"run.out_dir='{out_dir}'",
+                            "checkpoint.save_final=false", "run.eval_every=0", *extra])
     return statistics.median(timer.theirs[WARMUP:]), statistics.median(timer.ours[WARMUP:])
 
 
@@ -134,6 +136,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--widths", default="64,256,1024", help="hidden widths to try")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a gpufleet config override (repeatable)")
     args = parser.parse_args()
     import logging
 
@@ -142,14 +146,15 @@ def main() -> None:
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"python {platform.python_version()}")
     print(f"{args.repeats} repeats x {args.steps} lockstep steps, batch {args.batch}, "
-          f"first {WARMUP} steps of each repeat not timed\n")
+          f"first {WARMUP} steps of each repeat not timed"
+          + (f"; gpufleet overrides: {' '.join(args.set)}" if args.set else "") + "\n")
     print(f"{'width':>6} {'hand ms/step':>13} {'gpufleet ms/step':>17} {'ratio (median)':>15}"
           f"  ratios per repeat")
     with tempfile.TemporaryDirectory() as tmp:
         for width in map(int, args.widths.split(",")):
             hand, ours, ratios = [], [], []
             for _ in range(args.repeats):
-                h, g = lockstep(width, args.steps, args.batch, tmp)
+                h, g = lockstep(width, args.steps, args.batch, tmp, tuple(args.set))
                 hand.append(h)
                 ours.append(g)
                 ratios.append(g / h)

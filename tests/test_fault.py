@@ -208,6 +208,17 @@ def test_without_skipping_a_nan_reaches_the_weights(tmp_path):
     assert not all(torch.isfinite(v).all() for v in _params(model).values())
 
 
+def test_fp16_skips_a_nan_step_and_backs_off_the_loss_scale(tmp_path, caplog):
+    data = toyjob.make_data_nan_on_rank(rank=0, after=3 * 32 + 1, nan=1)
+    with caplog.at_level(logging.WARNING):
+        model, result = _fit(tmp_path, {"precision.mode": "fp16-mixed",
+                                        "precision.init_scale": 1024.0}, data=data)
+    assert result.steps == 8 and result.skipped_steps == 1
+    assert "non-finite loss on rank 0" in caplog.text
+    assert "fp16 loss scale now 512" in caplog.text
+    assert all(torch.isfinite(v).all() for v in _params(model).values())
+
+
 def test_fp16_backoff_halves_the_loss_scale():
     precision = FP16Mixed("cpu", init_scale=1024.0)
     precision.scaler.scale(torch.ones(()))  # the scale exists once a loss was scaled

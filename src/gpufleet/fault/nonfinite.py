@@ -128,7 +128,9 @@ def describe(record: SkipRecord) -> str:
         parts.append(f"non-finite gradients on rank {_ranks(record.grad_ranks)} in "
                      f"{record.bad_params} parameter(s), first: {record.first_bad_param}")
     if record.loss_scale is not None:
-        parts.append(f"fp16 loss scale now {record.loss_scale:g}")
+        collapsed = " (collapsed: the model itself overflows fp16)" \
+            if record.loss_scale < 1.0 else ""
+        parts.append(f"fp16 loss scale now {record.loss_scale:g}{collapsed}")
     return "; ".join(parts) or "non-finite values"
 
 
