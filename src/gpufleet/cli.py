@@ -48,6 +48,7 @@ COMMANDS: dict[str, str] = {
     "bench": "gpufleet.bench",
     "doctor": "gpufleet.doctor.cli",
     "cleanup": "gpufleet.procs",
+    "tokens": "gpufleet.hf.cli",
 }
 
 

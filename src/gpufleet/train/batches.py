@@ -62,7 +62,9 @@ def tokens_of(batch: Any) -> int | None:
 def make_loss_fn(loss: Callable[[Any, Any], torch.Tensor] | None = None) -> LossFn:
     """How the loop turns (model, batch) into a scalar loss.
 
-    With ``loss`` given, a batch ``(inputs, target)`` gives ``loss(model(inputs), target)``.
+    With ``loss`` given, a batch ``(inputs, target)`` gives ``loss(model(inputs), target)``,
+    and a dict batch with ``labels`` (Transformers style) gives
+    ``loss(model(**other_keys).logits, labels)``.
     Without it the model computes its own loss: a tuple batch is passed as
     ``model(*batch)``, a dict batch as ``model(**batch)`` (Transformers models), and the
     output must be a scalar tensor, or have ``.loss`` or ``["loss"]``.
@@ -76,6 +78,11 @@ def make_loss_fn(loss: Callable[[Any, Any], torch.Tensor] | None = None) -> Loss
 
     def compute(model: nn.Module, batch: Any) -> torch.Tensor:
         if loss is not None:
+            if isinstance(batch, Mapping) and "labels" in batch:  # logits + labels
+                out = model(**{k: v for k, v in batch.items() if k != "labels"})
+                if isinstance(out, Mapping) and out.get("logits") is not None:
+                    out = out["logits"]  # a Transformers ModelOutput (or a plain dict)
+                return _as_loss(loss(out, batch["labels"]), False)
             if type(batch) in (tuple, list) and len(batch) == 2:  # the common (x, y)
                 return _as_loss(loss(model(batch[0]), batch[1]), False)
             if not isinstance(batch, (tuple, list)) or len(batch) < 2:
