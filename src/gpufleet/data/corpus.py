@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gpufleet.errors import ConfigError
+from gpufleet.files import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -135,18 +136,5 @@ def _write_atomic(path: Path, chunks: Iterator[bytes]) -> int:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)  # make the rename itself durable
+    fsync_dir(path.parent)  # make the rename itself durable
     return size
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # e.g. Windows cannot open directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -24,6 +24,7 @@ import torch
 
 from gpufleet.config.loader import tomllib
 from gpufleet.errors import CheckpointError
+from gpufleet.files import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any],
         # one (a crash between the two renames leaves only a stray .sha256).
         os.replace(sums_tmp, sums)
         os.replace(tmp, path)
-        _fsync_dir(folder)
+        fsync_dir(folder)
     finally:
         tmp.unlink(missing_ok=True)
         sums_tmp.unlink(missing_ok=True)
@@ -117,20 +118,6 @@ class _HashingWriter:
 
     def flush(self) -> None:
         self.f.flush()
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make the renames durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _remove_strays(folder: Path) -> None:
