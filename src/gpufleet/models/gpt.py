@@ -163,8 +163,9 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} exceeds block_size "
                              f"{self.config.block_size}. Feed at most {self.config.block_size} "
                              "tokens or build the model with a larger block_size.")
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # [B, T, C]; position broadcasts
+        # Rows 0..T-1 of the position table (the same as looking up arange(T), and a
+        # traced or exported model keeps no device of its own for the positions).
+        x = self.drop(self.wte(idx) + self.wpe.weight[:T])  # [B, T, C]; broadcasts
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))  # [B, T, padded_vocab_size]
