@@ -46,6 +46,8 @@ SHORTCUTS: dict[str, tuple[str, str]] = {
 # library at the top, so building the parser stays fast; heavy imports go inside run().
 COMMANDS: dict[str, str] = {
     "bench": "gpufleet.bench",
+    "serve": "gpufleet.serve.cli",
+    "export": "gpufleet.serve.export_cli",
     "doctor": "gpufleet.doctor.cli",
     "cleanup": "gpufleet.procs",
     "tokens": "gpufleet.hf.cli",

@@ -1,0 +1,313 @@
+"""The ASGI app: the KServe v2 / Triton HTTP endpoints on Starlette.
+
+Endpoints (``{model}`` path segments may carry ``/versions/{version}``):
+
+- ``GET /v2/health/live``, ``GET /v2/health/ready``: 200 when live / every model is ready;
+- ``GET /v2``: server metadata (name, version, extensions);
+- ``GET /v2/models/{name}``: model metadata (inputs and outputs with -1 for any size);
+- ``GET /v2/models/{name}/ready``; ``GET /v2/models/{name}/config`` (Triton's model
+  config as JSON); ``POST /v2/repository/index``;
+- ``POST /v2/models/{name}/infer``: inference, JSON or with binary tensor data;
+- ``GET /metrics``: Prometheus text.
+
+The event loop only parses and encodes; each model runs in its batcher's thread. Every
+error a client can cause is a 4xx with ``{"error": "..."}``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from collections.abc import Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import numpy as np
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from gpufleet.errors import unknown_choice
+from gpufleet.serve.batcher import DynamicBatcher, ModelError
+from gpufleet.serve.metrics import ServerMetrics
+from gpufleet.serve.model import ServedModel
+from gpufleet.serve.protocol import (
+    HEADER_LENGTH,
+    InferRequest,
+    ProtocolError,
+    Tensor,
+    encode_infer_response,
+    parse_infer_request,
+)
+
+log = logging.getLogger(__name__)
+
+EXTENSIONS = ["binary_tensor_data", "model_repository"]
+
+
+@dataclass
+class ServeOptions:
+    """How the server batches and what it accepts."""
+
+    max_batch_size: int = 8  # most rows per model call; 1 turns batching off
+    max_queue_delay_us: int = 1000  # longest the oldest request waits for others to join
+    max_body_bytes: int = 64 * 2**20  # larger request bodies get 413
+
+    def __post_init__(self) -> None:
+        for key in ("max_batch_size", "max_body_bytes"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} = {getattr(self, key)}: must be 1 or more.")
+        if self.max_queue_delay_us < 0:
+            raise ValueError(f"max_queue_delay_us = {self.max_queue_delay_us}: must be >= 0.")
+
+
+def _error(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+class _Server:
+    """The state behind the routes: the models, their batchers, the metrics."""
+
+    def __init__(self, models: Sequence[ServedModel], options: ServeOptions) -> None:
+        self.models = {m.name: m for m in models}
+        self.options = options
+        self.metrics = ServerMetrics()
+        self.batchers: dict[str, DynamicBatcher] = {}
+
+    def start(self) -> None:
+        for name, m in self.models.items():
+            self.batchers[name] = DynamicBatcher(
+                m.fn, self.options.max_batch_size, self.options.max_queue_delay_us / 1e6,
+                name=name, metrics=self.metrics)
+
+    def stop(self) -> None:
+        for batcher in self.batchers.values():
+            batcher.close()
+        self.batchers.clear()
+
+    def model(self, request: Request) -> ServedModel:
+        name = request.path_params["name"]
+        if name not in self.models:
+            raise ProtocolError(unknown_choice("model", name, self.models), status=404)
+        version = request.path_params.get("version")
+        model = self.models[name]
+        if version is not None and version != model.version:
+            raise ProtocolError(f"model {name!r} has no version {version!r}. Versions: "
+                                f"{model.version}.", status=404)
+        return model
+
+    # -- routes -------------------------------------------------------------------------
+
+    async def live(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def ready(self, request: Request) -> Response:
+        ok = self.batchers.keys() == self.models.keys()
+        return Response(status_code=200 if ok else 503)
+
+    async def server_metadata(self, request: Request) -> Response:
+        from gpufleet import __version__
+
+        return JSONResponse({"name": "gpufleet", "version": __version__,
+                             "extensions": EXTENSIONS})
+
+    async def model_metadata(self, request: Request) -> Response:
+        m = self.model(request)
+
+        def spec(s):
+            return {"name": s.name, "datatype": s.datatype, "shape": [-1, *s.dims]}
+
+        return JSONResponse({"name": m.name, "versions": [m.version], "platform": m.platform,
+                             "inputs": [spec(s) for s in m.inputs],
+                             "outputs": [spec(s) for s in m.outputs]})
+
+    async def model_ready(self, request: Request) -> Response:
+        m = self.model(request)
+        return Response(status_code=200 if m.name in self.batchers else 400)
+
+    async def model_config(self, request: Request) -> Response:
+        from gpufleet.serve.export import model_config
+
+        m = self.model(request)
+        return JSONResponse(model_config(m, self.options.max_batch_size,
+                                         self.options.max_queue_delay_us))
+
+    async def repository_index(self, request: Request) -> Response:
+        return JSONResponse([{"name": m.name, "version": m.version, "state": "READY"}
+                             for m in self.models.values()])
+
+    async def metrics_text(self, request: Request) -> Response:
+        return PlainTextResponse(self.metrics.render(),
+                                 media_type="text/plain; version=0.0.4")
+
+    async def infer(self, request: Request) -> Response:
+        start = time.perf_counter()
+        m = self.model(request)
+        self.metrics.requests.inc(m.name)
+        try:
+            body = await self._read_body(request)
+            req = parse_infer_request(body, request.headers.get(HEADER_LENGTH))
+            inputs = check_inputs(m, req, self.options.max_batch_size)
+            wanted = _wanted_outputs(m, req)
+        except ProtocolError:
+            self.metrics.failures.inc(m.name, "request")
+            raise
+        try:
+            outputs = await self.batchers[m.name].infer(inputs)
+        except ModelError as e:
+            self.metrics.failures.inc(m.name, "model")
+            return _error(f"model {m.name!r} failed on this request: {e}", 400)
+        by_name = {s.name: (s, a) for s, a in zip(m.outputs, outputs)}
+        chosen = [(Tensor(n, by_name[n][0].datatype, by_name[n][1]), b) for n, b in wanted]
+        try:
+            payload, header_length = encode_infer_response(m.name, m.version, req.id, chosen)
+        except ProtocolError:
+            self.metrics.failures.inc(m.name, "request")
+            raise
+        self.metrics.latency.observe(time.perf_counter() - start, m.name)
+        if header_length is None:
+            return Response(payload, media_type="application/json")
+        return Response(payload, media_type="application/octet-stream",
+                        headers={HEADER_LENGTH: str(header_length)})
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.options.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise ProtocolError(f"the request body has {int(declared)} bytes, more than the "
+                                f"server's limit of {limit}. Send smaller batches, or start "
+                                "the server with a larger --max-body-bytes.", status=413)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ProtocolError(f"the request body exceeds the server's limit of {limit} "
+                                    "bytes. Send smaller batches, or start the server with a "
+                                    "larger --max-body-bytes.", status=413)
+            chunks.append(chunk)
+        return _decompress(b"".join(chunks), request.headers.get("content-encoding"), limit)
+
+
+def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
+    if not encoding or encoding == "identity":
+        return body
+    wbits = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}.get(encoding.lower())
+    if wbits is None:
+        raise ProtocolError(unknown_choice("Content-Encoding", encoding,
+                                           ("gzip", "deflate", "identity")), status=415)
+    d = zlib.decompressobj(wbits)
+    try:
+        out = d.decompress(body, limit + 1)
+    except zlib.error as e:
+        raise ProtocolError(f"the {encoding} request body cannot be decompressed: {e}.") \
+            from None
+    if len(out) > limit:
+        raise ProtocolError(f"the decompressed request body exceeds the server's limit of "
+                            f"{limit} bytes (--max-body-bytes).", status=413)
+    return out
+
+
+def check_inputs(model: ServedModel, req: InferRequest, max_batch_size: int) -> list[np.ndarray]:
+    """The request's input arrays in the model's order, after checking names, datatypes,
+    shapes and the batch size against the model's signature."""
+    given = {}
+    for t in req.inputs:
+        if t.name in given:
+            raise ProtocolError(f"input {t.name!r} appears twice in the request.")
+        given[t.name] = t
+    names = [s.name for s in model.inputs]
+    for name in given:
+        if name not in names:
+            raise ProtocolError(unknown_choice(f"model {model.name!r}: input", name, names))
+    arrays, batch = [], None
+    for spec in model.inputs:
+        t = given.get(spec.name)
+        if t is None:
+            raise ProtocolError(f"model {model.name!r} needs input {spec.name!r} "
+                                f"({spec.datatype}, shape {[-1, *spec.dims]}); the request "
+                                "does not have it.")
+        shape = t.array.shape
+        want = f"{[-1, *spec.dims]}"
+        if t.datatype != spec.datatype:
+            raise ProtocolError(f"input {spec.name!r}: datatype {t.datatype}, but model "
+                                f"{model.name!r} takes {spec.datatype}.")
+        if len(shape) != len(spec.dims) + 1 or any(
+                d not in (-1, n) for d, n in zip(spec.dims, shape[1:])):
+            raise ProtocolError(f"input {spec.name!r}: shape {list(shape)} does not match "
+                                f"{want} (batch first, -1 = any size).")
+        if not 1 <= shape[0] <= max_batch_size:
+            raise ProtocolError(f"input {spec.name!r}: batch size {shape[0]} is outside 1.."
+                                f"{max_batch_size} (the server's --max-batch-size).")
+        if batch is not None and shape[0] != batch:
+            raise ProtocolError(f"input {spec.name!r} has {shape[0]} rows but another input "
+                                f"has {batch}; every input needs the same batch size.")
+        batch = shape[0]
+        arrays.append(t.array)
+    return arrays
+
+
+def _wanted_outputs(model: ServedModel, req: InferRequest) -> list[tuple[str, bool]]:
+    names = [s.name for s in model.outputs]
+    if req.outputs is None:
+        return [(n, req.binary_output) for n in names]
+    wanted = []
+    for out in req.outputs:
+        if out.name not in names:
+            raise ProtocolError(unknown_choice(f"model {model.name!r}: output", out.name,
+                                               names))
+        wanted.append((out.name, req.binary_output if out.binary is None else out.binary))
+    return wanted
+
+
+def create_app(models: Sequence[ServedModel], options: ServeOptions | None = None) -> Starlette:
+    """The Starlette app serving ``models`` over the v2 protocol.
+
+    Example:
+        >>> import uvicorn  # doctest: +SKIP
+        >>> uvicorn.run(create_app([load_model("runs/gpt-1")]), port=8000)  # doctest: +SKIP
+    """
+    server = _Server(models, options or ServeOptions())
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        server.start()
+        try:
+            yield
+        finally:
+            server.stop()
+
+    model_routes = []
+    for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
+        model_routes += [
+            Route(prefix, server.model_metadata, methods=["GET"]),
+            Route(prefix + "/ready", server.model_ready, methods=["GET"]),
+            Route(prefix + "/config", server.model_config, methods=["GET"]),
+            Route(prefix + "/infer", server.infer, methods=["POST"]),
+        ]
+    routes = [
+        Route("/v2/health/live", server.live, methods=["GET"]),
+        Route("/v2/health/ready", server.ready, methods=["GET"]),
+        Route("/v2", server.server_metadata, methods=["GET"]),
+        Route("/v2/repository/index", server.repository_index, methods=["POST"]),
+        Route("/metrics", server.metrics_text, methods=["GET"]),
+        *model_routes,
+    ]
+
+    async def protocol_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ProtocolError)
+        return _error(str(exc), exc.status)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        detail = exc.detail if exc.status_code != 404 else (
+            f"no endpoint {request.method} {request.url.path}. See /v2 and "
+            "/v2/models/{name}.")
+        return _error(str(detail), exc.status_code)
+
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={ProtocolError: protocol_error, HTTPException: http_error})
+    app.state.server = server
+    return app

@@ -1,0 +1,109 @@
+"""``gpufleet serve``: answer KServe v2 / Triton HTTP requests for a model.
+
+Imports only the standard library at the top; the server stack loads inside ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from gpufleet.errors import ConfigError
+
+EPILOG = """\
+MODEL is one of:
+  a run directory          config.toml + checkpoints/ from `gpufleet train`; the newest
+                           checkpoint is served, inputs are read off the run's own data
+  a Triton model directory config.pbtxt + 1/model.pt, as `gpufleet export triton` writes
+  a TorchScript file       from torch.jit.save; needs --input
+  package.module:function  a factory returning an nn.Module or a numpy callable; needs --input
+
+examples:
+  gpufleet serve runs/gpt-stdlib-20260101-120000
+  gpufleet serve runs/gpt-stdlib-20260101-120000 --port 8000 --max-batch-size 32 \\
+      --max-queue-delay-us 2000
+  gpufleet serve model.pt --input x:FP32:8 --model-name mlp
+  gpufleet serve mypkg.nets:build --input tokens:INT64:-1
+
+clients: the official tritonclient works unchanged, e.g.
+  tritonclient.http.InferenceServerClient("127.0.0.1:8000").infer("gpt-stdlib", [...])
+endpoints: /v2/health/live, /v2/health/ready, /v2, /v2/models/NAME[/versions/V][/ready],
+  POST /v2/models/NAME/infer (JSON or binary tensor data), /metrics (Prometheus)
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add ``gpufleet serve`` to the CLI's subparsers.
+
+    Example:
+        >>> parser = argparse.ArgumentParser(prog="gpufleet")
+        >>> add_parser(parser.add_subparsers(dest="command"))
+        >>> parser.parse_args(["serve", "runs/x", "--port", "0"]).port
+        0
+    """
+    p = sub.add_parser("serve", help="serve a model over the KServe v2 / Triton HTTP protocol",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Serve a trained run (or a TorchScript file or factory) "
+                                   "over the KServe v2 / Triton HTTP protocol, with dynamic "
+                                   "batching and Prometheus metrics.",
+                       epilog=EPILOG)
+    p.add_argument("model", metavar="RUN_DIR|MODEL", help="what to serve (see below)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free)")
+    add_batching_args(p, default_batch=8, default_delay=1000)
+    p.add_argument("--max-body-bytes", type=int, default=64 * 2**20, metavar="N",
+                   help="larger request bodies get 413 (default 64 MiB)")
+    p.add_argument("--model-name", metavar="NAME", help="name clients use (default: the "
+                   "run's name, or the file/factory name)")
+    add_input_arg(p)
+    p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda")
+    p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+
+
+def add_batching_args(p: argparse.ArgumentParser, default_batch: int,
+                      default_delay: int) -> None:
+    p.add_argument("--max-batch-size", type=int, default=default_batch, metavar="N",
+                   help=f"most samples merged into one model call; 1 turns dynamic batching "
+                        f"off (default {default_batch})")
+    p.add_argument("--max-queue-delay-us", type=int, default=default_delay, metavar="US",
+                   help="longest the oldest queued request waits for others to join, in "
+                        f"microseconds (default {default_delay})")
+
+
+def add_input_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", action="append", default=[], metavar="NAME:DTYPE:DIMS",
+                   help="one model input, in call order: dims without the batch dim, -1 for "
+                        "any size, e.g. x:FP32:8 or tokens:INT64:-1 (repeat per input)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model and serve it until interrupted."""
+    import logging
+
+    from gpufleet.serve.app import ServeOptions, create_app
+    from gpufleet.serve.model import load_model
+    from gpufleet.serve.runner import bind, make_server, url_of
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        options = ServeOptions(args.max_batch_size, args.max_queue_delay_us,
+                               args.max_body_bytes)
+    except ValueError as e:
+        raise ConfigError(f"{e} Fix the --max-* option.") from None
+    model = load_model(args.model, name=args.model_name, inputs=args.input,
+                       device=args.device)
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {args.host}:{args.port} ({e}). Pick another "
+                          "--port (0: any free port) or --host.") from None
+    server = make_server(create_app([model], options), log_level=args.log_level)
+    url = url_of(sock)
+    print(f"serving model {model.name!r} at {url} (v2 protocol; metrics at {url}/metrics; "
+          f"max batch {options.max_batch_size}, queue delay {options.max_queue_delay_us} us)",
+          flush=True)
+    try:
+        server.run(sockets=[sock])  # until Ctrl-C / SIGTERM; the queued requests finish
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, after shutdown
+        pass
+    return 0
