@@ -2,8 +2,8 @@
 
 One rank whose loss turns NaN must not step while the others skip (their replicas would
 drift apart), nor skip a collective the others enter (they would wait forever). So each
-rank puts two flags in one small tensor (loss not finite, gradients not finite), the
-ranks all-reduce it with MAX, and every rank acts on the same answer. That costs one
+rank adds its loss and gradient norm into one number, the ranks all-reduce it (a sum is
+finite only if every term is), and every rank acts on the same answer. That costs one
 tiny collective and one host-device sync per step; ``fault.skip_nonfinite = false``
 turns it off.
 
@@ -16,6 +16,7 @@ below 1 (a scale that low means the model itself produces inf, a collapse).
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,17 +69,17 @@ class NonFiniteGuard:
         """
         if grad_norm is None:
             grad_norm = self.strategy.grad_norm(model)
-        flags = torch.stack([~torch.isfinite(step_loss.detach().float()),
-                             ~torch.isfinite(grad_norm.detach().float())]).float()
-        self.strategy.all_reduce(flags, "max")  # COLLECTIVE: every rank, every step
-        loss_bad, grad_bad = flags.tolist()  # SYNC: the step depends on the answer
-        if not (loss_bad or grad_bad):
+        # One number carries both flags: loss + norm is finite only if both are, and a
+        # sum over ranks is finite only if every rank's is (NaN and inf propagate).
+        probe = step_loss.detach().float() + grad_norm.detach().float()
+        self.strategy.all_reduce(probe)  # COLLECTIVE: every rank, every step
+        if math.isfinite(probe.item()):  # SYNC: the step depends on the answer
             self.in_row = 0
             return False
-        self._record(model, step_loss, bool(loss_bad))
+        self._record(model, step_loss)
         return True
 
-    def _record(self, model: nn.Module, step_loss: torch.Tensor, loss_bad: bool) -> None:
+    def _record(self, model: nn.Module, step_loss: torch.Tensor) -> None:
         names = [n for n, p in self.strategy.unwrap(model).named_parameters()
                  if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
         mine = (not bool(torch.isfinite(step_loss).all()), names[0] if names else None,
@@ -94,7 +95,9 @@ class NonFiniteGuard:
         self.skipped += 1
         self.interval_skipped += 1
         self.records.append(record)
-        calibrating = scale is not None and not loss_bad and scale >= 1.0
+        # fp16 gradients that overflow while every loss is finite: the scaler's ordinary
+        # calibration, unless the scale has collapsed below 1.
+        calibrating = scale is not None and not record.loss_ranks and scale >= 1.0
         if not calibrating:
             self.in_row += 1
 
