@@ -21,18 +21,20 @@ from gpufleet.config.schema import (
     FaultConfig,
     LogConfig,
     ModelConfig,
+    MonitorConfig,
     OptimConfig,
     ParallelConfig,
     PerfConfig,
     PrecisionConfig,
+    ProfileConfig,
     RunConfig,
 )
 from gpufleet.errors import ConfigError
 
 __all__ = [
-    "CheckpointConfig", "Config", "DataConfig", "DistConfig", "FaultConfig", "LogConfig", "Machine",
-    "ModelConfig", "OptimConfig", "ParallelConfig", "PerfConfig", "PrecisionConfig",
-    "RunConfig",
+    "CheckpointConfig", "Config", "DataConfig", "DistConfig", "FaultConfig", "LogConfig",
+    "Machine", "ModelConfig", "MonitorConfig", "OptimConfig", "ParallelConfig", "PerfConfig",
+    "PrecisionConfig", "ProfileConfig", "RunConfig",
     "config_from_dict", "config_to_dict", "help_rows", "load_config", "parse_override",
     "resolve", "write_config",
 ]

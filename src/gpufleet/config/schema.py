@@ -127,13 +127,36 @@ class OptimConfig(Section):
 @dataclass
 class ParallelConfig(Section):
     strategy: str = opt("auto", "How the model is spread: auto (ddp with several ranks, else "
-                        "single), single, dp or ddp.")
+                        "single) or a registered strategy (single, dp, ddp, ...).")
     bucket_cap_mb: float = opt(25.0, "DDP: gradient bucket size in MB.", min=0.0)
     static_graph: bool = opt(False, "DDP: the graph is the same every step (enables reuse).")
     gradient_as_bucket_view: bool = opt(False, "DDP: gradients are views into the buckets "
                                         "(saves one copy of the gradients).")
     find_unused_parameters: bool = opt(False, "DDP: allow parameters that get no gradient.")
     broadcast_buffers: bool = opt(True, "DDP: broadcast buffers from rank 0 every forward.")
+    fsdp_reshard_after_forward: bool = opt(True, "FSDP: free gathered parameters after "
+                                           "forward (less memory, one more all-gather).")
+    fsdp_cpu_offload: bool = opt(False, "FSDP: keep sharded parameters and gradients in CPU "
+                                 "memory between uses.")
+    fsdp_wrap: str = opt("auto", "FSDP: module class names to shard one by one (comma-"
+                         "separated); auto: the blocks of the model's largest ModuleList.")
+    pipeline_schedule: str = opt("1f1b", "Pipeline: micro-batch schedule.",
+                                 choices=("gpipe", "1f1b"))
+    pipeline_microbatches: int = opt(4, "Pipeline: micro-batches per batch.", min=1)
+    pipeline_split: str = opt("", "Pipeline: module names where stages 2..N begin (comma-"
+                              "separated); empty: balanced by parameters (sequential models).")
+    local_sgd_period: int = opt(4, "local_sgd: average the models every N optimizer steps "
+                                "(within a node, when hierarchical).", min=1)
+    local_sgd_inter_node_period: int = opt(0, "local_sgd: also average across nodes every N "
+                                           "steps (0: one flat group).", min=0)
+    local_sgd_warmup_steps: int = opt(0, "local_sgd: plain gradient all-reduce for the first "
+                                      "N steps.", min=0)
+    device_map: dict = opt({}, "Model parallel: module name prefix -> device, e.g. "
+                           "{encoder = 'cuda:0', decoder = 'cuda:1'}.")
+    activation_checkpointing: str = opt("", "Recompute activations in backward: '' (off), "
+                                        "module class names (e.g. 'Block'), or 'every:K'.")
+    sync_batchnorm: bool = opt(False, "Convert BatchNorm layers to SyncBatchNorm "
+                               "(statistics over all ranks).")
 
 
 @dataclass
@@ -222,6 +245,28 @@ class FaultConfig(Section):
 
 
 @dataclass
+class MonitorConfig(Section):
+    phases: bool = opt(True, "Time each step's phases on every rank (data, forward, "
+                       "backward, optimizer, other); CUDA events on a GPU, read lazily.")
+    system_interval_s: float = opt(1.0, "Seconds between system samples (GPUs through NVML, "
+                                   "host through psutil) to system.jsonl; 0: off.", min=0.0)
+    diagnose: bool = opt(True, "Say in plain words what limits the run, with numbers and "
+                         "the fix.")
+    sync_probe_steps: int = opt(5, "Steps run under torch's CUDA sync-debug mode to find "
+                                "host-device syncs in your step (CUDA only; 0: off).", min=0)
+    report: bool = opt(True, "Write report.html (self-contained) into the run directory.")
+    sinks: str = opt("", "Extra metric sinks, comma-separated: tensorboard, mlflow, wandb.")
+    peak_tflops: float = opt(0.0, "Peak TFLOPS of one device for MFU (0: from the table of "
+                             "known GPUs for the run's precision).", min=0.0)
+
+
+@dataclass
+class ProfileConfig(Section):
+    steps: str = opt("", "Trace these optimizer steps with the torch profiler, e.g. '10-12' "
+                     "(one trace per rank in <run_dir>/profile; empty: off).")
+
+
+@dataclass
 class LogConfig(Section):
     every: int = opt(10, "Log (and reduce metrics across ranks) every N steps.", min=1)
     progress: str = opt("auto", "Progress display: auto (bar on a terminal, lines otherwise), "
@@ -249,6 +294,8 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
