@@ -99,6 +99,11 @@ class Strategy:
         """The user's own module (no ``module.`` prefix in its state dict)."""
         return model
 
+    def data_shard(self, rank: int, world_size: int) -> tuple[int, int]:
+        """``(shard, shards)``: which part of the data this rank reads. Every rank is its
+        own data-parallel replica by default; a pipeline's stages share one shard."""
+        return rank, world_size
+
     # -- the step --------------------------------------------------------------------
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """Context in which backward does not synchronise gradients across ranks."""

@@ -138,13 +138,16 @@ class TrainerSetup:
                               "Dataset (__len__ and __getitem__) to shard it across ranks "
                               "and resume mid-epoch.")
         self.pin_memory = cfg.data.pin_memory and self.device.type == "cuda"
-        train = build_train_loader(train_data, cfg.data, rank=env.rank,
-                                   world_size=env.world_size, seed=cfg.run.seed,
+        # Data-parallel shard of this rank: every rank for ddp; ranks that hold different
+        # stages of one model replica (pipeline) read the same data.
+        shard, shards = self.strategy.data_shard(env.rank, env.world_size)
+        train = build_train_loader(train_data, cfg.data, rank=shard,
+                                   world_size=shards, seed=cfg.run.seed,
                                    pin_memory=self.pin_memory)
         self.train_loader, self.train_sampler = train.loader, train.sampler
         self._consume_unit, self._variable_batches = train.unit, train.variable
-        self.eval_loader = build_eval_loader(eval_data, cfg.data, rank=env.rank,
-                                             world_size=env.world_size,
+        self.eval_loader = build_eval_loader(eval_data, cfg.data, rank=shard,
+                                             world_size=shards,
                                              pin_memory=self.pin_memory)
 
     def _epoch_iterator(self) -> Any:
