@@ -243,17 +243,17 @@ def test_a_stalled_step_dumps_the_stack_and_says_where(tmp_path, caplog):
 def test_stall_report_names_the_rank_that_is_behind():
     beats = [{"rank": 0, "step": 7, "phase": "log", "phase_since": 95.0},
              {"rank": 1, "step": 7, "phase": "log", "phase_since": 96.0},
-             {"rank": 2, "step": 6, "phase": "compute", "phase_since": 90.0},
+             {"rank": 2, "step": 6, "phase": "forward", "phase_since": 90.0},
              None]
     text = stall_report(beats, 100.0)
     first = text.splitlines()[0]
-    assert first.startswith("rank 2 is behind: step 7, forward/backward")
+    assert first.startswith("rank 2 is behind: step 7, the forward pass")
     assert "for 10.0 s; rank 0, 1 wait in the metrics all-reduce" in first
     assert "no heartbeat from rank 3" in text
 
 
 def test_stall_report_when_every_rank_is_stuck_in_the_same_place():
-    beats = [{"rank": r, "step": 3, "phase": "compute", "phase_since": 0.0} for r in (0, 1)]
+    beats = [{"rank": r, "step": 3, "phase": "backward", "phase_since": 0.0} for r in (0, 1)]
     assert stall_report(beats, 5.0).startswith("every rank is at the same point: step 4")
 
 
@@ -274,7 +274,7 @@ def test_a_fatal_error_leaves_a_crash_report(tmp_path):
     with pytest.raises(RuntimeError, match="boom in forward"):
         _fit(tmp_path, {"run.dir": str(tmp_path / "r")}, model=_Explodes())
     report = (tmp_path / "r" / "crash" / "rank-0.txt").read_text()
-    assert "step: 2 (steps done)" in report and "phase: compute" in report
+    assert "step: 2 (steps done)" in report and "phase: forward" in report
     assert "RuntimeError: boom in forward" in report and "Traceback" in report
 
 

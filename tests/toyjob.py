@@ -73,6 +73,25 @@ class _Faulty(Dataset):
         return x, y
 
 
+class _Slow(Dataset):
+    """Each item takes ``delay`` seconds to read, on rank ``rank`` (every rank if None)."""
+
+    def __init__(self, inner: Dataset, delay: float, rank: int | None) -> None:
+        self.inner, self.delay, self.rank = inner, delay, rank
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):
+        if self.rank is None or int(os.environ.get("RANK", "0")) == self.rank:
+            time.sleep(self.delay)
+        return self.inner[i]
+
+
+def make_slow_data(delay: float = 0.002, rank: int | None = None, n: int = 256):
+    return _Slow(make_data(n), delay, rank)
+
+
 def make_data_nan_on_rank(rank: int = 1, after: int = 100, nan: int = 1, n: int = 256):
     return _Faulty(make_data(n), rank, after, nan, 0.0)
 

@@ -235,4 +235,11 @@ def _print_summary(result: Any) -> None:
     ]
     for name, value in rows:
         table.add_row(name, value)
-    Console(stderr=False).print(table)
+    console = Console(stderr=False)
+    console.print(table)
+    if getattr(result, "findings", None):
+        from gpufleet.monitor.diagnose import format_findings
+
+        console.print("diagnosis:", highlight=False)
+        for line in format_findings(result.findings).splitlines():
+            console.print(f"  {line}", highlight=False, markup=False, soft_wrap=True)

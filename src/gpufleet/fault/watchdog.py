@@ -36,14 +36,15 @@ from gpufleet.train.callbacks import Callback
 log = logging.getLogger(__name__)
 
 # Where a phase sits in the progress of a rank: steps done × 10 + this offset. Phases
-# after "end" belong to the step just done; data/compute/optimizer to the next one.
-_OFFSET = {"end": 0, "log": 1, "eval": 2, "checkpoint": 3, "data": 4, "compute": 5,
-           "optimizer": 6}
+# after "end" belong to the step just done; data/forward/backward/optimizer to the next.
+_OFFSET = {"end": 0, "log": 1, "eval": 2, "checkpoint": 3, "data": 4, "forward": 5,
+           "backward": 6, "optimizer": 7}
 # What a rank in each phase is doing, for the report.
 DOING = {
     "setup": "setting up",
     "data": "loading the next batch (no collective)",
-    "compute": "forward/backward (with ddp: the gradient all-reduce that ends backward)",
+    "forward": "the forward pass",
+    "backward": "backward (with ddp: the gradient all-reduce that ends it)",
     "optimizer": "the optimizer step (with fault.skip_nonfinite: the non-finite flag "
                  "all-reduce)",
     "end": "finishing the step",
@@ -224,7 +225,7 @@ def stall_report(beats: list[dict[str, Any] | None], now: float) -> str:
     The first line is the summary; one line per rank follows.
 
     Example:
-        >>> beats = [{"rank": 0, "step": 7, "phase": "compute", "phase_since": 0.0},
+        >>> beats = [{"rank": 0, "step": 7, "phase": "backward", "phase_since": 0.0},
         ...          {"rank": 1, "step": 7, "phase": "data", "phase_since": 0.0}]
         >>> stall_report(beats, 9.0).splitlines()[0][:66]
         'rank 1 is behind: step 8, loading the next batch (no collective) f'

@@ -53,6 +53,12 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
 }
 
 
+def flop_counter() -> FlopCounterMode:
+    """A ``FlopCounterMode`` that counts what :func:`count_flops` counts; use it as a
+    context manager and read ``get_total_flops()`` afterwards."""
+    return FlopCounterMode(display=False, custom_mapping=_EXTRA_FORMULAS)
+
+
 def count_flops(fn: Callable[[], Any]) -> int:
     """Run ``fn()`` once and return the FLOPs its matmuls and attention kernels did.
 
@@ -77,7 +83,7 @@ def count_flops(fn: Callable[[], Any]) -> int:
         >>> count_flops(lambda: layer(x).sum().backward())  # 3 matmuls of 2 * 8 * 32 * 16
         24576
     """
-    with FlopCounterMode(display=False, custom_mapping=_EXTRA_FORMULAS) as counter:
+    with flop_counter() as counter:
         fn()
     return counter.get_total_flops()
 
@@ -162,6 +168,16 @@ def peak_flops(device_name: str, precision: str, override: float | None = None) 
         if key.lower() in name:
             return rates.get(precision)
     return None
+
+
+def device_peak_flops(cfg: Any, device: Any) -> float | None:
+    """Peak FLOP/s of the run's device at its matmul precision (``monitor.peak_tflops``
+    wins over the table); None on a CPU or an unknown GPU."""
+    if device.type != "cuda":
+        return None
+    override = cfg.monitor.peak_tflops * 1e12 or None
+    return peak_flops(torch.cuda.get_device_name(device),
+                      matmul_precision(cfg.precision.mode, cfg.perf.tf32), override)
 
 
 def matmul_precision(precision_mode: str, tf32: bool) -> str:

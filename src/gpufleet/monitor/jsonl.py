@@ -25,15 +25,16 @@ class MetricsFile(Callback):
     def on_fit_start(self, trainer: Any) -> None:
         self._file = open(self.path, "a", buffering=1)  # line-buffered: readable live
 
-    def _write(self, kind: str, metrics: dict[str, Any]) -> None:
+    def write(self, kind: str, metrics: dict[str, Any]) -> None:
+        """Append one record of ``kind`` (train, eval, diagnosis)."""
         if self._file is not None:
             self._file.write(json.dumps({"kind": kind, "time": time.time(), **metrics}) + "\n")
 
     def on_log(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
-        self._write("train", metrics)
+        self.write("train", metrics)
 
     def on_eval(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
-        self._write("eval", metrics)
+        self.write("eval", metrics)
 
     def on_fit_end(self, trainer: Any, result: Any) -> None:
         if self._file is not None:

@@ -111,14 +111,18 @@ class Strategy:
 
     def forward_backward(self, model: nn.Module, batch: Any,
                          loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-                         precision: Any, loss_scale: float) -> torch.Tensor:
+                         precision: Any, loss_scale: float,
+                         mark: Callable[[], None] | None = None) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns the detached, unscaled loss.
 
         ``loss_scale`` is 1 / grad_accum: the loss is divided before backward so that N
-        micro-batches add up to the gradient of one N-times batch.
+        micro-batches add up to the gradient of one N-times batch. ``mark``, when given,
+        is called where backward begins (phase timing).
         """
         with precision.autocast():
             loss = loss_fn(model, batch)
+        if mark is not None:
+            mark()
         precision.backward(loss * loss_scale if loss_scale != 1.0 else loss)
         return loss.detach()
 

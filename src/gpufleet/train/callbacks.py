@@ -29,8 +29,9 @@ class Callback:
         """After setup (and resume), before the first step."""
 
     def on_phase(self, trainer: Trainer, phase: str) -> None:
-        """A phase of the step begins: 'data', 'compute', 'optimizer' or 'end'.
-        Called every micro-step; keep it to a clock read."""
+        """A phase begins: 'data', 'forward', 'backward', 'optimizer', 'end' (of the
+        step), then 'log', 'eval' or 'checkpoint' when those run. Called several times
+        per micro-step; keep it to a clock read."""
 
     def on_step_end(self, trainer: Trainer, step: int) -> None:
         """After optimizer step ``step`` (1-based count of steps done). No metrics here:

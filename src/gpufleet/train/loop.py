@@ -8,6 +8,7 @@ is none per step, only one per log interval (unless fp16 loss scaling is on).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
@@ -20,6 +21,7 @@ from torch.utils.data import Dataset
 
 from gpufleet.config import Config
 from gpufleet.fault.crash import write_crash_report
+from gpufleet.monitor.metrics import flops_metrics, phase_metrics
 from gpufleet.procs import forget_process
 from gpufleet.train.batches import batch_size_of, to_device, tokens_of
 from gpufleet.train.callbacks import Callback
@@ -27,6 +29,8 @@ from gpufleet.train.perf import to_channels_last
 from gpufleet.train.setup import TrainerSetup
 
 log = logging.getLogger(__name__)
+
+_NO_COUNT = contextlib.nullcontext()  # reusable: stands for "FLOPs already counted"
 
 
 @dataclass
@@ -43,6 +47,7 @@ class FitResult:
         run_dir / checkpoint: where the run and its last written checkpoint are.
         skipped_steps: optimizer steps skipped for non-finite loss or gradients.
         checkpoint_errors: checkpoint writes that failed (training went on).
+        findings: what limits the run (:class:`gpufleet.monitor.diagnose.Finding`).
     """
 
     steps: int = 0
@@ -55,6 +60,7 @@ class FitResult:
     checkpoint: str | None = None
     skipped_steps: int = 0
     checkpoint_errors: list[str] = field(default_factory=list)
+    findings: list[Any] = field(default_factory=list)
 
     @property
     def final_loss(self) -> float | None:
@@ -110,6 +116,12 @@ class Trainer(TrainerSetup):
         accum, max_steps = cfg.optim.grad_accum, cfg.run.max_steps
         loss_scale = 1.0 / accum
         phases = cbs.phase_listeners
+
+        def mark_backward() -> None:  # called by the strategy where backward begins
+            for cb in phases:
+                cb.on_phase(self, "backward")
+
+        mark = mark_backward if phases else None
         cbs.on_fit_start(self)
         # Running sum of micro-batch losses, kept on the device: adding to it does not
         # wait for the GPU. It is read once per log interval.
@@ -120,24 +132,28 @@ class Trainer(TrainerSetup):
         while self.step < max_steps:
             # ---- forward/backward over grad_accum micro-batches ------------------------
             step_loss: torch.Tensor | None = None  # this step's loss summed over micro-steps
-            for micro in range(accum):
-                for cb in phases:
-                    cb.on_phase(self, "data")
-                batch = self.next_batch()
-                for cb in phases:
-                    cb.on_phase(self, "compute")
-                # Gradients are all-reduced on the last micro-step only (DDP no_sync);
-                # the loss is scaled by 1/accum so the sum equals one big batch's mean.
-                if micro == accum - 1:
-                    # COLLECTIVE (ddp): the gradient all-reduce runs in buckets during
-                    # this backward.
-                    loss = strategy.forward_backward(model, batch, self.loss_fn, precision,
-                                                     loss_scale)
-                else:
-                    with strategy.no_sync(model):
-                        loss = strategy.forward_backward(model, batch, self.loss_fn,
-                                                         precision, loss_scale)
-                step_loss = loss if step_loss is None else step_loss + loss
+            # FLOPs of a step are counted once, on the first (torch's FLOP counter).
+            counting = self._flop_counter() if self.flops_per_step is None else _NO_COUNT
+            with counting:
+                for micro in range(accum):
+                    for cb in phases:
+                        cb.on_phase(self, "data")
+                    batch = self.next_batch()
+                    for cb in phases:
+                        cb.on_phase(self, "forward")
+                    args = (model, batch, self.loss_fn, precision, loss_scale, mark)
+                    # Gradients are all-reduced on the last micro-step only (DDP no_sync);
+                    # the loss is scaled by 1/accum so the sum equals one big batch's mean.
+                    if micro == accum - 1:
+                        # COLLECTIVE (ddp): the gradient all-reduce runs in buckets during
+                        # this backward.
+                        loss = strategy.forward_backward(*args)
+                    else:
+                        with strategy.no_sync(model):
+                            loss = strategy.forward_backward(*args)
+                    step_loss = loss if step_loss is None else step_loss + loss
+            if counting is not _NO_COUNT:
+                self.flops_per_step = counting.get_total_flops()
             # ---- optimizer step ------------------------------------------------------
             for cb in phases:
                 cb.on_phase(self, "optimizer")
@@ -195,6 +211,16 @@ class Trainer(TrainerSetup):
                 interval_start = time.perf_counter()
         return self._finish()
 
+    def _flop_counter(self) -> Any:
+        """torch's FLOP counter for the first step; off (FLOPs unknown, no MFU) with
+        torch.compile, whose graphs the counter does not see through reliably."""
+        if self.cfg.perf.compile:
+            self.flops_per_step = 0
+            return _NO_COUNT
+        from gpufleet.monitor.flops import flop_counter
+
+        return flop_counter()
+
     def next_batch(self) -> Any:
         """The next training batch on the device; epochs roll over by themselves."""
         batch = next(self._batches, None)
@@ -224,12 +250,21 @@ class Trainer(TrainerSetup):
         counts = torch.tensor([self._interval_samples, self._interval_tokens],
                               dtype=torch.float32, device=self.device)
         self._interval_samples, self._interval_tokens = 0, 0
-        stats = torch.cat([torch.stack([loss_sum.float(),
-                                        self.grad_norm.float().to(self.device)]), counts])
+        parts = [torch.stack([loss_sum.float(), self.grad_norm.float().to(self.device)]),
+                 counts]
+        if self.phase_timer is not None:
+            # Every rank fills its own row of a [world, phases] table; the sum below
+            # hands every rank the whole table (the straggler view) in the same message.
+            host, _ = self.phase_timer.take()
+            table = torch.zeros(world, len(host), dtype=torch.float32)
+            table[self.env.rank] = torch.tensor(host)
+            parts.append(table.flatten().to(self.device))
+        stats = torch.cat(parts)
         # COLLECTIVE + SYNC, once per log interval: mean loss over ranks and micro-steps,
-        # and the exact global sample and token counts.
+        # the exact global sample and token counts, and every rank's phase times.
         self.strategy.all_reduce(stats)
-        loss_total, norm_total, samples, tokens = stats.tolist()
+        values = stats.tolist()
+        loss_total, norm_total, samples, tokens = values[:4]
         # Skipped steps add no loss; an interval of skipped steps only has none.
         loss = loss_total / (micro_steps * world) if micro_steps else float("nan")
         self._train_time += seconds
@@ -247,6 +282,14 @@ class Trainer(TrainerSetup):
         if tokens:
             metrics["tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
             self._tokens_seen += tokens
+        if self.phase_timer is not None:
+            metrics.update(phase_metrics(values[4:], world, self.env.rank,
+                                         self.phase_timer.device_times()))
+        if self.device.type == "cuda":  # the allocator's own counter: no sync
+            metrics["mem_peak_gb"] = torch.cuda.max_memory_reserved(self.device) / 2**30
+        if self.flops_per_step and seconds > 0:
+            metrics.update(flops_metrics(self.flops_per_step, metrics["step_time_s"],
+                                         self.peak_flops))
         self.result.losses.append((self.step, loss))
         self.callbacks.on_log(self, self.step, metrics)
 

@@ -29,6 +29,8 @@ from gpufleet.launch import (
     is_initialized,
     job_store,
 )
+from gpufleet.monitor.flops import device_peak_flops
+from gpufleet.monitor.phases import PhaseTimer
 from gpufleet.parallel import build_strategy
 from gpufleet.precision import build_precision
 from gpufleet.procs import record_process
@@ -61,6 +63,11 @@ class TrainerSetup:
         self._build_data(train_data, eval_data)
         self.step, self.epoch, self.consumed = 0, 0, 0
         self._saved_step = -1
+        mon = self.cfg.monitor
+        self.phase_timer = PhaseTimer(self.device) if mon.phases else None
+        # FLOPs per step: counted on the first step (None: not yet; 0: not counted).
+        self.flops_per_step: int | None = None if (mon.phases or mon.diagnose) else 0
+        self.peak_flops = device_peak_flops(self.cfg, self.device)
         self.watchdog = (Watchdog(self.cfg.fault, self.run_dir, self.env.rank,
                                   self.env.world_size, job_store(), self.env.restart_count)
                          if self.cfg.fault.watchdog else None)
@@ -166,12 +173,21 @@ class TrainerSetup:
         return batches
 
     def _default_callbacks(self) -> list[Callback]:
+        from gpufleet.monitor.advisor import Advisor, SyncProbe, run_facts
         from gpufleet.monitor.jsonl import MetricsFile
 
-        sinks: list[Callback] = [self.watchdog] if self.watchdog else []
-        if self.env.is_main:
-            sinks.append(MetricsFile(self.run_dir / "metrics.jsonl"))
-        return sinks
+        mon = self.cfg.monitor
+        own: list[Callback] = [cb for cb in (self.phase_timer, self.watchdog) if cb]
+        if not self.env.is_main:
+            return own
+        metrics = MetricsFile(self.run_dir / "metrics.jsonl")
+        own.append(metrics)
+        if mon.diagnose and mon.phases:
+            self.advisor = Advisor(run_facts(self), self.run_dir, metrics)
+            own.append(self.advisor)
+            if mon.sync_probe_steps and self.device.type == "cuda":
+                own.append(SyncProbe(self.advisor, mon.sync_probe_steps))
+        return own
 
     # -- checkpoints -----------------------------------------------------------------
     def save_checkpoint(self) -> Path | None:

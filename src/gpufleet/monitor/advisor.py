@@ -1,0 +1,214 @@
+"""The trainer's side of the diagnosis: collects the per-interval measurements, runs the
+rules of :mod:`gpufleet.monitor.diagnose` on everything seen so far, says each new
+finding once in the log, and records them (``metrics.jsonl`` and ``diagnosis.json``).
+
+Runs on rank 0 only: the phase times of every rank reach it in the log-interval
+all-reduce, so it needs no collective of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpufleet.monitor.diagnose import (
+    DIAGNOSIS_FILE,
+    Finding,
+    RunFacts,
+    Summary,
+    diagnose,
+)
+from gpufleet.monitor.phases import PHASES
+from gpufleet.train.callbacks import Callback
+
+log = logging.getLogger(__name__)
+
+
+class Advisor(Callback):
+    """Diagnoses the run as it goes (see the module docs).
+
+    Args:
+        facts: the run's setup (:func:`run_facts`).
+        run_dir: where ``diagnosis.json`` goes.
+        metrics_file: the run's ``MetricsFile`` (diagnosis records go there), or None.
+        system: the system sampler (its newest sample feeds the GPU rules), or None.
+        skip_intervals: log intervals left out at the start (start-up, compilation).
+    """
+
+    essential = False
+
+    def __init__(self, facts: RunFacts, run_dir: str | Path, metrics_file: Any = None,
+                 system: Any = None, skip_intervals: int = 1) -> None:
+        self.facts, self.run_dir = facts, Path(run_dir)
+        self.metrics_file, self.system = metrics_file, system
+        self.skip = skip_intervals
+        self.intervals = 0
+        self.steps = 0
+        self._sums: dict[int, list[float]] = {}
+        self._step_s = 0.0
+        self._flop_s = 0.0  # sum of tflops x steps
+        self._mem_peak = 0.0
+        self.syncs: list[tuple[str, int]] = []
+        self.findings: list[Finding] = []
+        self._said: set[tuple[str, str]] = set()
+        self._last_step = 0
+
+    def on_fit_start(self, trainer: Any) -> None:
+        self._last_step = trainer.step
+
+    def on_log(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
+        self.intervals += 1
+        steps, self._last_step = max(1, step - self._last_step), step
+        if self.intervals <= self.skip or "rank_phases" not in metrics:
+            return
+        self.steps += steps
+        self._step_s += metrics["step_time_s"] * steps
+        for row in metrics["rank_phases"]:
+            sums = self._sums.setdefault(row["rank"], [0.0] * len(PHASES))
+            for i, name in enumerate(PHASES):
+                sums[i] += row[name] * steps
+        if "tflops" in metrics:
+            self._flop_s += metrics["tflops"] * steps
+        self._mem_peak = max(self._mem_peak, metrics.get("mem_peak_gb", 0.0))
+        self._update(step)
+
+    def summary(self) -> Summary | None:
+        if not self.steps:
+            return None
+        n = self.steps
+        rows = [{"rank": r, **{name: v / n for name, v in zip(PHASES, sums)}}
+                for r, sums in sorted(self._sums.items())]
+        return Summary(steps=n, step_s=self._step_s / n, rank_phases=rows,
+                       tflops=self._flop_s / n or None, mem_peak_gb=self._mem_peak or None)
+
+    def _update(self, step: int) -> None:
+        summary = self.summary()
+        if summary is None:
+            return
+        latest = self.system.latest() if self.system is not None else None
+        findings = [Finding(**{**f.to_dict(), "step": step})
+                    for f in diagnose(summary, self.facts, latest, self.syncs)]
+        new = [f for f in findings if (f.rule, f.title) not in self._said]
+        for f in new:
+            self._said.add((f.rule, f.title))
+            log.warning("diagnosis at step %d: %s: %s Fix: %s", step, f.title, f.message,
+                        f.fix)
+        if [(f.rule, f.title) for f in findings] != [(f.rule, f.title)
+                                                       for f in self.findings]:
+            if self.metrics_file is not None:
+                self.metrics_file.write("diagnosis", {
+                    "step": step, "findings": [f.to_dict() for f in findings]})
+        self.findings = findings
+        self._save()
+
+    def _save(self) -> None:
+        path = self.run_dir / DIAGNOSIS_FILE
+        tmp = path.with_suffix(".json.tmp")
+        summary = self.summary()
+        tmp.write_text(json.dumps({
+            "findings": [f.to_dict() for f in self.findings],
+            "steps_measured": summary.steps if summary else 0,
+            "facts": vars(self.facts)}, indent=1))
+        os.replace(tmp, path)
+
+    def on_fit_end(self, trainer: Any, result: Any) -> None:
+        result.findings = list(self.findings)
+        self._save()
+
+
+def measured_cpu_flops(seconds: float = 0.1, n: int = 512) -> float:
+    """FLOP/s of a plain fp32 matmul on this CPU with torch's threads (a yardstick for
+    how much arithmetic a CPU step could do)."""
+    g = torch.Generator().manual_seed(0)  # the global RNG stays as training left it
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+    a @ b  # warm-up
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        runs += 1
+    return 2 * n ** 3 * runs / (time.perf_counter() - start)
+
+
+def run_facts(trainer: Any) -> RunFacts:
+    """What the rules need to know about ``trainer``'s setup."""
+    from gpufleet.monitor.flops import device_peak_flops
+
+    cfg, device = trainer.cfg, trainer.device
+    facts = RunFacts(
+        device=device.type, world=trainer.env.world_size,
+        local_world=trainer.env.local_world_size,
+        cpus_per_rank=max(1, len(os.sched_getaffinity(0)) // trainer.env.local_world_size)
+        if hasattr(os, "sched_getaffinity") else max(1, (os.cpu_count() or 1)),
+        num_workers=cfg.data.num_workers, pin_memory=trainer.pin_memory,
+        batch_size=cfg.data.batch_size, grad_accum=cfg.optim.grad_accum,
+        precision=cfg.precision.mode, strategy=cfg.parallel.strategy,
+        bucket_cap_mb=cfg.parallel.bucket_cap_mb, compile=cfg.perf.compile)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        facts.device_name = props.name
+        facts.tensor_cores = props.major >= 8
+        facts.mem_total_gb = props.total_memory / 2**30
+        facts.device_flops = device_peak_flops(cfg, device)
+    else:
+        facts.device_name = "CPU"
+        facts.device_flops = (cfg.monitor.peak_tflops * 1e12 or measured_cpu_flops())
+        facts.device_flops_source = "peak" if cfg.monitor.peak_tflops else "measured matmul"
+    return facts
+
+
+class SyncProbe(Callback):
+    """Runs ``steps`` optimizer steps (after two warm-up steps) under torch's CUDA
+    sync-debug mode and hands the places in the user's code that synchronised to the
+    advisor. CUDA only: on a CPU nothing ever waits for a device."""
+
+    def __init__(self, advisor: Advisor, steps: int, first_step: int = 3) -> None:
+        self.advisor, self.steps, self.first = advisor, steps, first_step
+        self._catcher: Any = None
+        self._records: list[Any] = []
+
+    def on_step_end(self, trainer: Any, step: int) -> None:
+        if step == self.first - 1:
+            self._catcher = warnings.catch_warnings(record=True)
+            self._records = self._catcher.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        elif self._catcher is not None and step >= self.first - 1 + self.steps:
+            self._stop()
+
+    def on_fit_end(self, trainer: Any, result: Any) -> None:
+        if self._catcher is not None:
+            self._stop()
+
+    def _stop(self) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+        self._catcher.__exit__(None, None, None)
+        self._catcher = None
+        self.advisor.syncs = user_syncs(self._records)
+
+
+def user_syncs(records: list[Any]) -> list[tuple[str, int]]:
+    """``(file:line, count)`` of sync warnings raised outside gpufleet itself (whose
+    own syncs are deliberate and once per log interval), most frequent first.
+
+    Example:
+        >>> import warnings
+        >>> w = warnings.WarningMessage("called a synchronizing CUDA operation",
+        ...                             UserWarning, "/home/me/model.py", 42)
+        >>> user_syncs([w, w])
+        [('/home/me/model.py:42', 2)]
+    """
+    ours = str(Path(__file__).resolve().parents[1])
+    counts: dict[str, int] = {}
+    for w in records:
+        if "synchroniz" not in str(w.message) or str(Path(w.filename).resolve()).startswith(ours):
+            continue
+        where = f"{w.filename}:{w.lineno}"
+        counts[where] = counts.get(where, 0) + 1
+    return sorted(counts.items(), key=lambda kv: -kv[1])

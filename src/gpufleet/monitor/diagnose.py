@@ -1,0 +1,292 @@
+"""Diagnosis: what limits a run, in plain words, with the numbers and the fix.
+
+Findings are written to ``<run_dir>/diagnosis.json`` (and as ``"kind": "diagnosis"``
+records in ``metrics.jsonl``) while the run goes; :func:`findings_for_run` reads them back
+for ``gpufleet report``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+DIAGNOSIS_FILE = "diagnosis.json"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing that limits the run.
+
+    Attributes:
+        rule: a stable name, e.g. ``input-bound``, ``straggler``, ``host-bound``.
+        severity: ``warn`` (costs speed now) or ``info`` (room to go faster).
+        title: one short line, e.g. "input-bound on rank 3".
+        message: what was measured, with the numbers.
+        fix: what to change, with config keys and values.
+        step: the optimizer step at which it was found.
+    """
+
+    rule: str
+    severity: str
+    title: str
+    message: str
+    fix: str
+    step: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Finding:
+        return cls(**{k: data[k] for k in ("rule", "severity", "title", "message", "fix")},
+                   step=int(data.get("step", 0)))
+
+
+def findings_for_run(run_dir: str | Path) -> list[Finding]:
+    """The findings recorded for a run (empty when it recorded none)."""
+    path = Path(run_dir) / DIAGNOSIS_FILE
+    if not path.is_file():
+        return []
+    return [Finding.from_dict(d) for d in json.loads(path.read_text())["findings"]]
+
+
+def format_findings(findings: list[Finding]) -> str:
+    """Plain text for a terminal or a log: one paragraph per finding."""
+    if not findings:
+        return "No limit found: the measured phases look balanced."
+    return "\n".join(f"[{f.severity}] {f.title}: {f.message} Fix: {f.fix}" for f in findings)
+
+
+# -- what the rules know about the run -------------------------------------------------
+@dataclass
+class RunFacts:
+    """The run's setup, as the rules need it (filled by the trainer once).
+
+    Attributes:
+        device: ``cpu`` or ``cuda``; device_name: e.g. "NVIDIA H100 80GB HBM3".
+        world / local_world: ranks in the job / on this node.
+        cpus_per_rank: CPU cores this node has per rank (caps data-loader workers).
+        device_flops: FLOP/s one device can do (the GPU's peak for the run's precision,
+            or on a CPU a measured matmul rate); None when unknown.
+        device_flops_source: "peak" or "measured matmul".
+        tensor_cores: a GPU with bf16 tensor cores (compute capability 8.0 or newer).
+        mem_total_gb: device memory (CUDA), else 0.
+    """
+
+    device: str = "cpu"
+    device_name: str = ""
+    world: int = 1
+    local_world: int = 1
+    cpus_per_rank: int = 1
+    num_workers: int = 0
+    pin_memory: bool = False
+    batch_size: int = 1
+    grad_accum: int = 1
+    precision: str = "fp32"
+    strategy: str = "single"
+    bucket_cap_mb: float = 25.0
+    compile: bool = False
+    device_flops: float | None = None
+    device_flops_source: str = "peak"
+    tensor_cores: bool = False
+    mem_total_gb: float = 0.0
+
+
+@dataclass
+class Summary:
+    """Mean per-step numbers over the part of the run seen so far (first interval left
+    out: it holds start-up and compilation)."""
+
+    steps: int
+    step_s: float
+    rank_phases: list[dict[str, float]]  # per rank: data, forward, backward, optimizer, other
+    tflops: float | None = None  # achieved by one rank
+    mem_peak_gb: float | None = None
+
+
+def diagnose(s: Summary, facts: RunFacts, system: dict[str, Any] | None = None,
+             syncs: list[tuple[str, int]] | None = None) -> list[Finding]:
+    """Every rule that fires for this summary, most costly first."""
+    found = [f for rule in _RULES if (f := rule(s, facts, system, syncs)) is not None]
+    found.sort(key=lambda f: f.severity != "warn")
+    return found
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _input_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
+    worst = max(s.rank_phases, key=lambda p: p["data"])
+    step = sum(worst[k] for k in ("data", "forward", "backward", "optimizer", "other"))
+    share = worst["data"] / step if step > 0 else 0.0
+    if share < 0.25 or worst["data"] < 1e-3:
+        return None
+    compute = max(step - worst["data"], 1e-6)
+    workers = facts.num_workers
+    # Seconds one worker needs per batch: measured directly without workers; with N
+    # workers each delivers a batch every N steps while the loop waits on them.
+    load = worst["data"] if workers == 0 else workers * step
+    needed = math.ceil(load / compute) + 1  # +1 absorbs jitter
+    cap = max(1, facts.cpus_per_rank)
+    rank = f" on rank {worst['rank']}" if facts.world > 1 else ""
+    message = (f"{_ms(worst['data'])} of each {_ms(step)} step ({share:.0%}) waits for "
+               f"the next batch, with data.num_workers = {workers}. One batch takes about "
+               f"{_ms(load)} to load and {_ms(compute)} to train on.")
+    if needed <= cap:
+        fix = f"raise data.num_workers from {workers} to {needed}."
+    else:
+        fix = (f"raise data.num_workers from {workers} to {cap} (this node has {cap} CPU "
+               f"core(s) per rank; about {needed} would hide the loading), and make loading "
+               "cheaper: pre-process once and cache, or read fewer, larger records.")
+    if facts.device == "cuda" and not facts.pin_memory:
+        fix += " Also set data.pin_memory=true (faster, asynchronous copies to the GPU)."
+    fix += " `gpufleet bench loader` measures the options."
+    return Finding("input-bound", "warn", f"input-bound{rank}", message, fix)
+
+
+def _straggler(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
+    if len(s.rank_phases) < 2:
+        return None
+    # The gradient all-reduce evens out step times, so compare what each rank does
+    # before it: data wait + forward.
+    before = [p["data"] + p["forward"] for p in s.rank_phases]
+    slow = max(range(len(before)), key=before.__getitem__)
+    others = [b for i, b in enumerate(before) if i != slow]
+    excess = before[slow] - _median(others)
+    if excess < max(0.15 * s.step_s, 2e-3):
+        return None
+    p = s.rank_phases[slow]
+    rest = [q for i, q in enumerate(s.rank_phases) if i != slow]
+    data_excess = p["data"] - _median([q["data"] for q in rest])
+    kind = "input-bound" if data_excess > 0.5 * excess else "compute-bound"
+    message = (f"rank {p['rank']} spends {_ms(before[slow])} per step on data and forward, "
+               f"the other ranks {_ms(_median(others))}; they wait for it in the gradient "
+               f"all-reduce (their backward: {_ms(_median([q['backward'] for q in rest]))}, "
+               f"rank {p['rank']}'s: {_ms(p['backward'])}). It is {kind}: "
+               f"{_ms(p['data'])} of data wait against "
+               f"{_ms(_median([q['data'] for q in rest]))} elsewhere.")
+    if kind == "input-bound":
+        fix = (f"make rank {p['rank']}'s input as fast as the others': its node's storage "
+               "and CPU load, data.num_workers, or uneven sample sizes (data.batching="
+               "tokens evens out the work per batch).")
+    else:
+        fix = (f"check rank {p['rank']}'s device (clocks, temperature, other processes: "
+               "`gpufleet top` on its node) and whether its batches hold more work.")
+    return Finding("straggler", "warn", f"rank {p['rank']} is the straggler ({kind})",
+                   message, fix)
+
+
+def _host_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
+    if not s.tflops or not facts.device_flops:
+        return None
+    worst_data = max(p["data"] for p in s.rank_phases)
+    if worst_data >= 0.25 * s.step_s or s.step_s > 0.05:  # input-bound is its own rule
+        return None
+    use = s.tflops * 1e12 / facts.device_flops
+    if use >= 0.15:
+        return None
+    what = ("its peak" if facts.device_flops_source == "peak"
+            else "a plain matmul on this CPU")
+    message = (f"a step does {s.tflops * s.step_s * 1e3:.3g} GFLOP in {_ms(s.step_s)}: "
+               f"{s.tflops * 1e3:.3g} GFLOP/s, {use:.1%} of the "
+               f"{facts.device_flops / 1e9:.3g} GFLOP/s of {what}, while data is ready "
+               f"({worst_data / s.step_s:.0%} of the step waits for it). The time goes to "
+               "Python and per-operation overhead, not to arithmetic.")
+    fix = (f"raise data.batch_size from {facts.batch_size} (the overhead per step stays, "
+           "the work grows)")
+    if not facts.compile:
+        fix += ", set perf.compile=true (fuses operations)"
+    if facts.device == "cuda":
+        fix += ", and perf.compile_mode=reduce-overhead (CUDA graphs: one launch per step)"
+    return Finding("host-bound", "warn", "host-bound", message, fix + ".")
+
+
+def _communication_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
+    if facts.world < 2 or facts.strategy not in ("ddp", "zero1", "fsdp"):
+        return None
+    # Backward computes about twice what forward does; the rest of it is waiting for
+    # the gradient all-reduce (on the fastest rank, so a straggler does not count).
+    waits = [p["backward"] - 2 * p["forward"] for p in s.rank_phases]
+    wait = min(waits)
+    if wait < max(0.3 * s.step_s, 2e-3):
+        return None
+    message = (f"about {_ms(wait)} of each {_ms(s.step_s)} step ({wait / s.step_s:.0%}) goes "
+               "to the gradient all-reduce (backward takes "
+               f"{_ms(min(p['backward'] for p in s.rank_phases))} against "
+               f"{_ms(min(p['forward'] for p in s.rank_phases))} of forward; backward "
+               "usually computes about twice the forward).")
+    fix = (f"raise optim.grad_accum from {facts.grad_accum} to {2 * facts.grad_accum} (one "
+           f"all-reduce per {2 * facts.grad_accum} micro-batches) or data.batch_size, raise "
+           f"parallel.bucket_cap_mb from {facts.bucket_cap_mb:g} to "
+           f"{max(50.0, 2 * facts.bucket_cap_mb):g} (fewer, larger messages), and measure "
+           "the link with `gpufleet bench allreduce`.")
+    return Finding("communication-bound", "warn", "communication-bound", message, fix)
+
+
+def _memory_headroom(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
+    if facts.device != "cuda" or not s.mem_peak_gb or not facts.mem_total_gb:
+        return None
+    used = s.mem_peak_gb / facts.mem_total_gb
+    if used >= 0.5:
+        return None
+    grow = max(2, int(0.8 / max(used, 1e-3)))
+    return Finding(
+        "memory-headroom", "info", "memory headroom",
+        f"the peak is {s.mem_peak_gb:.1f} of {facts.mem_total_gb:.1f} GiB ({used:.0%}).",
+        f"raise data.batch_size from {facts.batch_size} (up to about {grow}x before memory "
+        "runs short) for more work per step.")
+
+
+def _fp32_on_tensor_cores(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
+    if facts.device != "cuda" or facts.precision != "fp32" or not facts.tensor_cores:
+        return None
+    return Finding(
+        "fp32-on-tensor-cores", "warn", "fp32 on a tensor-core GPU",
+        f"the run computes in fp32 on {facts.device_name}, whose tensor cores run bf16 "
+        "several times faster.",
+        "set precision.mode=bf16-mixed (no loss scaling needed), or at least "
+        "perf.tf32=true for fp32 matmuls.")
+
+
+def _host_syncs(s: Summary, facts: RunFacts, system: Any,
+                syncs: list[tuple[str, int]] | None) -> Finding | None:
+    if not syncs:
+        return None
+    total = sum(n for _, n in syncs)
+    places = ", ".join(f"{where} ({n}x)" for where, n in syncs[:5])
+    return Finding(
+        "host-syncs", "warn", "host-device syncs in the step",
+        f"{total} synchronising call(s) in the probed steps: {places}. Each makes the CPU "
+        "wait until the GPU has caught up, so the next kernels start late.",
+        "keep values on the device inside the step (accumulate tensors, read them once "
+        "per log interval); avoid .item(), .cpu(), .tolist(), printing tensors and "
+        "data-dependent shapes (nonzero, boolean masks) in forward and the loss.")
+
+
+def _dp_imbalance(s: Summary, facts: RunFacts, system: dict[str, Any] | None,
+                  *_: Any) -> Finding | None:
+    if facts.strategy != "dp" or not system or len(system.get("gpus", [])) < 2:
+        return None
+    utils = [g.get("util_pct", 0.0) for g in system["gpus"]]
+    first, rest = utils[0], sum(utils[1:]) / len(utils[1:])
+    if first - rest < 30:
+        return None
+    return Finding(
+        "dp-imbalance", "warn", "one GPU busy, the others idle",
+        f"GPU 0 is {first:.0f}% busy, the other {len(utils) - 1} {rest:.0f}% on average: "
+        "nn.DataParallel scatters inputs and gathers outputs on GPU 0, in one process.",
+        f"use parallel.strategy=ddp with --nproc {len(utils)} (one process per GPU).")
+
+
+_RULES = (_input_bound, _straggler, _host_bound, _communication_bound, _memory_headroom,
+          _fp32_on_tensor_cores, _host_syncs, _dp_imbalance)
