@@ -51,6 +51,8 @@ COMMANDS: dict[str, str] = {
     "doctor": "gpufleet.doctor.cli",
     "cleanup": "gpufleet.procs",
     "tokens": "gpufleet.hf.cli",
+    "report": "gpufleet.monitor.report_cli",
+    "top": "gpufleet.monitor.top",
 }
 
 

@@ -344,4 +344,15 @@ class Trainer(TrainerSetup):
             if self._tokens_seen:
                 result.tokens_per_s = self._tokens_seen / self._train_time
         self.callbacks.on_fit_end(self, result)
+        if self.env.is_main and self.cfg.monitor.report:
+            self._write_report()
         return result
+
+    def _write_report(self) -> None:
+        """report.html for the run (not essential: a failure is reported, not raised)."""
+        from gpufleet.monitor.report import write_report
+
+        try:
+            log.info("report: %s", write_report(self.run_dir))
+        except Exception as e:
+            log.error("the HTML report could not be written: %s: %s", type(e).__name__, e)

@@ -173,17 +173,32 @@ class TrainerSetup:
         return batches
 
     def _default_callbacks(self) -> list[Callback]:
+        """The run's own callbacks, in the order they hear each hook: phase timing first
+        (its clock reads bracket the others' work least), the file sinks before the
+        advisor that reads what they were given."""
         from gpufleet.monitor.advisor import Advisor, SyncProbe, run_facts
         from gpufleet.monitor.jsonl import MetricsFile
+        from gpufleet.monitor.profile import ProfilerCallback
+        from gpufleet.monitor.sinks import build_sinks
+        from gpufleet.monitor.system import SystemSampler
 
-        mon = self.cfg.monitor
+        cfg, env, mon = self.cfg, self.env, self.cfg.monitor
         own: list[Callback] = [cb for cb in (self.phase_timer, self.watchdog) if cb]
-        if not self.env.is_main:
+        if cfg.profile.steps:  # every rank writes its own trace
+            own.append(ProfilerCallback(cfg.profile.steps, self.run_dir, env.rank,
+                                        env.world_size))
+        self.sampler = None
+        if env.local_rank == 0 and mon.system_interval_s > 0:  # one sampler per node
+            self.sampler = SystemSampler(self.run_dir, interval_s=mon.system_interval_s)
+            own.append(self.sampler)
+        if not env.is_main:
             return own
         metrics = MetricsFile(self.run_dir / "metrics.jsonl")
         own.append(metrics)
+        own.extend(build_sinks(mon.sinks, self.run_dir, config_to_dict(cfg)))
+        self.advisor = None
         if mon.diagnose and mon.phases:
-            self.advisor = Advisor(run_facts(self), self.run_dir, metrics)
+            self.advisor = Advisor(run_facts(self), self.run_dir, metrics, self.sampler)
             own.append(self.advisor)
             if mon.sync_probe_steps and self.device.type == "cuda":
                 own.append(SyncProbe(self.advisor, mon.sync_probe_steps))

@@ -1,0 +1,33 @@
+"""``gpufleet report RUN_DIR``: rebuild a run's report.html and print its diagnosis."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add ``gpufleet report`` to the CLI's subparsers.
+
+    Example:
+        >>> parser = argparse.ArgumentParser(prog="gpufleet")
+        >>> add_parser(parser.add_subparsers(dest="command"))
+        >>> parser.parse_args(["report", "runs/gpt-1"]).run_dir
+        'runs/gpt-1'
+    """
+    p = sub.add_parser(
+        "report", help="rebuild a run's report.html and print its diagnosis",
+        description="Rebuild <RUN_DIR>/report.html (self-contained: GPU utilisation and "
+                    "memory timelines, step time per rank, throughput, loss, the "
+                    "diagnosis) from what the run recorded, and print the diagnosis.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Write the report, print where it is and the findings; returns the exit code."""
+    from gpufleet.monitor.diagnose import findings_for_run, format_findings
+    from gpufleet.monitor.report import write_report
+
+    path = write_report(args.run_dir)  # ReportError (a GpufleetError) for a wrong path
+    print(format_findings(findings_for_run(path.parent)))
+    print(f"report: {path}")
+    return 0
