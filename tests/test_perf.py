@@ -41,7 +41,7 @@ def test_channels_last_reaches_weights_and_inputs(tmp_path):
 
     class Spy(Callback):
         def on_phase(self, trainer, phase):
-            if phase == "compute" and not seen:
+            if phase == "forward" and not seen:
                 conv = trainer.strategy.unwrap(trainer.model)[0]
                 seen.append(conv.weight.is_contiguous(memory_format=torch.channels_last))
 

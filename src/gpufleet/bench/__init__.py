@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import argparse
 
-from gpufleet.bench import loader
+from gpufleet.bench import allreduce, loader
 
-BENCHMARKS = {"loader": loader}
+BENCHMARKS = {"loader": loader, "allreduce": allreduce}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -3,7 +3,7 @@
 Example:
     >>> from gpufleet.parallel import strategy_names
     >>> strategy_names()
-    ['single', 'dp', 'ddp']
+    ['single', 'dp', 'ddp', 'pipeline', 'local_sgd', 'model_parallel', 'horovod', 'fsdp', 'zero1']
 """
 
 from __future__ import annotations
@@ -41,9 +41,16 @@ def build_strategy(name: str, cfg, device: torch.device, precision=None) -> Stra
 def _register_builtins() -> None:
     from gpufleet.parallel.ddp import DistributedDataParallel
     from gpufleet.parallel.dp import DataParallel
+    from gpufleet.parallel.fsdp import FullyShardedDataParallel
+    from gpufleet.parallel.horovod import Horovod
+    from gpufleet.parallel.local_sgd import LocalSGD
+    from gpufleet.parallel.model_parallel import ModelParallel
+    from gpufleet.parallel.pipeline import PipelineParallel
     from gpufleet.parallel.single import SingleDevice
+    from gpufleet.parallel.zero import ZeroRedundancy
 
-    for cls in (SingleDevice, DataParallel, DistributedDataParallel):
+    for cls in (SingleDevice, DataParallel, DistributedDataParallel, PipelineParallel,
+                LocalSGD, ModelParallel, Horovod, FullyShardedDataParallel, ZeroRedundancy):
         register(cls)
 
 

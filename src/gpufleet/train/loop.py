@@ -265,6 +265,8 @@ class Trainer(TrainerSetup):
         self.strategy.all_reduce(stats)
         values = stats.tolist()
         loss_total, norm_total, samples, tokens = values[:4]
+        # Pipeline stages read the same samples: count each once.
+        samples, tokens = samples / self.data_copies, tokens / self.data_copies
         # Skipped steps add no loss; an interval of skipped steps only has none.
         loss = loss_total / (micro_steps * world) if micro_steps else float("nan")
         self._train_time += seconds
@@ -319,6 +321,8 @@ class Trainer(TrainerSetup):
         self.model.train()
         self.strategy.all_reduce(totals)  # COLLECTIVE + SYNC (below): once per evaluation
         loss_total, count = totals.tolist()
+        count /= self.data_copies  # pipeline stages saw the same samples (ratio unchanged)
+        loss_total /= self.data_copies
         value = loss_total / count if count else float("nan")
         self.result.eval_losses.append((self.step, value))
         self.callbacks.on_eval(self, self.step, {"step": self.step, "eval_loss": value,

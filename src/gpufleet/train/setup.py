@@ -106,6 +106,11 @@ class TrainerSetup:
                 "this process was started alone. Use --nproc N (or torchrun), or "
                 "parallel.strategy=single for one process."
             )
+        from gpufleet.parallel.checkpointing import apply_layer_options
+
+        # SyncBatchNorm and activation checkpointing change layers in place (same
+        # state-dict names), before compilation and before the strategy wraps the model.
+        model = apply_layer_options(model, cfg.parallel, self.device, self.env.world_size)
         self.model = self.strategy.setup_model(prepare_model(model, cfg.perf))
         self.optimizer = self.strategy.setup_optimizer(
             self.model, optimizer_spec(cfg.optim, self.device.type))
@@ -148,6 +153,7 @@ class TrainerSetup:
         # Data-parallel shard of this rank: every rank for ddp; ranks that hold different
         # stages of one model replica (pipeline) read the same data.
         shard, shards = self.strategy.data_shard(env.rank, env.world_size)
+        self.data_copies = env.world_size // shards  # ranks reading each sample (pipeline)
         train = build_train_loader(train_data, cfg.data, rank=shard,
                                    world_size=shards, seed=cfg.run.seed,
                                    pin_memory=self.pin_memory)
@@ -207,17 +213,22 @@ class TrainerSetup:
     # -- checkpoints -----------------------------------------------------------------
     def save_checkpoint(self) -> Path | None:
         """Save the full training state (rank 0 writes; every rank's RNG is included).
+        Sharded strategies (fsdp) write a directory: every rank its shards, rank 0 the rest.
 
         A failed write (a full disk, a lost mount) is reported and training goes on:
         nothing is left under the new checkpoint's name and the older ones stay intact.
         Returns the path, or None when the write failed.
         """
         rngs = gather_objects(rng_state())  # COLLECTIVE: every rank's RNG states
-        path = ckpt.checkpoint_path(self.run_dir, self.step)
-        error = None
+        sharded = self.strategy.saves_on_every_rank  # fsdp: a directory, a shard per rank
+        path = (ckpt.sharded_checkpoint_path if sharded else ckpt.checkpoint_path)(
+            self.run_dir, self.step)
+        # COLLECTIVE for some strategies (zero1 gathers the optimizer state on rank 0;
+        # fsdp returns each rank's shards): every rank calls it.
+        model_state = self.strategy.state_dict(self.model, self.optimizer)
+        error, state = None, None
         if self.env.is_main:
             state = {
-                **self.strategy.state_dict(self.model, self.optimizer),
                 "scheduler": self.scheduler.state_dict(),
                 "precision": self.precision.state_dict(),
                 "step": self.step, "epoch": self.epoch,
@@ -225,9 +236,14 @@ class TrainerSetup:
                 "rng": rngs, "world_size": self.env.world_size,
                 "config": config_to_dict(self.cfg),
             }
+        if sharded or self.env.is_main:
             try:
-                ckpt.save_checkpoint(self.run_dir, self.step, state,
-                                     self.cfg.checkpoint.keep_last)
+                if sharded:  # COLLECTIVE: every rank writes its shards, rank 0 the rest
+                    ckpt.save_sharded_checkpoint(self.run_dir, self.step, model_state, state,
+                                                 self.cfg.checkpoint.keep_last)
+                else:
+                    ckpt.save_checkpoint(self.run_dir, self.step, {**model_state, **state},
+                                         self.cfg.checkpoint.keep_last)
             except OSError as e:
                 error = (f"checkpoint {path.name} could not be written: {e}. Training goes "
                          f"on; the last good checkpoint is {self.result.checkpoint or 'none'}."
@@ -250,9 +266,14 @@ class TrainerSetup:
         """Restore model, optimizer, scheduler, scaler, step, data position and RNG."""
         # Rank 0 checked the checksum when it chose this file (plan_run): no rank
         # hashes it again.
-        state = ckpt.load_checkpoint(path, verify=False)
+        sharded = path.is_dir()  # written by a sharded strategy (fsdp) at any world size
+        state = ckpt.read_trainer_state(path) if sharded else ckpt.load_checkpoint(
+            path, verify=False)
         try:
-            self.strategy.load_state_dict(self.model, self.optimizer, state)
+            if sharded:  # COLLECTIVE: each rank reads what makes up its own shards
+                ckpt.load_sharded_into(path, self.model, self.optimizer)
+            else:
+                self.strategy.load_state_dict(self.model, self.optimizer, state)
             self.scheduler.load_state_dict(state["scheduler"])
             self.precision.load_state_dict(state["precision"])
         except (RuntimeError, ValueError, KeyError) as e:

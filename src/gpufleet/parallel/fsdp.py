@@ -1,0 +1,317 @@
+"""``fsdp``: FSDP2 (``fully_shard``): parameters, gradients and optimizer state sharded.
+
+Each rank keeps 1/N of every parameter (a ``DTensor`` sharded on dim 0). Before a
+block's forward its parameters are all-gathered, after its backward the gradients are
+reduce-scattered, so a rank holds the full parameters of only the block it is running.
+
+* Wrapping: ``fully_shard`` on each block, then on the root. ``parallel.fsdp_wrap =
+  "auto"`` takes the children of the model's largest ``nn.ModuleList``/``nn.Sequential``
+  (the transformer blocks of a GPT); class names (``"Block,Embedding"``) pick modules by
+  type instead. One block is the unit of communication and of peak memory.
+* Mixed precision: with ``bf16-mixed`` (``fp16-mixed``) FSDP all-gathers the parameters
+  in that dtype and computes forward and backward in it, reduces gradients in float32,
+  and keeps the sharded float32 master weights for the optimizer. The loop's autocast is
+  then switched off inside :meth:`FullyShardedDataParallel.forward_backward`: FSDP has
+  already cast parameters and inputs at module boundaries, and autocast on top would
+  only add per-op casts. The model's outputs are cast back to float32 so the loss is
+  computed in float32.
+* Evaluation runs on a full, unsharded copy of the model gathered once per evaluation
+  (see :meth:`FullyShardedDataParallel.eval_model`), under the loop's autocast: the
+  evaluation sampler gives ranks batch counts that may differ by one, which a sharded
+  forward (an all-gather per block on every rank) cannot serve. The copy needs the full
+  weights' memory for the length of the evaluation.
+* ``parallel.fsdp_cpu_offload`` keeps the sharded parameters, gradients and optimizer
+  state in host memory (the optimizer step runs on the CPU).
+* ``parallel.fsdp_reshard_after_forward = false`` keeps each block's gathered
+  parameters from forward until its backward (one all-gather less, more memory).
+* Checkpoints are sharded: every rank writes its own shards with
+  ``torch.distributed.checkpoint`` (see :mod:`gpufleet.train.checkpoint`), and they load
+  at any world size.
+
+Example:
+    >>> from gpufleet.parallel import strategy_names
+    >>> "fsdp" in strategy_names()
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gpufleet.config import ParallelConfig
+from gpufleet.errors import ConfigError, did_you_mean
+from gpufleet.parallel.base import Strategy, grads_of
+
+log = logging.getLogger(__name__)
+
+_NEEDS = ("parallel.strategy = 'fsdp' needs torch >= 2.4 (FSDP2's fully_shard and "
+          "torch.distributed.checkpoint.state_dict); this is torch {version}. Upgrade torch, "
+          "or use parallel.strategy = zero1 or ddp.")
+
+
+def fsdp_api() -> SimpleNamespace:
+    """FSDP2's public names (``torch.distributed.fsdp`` from torch 2.6, the composable
+    module before), or a :class:`ConfigError` naming the torch version needed."""
+    try:
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            fully_shard,
+        )
+    except ImportError:
+        try:  # torch 2.4 / 2.5
+            from torch.distributed._composable.fsdp import (
+                CPUOffloadPolicy,
+                MixedPrecisionPolicy,
+                fully_shard,
+            )
+        except ImportError as e:
+            raise ConfigError(_NEEDS.format(version=torch.__version__)) from e
+    try:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_state_dict,
+            set_state_dict,
+        )
+        from torch.distributed.device_mesh import init_device_mesh
+    except ImportError as e:
+        raise ConfigError(_NEEDS.format(version=torch.__version__)) from e
+    return SimpleNamespace(
+        fully_shard=fully_shard, MixedPrecisionPolicy=MixedPrecisionPolicy,
+        CPUOffloadPolicy=CPUOffloadPolicy, StateDictOptions=StateDictOptions,
+        get_state_dict=get_state_dict, set_state_dict=set_state_dict,
+        get_model_state_dict=get_model_state_dict, init_device_mesh=init_device_mesh)
+
+
+class FullyShardedDataParallel(Strategy):
+    """Shard the model with FSDP2 per block (``[parallel]`` ``fsdp_*`` options)."""
+
+    name = "fsdp"
+    saves_on_every_rank = True
+    needs_process_group = True
+
+    def __init__(self, cfg: ParallelConfig, device: torch.device,
+                 precision: Any = None) -> None:
+        super().__init__(cfg, device, precision)
+        self.api = fsdp_api()
+        if getattr(precision, "name", "fp32") == "fp16-mixed":
+            raise ConfigError(
+                "precision.mode = 'fp16-mixed' is not supported with parallel.strategy = "
+                "'fsdp': its loss scaler would see only this rank's gradient shard. Use "
+                "precision.mode = bf16-mixed (no loss scaling needed) or fp32.")
+        dtype = getattr(precision, "autocast_dtype", None)
+        self.compute_dtype: torch.dtype | None = dtype
+        self._skeleton: nn.Module | None = None
+
+    # -- building ------------------------------------------------------------------
+    def setup_model(self, model: nn.Module) -> nn.Module:
+        api, cfg = self.api, self.cfg
+        model = model.to(self.device)
+        # COLLECTIVE: every rank starts from rank 0's weights, as DDP does.
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.detach(), src=0)
+        # Evaluation runs on a full copy (see eval_model): keep the structure, not the
+        # weights (parameters on the meta device take no memory).
+        self._skeleton = _meta_copy(model)
+        mesh = api.init_device_mesh(self.device.type, (dist.get_world_size(),))
+        common: dict[str, Any] = {"mesh": mesh}
+        if cfg.fsdp_cpu_offload:
+            # Pinned host memory makes the copies to the GPU asynchronous (CUDA only).
+            common["offload_policy"] = api.CPUOffloadPolicy(
+                pin_memory=self.device.type == "cuda")
+        if self.compute_dtype is not None:
+            common["mp_policy"] = api.MixedPrecisionPolicy(
+                param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        blocks = blocks_to_shard(model, cfg.fsdp_wrap)
+        for block in blocks:
+            api.fully_shard(block, reshard_after_forward=cfg.fsdp_reshard_after_forward,
+                            **common)
+        if self.compute_dtype is not None:  # the loss is computed from float32 outputs
+            common["mp_policy"] = api.MixedPrecisionPolicy(
+                param_dtype=self.compute_dtype, reduce_dtype=torch.float32,
+                output_dtype=torch.float32)
+        # The root's parameters are gathered in forward and kept for backward.
+        api.fully_shard(model, reshard_after_forward=cfg.fsdp_reshard_after_forward, **common)
+        log.info("fsdp: %d block(s) sharded one by one over %d rank(s), then the root",
+                 len(blocks), dist.get_world_size())
+        return model
+
+    # -- the step --------------------------------------------------------------------
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        return _gradient_sync_off(model)
+
+    def forward_backward(self, model: nn.Module, batch: Any, loss_fn: Any, precision: Any,
+                         loss_scale: float, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # FSDP's mixed-precision policy already casts; autocast on top would double up.
+        if self.compute_dtype is not None:
+            precision = _WithoutAutocast(precision)
+        return super().forward_backward(model, batch, loss_fn, precision, loss_scale,
+                                        *args, **kwargs)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        norm = self.grad_norm(model)  # COLLECTIVE: one all-reduce of one number
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        with torch.no_grad():
+            for local in map(_local, grads_of(model)):  # each rank scales its own shards
+                local.mul_(coef.to(local.device))
+        return norm
+
+    def grad_norm(self, model: nn.Module) -> torch.Tensor:
+        """The global L2 norm: each rank's shards in squares, summed across ranks on this
+        rank's device (under CPU offload the gradients are in host memory, and NCCL
+        reduces device tensors only; torch's DTensor clip would reduce them where they
+        are)."""
+        grads = list(grads_of(model))
+        sharded = [_local(g) for g in grads if _is_sharded(g)]
+        whole = [g for g in grads if not _is_sharded(g)]  # the same on every rank
+        total = _squares(sharded, self.device)
+        self.all_reduce(total)  # COLLECTIVE: every rank, even one without gradients
+        return (total + _squares(whole, self.device)).sqrt()
+
+    def eval_model(self, model: nn.Module) -> nn.Module:
+        """A full, unsharded copy of the model (COLLECTIVE: an all-gather of the weights).
+
+        The sharded model all-gathers in every forward, so every rank would have to run
+        the same number of evaluation batches, and the evaluation sampler gives ranks
+        counts that differ by one. The copy needs no collective per batch; it holds the
+        full weights (float32) for the length of the evaluation only.
+        """
+        api = self.api
+        full = api.get_model_state_dict(model, options=api.StateDictOptions(
+            full_state_dict=True, cpu_offload=False))
+        assert self._skeleton is not None, "setup_model was not called"
+        replica = copy.deepcopy(self._skeleton)
+        replica.load_state_dict(full, assign=True)
+        return replica.to(self.device)
+
+    # -- state -----------------------------------------------------------------------
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's shards of model and optimizer state (DTensors, keyed by parameter
+        name); :func:`gpufleet.train.checkpoint.save_sharded_checkpoint` writes them."""
+        msd, osd = self.api.get_state_dict(model, optimizer)
+        return {"model": msd, "optimizer": osd}
+
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        state: dict[str, Any]) -> None:
+        """Load full (unsharded) state, e.g. a single-file checkpoint of a ``single`` or
+        ``ddp`` run; each rank keeps its shards. Sharded checkpoints are loaded by
+        :func:`gpufleet.train.checkpoint.load_sharded_into`."""
+        api = self.api
+        osd = state["optimizer"]
+        if osd.get("state") and all(isinstance(k, int) for k in osd["state"]):
+            osd = _keyed_by_name(model, optimizer, osd)
+        api.set_state_dict(model, optimizer, model_state_dict=state["model"],
+                           optim_state_dict=osd,
+                           options=api.StateDictOptions(full_state_dict=True))
+
+
+def blocks_to_shard(model: nn.Module, wrap: str) -> list[nn.Module]:
+    """The modules to shard one by one, innermost first.
+
+    ``"auto"``: the children with parameters of the model's largest (by parameter
+    count) ``nn.ModuleList`` or ``nn.Sequential``. Otherwise a comma-separated list of
+    class names; every module of those classes is sharded.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+        >>> [type(m).__name__ for m in blocks_to_shard(net, "auto")]
+        ['Linear', 'Linear']
+    """
+    if wrap.strip() == "auto":
+        containers = [m for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]
+        if not containers:
+            return []
+        biggest = max(containers, key=_numel)
+        return [c for c in biggest.children() if _numel(c) > 0]
+    names = [n.strip() for n in wrap.split(",") if n.strip()]
+    present = {type(m).__name__ for m in model.modules()}
+    for name in names:
+        if name not in present:
+            guess = did_you_mean(name, sorted(present))
+            hint = f" Did you mean {guess!r}?" if guess else ""
+            raise ConfigError(
+                f"parallel.fsdp_wrap: the model has no module of class {name!r}.{hint} "
+                f"Its classes: {', '.join(sorted(present))}. Name block classes (comma-"
+                "separated), or use 'auto'.")
+    # Reversed pre-order: a nested match is sharded before the module that holds it.
+    picked = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+    return list(reversed(picked))
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parameters live on the meta device (no memory);
+    buffers are copied, so non-persistent ones (masks, tables) keep their values."""
+    memo: dict[int, Any] = {id(p): nn.Parameter(torch.empty_like(p, device="meta"),
+                                                requires_grad=p.requires_grad)
+                            for p in model.parameters()}
+    return copy.deepcopy(model, memo)
+
+
+def _is_sharded(t: torch.Tensor) -> bool:
+    return hasattr(t, "to_local")  # a DTensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (shares its storage), or the tensor itself."""
+    return t.to_local() if _is_sharded(t) else t
+
+
+def _squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of all elements of ``tensors``, in float32 on ``device``."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(tensors)  # one kernel launch per device and dtype
+    return torch.stack([n.float().to(device) for n in norms]).square().sum()
+
+
+@contextlib.contextmanager
+def _gradient_sync_off(model: nn.Module) -> Iterator[None]:
+    """Accumulate unsharded gradients locally; the reduce-scatter waits for the
+    micro-step that runs outside this context."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+class _WithoutAutocast:
+    """The run's precision object with autocast switched off (FSDP casts instead)."""
+
+    def __init__(self, precision: Any) -> None:
+        self._inner = precision
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _keyed_by_name(model: nn.Module, optimizer: torch.optim.Optimizer,
+                   osd: dict[str, Any]) -> dict[str, Any]:
+    """Turn a ``torch.optim`` state dict keyed by parameter index into one keyed by
+    parameter name (the form ``set_state_dict`` loads). Indices follow the optimizer's
+    parameter groups, which the same model and config build in the same order."""
+    names = {p: n for n, p in model.named_parameters()}
+    by_index: dict[int, str] = {}
+    for saved, group in zip(osd["param_groups"], optimizer.param_groups, strict=True):
+        by_index.update(zip(saved["params"], (names[p] for p in group["params"]), strict=True))
+    return {"state": {by_index[i]: s for i, s in osd["state"].items()},
+            "param_groups": [{**g, "params": [by_index[i] for i in g["params"]]}
+                             for g in osd["param_groups"]]}
+

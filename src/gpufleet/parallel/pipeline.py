@@ -1,0 +1,345 @@
+"""``pipeline``: the model cut into stages, one per rank, fed micro-batch by micro-batch.
+
+Every rank holds one stage (see :mod:`gpufleet.parallel.pipeline_split` for how the
+model is cut) and moves only that stage to its device. A training step runs a
+``torch.distributed.pipelining`` schedule over ``pipeline_microbatches`` micro-batches:
+``gpipe`` (all forwards, then all backwards) or ``1f1b`` (one forward, one backward in
+the steady state: the same bubble, activations of at most ``stages`` micro-batches
+alive instead of all). The pipeline spans all ranks, so all ranks read the same
+batches (:meth:`PipelineParallel.data_shard`): the first stage feeds the inputs, the
+last uses the targets.
+
+How the loop's pieces map onto the pipeline:
+
+* **loss**: only the last stage computes it. Once per ``forward_backward`` the last stage
+  broadcasts the mean micro-batch loss to every rank (COLLECTIVE: one scalar), so every
+  rank returns the same loss and the loop's mean over ranks is the pipeline's loss.
+* **gradient scaling**: the schedule's own ``scale_grads`` is off; each micro-batch loss
+  is divided by ``microbatches * grad_accum`` before its backward instead, so
+  ``optim.grad_accum`` works as usual: each loop micro-step runs one whole schedule and
+  the gradients add up. ``no_sync`` has nothing to do (no gradient all-reduce exists).
+* **clipping**: each stage holds different parameters; the global norm is the square
+  root of the stages' squared norms summed with one all-reduce (COLLECTIVE).
+* **evaluation**: :meth:`eval_model` runs the stages one after another on each whole
+  evaluation batch, each stage broadcasting its output, so every rank ends with the
+  model's output and the loop computes the same loss on every rank
+  (the evaluation sample count the loop reports is ``stages`` times the real one).
+* **bubble share**: ``(stages - 1) / (microbatches + stages - 1)``, logged once and kept
+  in :attr:`PipelineParallel.bubble_share` and :meth:`PipelineParallel.describe`.
+* **checkpoints**: :meth:`state_dict` is a COLLECTIVE (every rank must call it): the
+  stages' model and optimizer states are gathered into the full model's state, in the
+  layout a ``single`` run saves, so a pipeline checkpoint loads anywhere and back.
+
+Limits: fp16-mixed is refused (the schedule runs backward itself, past the loss
+scaler; use bf16-mixed); batches must be ``(inputs, target)`` with the batch size a
+multiple of the micro-batch count and the same shape every step.
+
+Example:
+    >>> # gpufleet train --nproc 2 --strategy pipeline --parallel.pipeline_schedule gpipe
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gpufleet.errors import ConfigError, GpufleetError
+from gpufleet.launch import broadcast_object, gather_objects
+from gpufleet.parallel.base import OptimizerSpec, Strategy, grads_of
+from gpufleet.parallel.pipeline_split import (
+    bubble_share,
+    plan_stages,
+    sequential_units,
+    stage_module,
+)
+from gpufleet.train.batches import map_tensors
+
+log = logging.getLogger(__name__)
+
+_IDENTITY = nn.Identity()
+
+
+class PipelineParallel(Strategy):
+    """One pipeline stage per rank, run by a GPipe or 1F1B schedule."""
+
+    name = "pipeline"
+    needs_process_group = True
+    # saves_on_every_rank stays False: state_dict (a collective, called on every rank)
+    # gathers the whole model, and rank 0 writes one ordinary checkpoint file.
+
+    # -- building ------------------------------------------------------------------
+    def setup_model(self, model: nn.Module) -> nn.Module:
+        try:
+            from torch.distributed.pipelining import PipelineStage
+        except ImportError as e:  # torch < 2.4
+            raise GpufleetError(f"parallel.strategy = 'pipeline' needs "
+                                f"torch.distributed.pipelining (torch >= 2.4), and this "
+                                f"torch {torch.__version__} has none: {e}. Upgrade torch.") from e
+        if getattr(self.precision, "scaler", None) is not None:
+            raise ConfigError("parallel.strategy = 'pipeline' cannot use precision.mode = "
+                              "'fp16-mixed': the schedule runs backward itself, past the loss "
+                              "scaler. Use --precision bf16-mixed (or fp32).")
+        cfg = self.cfg
+        self.rank, self.stages = dist.get_rank(), dist.get_world_size()
+        self.microbatches = cfg.pipeline_microbatches
+        units = sequential_units(model)
+        starts = [*plan_stages(units, self.stages, cfg.pipeline_split), len(units)]
+        first, stop = starts[self.rank], starts[self.rank + 1]
+        stage = stage_module(model, units, first, stop).to(self.device)
+        self.layers = [[n for n, _ in units[a:b]] for a, b in itertools.pairwise(starts)]
+        self.is_first, self.is_last = self.rank == 0, self.rank == self.stages - 1
+        self.bubble_share = bubble_share(self.stages, self.microbatches)
+        self._stage = PipelineStage(stage, self.rank, self.stages, self.device)
+        self._schedule = self._build_schedule()
+        self._mb_losses: list[torch.Tensor] = []
+        self._loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None
+        self._loss_scale = 1.0
+        if self.is_first:
+            log.info("pipeline: %d stages x %d micro-batches (%s), bubble share %.1f%%; "
+                     "stage layers: %s", self.stages, self.microbatches, cfg.pipeline_schedule,
+                     100 * self.bubble_share,
+                     " | ".join(f"{s[0]}..{s[-1]}" if len(s) > 1 else s[0] for s in self.layers))
+        return stage
+
+    def _build_schedule(self) -> Any:
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.cfg.pipeline_schedule]
+        kwargs: dict[str, Any] = {}
+        if "scale_grads" in inspect.signature(cls.__init__).parameters:
+            # Off: dividing the gradients after every schedule would also shrink the ones
+            # accumulated by earlier micro-steps. The loss is scaled instead.
+            kwargs["scale_grads"] = False
+        return cls(self._stage, n_microbatches=self.microbatches,
+                   loss_fn=self._microbatch_loss, **kwargs)
+
+    def setup_optimizer(self, model: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
+        optimizer = spec.build(model)
+        names = {id(p): n for n, p in model.named_parameters()}
+        own = [(_group_key(g), [names[id(p)] for p in g["params"]])
+               for g in optimizer.param_groups]
+        self._own_names = [names_ for _, names_ in own]
+        # COLLECTIVE (once): every stage's parameter groups, to lay out the full model's
+        # optimizer state the way a single process numbers it.
+        merged: list[tuple[str, list[str]]] = []
+        for part in gather_objects(own):
+            for key, group_names in part:
+                slot = next((i for i, (k, _) in enumerate(merged) if k == key), None)
+                if slot is None:
+                    merged.append((key, []))
+                    slot = len(merged) - 1
+                merged[slot][1].extend(group_names)
+        self._layout = [group_names for _, group_names in merged]
+        self._slots = [next(i for i, (k, _) in enumerate(merged) if k == key)
+                       for key, _ in own]
+        return optimizer
+
+    def data_shard(self, rank: int, world_size: int) -> tuple[int, int]:
+        return 0, 1  # every stage reads the same batches
+
+    def describe(self) -> dict[str, Any]:
+        """The pipeline's shape for the run's report (``bubble_share`` in 0..1)."""
+        return {"strategy": self.name, "schedule": self.cfg.pipeline_schedule,
+                "stages": self.stages, "microbatches": self.microbatches,
+                "bubble_share": self.bubble_share, "stage_layers": self.layers}
+
+    # -- the step --------------------------------------------------------------------
+    def forward_backward(self, model: nn.Module, batch: Any,
+                         loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+                         precision: Any, loss_scale: float,
+                         mark: Callable[[], None] | None = None) -> torch.Tensor:
+        inputs, target = self._split_batch(batch)
+        self._loss_fn, self._loss_scale = loss_fn, loss_scale
+        self._mb_losses = []
+        # COLLECTIVE: the schedule's point-to-point sends and receives of activations
+        # (forward) and their gradients (backward) between neighbouring stages.
+        with precision.autocast(), _without_module_tracking():
+            if self.is_first and self.is_last:
+                self._schedule.step(inputs, target=target)
+            elif self.is_first:
+                self._schedule.step(inputs)
+            elif self.is_last:
+                self._schedule.step(target=target)
+            else:
+                self._schedule.step()
+        if mark is not None:
+            # The schedule interleaves forwards and backwards: phase timing counts all
+            # of it as forward.
+            mark()
+        if self.is_last:
+            # The last M: on the first step the schedule also calls the loss once while
+            # it infers the shapes of the gradients it will send.
+            loss = torch.stack(self._mb_losses[-self.microbatches:]).float().mean()
+        else:
+            loss = torch.zeros((), device=self.device)
+        # COLLECTIVE: the last stage's loss to every rank (one scalar per micro-step).
+        dist.broadcast(loss, src=self.stages - 1)
+        return loss
+
+    def _microbatch_loss(self, output: Any, target: Any) -> torch.Tensor:
+        """The schedule's loss: the user's loss (through the loop's loss function, with
+        the model's output standing in for the model), scaled for the backward."""
+        assert self._loss_fn is not None
+        loss = self._loss_fn(_IDENTITY, (output, target))
+        self._mb_losses.append(loss.detach())
+        return loss * (self._loss_scale / self.microbatches)
+
+    def _split_batch(self, batch: Any) -> tuple[torch.Tensor, Any]:
+        if not (type(batch) in (tuple, list) and len(batch) == 2
+                and isinstance(batch[0], torch.Tensor)):
+            raise ConfigError(
+                f"parallel.strategy = 'pipeline' needs (inputs, target) batches with a loss "
+                f"function (the last stage computes the loss); got {type(batch).__name__}. "
+                "Return (x, y) from your dataset and pass --model.loss.")
+        inputs, target = batch
+        if inputs.shape[0] % self.microbatches:
+            raise ConfigError(
+                f"batch of {inputs.shape[0]} samples does not split into "
+                f"parallel.pipeline_microbatches = {self.microbatches} equal micro-batches. "
+                "Make data.batch_size a multiple of the micro-batch count.")
+        return inputs, target
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # no gradient all-reduce to skip
+
+    def grad_norm(self, model: nn.Module) -> torch.Tensor:
+        grads = list(grads_of(model))
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        if grads:
+            squares = torch.stack([torch.linalg.vector_norm(g.detach().float()) ** 2
+                                   for g in grads]).sum()
+        dist.all_reduce(squares)  # COLLECTIVE: the stages' squared norms, summed
+        return squares.sqrt()
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        norm = self.grad_norm(model)
+        # The same coefficient torch's clip_grad_norm_ uses, from the global norm.
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        grads = list(grads_of(model))
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        return norm
+
+    def eval_model(self, model: nn.Module) -> nn.Module:
+        return _PipelineForward(model, self)
+
+    # -- state (COLLECTIVE: every rank calls these) -------------------------------------
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The full model and optimizer state (as ``single`` saves it), on every rank."""
+        opt = optimizer.state_dict()
+        own_state, own_groups = {}, []
+        for i, group in enumerate(opt["param_groups"]):
+            for index, name in zip(group["params"], self._own_names[i], strict=True):
+                if index in opt["state"]:
+                    own_state[name] = opt["state"][index]
+            own_groups.append((self._slots[i], {k: v for k, v in group.items()
+                                                if k != "params"}))
+        part = _to_cpu((model.state_dict(), own_state, own_groups))
+        full_model: dict[str, Any] = {}
+        full_state: dict[str, Any] = {}
+        groups: list[dict[str, Any] | None] = [None] * len(self._layout)
+        number = {name: i for i, name in enumerate(n for g in self._layout for n in g)}
+        for model_part, state_part, group_part in gather_objects(part):  # COLLECTIVE
+            full_model.update(model_part)
+            full_state.update({number[n]: s for n, s in state_part.items()})
+            for slot, hyper in group_part:
+                groups[slot] = {**hyper, "params": [number[n] for n in self._layout[slot]]}
+        full_state = dict(sorted(full_state.items()))
+        return {"model": full_model, "optimizer": {"state": full_state, "param_groups": groups}}
+
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        state: dict[str, Any]) -> None:
+        """Load this stage's share of a full checkpoint (any strategy's)."""
+        full = state["model"]
+        model.load_state_dict({k: full[k] for k in model.state_dict()})  # KeyError: no fit
+        opt = state["optimizer"]
+        if len(opt["param_groups"]) != len(self._layout) or any(
+                len(g["params"]) != len(names)
+                for g, names in zip(opt["param_groups"], self._layout)):
+            raise ValueError("the optimizer's parameter groups differ from this model's")
+        own: dict[str, Any] = {"state": {}, "param_groups": []}
+        number = 0
+        for i, slot in enumerate(self._slots):
+            group = opt["param_groups"][slot]
+            ids = []
+            for name in self._own_names[i]:
+                saved = group["params"][self._layout[slot].index(name)]
+                if saved in opt["state"]:
+                    own["state"][number] = opt["state"][saved]
+                ids.append(number)
+                number += 1
+            own["param_groups"].append({**{k: v for k, v in group.items() if k != "params"},
+                                        "params": ids})
+        optimizer.load_state_dict(own)
+
+
+class _PipelineForward(nn.Module):
+    """Forward through all stages for evaluation; every rank gets the last stage's output.
+
+    COLLECTIVE per call: each stage in turn broadcasts its output (shape first), so the
+    next stage can run and, after the last, every rank holds the model's output. Every
+    rank must evaluate the same batches (they do: the stages share one data shard).
+    Evaluation is rare, so one broadcast per stage (not a send to the next stage only)
+    is a fair price for its simplicity.
+    """
+
+    def __init__(self, stage: nn.Module, strategy: PipelineParallel) -> None:
+        super().__init__()
+        self.stage = stage
+        self._strategy = strategy
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        s = self._strategy
+        hidden = inputs
+        for index in range(s.stages):
+            if s.rank == index:
+                hidden = self.stage(hidden)
+                if not isinstance(hidden, torch.Tensor):
+                    raise ConfigError(
+                        "pipeline evaluation passes one tensor from stage to stage, and "
+                        f"stage {index} returned {type(hidden).__name__}. Return a tensor "
+                        "from each stage's last layer.")
+            meta = broadcast_object((tuple(hidden.shape), hidden.dtype)
+                                    if s.rank == index else None, src=index)
+            if s.rank != index:
+                hidden = torch.empty(meta[0], dtype=meta[1], device=s.device)
+            dist.broadcast(hidden, src=index)
+        return hidden
+
+
+@contextlib.contextmanager
+def _without_module_tracking() -> Iterator[None]:
+    """Pause the module tracker of an active ``FlopCounterMode`` (the loop counts the
+    first step's FLOPs). Its gradient hooks break the schedule's ``autograd.grad``
+    calls; the FLOPs are still counted, only not attributed to modules."""
+    try:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    except ImportError:
+        yield
+        return
+    trackers = [mode.counter.mod_tracker for mode in _get_current_dispatch_mode_stack()
+                if hasattr(getattr(mode, "counter", None), "mod_tracker")]
+    for tracker in trackers:
+        tracker.__exit__()
+    try:
+        yield
+    finally:
+        for tracker in trackers:
+            tracker.__enter__()
+
+
+def _group_key(group: dict[str, Any]) -> str:
+    """A parameter group's settings (its identity across stages), as text."""
+    return repr(sorted((k, v) for k, v in group.items() if k != "params"))
+
+
+def _to_cpu(obj: Any) -> Any:
+    return map_tensors(obj, lambda t: t.detach().cpu())

@@ -1,0 +1,152 @@
+"""Cutting a sequential model into pipeline stages (no process group needed).
+
+A model can be split when its forward is "run the layers in order": an ``nn.Sequential``
+(nested plain ``nn.Sequential`` containers are opened up, so ``blocks.3`` can start a
+stage). A stage is a pruned copy of the container tree holding only its own layers, so
+its state-dict names are the full model's (``blocks.3.weight``, not ``0.weight``), and
+the stages' state dicts together are exactly the full model's.
+
+Example:
+    >>> from torch import nn
+    >>> net = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 1))
+    >>> units = sequential_units(net)
+    >>> plan_stages(units, 2, "")  # 320 parameters | 0 + 4,160 + 65
+    [0, 1]
+    >>> list(stage_module(net, units, 1, 4).state_dict())
+    ['2.weight', '2.bias', '3.weight', '3.bias']
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from gpufleet.errors import ConfigError, did_you_mean
+
+
+def sequential_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The layers a sequential model runs, in order, with their qualified names."""
+    if not isinstance(model, nn.Sequential) or type(model).forward is not nn.Sequential.forward:
+        raise ConfigError(
+            f"parallel.strategy = 'pipeline' splits models that run their layers in order "
+            f"(an nn.Sequential), and this model is a {type(model).__name__} with its own "
+            "forward. Build it as nn.Sequential(embedding, *blocks, head) with the glue "
+            "code inside those layers, or use a strategy that keeps the model whole "
+            "(ddp, fsdp).")
+    units: list[tuple[str, nn.Module]] = []
+
+    def walk(seq: nn.Module, prefix: str) -> None:
+        for name, child in seq.named_children():
+            if type(child) is nn.Sequential:
+                walk(child, f"{prefix}{name}.")
+            else:
+                units.append((f"{prefix}{name}", child))
+
+    walk(model, "")
+    return units
+
+
+def plan_stages(units: list[tuple[str, nn.Module]], stages: int, split: str) -> list[int]:
+    """Index of the first unit of each stage: at the user's split names, or balanced.
+
+    Args:
+        units: from :func:`sequential_units`.
+        stages: how many stages (the pipeline's ranks).
+        split: ``pipeline_split``: comma-separated names where stages 2..N begin; empty
+            for a split that balances the parameter counts.
+
+    Raises:
+        ConfigError: too few layers, or split names that are unknown, out of order or
+            not ``stages - 1`` of them.
+    """
+    names = [n for n, _ in units]
+    if len(units) < stages:
+        raise ConfigError(f"parallel.strategy = 'pipeline' with {stages} stages needs at "
+                          f"least {stages} layers, and the model has {len(units)} "
+                          f"({', '.join(names)}). Start fewer ranks (--nproc).")
+    wanted = [s.strip() for s in split.split(",") if s.strip()]
+    if not wanted:
+        return balanced_split([sum(p.numel() for p in m.parameters()) for _, m in units],
+                              stages)
+    if len(wanted) != stages - 1:
+        raise ConfigError(
+            f"parallel.pipeline_split = {split!r} names {len(wanted)} split point(s), and "
+            f"{stages} stages need {stages - 1}: the layers where stages 2..{stages} begin "
+            f"(layers: {', '.join(names)}).")
+    starts = [0]
+    for name in wanted:
+        index = next((i for i, n in enumerate(names)
+                      if n == name or n.startswith(name + ".")), None)
+        if index is None:
+            guess = did_you_mean(name, names)
+            hint = f" Did you mean {guess!r}?" if guess else ""
+            raise ConfigError(f"parallel.pipeline_split: no layer {name!r} in the model."
+                              f"{hint} Layers in order: {', '.join(names)}.")
+        if index <= starts[-1]:
+            raise ConfigError(f"parallel.pipeline_split = {split!r}: {name!r} does not come "
+                              "after the previous split point; list the layers in model "
+                              "order, each stage holding at least one layer.")
+        starts.append(index)
+    return starts
+
+
+def balanced_split(sizes: list[int], stages: int) -> list[int]:
+    """Stage starts that minimise the largest stage's size (contiguous, non-empty).
+
+    Example:
+        >>> balanced_split([4, 4, 1, 1, 6], 3)
+        [0, 1, 4]
+    """
+    n = len(sizes)
+    prefix = [0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+    inf = float("inf")
+    # best[k][i]: smallest largest-stage size for units[:i] cut into k stages.
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    starts, i = [], n
+    for k in range(stages, 0, -1):
+        i = cut[k][i]
+        starts.append(i)
+    return starts[::-1]
+
+
+def stage_module(model: nn.Module, units: list[tuple[str, nn.Module]], start: int,
+                 stop: int) -> nn.Sequential:
+    """The layers ``units[start:stop]`` in a pruned copy of the model's container tree."""
+    keep = {name for name, _ in units[start:stop]}
+
+    def prune(seq: nn.Module, prefix: str) -> nn.Sequential:
+        out = nn.Sequential()
+        for name, child in seq.named_children():
+            full = f"{prefix}{name}"
+            if type(child) is nn.Sequential:
+                sub = prune(child, full + ".")
+                if len(sub):
+                    out.add_module(name, sub)
+            elif full in keep:
+                out.add_module(name, child)
+        return out
+
+    return prune(model, "")
+
+
+def bubble_share(stages: int, microbatches: int) -> float:
+    """Share of each stage's time spent idle in a GPipe or 1F1B step.
+
+    Both schedules fill and drain the pipeline once per step: ``stages - 1`` slots idle
+    out of ``microbatches + stages - 1`` (1F1B keeps fewer activations alive, not
+    fewer bubbles).
+
+    Example:
+        >>> round(bubble_share(4, 8), 3)
+        0.273
+    """
+    return (stages - 1) / (microbatches + stages - 1)

@@ -1,0 +1,83 @@
+"""``local_sgd``: period 1 equals ``ddp``; hierarchical averaging runs on the steps its
+periods select (2 gloo ranks posing as 2 nodes of 1 rank)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from conftest import final_params
+from gpufleet.config import ParallelConfig
+from gpufleet.errors import ConfigError
+from gpufleet.launch import DistEnv, destroy_process_group, init_process_group, launch
+from gpufleet.parallel import OptimizerSpec
+from gpufleet.parallel.local_sgd import LocalSGD, averaging_plan
+
+TOY = ["--model", "toyjob:make_model", "--data", "toyjob:make_data",
+       "--model.loss", "torch.nn.functional:mse_loss", "--max-steps", "8",
+       "--log.every", "4", "--optim.warmup_steps", "2", "--run.out_dir", "runs",
+       "--batch-size", "16", "--nproc", "2", "--monitor.report", "false",
+       # Averaging models equals averaging gradients for a linear update: SGD with
+       # momentum and weight decay, no clipping of each rank's own gradients.
+       "--optim.name", "sgd", "--optim.lr", "0.05", "--optim.clip_norm", "0"]
+
+
+def test_local_sgd_with_period_one_equals_ddp(run_cli, tmp_path):
+    run_cli("train", *TOY, "--strategy", "ddp", "--run-dir", "runs/ddp")
+    run_cli("train", *TOY, "--strategy", "local_sgd", "--parallel.local_sgd_period", "1",
+            "--parallel.local_sgd_warmup_steps", "3", "--run-dir", "runs/local")
+    ddp, local = final_params(tmp_path / "runs/ddp"), final_params(tmp_path / "runs/local")
+    assert ddp.keys() == local.keys()
+    for key in ddp:
+        torch.testing.assert_close(local[key], ddp[key], rtol=1e-5, atol=1e-6)
+
+
+def _hierarchical_rank() -> list[bool]:
+    """Two ranks, each its own 'node'; within-node period 2, across nodes period 4.
+    Returns, per step, whether the ranks hold the same parameters after it."""
+    os.environ.update(LOCAL_WORLD_SIZE="1", LOCAL_RANK="0")
+    env = DistEnv.detect()
+    init_process_group(env, "gloo", timeout_s=60)
+    try:
+        torch.manual_seed(0)
+        cfg = ParallelConfig(local_sgd_period=2, local_sgd_inter_node_period=4)
+        strategy = LocalSGD(cfg, torch.device("cpu"))
+        model = strategy.setup_model(nn.Linear(3, 1))
+        spec = OptimizerSpec(torch.optim.SGD, lambda m: [{"params": list(m.parameters())}],
+                             {"lr": 0.1})
+        opt = strategy.setup_optimizer(model, spec)
+        same = []
+        for step in range(6):
+            x = torch.full((4, 3), float(env.rank + step + 1))  # different data per rank
+            model(x).pow(2).mean().backward()  # no gradient all-reduce (no warm-up)
+            opt.step()
+            opt.zero_grad()
+            strategy.after_optimizer_step(model, step)
+            weights = strategy.unwrap(model).weight.detach().clone()
+            gathered = [torch.empty_like(weights) for _ in range(2)]
+            dist.all_gather(gathered, weights)
+            same.append(torch.equal(gathered[0], gathered[1]))
+        return same
+    finally:
+        destroy_process_group()
+
+
+def test_hierarchical_averaging_crosses_nodes_only_on_its_period():
+    results = launch(_hierarchical_rank, nproc=2, launcher="spawn")
+    # Steps 0 and 4: all ranks average; steps 2: each node alone (1 rank: no change).
+    assert results[0] == [True, False, False, False, True, False]
+    assert results[1] == results[0]
+
+
+def test_averaging_plan_checks_the_hierarchy():
+    assert averaging_plan(4, 0, 8, 4) == {4: 8}
+    assert averaging_plan(4, 16, 8, 4) == {4: 4, 16: 8}
+    assert averaging_plan(2, 8, 4, 4) == {2: 4}  # one node: flat
+    with pytest.raises(ConfigError, match="multiple of"):
+        averaging_plan(4, 6, 8, 4)
+    with pytest.raises(ConfigError, match="same number of ranks on every node"):
+        averaging_plan(2, 8, 6, 4)

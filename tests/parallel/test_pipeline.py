@@ -1,0 +1,146 @@
+"""``pipeline``: stage planning, and 2 gloo ranks (GPipe and 1F1B) against ``single``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import final_params
+from gpufleet.errors import ConfigError
+from gpufleet.parallel.pipeline_split import (
+    balanced_split,
+    bubble_share,
+    plan_stages,
+    sequential_units,
+    stage_module,
+)
+
+TOY = ["--model", "toyjob:make_model", "--data", "toyjob:make_data",
+       "--model.loss", "torch.nn.functional:mse_loss", "--max-steps", "6",
+       "--log.every", "1", "--optim.warmup_steps", "2", "--run.out_dir", "runs",
+       "--batch-size", "16", "--monitor.report", "false"]
+
+
+def _deep() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(4, 8),
+                         nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)),
+                         nn.Linear(8, 2))
+
+
+def test_balanced_split_minimises_the_largest_stage():
+    assert balanced_split([10, 10, 10, 10], 2) == [0, 2]
+    assert balanced_split([100, 1, 1, 1], 2) == [0, 1]
+    assert balanced_split([1, 1, 1, 1], 4) == [0, 1, 2, 3]
+
+
+def test_nested_sequentials_open_up_and_stages_keep_the_full_names():
+    net = _deep()
+    units = sequential_units(net)
+    assert [n for n, _ in units] == ["0", "1.0", "1.1", "1.2", "2"]
+    starts = plan_stages(units, 2, "1.1")
+    assert starts == [0, 2]
+    first, second = stage_module(net, units, 0, 2), stage_module(net, units, 2, 5)
+    assert list(first.state_dict()) == ["0.weight", "0.bias", "1.0.weight", "1.0.bias"]
+    assert {**first.state_dict(), **second.state_dict()}.keys() == net.state_dict().keys()
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(second(first(x)), net(x))
+    assert plan_stages(units, 2, "1") == [0, 1]  # a container's name starts at its first layer
+
+
+@pytest.mark.parametrize("stages, split, words", [
+    (2, "1.7", ["no layer '1.7'", "Layers in order"]),
+    (3, "1.2,1.0", ["does not come after"]),
+    (3, "1.0", ["names 1 split point", "need 2"]),
+])
+def test_bad_split_points_name_the_layers(stages, split, words):
+    with pytest.raises(ConfigError) as err:
+        plan_stages(sequential_units(_deep()), stages, split)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_models_with_their_own_forward_are_refused_with_the_fix():
+    with pytest.raises(ConfigError, match=r"nn\.Sequential"):
+        sequential_units(nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match="at least 3 layers"):
+        plan_stages(sequential_units(nn.Sequential(nn.Linear(2, 2), nn.ReLU())), 3, "")
+
+
+def test_bubble_share():
+    assert bubble_share(2, 4) == pytest.approx(1 / 5)
+    assert bubble_share(1, 8) == 0.0
+
+
+def _train(run_cli, tmp_path, name, *args):
+    proc = run_cli("train", *TOY, "--run-dir", f"runs/{name}", *args)
+    return tmp_path / "runs" / name, proc
+
+
+def _losses(run_dir, kind="train"):
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    return [r["loss" if kind == "train" else "eval_loss"] for r in rows if r["kind"] == kind]
+
+
+def _same(a, b):
+    pa, pb = final_params(a), final_params(b)
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        torch.testing.assert_close(pa[k], pb[k], rtol=1e-4, atol=1e-5)
+
+
+def test_gpipe_and_1f1b_on_two_ranks_equal_single(run_cli, tmp_path):
+    """Same global batch (16 samples, 4 micro-batches, 2 accumulation steps, clipping on):
+    both schedules end with single's parameters, optimizer state and loss curve."""
+    common = ["--grad-accum", "2", "--optim.clip_norm", "0.5", "--data.kwargs={n_eval = 40}",
+              "--run.eval_every", "3"]
+    single, _ = _train(run_cli, tmp_path, "single", *common)
+    for schedule in ("gpipe", "1f1b"):
+        run, proc = _train(run_cli, tmp_path, schedule, *common, "--nproc", "2",
+                           "--launcher", "spawn",
+                           "--strategy", "pipeline", "--parallel.pipeline_microbatches", "4",
+                           "--parallel.pipeline_schedule", schedule)
+        _same(single, run)
+        assert _losses(run) == pytest.approx(_losses(single), rel=1e-4)
+        assert _losses(run, "eval") == pytest.approx(_losses(single, "eval"), rel=1e-4)
+        assert len(_losses(run, "eval")) == 2  # steps 3 and 6
+        assert "bubble share 20.0%" in proc.stderr
+        ckpt = torch.load(sorted((run / "checkpoints").glob("step-*.pt"))[-1],
+                          weights_only=False)
+        ref = torch.load(sorted((single / "checkpoints").glob("step-*.pt"))[-1],
+                         weights_only=False)
+        # The gathered optimizer state is laid out exactly as a single process's.
+        assert ckpt["optimizer"]["param_groups"] == ref["optimizer"]["param_groups"]
+        for i, s in ref["optimizer"]["state"].items():
+            for key, value in s.items():
+                torch.testing.assert_close(ckpt["optimizer"]["state"][i][key], value,
+                                           rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_pipeline_resumes_from_its_checkpoint_and_evaluates(run_cli, tmp_path):
+    args = ["--nproc", "2", "--strategy", "pipeline", "--parallel.pipeline_schedule",
+            "1f1b", "--optim.decay", "constant", "--name", "pp",
+            "--data", "toyjob:make_data", "--data.kwargs={n_eval = 40}", "--run.eval_every", "3"]
+    straight, _ = _train(run_cli, tmp_path, "straight", *args)
+    run_cli("train", *TOY, *args, "--max-steps", "3")
+    run_cli("train", *TOY, *args, "--resume", "latest")
+    (resumed,) = (tmp_path / "runs").glob("pp-*")
+    assert _losses(resumed) == pytest.approx(_losses(straight), rel=1e-5)
+    _same(straight, resumed)
+    evals = [json.loads(line) for line in open(resumed / "metrics.jsonl")]
+    evals = [r for r in evals if r["kind"] == "eval"]
+    assert evals and all(r["eval_loss"] == r["eval_loss"] for r in evals)  # finite
+
+
+def test_fp16_loss_scaling_is_refused_with_the_alternative():
+    from gpufleet.config import ParallelConfig
+    from gpufleet.parallel import build_strategy
+    from gpufleet.precision import build_precision
+
+    fp16 = build_precision("fp16-mixed", "cpu")
+    strategy = build_strategy("pipeline", ParallelConfig(), torch.device("cpu"), fp16)
+    with pytest.raises(ConfigError, match="bf16-mixed"):
+        strategy.setup_model(_deep())
