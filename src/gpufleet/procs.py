@@ -36,6 +36,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -105,7 +106,7 @@ def record_process(run_dir: str | os.PathLike[str], role: str, rank: int | None 
     folder = Path(run_dir) / RECORDS_DIR
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{fields['host']}-{proc.pid}.json"
-    tmp = path.with_suffix(".json.tmp")
+    tmp = path.with_name(f".{path.name}.{threading.get_ident()}.tmp")  # unique per writer
     tmp.write_text(json.dumps(fields, indent=1))
     os.replace(tmp, path)  # a reader never sees half a record
     return path
