@@ -30,6 +30,7 @@ import psutil
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
+from gpufleet.bench.machine import cpu_model
 from gpufleet.data.jsonl import JsonlDataset
 
 MB = 1 << 20
@@ -38,13 +39,8 @@ WORDS = ("the of and to in is was for on that with as by at from it an be this a
 
 
 def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        pass
-    return (f"{cpu}, {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.1f} GiB RAM"
+    ram_gib = psutil.virtual_memory().total / 2**30
+    return (f"{cpu_model()}, {os.cpu_count()} cores, {ram_gib:.1f} GiB RAM"
             f"\npython {platform.python_version()}, numpy {np.__version__}, "
             f"torch {torch.__version__}")
 

@@ -24,7 +24,6 @@ import json
 import logging
 import math
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -36,6 +35,7 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 import gpufleet
+from gpufleet.bench.machine import cpu_model
 from gpufleet.models.gpt import GPT, build_gpt
 from gpufleet.monitor.flops import count_flops, gpt_train_flops, matmul_precision, mfu, peak_flops
 from gpufleet.train.callbacks import Callback
@@ -205,11 +205,7 @@ def loss_curve(s: Shape, data: TensorDataset, device: torch.device, precision: s
 def machine(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+    return cpu_model()
 
 
 def parse_args() -> argparse.Namespace:

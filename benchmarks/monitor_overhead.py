@@ -35,6 +35,7 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 import gpufleet
+from gpufleet.bench.machine import cpu_model
 from gpufleet.train.callbacks import Callback
 
 WARMUP = 20  # steps left out of the timing
@@ -114,17 +115,6 @@ def interleaved(width: int, steps: int, batch: int, out_dir: str) -> tuple[float
     return statistics.median(on[WARMUP:]), statistics.median(off[WARMUP:])
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -133,7 +123,7 @@ def main() -> None:
     parser.add_argument("--widths", default="256,1024", help="hidden widths to try")
     args = parser.parse_args()
     logging.getLogger("gpufleet").setLevel("ERROR")
-    print(f"machine: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+    print(f"machine: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, python {platform.python_version()}")
     print(f"{args.repeats} repeats x {args.steps} interleaved steps, batch {args.batch}, "
           f"first {WARMUP} steps of each run not timed")

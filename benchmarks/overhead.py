@@ -29,6 +29,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 import gpufleet
+from gpufleet.bench.machine import cpu_model
 from gpufleet.train.callbacks import Callback
 
 WARMUP = 20  # steps left out of the timing (allocator and thread-pool warm-up)
@@ -119,17 +120,6 @@ def lockstep(width: int, steps: int, batch: int, out_dir: str,
     return statistics.median(timer.theirs[WARMUP:]), statistics.median(timer.ours[WARMUP:])
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -142,7 +132,7 @@ def main() -> None:
     import logging
 
     logging.getLogger("gpufleet").setLevel("WARNING")
-    print(f"machine: {cpu_name()}, {os.cpu_count()} cores, "
+    print(f"machine: {cpu_model()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"python {platform.python_version()}")
     print(f"{args.repeats} repeats x {args.steps} lockstep steps, batch {args.batch}, "

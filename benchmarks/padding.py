@@ -26,19 +26,13 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler
 
+from gpufleet.bench.machine import cpu_model
 from gpufleet.data.bucket import BucketBatchSampler, padded_waste
 from gpufleet.data.sampler import ResumableDistributedSampler
 
 
 def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f
-                       if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return (f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, "
+    return (f"{cpu_model()}, {os.cpu_count()} cores; Python {platform.python_version()}, "
             f"numpy {np.__version__}, torch {torch.__version__}")
 
 

@@ -35,6 +35,8 @@ import subprocess
 import sys
 import time
 
+from gpufleet.bench.machine import cpu_model
+
 CLIENTS = (1, 16, 64)
 
 
@@ -164,13 +166,7 @@ def machine(torch_threads: int) -> str:
     import torch
 
     torch_threads = torch_threads or torch.get_num_threads()
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        pass
-    return (f"{cpu}, {os.cpu_count()} cores; torch {torch.__version__}, "
+    return (f"{cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}, "
             f"Python {platform.python_version()}; server torch threads {torch_threads}")
 
 

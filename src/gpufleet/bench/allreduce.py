@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
 
-    from gpufleet.bench.loader import machine_summary
+    from gpufleet.bench.machine import machine_summary
     from gpufleet.launch import launch
 
     cuda = torch.cuda.is_available()

@@ -9,12 +9,10 @@ and the config keys to set.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gpufleet.bench.machine import machine_summary, usable_cores
 from gpufleet.errors import ConfigError, unknown_choice
 
 PIN_CHOICES = ("auto", "true", "false", "both")
@@ -101,7 +99,7 @@ def parse_workers(text: str) -> list[int]:
 
 def default_workers() -> list[int]:
     """0, 1, 2 and 4 workers, leaving out counts above this machine's usable cores."""
-    cores = _usable_cores()
+    cores = usable_cores()
     return [w for w in CANDIDATE_WORKERS if w <= cores]
 
 
@@ -149,16 +147,6 @@ def build_bench_data(args: argparse.Namespace) -> tuple[Dataset, int]:
     return train, cfg.data.batch_size
 
 
-def machine_summary() -> str:
-    """One line: CPU model, cores, torch version and the GPU (or that there is none)."""
-    import torch
-
-    gpu = (f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} x "
-           f"{torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no CUDA")
-    return (f"{_cpu_model()}, {_usable_cores()} usable core(s) of {os.cpu_count()}, "
-            f"torch {torch.__version__}, {gpu}")
-
-
 def recommendation_line(results: Sequence[Any], best: Any) -> str:
     """``recommendation: --data.num_workers=N --data.pin_memory=B (...)`` for ``best``.
 
@@ -197,20 +185,3 @@ def _table(results: Sequence[Any], best: Any, notes: Sequence[str]) -> Any:
                       f"{r.rss_mb:,.0f}" if r.rss_mb is not None else "-",
                       style="bold" if r is best else None)
     return table
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith(("model name", "hardware", "cpu model")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
