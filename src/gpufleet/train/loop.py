@@ -357,6 +357,6 @@ class Trainer(TrainerSetup):
         from gpufleet.monitor.report import write_report
 
         try:
-            log.info("report: %s", write_report(self.run_dir))
+            write_report(self.run_dir)  # logs where it went
         except Exception as e:
             log.error("the HTML report could not be written: %s: %s", type(e).__name__, e)
