@@ -14,6 +14,7 @@ from torch import nn
 from gpufleet.errors import CheckpointError, ConfigError
 from gpufleet.parallel.fsdp import blocks_to_shard
 from gpufleet.train import checkpoint as ckpt
+from gpufleet.train import sharded
 
 # 256 training samples; 9 evaluation samples split 5/4 over two ranks, so a sharded
 # forward per batch would leave the ranks at different batch counts.
@@ -74,7 +75,7 @@ def test_fsdp_with_accumulation_equals_single_and_its_checkpoint_loads_at_one_ra
 
     model = toyjob.make_model()
     opt = torch.optim.AdamW(param_groups(model, 0.1))
-    ckpt.load_sharded_into(step6, model, opt)
+    sharded.load_sharded_into(step6, model, opt)
     want = ckpt.load_checkpoint(single / "checkpoints" / "step-0000006.pt")
     for name, p in model.state_dict().items():
         torch.testing.assert_close(p, want["model"][name], rtol=1e-4, atol=1e-5)
@@ -149,7 +150,7 @@ def _save_sharded(run_dir: Path, step: int, keep_last: int = 5) -> Path:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(model, opt)
-    return ckpt.save_sharded_checkpoint(run_dir, step, {"model": msd, "optimizer": osd},
+    return sharded.save_sharded_checkpoint(run_dir, step, {"model": msd, "optimizer": osd},
                                         {"step": step, "epoch": 0}, keep_last)
 
 
@@ -200,13 +201,13 @@ def test_sharded_checkpoint_loads_into_a_plain_model_and_optimizer(tmp_path):
     path = _save_sharded(tmp_path, 7)
     model = nn.Linear(4, 2)
     opt = torch.optim.AdamW(model.parameters())  # no step taken: no state yet
-    ckpt.load_sharded_into(path, model, opt)
-    assert torch.equal(model.weight, ckpt.read_full_model(path)["weight"])
+    sharded.load_sharded_into(path, model, opt)
+    assert torch.equal(model.weight, sharded.read_full_model(path)["weight"])
     state = opt.state_dict()["state"]
     assert len(state) == 2 and float(state[0]["step"]) == 1.0
     (path / "__0_0.distcp").unlink()
     with pytest.raises(RuntimeError):
-        ckpt.load_sharded_into(path, model, opt)
+        sharded.load_sharded_into(path, model, opt)
 
 
 def test_a_sharded_write_that_fails_raises_oserror_and_leaves_the_old_ones(tmp_path):

@@ -197,7 +197,7 @@ class FullyShardedDataParallel(Strategy):
     # -- state -----------------------------------------------------------------------
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """This rank's shards of model and optimizer state (DTensors, keyed by parameter
-        name); :func:`gpufleet.train.checkpoint.save_sharded_checkpoint` writes them."""
+        name); :func:`gpufleet.train.sharded.save_sharded_checkpoint` writes them."""
         msd, osd = self.api.get_state_dict(model, optimizer)
         return {"model": msd, "optimizer": osd}
 
@@ -205,7 +205,7 @@ class FullyShardedDataParallel(Strategy):
                         state: dict[str, Any]) -> None:
         """Load full (unsharded) state, e.g. a single-file checkpoint of a ``single`` or
         ``ddp`` run; each rank keeps its shards. Sharded checkpoints are loaded by
-        :func:`gpufleet.train.checkpoint.load_sharded_into`."""
+        :func:`gpufleet.train.sharded.load_sharded_into`."""
         api = self.api
         osd = state["optimizer"]
         if osd.get("state") and all(isinstance(k, int) for k in osd["state"]):

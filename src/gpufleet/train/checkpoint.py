@@ -9,14 +9,9 @@ copy, a bad disk) fails its checksum on load. Older checkpoints are pruned only 
 the new one is complete, so a failed write leaves the previous ones intact. The newest
 ``keep_last`` are kept.
 
-Sharded strategies (``fsdp``) write a directory instead, ``<run_dir>/checkpoints/step-<N>/``:
-every rank writes its own shards of model and optimizer state with
-``torch.distributed.checkpoint`` (DCP: ``.metadata`` plus ``__<rank>_<i>.distcp`` files),
-rank 0 adds ``trainer.pt`` (the rest of the training state, as in a single file) and,
-once every rank is done, ``MANIFEST.sha256`` (the SHA-256 of every file, ``sha256sum -c``
-format). The directory is built under a temporary name and renamed when complete. DCP
-reshards on load, so such a checkpoint loads at any world size, and into ``single`` or
-``ddp`` runs too. Every rank must see the same file system (one shared directory).
+Sharded strategies (``fsdp``) write a directory instead, ``step-<N>/``: see
+:mod:`gpufleet.train.sharded`. Listing, pruning, verifying and finding checkpoints here
+handle both kinds.
 """
 
 from __future__ import annotations
@@ -26,7 +21,6 @@ import logging
 import os
 import re
 import shutil
-import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -36,7 +30,6 @@ import torch
 from gpufleet.config.loader import tomllib
 from gpufleet.errors import CheckpointError
 from gpufleet.files import fsync_dir
-from gpufleet.launch import broadcast_object, gather_objects, is_initialized
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +157,9 @@ def verify_checkpoint(path: str | Path) -> None:
     """
     path = Path(path)
     if path.is_dir():
-        _verify_sharded(path)
+        from gpufleet.train.sharded import verify_sharded
+
+        verify_sharded(path)
         return
     sums = checksum_path(path)
     try:
@@ -216,6 +211,8 @@ def load_checkpoint(path: str | Path, verify: bool = True) -> dict[str, Any]:
     if verify:
         verify_checkpoint(path)
     if path.is_dir():  # sharded: the training state plus the whole model, gathered
+        from gpufleet.train.sharded import read_full_model, read_trainer_state
+
         return {**read_trainer_state(path), "model": read_full_model(path)}
     try:
         # weights_only=False: the file holds RNG states and the config, which are plain
@@ -303,200 +300,3 @@ def _recorded_name(run_dir: Path) -> str | None:
 
 def glob_escape(text: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", text)
-
-
-# -- sharded checkpoints (one directory, every rank writes its shards) -------------------
-def sharded_checkpoint_path(run_dir: str | Path, step: int) -> Path:
-    return checkpoint_dir(run_dir) / f"step-{step:07d}"
-
-
-def save_sharded_checkpoint(run_dir: str | Path, step: int, shards: dict[str, Any],
-                            state: dict[str, Any] | None, keep_last: int) -> Path:
-    """Write a sharded checkpoint for ``step``, then prune all but the newest ``keep_last``.
-
-    COLLECTIVE: every rank calls it with its own ``shards`` (``{"model": ...,
-    "optimizer": ...}`` of DTensors, as ``get_state_dict`` returns them); ``state`` (the
-    rest of the training state) is used on rank 0 only.
-
-    Example:
-        >>> save_sharded_checkpoint(run_dir, 100, strategy.state_dict(model, opt),
-        ...                         {"step": 100, ...}, keep_last=3)  # doctest: +SKIP
-
-    Raises:
-        OSError: on every rank, when any rank's write failed. Nothing is left under the
-            checkpoint's name and the older checkpoints are untouched.
-    """
-    dcp = _dcp()
-    rank = _rank()
-    path = sharded_checkpoint_path(run_dir, step)
-    staging = path.with_name(f".{path.name}.tmp-sharded")
-    error: str | None = None
-    if rank == 0:
-        try:
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
-        except OSError as e:
-            error = str(e)
-    _raise_if(broadcast_object(error))  # COLLECTIVE: the folder exists for everyone
-    digests: dict[str, str] = {}
-    try:
-        with warnings.catch_warnings():  # without a process group: one process, as meant
-            warnings.filterwarnings("ignore", ".*single process.*")
-            dcp.save(shards, checkpoint_id=str(staging))  # COLLECTIVE: each rank its shards
-        # Each rank hashes what it wrote (in parallel); rank 0 hashes the rest.
-        digests = {p.name: _sha256(p) for p in staging.glob(f"__{rank}_*")}
-    except (OSError, dcp.api.CheckpointException) as e:
-        # DCP reports a failed write on any rank to all ranks.
-        error = f"{type(e).__name__}: {e}"
-    reports = gather_objects((error, digests))  # COLLECTIVE: a few bytes per rank
-    error = next((e for e, _ in reports if e), None)
-    if rank == 0 and error is None:
-        try:
-            _finish_sharded(path, staging, state or {}, {k: v for _, d in reports
-                                                          for k, v in d.items()})
-            prune(run_dir, keep_last)
-        except (OSError, RuntimeError) as e:  # torch.save: a failed write is a RuntimeError
-            error = str(e)
-    error = broadcast_object(error)  # COLLECTIVE: everyone learns how it ended
-    if error is not None and rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-    _raise_if(error)
-    return path
-
-
-def _finish_sharded(path: Path, staging: Path, state: dict[str, Any],
-                    digests: dict[str, str]) -> None:
-    """Rank 0, after every rank wrote its shards: the training state, the manifest, the
-    rename to the final name."""
-    with open(staging / TRAINER_STATE, "wb") as f:
-        out = _HashingWriter(f)
-        torch.save({"format": FORMAT_VERSION, "sharded": True, **state}, out)
-        f.flush()
-        os.fsync(f.fileno())
-    digests[TRAINER_STATE] = out.sha256.hexdigest()
-    for p in staging.iterdir():  # .metadata, and shards of a naming DCP may change
-        if p.is_file() and p.name not in digests:
-            digests[p.name] = _sha256(p)
-    manifest_tmp = staging / f".{MANIFEST}.tmp"
-    with open(manifest_tmp, "w") as f:
-        f.writelines(f"{digest}  {name}\n" for name, digest in sorted(digests.items()))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(manifest_tmp, staging / MANIFEST)
-    fsync_dir(staging)
-    if path.exists():  # the same step written again (a run restarted before this step)
-        shutil.rmtree(path)
-    os.replace(staging, path)
-    fsync_dir(path.parent)
-
-
-def _verify_sharded(path: Path) -> None:
-    try:
-        lines = (path / MANIFEST).read_text().splitlines()
-    except OSError:
-        raise CheckpointError(
-            f"sharded checkpoint {str(path)!r} has no readable {MANIFEST}: it was never "
-            "completed or was damaged since. Resume from an earlier checkpoint in "
-            f"{str(path.parent)!r}.") from None
-    for line in lines:
-        expected, name = line.split(maxsplit=1)
-        try:
-            digest = _sha256(path / name)
-        except OSError:
-            digest = "missing"
-        if digest != expected:
-            raise CheckpointError(
-                f"sharded checkpoint {str(path)!r} is damaged: {name} is "
-                f"{'missing' if digest == 'missing' else 'not what was written'} (SHA-256 "
-                f"check). Resume from an earlier checkpoint in {str(path.parent)!r}.")
-
-
-def read_trainer_state(path: str | Path) -> dict[str, Any]:
-    """A sharded checkpoint's training state (step, scheduler, sampler, RNG, config)."""
-    try:
-        return torch.load(Path(path) / TRAINER_STATE, map_location="cpu", weights_only=False)
-    except (OSError, RuntimeError) as e:
-        raise CheckpointError(f"checkpoint {str(path)!r}: {TRAINER_STATE} cannot be read "
-                              f"({e}). Resume from an earlier checkpoint.") from e
-
-
-def read_full_model(path: str | Path) -> dict[str, torch.Tensor]:
-    """The whole model state dict of a sharded checkpoint, in this process, on the CPU
-    (no process group needed): for serving, exporting or comparing weights.
-
-    Example:
-        >>> weights = read_full_model("runs/gpt/checkpoints/step-0001000")  # doctest: +SKIP
-    """
-    dcp = _dcp()
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(str(path))
-    meta = reader.read_metadata().state_dict_metadata
-    model = {key.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
-             for key, m in meta.items()
-             if key.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", ".*single process.*")  # that is the intent here
-        # no_dist: read alone even inside a process group (passed only there: older
-        # torch infers it and lacks the argument).
-        dcp.load({"model": model}, storage_reader=reader,
-                 **({"no_dist": True} if is_initialized() else {}))
-    return model
-
-
-def load_sharded_into(path: str | Path, model: torch.nn.Module,
-                      optimizer: torch.optim.Optimizer) -> None:
-    """Load a sharded checkpoint's model and optimizer state into ``model`` (plain, DDP or
-    FSDP) and ``optimizer``, resharding to this run's world size.
-
-    COLLECTIVE when a process group exists: every rank reads the parts of the saved
-    shards that make up its own.
-
-    Raises:
-        RuntimeError: the checkpoint does not fit the model or optimizer.
-    """
-    dcp = _dcp()
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    if hasattr(optimizer, "consolidate_state_dict"):  # ZeroRedundancyOptimizer
-        raise RuntimeError("a sharded checkpoint loads into fsdp, ddp or single runs, not "
-                           "zero1; resume with one of those strategies")
-    # Tensors of the right shapes and shardings for this run, filled in place by DCP
-    # (the optimizer's state is created first if it has taken no step yet).
-    msd, osd = get_state_dict(model, optimizer)
-    state = {"model": msd, "optimizer": osd}
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", ".*single process.*")
-            dcp.load(state, checkpoint_id=str(path))
-    except dcp.api.CheckpointException as e:  # a BaseException: make it an error
-        raise RuntimeError(str(e)) from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
-
-
-def _dcp() -> Any:
-    try:
-        import torch.distributed.checkpoint as dcp
-        import torch.distributed.checkpoint.api  # CheckpointException
-    except ImportError as e:  # pragma: no cover - torch builds without distributed
-        raise CheckpointError(f"sharded checkpoints need torch.distributed.checkpoint "
-                              f"(torch >= 2.4); this is torch {torch.__version__}.") from e
-    return dcp
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if is_initialized() else 0
-
-
-def _raise_if(error: str | None) -> None:
-    if error is not None:
-        raise OSError(error)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()

@@ -35,6 +35,7 @@ from gpufleet.parallel import build_strategy
 from gpufleet.precision import build_precision
 from gpufleet.procs import record_process
 from gpufleet.train import checkpoint as ckpt
+from gpufleet.train import sharded as sharded_ckpt
 from gpufleet.train.batches import make_loss_fn
 from gpufleet.train.callbacks import Callback, CallbackList
 from gpufleet.train.optim import build_scheduler, optimizer_spec
@@ -221,7 +222,7 @@ class TrainerSetup:
         """
         rngs = gather_objects(rng_state())  # COLLECTIVE: every rank's RNG states
         sharded = self.strategy.saves_on_every_rank  # fsdp: a directory, a shard per rank
-        path = (ckpt.sharded_checkpoint_path if sharded else ckpt.checkpoint_path)(
+        path = (sharded_ckpt.sharded_checkpoint_path if sharded else ckpt.checkpoint_path)(
             self.run_dir, self.step)
         # COLLECTIVE for some strategies (zero1 gathers the optimizer state on rank 0;
         # fsdp returns each rank's shards): every rank calls it.
@@ -239,8 +240,9 @@ class TrainerSetup:
         if sharded or self.env.is_main:
             try:
                 if sharded:  # COLLECTIVE: every rank writes its shards, rank 0 the rest
-                    ckpt.save_sharded_checkpoint(self.run_dir, self.step, model_state, state,
-                                                 self.cfg.checkpoint.keep_last)
+                    sharded_ckpt.save_sharded_checkpoint(
+                        self.run_dir, self.step, model_state, state,
+                        self.cfg.checkpoint.keep_last)
                 else:
                     ckpt.save_checkpoint(self.run_dir, self.step, {**model_state, **state},
                                          self.cfg.checkpoint.keep_last)
@@ -267,11 +269,11 @@ class TrainerSetup:
         # Rank 0 checked the checksum when it chose this file (plan_run): no rank
         # hashes it again.
         sharded = path.is_dir()  # written by a sharded strategy (fsdp) at any world size
-        state = ckpt.read_trainer_state(path) if sharded else ckpt.load_checkpoint(
+        state = sharded_ckpt.read_trainer_state(path) if sharded else ckpt.load_checkpoint(
             path, verify=False)
         try:
             if sharded:  # COLLECTIVE: each rank reads what makes up its own shards
-                ckpt.load_sharded_into(path, self.model, self.optimizer)
+                sharded_ckpt.load_sharded_into(path, self.model, self.optimizer)
             else:
                 self.strategy.load_state_dict(self.model, self.optimizer, state)
             self.scheduler.load_state_dict(state["scheduler"])
