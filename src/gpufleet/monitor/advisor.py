@@ -100,18 +100,20 @@ class Advisor(Callback):
             self._said.add((f.rule, f.title))
             log.warning("diagnosis at step %d: %s: %s Fix: %s", step, f.title, f.message,
                         f.fix)
-        if [(f.rule, f.title) for f in findings] != [(f.rule, f.title)
-                                                       for f in self.findings]:
+        changed = [(f.rule, f.title) for f in findings] != [(f.rule, f.title)
+                                                             for f in self.findings]
+        self.findings = findings
+        # Records and diagnosis.json are written when the findings change (and at the
+        # end), not every log interval.
+        if changed:
             if self.metrics_file is not None:
                 self.metrics_file.write("diagnosis", {
                     "step": step, "findings": [f.to_dict() for f in findings]})
-        self.findings = findings
-        self._save()
+            self._save(summary)
 
-    def _save(self) -> None:
+    def _save(self, summary: Summary | None) -> None:
         path = self.run_dir / DIAGNOSIS_FILE
         tmp = path.with_suffix(".json.tmp")
-        summary = self.summary()
         tmp.write_text(json.dumps({
             "findings": [f.to_dict() for f in self.findings],
             "steps_measured": summary.steps if summary else 0,
@@ -120,7 +122,7 @@ class Advisor(Callback):
 
     def on_fit_end(self, trainer: Any, result: Any) -> None:
         result.findings = list(self.findings)
-        self._save()
+        self._save(self.summary())
 
 
 def measured_cpu_flops(seconds: float = 0.1, n: int = 512) -> float:
