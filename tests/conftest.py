@@ -18,6 +18,8 @@ def _env(extra: dict | None = None) -> dict:
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
               "SLURM_PROCID", "SLURM_NTASKS", "TORCHELASTIC_RESTART_COUNT"):
         env.pop(k, None)
+    for k in [k for k in env if k.startswith(("HOROVOD_", "OMPI_COMM_WORLD_", "PMI_"))]:
+        env.pop(k)  # a test started inside horovodrun or mpirun is not one of its ranks
     env.update(extra or {})
     return env
 

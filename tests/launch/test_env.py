@@ -1,4 +1,5 @@
-"""DistEnv: reading the rank layout from torchrun's and SLURM's environment variables."""
+"""DistEnv: reading the rank layout from torchrun's, SLURM's, horovodrun's and mpirun's
+environment variables."""
 
 from __future__ import annotations
 
@@ -96,6 +97,39 @@ def test_single_task_slurm_job_is_not_a_rank():
 @pytest.mark.parametrize("name", ["bash", "interactive"])
 def test_interactive_slurm_shell_is_not_a_rank(name):
     assert DistEnv.detect(slurm(SLURM_JOB_NAME=name)).source == "none"
+
+
+def test_horovodrun_variables():
+    # What horovodrun's Gloo mode sets for rank 3 of 4 on two hosts (2 each).
+    env = DistEnv.detect({"HOROVOD_RANK": "3", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1",
+                          "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "1",
+                          "HOROVOD_CROSS_SIZE": "2", "HOROVOD_HOSTNAME": "n1"})
+    assert env == DistEnv(rank=3, local_rank=1, world_size=4, local_world_size=2, node_rank=1,
+                          master_addr="127.0.0.1", master_port=0, source="horovod")
+    assert env.is_distributed and not env.is_main
+
+
+@pytest.mark.parametrize("variables", [
+    {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4",
+     "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},  # Open MPI
+    {"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0",
+     "MPI_LOCALNRANKS": "2"},  # MPICH and Intel MPI (Hydra)
+])
+def test_mpirun_variables(variables):
+    env = DistEnv.detect({**variables, "MASTER_ADDR": "n0", "MASTER_PORT": "29400"})
+    assert env == DistEnv(rank=2, local_rank=0, world_size=4, local_world_size=2, node_rank=1,
+                          master_addr="n0", master_port=29400, source="mpi")
+
+
+def test_torchrun_wins_over_horovodrun():
+    env = DistEnv.detect({"RANK": "0", "WORLD_SIZE": "2", "HOROVOD_RANK": "1",
+                          "HOROVOD_SIZE": "2"})
+    assert env.source == "torchrun" and env.rank == 0
+
+
+def test_horovodrun_without_local_variables_assumes_one_node():
+    env = DistEnv.detect({"HOROVOD_RANK": "1", "HOROVOD_SIZE": "3"})
+    assert (env.local_rank, env.local_world_size, env.node_rank) == (1, 3, 0)
 
 
 @pytest.mark.parametrize("text, hosts", [

@@ -1,10 +1,18 @@
-"""Who am I in the job? Read the rank layout that torchrun, SLURM or our launcher set.
+"""Who am I in the job? Read the rank layout that torchrun, SLURM, MPI or Horovod set.
 
 Every launcher describes a rank through environment variables, each in its own words:
 torchrun (and torch's elastic agent, and :func:`gpufleet.launch.launch`) sets ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``...; ``srun`` sets ``SLURM_PROCID``, ``SLURM_NTASKS``...
-:meth:`DistEnv.detect` turns either into one :class:`DistEnv`, and :func:`export_for_torch`
-writes it back in torch's words so that ``init_method="env://"`` works under SLURM too.
+``WORLD_SIZE``, ``LOCAL_RANK``...; ``srun`` sets ``SLURM_PROCID``, ``SLURM_NTASKS``...;
+``horovodrun`` sets ``HOROVOD_RANK``, ``HOROVOD_SIZE``...; ``mpirun`` sets
+``OMPI_COMM_WORLD_RANK``... (Open MPI) or ``PMI_RANK``... (MPICH, Intel MPI).
+:meth:`DistEnv.detect` turns any of them into one :class:`DistEnv`, and
+:func:`export_for_torch` writes it back in torch's words so that ``init_method="env://"``
+works under every launcher.
+
+Horovod and MPI launchers name no rendezvous address for torch (their ranks meet through
+their own channels): such a :class:`DistEnv` has ``master_port`` 0 unless the user set
+``MASTER_ADDR``/``MASTER_PORT``, and :func:`gpufleet.launch.init_process_group` then
+agrees on one through Horovod.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from gpufleet.errors import LaunchError, unknown_choice
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("none", "torchrun", "slurm")
+SOURCES = ("none", "torchrun", "slurm", "horovod", "mpi")
 
 # SLURM sets SLURM_NTASKS in interactive allocations too; these job names mean "a shell",
 # not an `srun` step that started one process per rank.
@@ -37,9 +45,11 @@ class DistEnv:
         local_world_size: Number of ranks on this node.
         node_rank: Index of this node.
         master_addr: Host of rank 0's rendezvous store.
-        master_port: Port of that store (0: unknown / not needed).
+        master_port: Port of that store (0: not known yet, see the module docs).
         source: Who started this process: "none", "torchrun" (anything that sets
-            RANK/WORLD_SIZE: torchrun, torch's elastic agent, our launchers) or "slurm".
+            RANK/WORLD_SIZE: torchrun, torch's elastic agent, our launchers), "slurm",
+            "horovod" (``horovodrun``'s Gloo mode) or "mpi" (``mpirun``, also under
+            ``horovodrun``'s MPI mode).
         restart_count: How many times the elastic agent restarted the ranks.
 
     Example:
@@ -65,7 +75,8 @@ class DistEnv:
             raise LaunchError(
                 f"Inconsistent rank layout from {self.source}: rank {self.rank} of "
                 f"{self.world_size}, local rank {self.local_rank} of {self.local_world_size}. "
-                "Check the RANK/WORLD_SIZE/LOCAL_RANK (or SLURM_*) variables the launcher set."
+                "Check the RANK/WORLD_SIZE/LOCAL_RANK (or SLURM_*, HOROVOD_*, OMPI_COMM_WORLD_*, "
+                "PMI_*) variables the launcher set."
             )
 
     @property
@@ -85,7 +96,8 @@ class DistEnv:
 
     @classmethod
     def detect(cls, environ: Mapping[str, str] = os.environ) -> DistEnv:
-        """Read the rank layout from ``environ``: torchrun first, then SLURM, else one process.
+        """Read the rank layout from ``environ``: torchrun first, then SLURM, Horovod, MPI,
+        else one process.
 
         Example:
             >>> DistEnv.detect({}).is_distributed
@@ -96,6 +108,10 @@ class DistEnv:
             ...                       "SLURM_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "42"})
             >>> env.rank, env.node_rank, env.master_addr, env.master_port
             (3, 1, 'gpu07', 10042)
+            >>> env = DistEnv.detect({"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2",
+            ...                       "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2"})
+            >>> env.rank, env.local_rank, env.source, env.master_port
+            (1, 1, 'horovod', 0)
         """
         restarts = _int(environ, "TORCHELASTIC_RESTART_COUNT", 0)
         if "RANK" in environ and "WORLD_SIZE" in environ:
@@ -114,6 +130,9 @@ class DistEnv:
             )
         if _is_slurm_step(environ):
             return _from_slurm(environ, restarts)
+        for source, names in _RANK_VARIABLES:
+            if names[0] in environ and names[1] in environ:
+                return _from_rank_variables(environ, source, names)
         return cls(restart_count=restarts)
 
 
@@ -212,6 +231,40 @@ def _from_slurm(environ: Mapping[str, str], restarts: int) -> DistEnv:
         master_port=_int(environ, "MASTER_PORT", default_port),
         source="slurm",
         restart_count=restarts,
+    )
+
+
+# (source, (rank, size, local rank, local size, node rank)) for launchers that set no
+# rendezvous address; the node rank variable may be missing.
+_RANK_VARIABLES = (
+    ("horovod", ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+                 "HOROVOD_CROSS_RANK")),
+    ("mpi", ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+             "OMPI_COMM_WORLD_LOCAL_SIZE", "")),
+    ("mpi", ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "")),
+)
+
+
+def _from_rank_variables(environ: Mapping[str, str], source: str,
+                         names: tuple[str, ...]) -> DistEnv:
+    rank, world = _int(environ, names[0]), _int(environ, names[1])
+    # Without per-node variables, assume one node (as the torchrun branch does).
+    local_world = _int(environ, names[3], world)
+    local_rank = _int(environ, names[2], rank % local_world)
+    # With the same number of ranks on every node, the node index is rank // per node.
+    node_rank = rank // local_world
+    if names[4]:
+        node_rank = _int(environ, names[4], node_rank)
+    return DistEnv(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world,
+        local_world_size=local_world,
+        node_rank=node_rank,
+        master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=_int(environ, "MASTER_PORT", 0),
+        source=source,
+        restart_count=0,  # neither launcher restarts ranks
     )
 
 
