@@ -6,7 +6,10 @@ become no-ops, so library code can call them without checking who launched it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -34,6 +37,8 @@ def init_process_group(env: DistEnv, backend: str, init_method: str = "env://",
 
     Does nothing when a process group already exists. With NCCL the rank first selects
     its GPU (``env.local_rank``) so that NCCL's communicators land on the right device.
+    Ranks that ``horovodrun`` or ``mpirun`` started without ``MASTER_PORT`` meet at a
+    store that rank 0 opens on a free port, its address broadcast through Horovod.
 
     Args:
         env: This rank's place in the job (usually ``DistEnv.detect()``).
@@ -63,6 +68,10 @@ def init_process_group(env: DistEnv, backend: str, init_method: str = "env://",
                               "none. Use --dist.backend gloo (or auto) on CPU.")
         # One visible GPU (e.g. SLURM --gpus-per-task=1) is device 0 whatever the rank.
         torch.cuda.set_device(0 if torch.cuda.device_count() == 1 else env.local_rank)
+    store = None
+    if init_method.startswith("env://") and env.master_port == 0 and env.source in (
+            "horovod", "mpi"):
+        store, env = _rendezvous_through_horovod(env, timeout_s)
     export_for_torch(env)
     where = (f"{env.master_addr}:{env.master_port}" if init_method.startswith("env://")
              else init_method)
@@ -70,8 +79,9 @@ def init_process_group(env: DistEnv, backend: str, init_method: str = "env://",
                  backend, where)
     try:
         # The timeout bounds the rendezvous here and every collective afterwards.
-        dist.init_process_group(backend=backend, init_method=init_method, rank=env.rank,
-                                world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend=backend, init_method=None if store else init_method,
+                                store=store, rank=env.rank, world_size=env.world_size,
+                                timeout=timedelta(seconds=timeout_s))
     except (RuntimeError, ValueError, OSError) as err:  # DistError, DistStoreError, timeouts
         raise LaunchError(
             f"Rank {env.rank} of {env.world_size} could not join the {backend} process group "
@@ -80,6 +90,55 @@ def init_process_group(env: DistEnv, backend: str, init_method: str = "env://",
             "same MASTER_ADDR/MASTER_PORT (--dist.master_addr/--dist.master_port), that a "
             "firewall lets the port through, and raise --dist.timeout if ranks start slowly."
         ) from err
+
+
+def _rendezvous_through_horovod(env: DistEnv, timeout_s: float) -> tuple[Any, DistEnv]:
+    """Agree on a ``TCPStore`` for ranks that ``horovodrun`` or ``mpirun`` started.
+
+    Those launchers set no address for torch to meet at. Their ranks can already talk
+    through Horovod, though: rank 0 opens a store on a free port and Horovod broadcasts
+    its address, so nothing is guessed and no port can be taken in between.
+    """
+    launcher = "horovodrun" if env.source == "horovod" else "mpirun"
+    try:
+        import horovod.torch as hvd  # optional dependency
+    except ImportError as err:
+        from gpufleet.parallel.horovod import INSTALL
+
+        raise LaunchError(
+            f"This process is rank {env.rank} of {env.world_size} started by {launcher}, "
+            "which sets no address for torch.distributed to meet at. Either set MASTER_ADDR "
+            "(rank 0's host) and MASTER_PORT (a free port) for every rank, e.g. "
+            f"{launcher} -x MASTER_ADDR=node1 -x MASTER_PORT=29500 ..., or install Horovod "
+            f"({INSTALL}) so the ranks agree on one through it.") from err
+    hvd.init()
+    if (hvd.rank(), hvd.size()) != (env.rank, env.world_size):
+        raise LaunchError(
+            f"{launcher}'s variables say rank {env.rank} of {env.world_size}, but Horovod "
+            f"says rank {hvd.rank()} of {hvd.size()}. Start the job with one launcher only "
+            "(not horovodrun inside torchrun or srun).")
+    timeout = timedelta(seconds=timeout_s)
+    store, address = None, None
+    if env.rank == 0:
+        # One node: loopback. Several: this host's name, unless the user named one.
+        host = os.environ.get("MASTER_ADDR") or (
+            "127.0.0.1" if hvd.local_size() == hvd.size() else socket.getfqdn())
+        store = dist.TCPStore(host, 0, env.world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+        address = (host, store.port)
+    # COLLECTIVE (Horovod's): rank 0's store address to every rank.
+    host, port = hvd.broadcast_object(address, root_rank=0, name="gpufleet.rendezvous")
+    if store is None:
+        try:
+            store = dist.TCPStore(host, port, env.world_size, is_master=False,
+                                  timeout=timeout)
+        except (RuntimeError, OSError) as err:
+            raise LaunchError(
+                f"Rank {env.rank} cannot reach rank 0's store at {host}:{port}: {err}. If "
+                "that host name does not resolve from here, set MASTER_ADDR to an address "
+                f"of rank 0's node that every node can reach ({launcher} -x MASTER_ADDR=...)."
+            ) from err
+    return store, dataclasses.replace(env, master_addr=host, master_port=port)
 
 
 def destroy_process_group() -> None:
