@@ -164,9 +164,15 @@ def run_training(cfg: Config) -> Any:
     from gpufleet.train.rundir import plan_run
 
     env = DistEnv.detect()
-    if env.is_distributed:  # torchrun, SLURM or our own launcher started this process
-        return run_worker(config_to_dict(cfg))
+    if env.is_distributed:  # torchrun, SLURM, horovodrun, mpirun or our launcher
+        result = run_worker(config_to_dict(cfg))
+        return result if env.is_main else None  # one summary per job, from rank 0
     dist = cfg.dist
+    if cfg.parallel.strategy == "horovod" and dist.nproc > 1:
+        raise ConfigError(
+            f"--nproc {dist.nproc} with --strategy horovod: Horovod's ranks are started by "
+            f"horovodrun, not by gpufleet. Run: horovodrun -np {dist.nproc} gpufleet train "
+            "--strategy horovod ... (without --nproc).")
     nproc = dist.nproc or _visible_gpus(cfg)
     max_nodes = int(dist.nnodes.split(":")[-1])
     multi_node = max_nodes > 1
@@ -209,6 +215,8 @@ def run_training(cfg: Config) -> Any:
 
 
 def _visible_gpus(cfg: Config) -> int:
+    if cfg.parallel.strategy == "horovod":
+        return 1  # one process here; horovodrun -np N starts more
     if cfg.run.device == "cpu":
         return 1
     import torch

@@ -180,7 +180,7 @@ class Trainer(TrainerSetup):
                     # does not apply.
                     warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
                     self.scheduler.step()
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad()  # frees the gradients (set_to_none is the default)
             strategy.after_optimizer_step(model, self.step)
             self.step += 1
             if skip:
