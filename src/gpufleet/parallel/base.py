@@ -23,7 +23,8 @@ How the later strategies plug in (each is a small module of its own):
 * ``local_sgd``: ``no_sync`` is always on (no per-step gradient all-reduce) and
   ``after_optimizer_step`` runs torch's periodic / hierarchical model averager.
 * ``horovod``: ``setup_optimizer`` wraps in ``hvd.DistributedOptimizer`` and broadcasts
-  the initial state; ``all_reduce`` uses ``hvd.allreduce``.
+  the initial state; ``forward_backward`` waits for the gradient all-reduce after the
+  last micro-step; ``all_reduce`` uses ``hvd.allreduce``.
 """
 
 from __future__ import annotations
@@ -53,11 +54,14 @@ class OptimizerSpec:
         cls: the optimizer class, e.g. ``torch.optim.AdamW``.
         param_groups: maps the (unwrapped) model to its parameter groups.
         kwargs: keyword arguments for ``cls``.
+        accumulation: micro-steps (backward passes) per optimizer step; Horovod's
+            optimizer needs it to delay its all-reduce to the last one.
     """
 
     cls: type[torch.optim.Optimizer]
     param_groups: Callable[[nn.Module], list[dict[str, Any]]]
     kwargs: dict[str, Any] = field(default_factory=dict)
+    accumulation: int = 1
 
     def build(self, model: nn.Module) -> torch.optim.Optimizer:
         return self.cls(self.param_groups(model), **self.kwargs)

@@ -41,7 +41,8 @@ def optimizer_spec(cfg: OptimConfig, device_type: str) -> OptimizerSpec:
     else:
         kwargs = {"lr": cfg.lr, "momentum": cfg.momentum}
         cls = torch.optim.SGD
-    return OptimizerSpec(cls, lambda m: param_groups(m, cfg.weight_decay), kwargs)
+    return OptimizerSpec(cls, lambda m: param_groups(m, cfg.weight_decay), kwargs,
+                         accumulation=cfg.grad_accum)
 
 
 def lr_factor(step: int, cfg: OptimConfig, max_steps: int) -> float:
