@@ -114,9 +114,13 @@ def _rendezvous_through_horovod(env: DistEnv, timeout_s: float) -> tuple[Any, Di
     hvd.init()
     if (hvd.rank(), hvd.size()) != (env.rank, env.world_size):
         raise LaunchError(
-            f"{launcher}'s variables say rank {env.rank} of {env.world_size}, but Horovod "
-            f"says rank {hvd.rank()} of {hvd.size()}. Start the job with one launcher only "
-            "(not horovodrun inside torchrun or srun).")
+            f"{launcher} started this process as rank {env.rank} of {env.world_size}, but "
+            f"Horovod here sees rank {hvd.rank()} of {hvd.size()}: this launcher did not wire "
+            "Horovod up (a Horovod built without MPI under mpirun, or one launcher inside "
+            "another), so the ranks cannot agree on an address through it. Set MASTER_ADDR "
+            "(rank 0's host) and MASTER_PORT (a free port) for every rank, e.g. "
+            f"{launcher} -x MASTER_ADDR=node1 -x MASTER_PORT=29500 ..., or start the job "
+            "with horovodrun alone.")
     timeout = timedelta(seconds=timeout_s)
     store, address = None, None
     if env.rank == 0:
