@@ -147,3 +147,17 @@ def test_horovodrun_can_launch_ddp_and_the_ranks_meet_through_horovod(run_cli, t
         torch.testing.assert_close(p, want[name], rtol=1e-4, atol=1e-5)
     assert not list((ddp / "procs").glob("*")), "process records left behind"
     assert os.environ.get("HOROVOD_RANK") is None  # the test process itself is no rank
+
+
+def test_one_mpirun_rank_needs_no_address(no_horovod, monkeypatch):
+    from gpufleet.launch import destroy_process_group, gather_objects, job_store
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)  # joining exports them; undone after
+    env = DistEnv(world_size=1, source="mpi")
+    init_process_group(env, "gloo", timeout_s=30)
+    try:
+        assert gather_objects("x") == ["x"] and job_store() is not None
+    finally:
+        destroy_process_group()

@@ -99,6 +99,10 @@ def _rendezvous_through_horovod(env: DistEnv, timeout_s: float) -> tuple[Any, Di
     through Horovod, though: rank 0 opens a store on a free port and Horovod broadcasts
     its address, so nothing is guessed and no port can be taken in between.
     """
+    timeout = timedelta(seconds=timeout_s)
+    if env.world_size == 1:  # `mpirun -np 1`: nobody to meet
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+        return store, dataclasses.replace(env, master_addr="127.0.0.1", master_port=store.port)
     launcher = "horovodrun" if env.source == "horovod" else "mpirun"
     try:
         import horovod.torch as hvd  # optional dependency
@@ -121,7 +125,6 @@ def _rendezvous_through_horovod(env: DistEnv, timeout_s: float) -> tuple[Any, Di
             "(rank 0's host) and MASTER_PORT (a free port) for every rank, e.g. "
             f"{launcher} -x MASTER_ADDR=node1 -x MASTER_PORT=29500 ..., or start the job "
             "with horovodrun alone.")
-    timeout = timedelta(seconds=timeout_s)
     store, address = None, None
     if env.rank == 0:
         # One node: loopback. Several: this host's name, unless the user named one.
