@@ -16,10 +16,10 @@ from gpufleet.parallel.fsdp import blocks_to_shard
 from gpufleet.train import checkpoint as ckpt
 from gpufleet.train import sharded
 
-# 256 training samples; 9 evaluation samples split 5/4 over two ranks, so a sharded
-# forward per batch would leave the ranks at different batch counts.
+# 256 training samples; 17 evaluation samples split 9/8 over two ranks: in batches of 8,
+# rank 0 has two and rank 1 one, which rank 1 repeats (uncounted) for the sharded forward.
 TOY = ["--model", "toyjob:make_model", "--data", "toyjob:make_data",
-       "--data.kwargs={n_eval = 9}", "--run.eval_every", "4", "--data.num_workers", "0",
+       "--data.kwargs={n_eval = 17}", "--run.eval_every", "4", "--data.num_workers", "0",
        "--model.loss", "torch.nn.functional:mse_loss", "--log.every", "1",
        "--optim.warmup_steps", "2", "--run.out_dir", "runs"]
 
@@ -64,7 +64,7 @@ def test_fsdp_with_accumulation_equals_single_and_its_checkpoint_loads_at_one_ra
                   "--checkpoint.every", "6")
     _assert_same(single, fsdp)
     for (s1, l1, n1), (s2, l2, n2) in zip(_evals(single), _evals(fsdp), strict=True):
-        assert (s1, n1) == (s2, n2) == (s1, 9)  # uneven eval shards: every sample once
+        assert (s1, n1) == (s2, n2) == (s1, 17)  # uneven eval shards: every sample once
         assert l1 == pytest.approx(l2, rel=1e-5)
     step6 = fsdp / "checkpoints" / "step-0000006"
     assert (step6 / ckpt.MANIFEST).is_file() and len(list(step6.glob("__*.distcp"))) == 2

@@ -83,6 +83,10 @@ class Strategy:
     saves_on_every_rank: ClassVar[bool] = False
     #: True when the strategy talks to other ranks, so a process group must exist.
     needs_process_group: ClassVar[bool] = False
+    #: True when every evaluation forward is a collective (FSDP all-gathers the weights
+    #: in it): every rank must then run the same number, and the loop repeats a batch,
+    #: uncounted, on ranks whose share of the evaluation set is a batch shorter.
+    eval_in_lockstep: ClassVar[bool] = False
 
     def __init__(self, cfg: ParallelConfig, device: torch.device,
                  precision: Any = None) -> None:
@@ -150,7 +154,8 @@ class Strategy:
 
     def eval_model(self, model: nn.Module) -> nn.Module:
         """The module to run evaluation on. The unwrapped replica needs no collective per
-        forward, so ranks may run different numbers of evaluation batches."""
+        forward, so ranks may run different numbers of evaluation batches (see
+        ``eval_in_lockstep``)."""
         return self.unwrap(model)
 
     # -- state -----------------------------------------------------------------------

@@ -15,11 +15,10 @@ reduce-scattered, so a rank holds the full parameters of only the block it is ru
   already cast parameters and inputs at module boundaries, and autocast on top would
   only add per-op casts. The model's outputs are cast back to float32 so the loss is
   computed in float32.
-* Evaluation runs on a full, unsharded copy of the model gathered once per evaluation
-  (see :meth:`FullyShardedDataParallel.eval_model`), under the loop's autocast: the
-  evaluation sampler gives ranks batch counts that may differ by one, which a sharded
-  forward (an all-gather per block on every rank) cannot serve. The copy needs the full
-  weights' memory for the length of the evaluation.
+* Evaluation runs on the sharded model, so it needs no more memory than training.
+  Every forward all-gathers block by block on every rank, so the ranks run the same
+  number of evaluation forwards: the evaluation sampler may give one rank a batch less,
+  and that rank repeats a batch whose loss is not counted (``eval_in_lockstep``).
 * ``parallel.fsdp_cpu_offload`` keeps the sharded parameters, gradients and optimizer
   state in host memory (the optimizer step runs on the CPU).
 * ``parallel.fsdp_reshard_after_forward = false`` keeps each block's gathered
@@ -37,7 +36,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -99,6 +97,8 @@ class FullyShardedDataParallel(Strategy):
     name = "fsdp"
     saves_on_every_rank = True
     needs_process_group = True
+    # Evaluation runs on the sharded model (no full copy): each forward all-gathers.
+    eval_in_lockstep = True
 
     def __init__(self, cfg: ParallelConfig, device: torch.device,
                  precision: Any = None) -> None:
@@ -111,7 +111,6 @@ class FullyShardedDataParallel(Strategy):
                 "precision.mode = bf16-mixed (no loss scaling needed) or fp32.")
         dtype = getattr(precision, "autocast_dtype", None)
         self.compute_dtype: torch.dtype | None = dtype
-        self._skeleton: nn.Module | None = None
 
     # -- building ------------------------------------------------------------------
     def setup_model(self, model: nn.Module) -> nn.Module:
@@ -120,9 +119,6 @@ class FullyShardedDataParallel(Strategy):
         # COLLECTIVE: every rank starts from rank 0's weights, as DDP does.
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.detach(), src=0)
-        # Evaluation runs on a full copy (see eval_model): keep the structure, not the
-        # weights (parameters on the meta device take no memory).
-        self._skeleton = _meta_copy(model)
         mesh = api.init_device_mesh(self.device.type, (dist.get_world_size(),))
         common: dict[str, Any] = {"mesh": mesh}
         if cfg.fsdp_cpu_offload:
@@ -177,22 +173,6 @@ class FullyShardedDataParallel(Strategy):
         total = _squares(sharded, self.device)
         self.all_reduce(total)  # COLLECTIVE: every rank, even one without gradients
         return (total + _squares(whole, self.device)).sqrt()
-
-    def eval_model(self, model: nn.Module) -> nn.Module:
-        """A full, unsharded copy of the model (COLLECTIVE: an all-gather of the weights).
-
-        The sharded model all-gathers in every forward, so every rank would have to run
-        the same number of evaluation batches, and the evaluation sampler gives ranks
-        counts that differ by one. The copy needs no collective per batch; it holds the
-        full weights (float32) for the length of the evaluation only.
-        """
-        api = self.api
-        full = api.get_model_state_dict(model, options=api.StateDictOptions(
-            full_state_dict=True, cpu_offload=False))
-        assert self._skeleton is not None, "setup_model was not called"
-        replica = copy.deepcopy(self._skeleton)
-        replica.load_state_dict(full, assign=True)
-        return replica.to(self.device)
 
     # -- state -----------------------------------------------------------------------
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -251,14 +231,6 @@ def blocks_to_shard(model: nn.Module, wrap: str) -> list[nn.Module]:
 def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
-
-def _meta_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` whose parameters live on the meta device (no memory);
-    buffers are copied, so non-persistent ones (masks, tables) keep their values."""
-    memo: dict[int, Any] = {id(p): nn.Parameter(torch.empty_like(p, device="meta"),
-                                                requires_grad=p.requires_grad)
-                            for p in model.parameters()}
-    return copy.deepcopy(model, memo)
 
 
 def _is_sharded(t: torch.Tensor) -> bool:

@@ -9,9 +9,11 @@ is none per step, only one per log interval (unless fp16 loss scaling is on).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -307,17 +309,16 @@ class Trainer(TrainerSetup):
         model = self.strategy.eval_model(self.model)
         model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # [Σ loss·n, Σ n]
-        for i, batch in enumerate(self.eval_loader):
-            if self.cfg.run.eval_batches and i >= self.cfg.run.eval_batches:
-                break
-            n = batch_size_of(batch)
+        for batch, counted in self._eval_batches():
+            n = batch_size_of(batch) if counted else 0
             batch = to_device(batch, self.device, non_blocking=self.pin_memory)
             if self.cfg.perf.channels_last:
                 batch = to_channels_last(batch)
             with self.precision.autocast():
                 loss = self.loss_fn(model, batch)
-            totals[0] += loss.double() * n
-            totals[1] += n
+            if counted:
+                totals[0] += loss.double() * n
+                totals[1] += n
         self.model.train()
         self.strategy.all_reduce(totals)  # COLLECTIVE + SYNC (below): once per evaluation
         loss_total, count = totals.tolist()
@@ -328,6 +329,29 @@ class Trainer(TrainerSetup):
         self.callbacks.on_eval(self, self.step, {"step": self.step, "eval_loss": value,
                                                  "eval_samples": int(count)})
         return value
+
+    def _eval_batches(self) -> Iterator[tuple[Any, bool]]:
+        """This rank's evaluation batches, each with whether its loss counts.
+
+        With a strategy whose forward is a collective (``eval_in_lockstep``), ranks with
+        fewer batches than the others repeat one, uncounted, until all ran as many.
+        """
+        limit = self.cfg.run.eval_batches or len(self.eval_loader)
+        own = min(limit, len(self.eval_loader))
+        batches = itertools.islice(self.eval_loader, own)
+        if not self.strategy.eval_in_lockstep:
+            yield from ((batch, True) for batch in batches)
+            return
+        most = torch.tensor([float(own)], device=self.device)
+        self.strategy.all_reduce(most, op="max")  # COLLECTIVE + SYNC: once per evaluation
+        filler = None
+        for filler in batches:
+            yield filler, True
+        for _ in range(int(most.item()) - own):
+            if filler is None:  # this rank's share is empty: any sample will do
+                loader = self.eval_loader
+                filler = loader.collate_fn([loader.dataset[0]])
+            yield filler, False
 
     def _finish(self) -> FitResult:
         result, phases = self.result, self.callbacks.phase_listeners
