@@ -36,6 +36,23 @@ def test_local_sgd_with_period_one_equals_ddp(run_cli, tmp_path):
         torch.testing.assert_close(local[key], ddp[key], rtol=1e-5, atol=1e-6)
 
 
+def test_local_sgd_resumed_at_an_averaging_step_goes_on_as_if_uninterrupted(run_cli,
+                                                                           tmp_path):
+    # Warm-up 1, period 2: the models are averaged after steps 2, 4, 6 and 8, so at the
+    # step-4 checkpoint both ranks hold rank 0's model. Plain SGD keeps no per-rank state.
+    # The resumed run must take step 5 without gradient all-reduce, like the first run.
+    args = [*TOY, "--strategy", "local_sgd", "--parallel.local_sgd_period", "2",
+            "--parallel.local_sgd_warmup_steps", "1", "--optim.momentum", "0",
+            "--checkpoint.every", "4"]
+    run_cli("train", *args, "--run-dir", "runs/straight")
+    step4 = tmp_path / "runs/straight/checkpoints/step-0000004.pt"
+    run_cli("train", *args, "--run-dir", "runs/resumed", "--resume", str(step4))
+    straight = final_params(tmp_path / "runs/straight")
+    resumed = final_params(tmp_path / "runs/resumed")
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=0)
+
+
 def _hierarchical_rank() -> list[bool]:
     """Two ranks, each its own 'node'; within-node period 2, across nodes period 4.
     Returns, per step, whether the ranks hold the same parameters after it."""

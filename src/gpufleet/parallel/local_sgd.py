@@ -104,9 +104,15 @@ class LocalSGD(DistributedDataParallel):
         self.averager.average_parameters(params)
 
     def after_optimizer_step(self, model: nn.Module, step: int) -> None:
-        # The hook and the averager decide the next step by the loop's step count (a
-        # resumed run counts from 0 again for its first step only).
+        # The hook and the averager decide the next step by the loop's step count.
         self._step = self._state.step = step + 1
+
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        state: dict[str, Any]) -> None:
+        super().load_state_dict(model, optimizer, state)
+        # A resumed run goes on where the saved one stopped: its first step must not
+        # fall back into the warm-up's gradient all-reduce or shift the averaging phase.
+        self._step = self._state.step = int(state.get("step", 0))
 
     def describe(self) -> dict[str, Any]:
         """Settings worth a line in the run's report."""
