@@ -96,3 +96,23 @@ def test_gpt_widths_off_tensor_core_multiples_are_flagged(caplog, tmp_path, monk
     with caplog.at_level("WARNING", logger="gpufleet.job"):
         build_job(cfg)
     assert "multiple of 64" in caplog.text
+
+
+def test_ranks_on_one_node_share_its_cores(monkeypatch):
+    from gpufleet.bench.machine import usable_cores
+    from gpufleet.train.perf import share_cores
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        assert share_cores(local_world_size=1) is None
+        assert torch.get_num_threads() == before
+        want = max(1, usable_cores() // 2)
+        assert share_cores(local_world_size=2) == want == torch.get_num_threads()
+        assert share_cores(local_world_size=10 * usable_cores()) == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice wins
+        torch.set_num_threads(before)
+        assert share_cores(local_world_size=2) is None
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)

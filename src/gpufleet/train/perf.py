@@ -3,14 +3,42 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from torch import nn
 
+from gpufleet.bench.machine import usable_cores
 from gpufleet.config import PerfConfig
 from gpufleet.train.batches import map_tensors
 
 log = logging.getLogger(__name__)
+
+
+def share_cores(local_world_size: int, is_main: bool = True) -> int | None:
+    """Split the node's cores between its ranks' torch thread pools.
+
+    torch sizes its intra-op thread pool to all the cores a process may use, in every
+    process: N ranks on one node then run N times as many threads as there are cores, and
+    the CPU work of a step (on CPU, all of it) slows down several-fold. Unless the user
+    set ``OMP_NUM_THREADS``, each rank gets ``cores // N`` threads (at least one).
+    torchrun's command line sets one thread; torch's ``elastic_launch`` (which ``--nproc``
+    uses), ``horovodrun``, ``mpirun`` and ``srun`` set nothing.
+
+    Returns the thread count set, or None when nothing was changed.
+
+    Example:
+        >>> share_cores(local_world_size=1) is None  # one rank keeps every core
+        True
+    """
+    if local_world_size <= 1 or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    threads = max(1, usable_cores() // local_world_size)
+    torch.set_num_threads(threads)
+    if is_main:
+        log.info("%d ranks share this node's %d core(s): %d torch thread(s) each (set "
+                 "OMP_NUM_THREADS to choose)", local_world_size, usable_cores(), threads)
+    return threads
 
 
 def apply_backend_flags(perf: PerfConfig, deterministic: bool) -> None:

@@ -39,7 +39,7 @@ from gpufleet.train import sharded as sharded_ckpt
 from gpufleet.train.batches import make_loss_fn
 from gpufleet.train.callbacks import Callback, CallbackList
 from gpufleet.train.optim import build_scheduler, optimizer_spec
-from gpufleet.train.perf import apply_backend_flags, prepare_model
+from gpufleet.train.perf import apply_backend_flags, prepare_model, share_cores
 from gpufleet.train.rundir import plan_run
 from gpufleet.train.seed import rng_state, seed_everything, set_deterministic, set_rng_state
 
@@ -58,6 +58,7 @@ class TrainerSetup:
         self.cfg = resolve(cfg, Machine.detect(), self.env.world_size,
                            local_world_size=self.env.local_world_size)
         join_process_group(self.cfg, self.env)
+        share_cores(self.env.local_world_size, self.env.is_main)
         self._build_device()
         self._build_model(model, loss_fn)
         self._build_run_dir()
