@@ -16,7 +16,6 @@ Needs Horovod (``bash scripts/install-horovod.sh``).
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import subprocess
@@ -25,12 +24,7 @@ import tempfile
 from pathlib import Path
 
 from gpufleet.bench.machine import machine_summary
-
-
-def step_time(run_dir: Path) -> float:
-    records = [r for r in map(json.loads, open(run_dir / "metrics.jsonl"))
-               if r["kind"] == "train"]
-    return statistics.median(r["step_time_s"] for r in records[1:])
+from gpufleet.bench.runs import median_step_time, small_gpt_job
 
 
 def run(command: list[str], cwd: Path) -> None:
@@ -51,12 +45,7 @@ def main() -> None:
     horovodrun = shutil.which("horovodrun")
     if horovodrun is None:
         sys.exit("horovodrun not found: bash scripts/install-horovod.sh")
-    job = [sys.executable, "-m", "gpufleet", "train", "--max-steps", str(args.steps),
-           "--log.every", "10", "--batch-size", str(args.batch_size),
-           "--model.n_embd", str(args.n_embd), "--model.n_layer", str(args.n_layer),
-           "--model.n_head", "4", "--model.block_size", "128", "--run.eval_every", "0",
-           "--data.num_workers", "0", "--checkpoint.save_final", "false",
-           "--monitor.report", "false"]
+    job = small_gpt_job(args.steps, args.batch_size, args.n_embd, args.n_layer)
     print(machine_summary())
     print(f"GPT n_embd={args.n_embd} n_layer={args.n_layer} block 128, {args.ranks} gloo "
           f"ranks x batch {args.batch_size}, {args.steps} steps")
@@ -70,7 +59,7 @@ def main() -> None:
                  "--run-dir", str(ddp_dir)], cwd)
             run([horovodrun, "-np", str(args.ranks), "-H", f"localhost:{args.ranks}",
                  "--gloo", *job, "--strategy", "horovod", "--run-dir", str(hvd_dir)], cwd)
-            ddp, hvd = step_time(ddp_dir), step_time(hvd_dir)
+            ddp, hvd = median_step_time(ddp_dir), median_step_time(hvd_dir)
             ratios.append(hvd / ddp)
             print(f"{i + 1:>6} {ddp * 1e3:>12.1f} {hvd * 1e3:>16.1f} {hvd / ddp:>7.3f}")
     print(f"median ratio horovod / ddp: {statistics.median(ratios):.3f}")

@@ -13,21 +13,14 @@ machine, the per-repeat numbers and the median ratio.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from gpufleet.bench.machine import machine_summary, usable_cores
-
-
-def step_time(run_dir: Path) -> float:
-    records = [r for r in map(json.loads, open(run_dir / "metrics.jsonl"))
-               if r["kind"] == "train"]
-    return statistics.median(r["step_time_s"] for r in records[1:])
+from gpufleet.bench.runs import median_step_time, small_gpt_job
 
 
 def main() -> None:
@@ -36,12 +29,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60)
     args = parser.parse_args()
-    job = [sys.executable, "-m", "gpufleet", "train", "--nproc", str(args.ranks),
-           "--strategy", "ddp", "--max-steps", str(args.steps), "--log.every", "10",
-           "--batch-size", "8", "--model.n_embd", "128", "--model.n_layer", "4",
-           "--model.n_head", "4", "--model.block_size", "128", "--run.eval_every", "0",
-           "--data.num_workers", "0", "--checkpoint.save_final", "false",
-           "--monitor.report", "false"]
+    job = [*small_gpt_job(args.steps), "--nproc", str(args.ranks), "--strategy", "ddp"]
     cores = usable_cores()
     print(machine_summary())
     print(f"GPT n_embd=128 n_layer=4 block 128, {args.ranks} gloo ranks x batch 8, "
@@ -58,7 +46,7 @@ def main() -> None:
                 run_dir = Path(tmp) / f"{i}-{threads or 'shared'}"
                 subprocess.run([*job, "--run-dir", str(run_dir)], env=env, check=True,
                                capture_output=True)
-                times.append(step_time(run_dir))
+                times.append(median_step_time(run_dir))
             ratios.append(times[0] / times[1])
             print(f"{i + 1:>6} {times[0] * 1e3:>16.1f} {times[1] * 1e3:>10.1f} "
                   f"{ratios[-1]:>9.2f}")

@@ -154,7 +154,10 @@ def test_one_mpirun_rank_needs_no_address(no_horovod, monkeypatch):
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                  "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)  # joining exports them; undone after
+        # Joining exports these; setenv records their state so the end of the test
+        # restores it (delenv of an unset name would record nothing).
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     env = DistEnv(world_size=1, source="mpi")
     init_process_group(env, "gloo", timeout_s=30)
     try:
