@@ -8,11 +8,18 @@ the last micro-step so that the all-reduce runs once per optimizer step.
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpufleet.parallel.base import Strategy
+
+# Rank 0's buffers (BatchNorm statistics) to every rank before each forward. Newer torch
+# names the option forward_sync_buffers and warns on the old name; the buffers are then
+# also synced when DDP is built, which gpufleet's identically seeded models do not mind.
+_SYNC_BUFFERS = ("forward_sync_buffers" if "forward_sync_buffers"
+                 in inspect.signature(DDP.__init__).parameters else "broadcast_buffers")
 
 
 class DistributedDataParallel(Strategy):
@@ -32,7 +39,7 @@ class DistributedDataParallel(Strategy):
             static_graph=cfg.static_graph,
             gradient_as_bucket_view=cfg.gradient_as_bucket_view,
             find_unused_parameters=cfg.find_unused_parameters,
-            broadcast_buffers=cfg.broadcast_buffers,
+            **{_SYNC_BUFFERS: cfg.broadcast_buffers},
         )
 
     def unwrap(self, model: nn.Module) -> nn.Module:
