@@ -94,6 +94,27 @@ def test_a_damaged_checkpoint_named_explicitly_is_an_error(tmp_path):
         _fit(tmp_path, {"checkpoint.resume": str(path)})
 
 
+def test_a_checkpoint_the_launcher_verified_is_not_hashed_again_unless_it_changed(
+        tmp_path, monkeypatch):
+    _fit(tmp_path, {"run.dir": str(tmp_path / "r")})
+    path = ckpt.list_checkpoints(tmp_path / "r")[-1]
+    hashed = []
+    real = ckpt.verify_checkpoint
+    monkeypatch.setattr(ckpt, "verify_checkpoint", lambda p: hashed.append(p) or real(p))
+    monkeypatch.setenv(ckpt.VERIFIED_ENV, "")  # restored after the test
+    ckpt.find_resume_checkpoint(str(path), tmp_path, "gpt")
+    assert hashed == [path]  # nobody vouched for it: hashed
+    ckpt.mark_verified(path)  # what the launcher does after its own check
+    assert ckpt.find_resume_checkpoint(str(path), tmp_path, "gpt") == path
+    assert hashed == [path]  # not again
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # damaged afterwards: size equal, mtime not
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="is damaged"):
+        ckpt.find_resume_checkpoint(str(path), tmp_path, "gpt")
+    assert hashed == [path, path]
+
+
 # -- failed checkpoint writes ------------------------------------------------------------
 class _FullDisk:
     """A file that takes ``room`` bytes, then fails like a full disk."""

@@ -161,6 +161,7 @@ def run_training(cfg: Config) -> Any:
     from gpufleet.config import Machine, resolve
     from gpufleet.launch import DistEnv, launch
     from gpufleet.procs import forget_process, record_process
+    from gpufleet.train.checkpoint import mark_verified
     from gpufleet.train.rundir import plan_run
 
     env = DistEnv.detect()
@@ -202,7 +203,9 @@ def run_training(cfg: Config) -> Any:
             run_dir = f"{cfg.run.out_dir}/{cfg.run.name}-{dist.rdzv_id}"
             cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir))
     else:
-        cfg, _ = plan_run(cfg)  # one directory for every rank and every restart
+        cfg, resume_from = plan_run(cfg)  # one directory for every rank and restart
+        if resume_from is not None and resume_from.is_file():
+            mark_verified(resume_from)  # checked just now: rank 0 need not hash it again
     record_process(cfg.run.dir, "launcher")  # for `gpufleet cleanup RUN_DIR`
     results = launch(
         run_worker, (config_to_dict(cfg),), nproc=nproc, launcher=launcher,

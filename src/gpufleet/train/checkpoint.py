@@ -148,6 +148,26 @@ def _remove_strays(folder: Path) -> None:
             p.unlink(missing_ok=True)
 
 
+# Set by the launcher for its ranks: a checkpoint file it has just verified, so that
+# rank 0 does not hash the same (possibly many-GB) bytes again before loading them.
+VERIFIED_ENV = "GPUFLEET_VERIFIED_CHECKPOINT"
+
+
+def _fingerprint(path: Path) -> str:
+    stat = path.stat()
+    return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+
+
+def mark_verified(path: str | Path) -> None:
+    """Tell processes started from here that ``path`` passed its checksum as it is now
+    (the same size and modification time); a changed file is checked again."""
+    os.environ[VERIFIED_ENV] = _fingerprint(Path(path))
+
+
+def _verified_here(path: Path) -> bool:
+    return os.environ.get(VERIFIED_ENV) == _fingerprint(path)
+
+
 def verify_checkpoint(path: str | Path) -> None:
     """Check a checkpoint file against its recorded SHA-256.
 
@@ -281,7 +301,8 @@ def find_resume_checkpoint(resume: str, out_dir: str | Path, run_name: str,
     if not path.is_file():
         raise CheckpointError(f"--resume {resume!r}: no such file or directory. "
                               "Use 'latest' or the path of a checkpoint or run directory.")
-    verify_checkpoint(path)
+    if not _verified_here(path):
+        verify_checkpoint(path)
     return path
 
 
