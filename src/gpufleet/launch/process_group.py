@@ -104,6 +104,8 @@ def _rendezvous_through_horovod(env: DistEnv, timeout_s: float) -> tuple[Any, Di
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
         return store, dataclasses.replace(env, master_addr="127.0.0.1", master_port=store.port)
     launcher = "horovodrun" if env.source == "horovod" else "mpirun"
+    set_address = ("Set MASTER_ADDR (rank 0's host) and MASTER_PORT (a free port) for every "
+                   f"rank, e.g. {launcher} -x MASTER_ADDR=node1 -x MASTER_PORT=29500 ...")
     try:
         import horovod.torch as hvd  # optional dependency
     except ImportError as err:
@@ -111,20 +113,16 @@ def _rendezvous_through_horovod(env: DistEnv, timeout_s: float) -> tuple[Any, Di
 
         raise LaunchError(
             f"This process is rank {env.rank} of {env.world_size} started by {launcher}, "
-            "which sets no address for torch.distributed to meet at. Either set MASTER_ADDR "
-            "(rank 0's host) and MASTER_PORT (a free port) for every rank, e.g. "
-            f"{launcher} -x MASTER_ADDR=node1 -x MASTER_PORT=29500 ..., or install Horovod "
-            f"({INSTALL}) so the ranks agree on one through it.") from err
+            f"which sets no address for torch.distributed to meet at. {set_address}, or "
+            f"install Horovod ({INSTALL}) so the ranks agree on one through it.") from err
     hvd.init()
     if (hvd.rank(), hvd.size()) != (env.rank, env.world_size):
         raise LaunchError(
             f"{launcher} started this process as rank {env.rank} of {env.world_size}, but "
             f"Horovod here sees rank {hvd.rank()} of {hvd.size()}: this launcher did not wire "
             "Horovod up (a Horovod built without MPI under mpirun, or one launcher inside "
-            "another), so the ranks cannot agree on an address through it. Set MASTER_ADDR "
-            "(rank 0's host) and MASTER_PORT (a free port) for every rank, e.g. "
-            f"{launcher} -x MASTER_ADDR=node1 -x MASTER_PORT=29500 ..., or start the job "
-            "with horovodrun alone.")
+            f"another), so the ranks cannot agree on an address through it. {set_address}, "
+            "or start the job with horovodrun alone.")
     store, address = None, None
     if env.rank == 0:
         # One node: loopback. Several: this host's name, unless the user named one.
