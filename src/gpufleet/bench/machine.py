@@ -26,6 +26,11 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def cores_per_rank(local_world_size: int) -> int:
+    """This node's usable cores shared among its ``local_world_size`` ranks (at least 1)."""
+    return max(1, usable_cores() // max(1, local_world_size))
+
+
 def machine_summary() -> str:
     """One line: CPU model, cores, torch version and the GPU (or that there is none)."""
     import torch

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from gpufleet.bench.machine import cores_per_rank
 from gpufleet.monitor.diagnose import (
     DIAGNOSIS_FILE,
     Finding,
@@ -146,8 +147,7 @@ def run_facts(trainer: Any) -> RunFacts:
     facts = RunFacts(
         device=device.type, world=trainer.env.world_size,
         local_world=trainer.env.local_world_size,
-        cpus_per_rank=max(1, len(os.sched_getaffinity(0)) // trainer.env.local_world_size)
-        if hasattr(os, "sched_getaffinity") else max(1, (os.cpu_count() or 1)),
+        cpus_per_rank=cores_per_rank(trainer.env.local_world_size),
         num_workers=cfg.data.num_workers, pin_memory=trainer.pin_memory,
         batch_size=cfg.data.batch_size, grad_accum=cfg.optim.grad_accum,
         precision=cfg.precision.mode, strategy=cfg.parallel.strategy,

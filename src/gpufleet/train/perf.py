@@ -8,7 +8,7 @@ import os
 import torch
 from torch import nn
 
-from gpufleet.bench.machine import usable_cores
+from gpufleet.bench.machine import cores_per_rank, usable_cores
 from gpufleet.config import PerfConfig
 from gpufleet.train.batches import map_tensors
 
@@ -33,7 +33,7 @@ def share_cores(local_world_size: int, is_main: bool = True) -> int | None:
     """
     if local_world_size <= 1 or os.environ.get("OMP_NUM_THREADS"):
         return None
-    threads = max(1, usable_cores() // local_world_size)
+    threads = cores_per_rank(local_world_size)
     torch.set_num_threads(threads)
     if is_main:
         log.info("%d ranks share this node's %d core(s): %d torch thread(s) each (set "
