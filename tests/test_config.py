@@ -97,3 +97,6 @@ def test_auto_values_resolve_per_machine():
     cpu = resolve(Config(), CPU, world_size=1)
     assert (cpu.run.device, cpu.precision.mode, cpu.parallel.strategy, cpu.dist.backend) == \
         ("cpu", "fp32", "single", "gloo")
+    # Under Horovod the process group only carries book-keeping: gloo, also on GPUs.
+    hvd = resolve(load_config(overrides={"parallel.strategy": "horovod"}), GPU4, world_size=4)
+    assert (hvd.run.device, hvd.dist.backend) == ("cuda", "gloo")

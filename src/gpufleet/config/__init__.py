@@ -103,7 +103,12 @@ def resolve(cfg: Config, machine: Machine, world_size: int,
         raise ConfigError("run.deterministic and perf.cudnn_benchmark contradict each other: "
                           "benchmarking picks algorithms by timing. Turn one of them off.")
     backend = dist.backend
-    if backend == "auto":
+    if strategy == "horovod":
+        # Horovod reduces the gradients and the loop's statistics; the process group
+        # only carries gpufleet's book-keeping (run directory, RNG states, heartbeats),
+        # which needs no NCCL communicator on the GPUs beside Horovod's.
+        backend = "gloo"
+    elif backend == "auto":
         backend = "nccl" if device == "cuda" else "gloo"
     if backend == "nccl" and device != "cuda":
         raise ConfigError("dist.backend = 'nccl' needs CUDA GPUs. Use dist.backend=gloo "

@@ -315,12 +315,8 @@ def join_process_group(cfg: Config, env: DistEnv) -> None:
     if not env.is_distributed or is_initialized():
         return
     backend = cfg.dist.backend
-    if cfg.parallel.strategy == "horovod":
-        # Horovod reduces the gradients and the loop's statistics; the process group
-        # only carries gpufleet's book-keeping (run directory, RNG states, heartbeats),
-        # which needs no NCCL communicator on the GPUs beside Horovod's.
-        backend = "gloo"
-    elif backend == "auto":  # the rule lives in resolve(): nccl on CUDA, gloo on CPU
+    if backend == "auto" or cfg.parallel.strategy == "horovod":
+        # The rule lives in resolve(): nccl on CUDA, gloo on CPU and under Horovod.
         backend = resolve(cfg, Machine.detect(), env.world_size,
                           env.local_world_size).dist.backend
     if "nccl" in backend:
