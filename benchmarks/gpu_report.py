@@ -64,8 +64,8 @@ def summarize(stage: str, ctx: Any, status: str) -> dict[str, Any]:
     """The numbers of one finished (or failed) stage; empty when it left nothing."""
     reader = {"tests": _summary_tests, "default_job": _summary_default_job,
               "mfu": _summary_mfu, "monitor": _summary_monitor,
-              "prefetch": _summary_prefetch}[stage]
-    return reader(ctx)
+              "prefetch": _summary_prefetch}.get(stage)
+    return reader(ctx) if reader is not None else {}
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -91,9 +91,9 @@ def _summary_default_job(ctx: Any) -> dict[str, Any]:
     if not path.exists():
         return {}
     records = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    train = [r for r in records if "loss" in r and "tokens_per_s" in r]
+    train = [r for r in records if r.get("kind") == "train" and "tokens_per_s" in r]
     late = train[1:] or train  # the first interval holds start-up
-    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    evals = [r["eval_loss"] for r in records if r.get("kind") == "eval"]
     mfus = [r["mfu"] for r in late if r.get("mfu") is not None]
     out: dict[str, Any] = {
         "steps": train[-1]["step"] if train else 0,

@@ -208,7 +208,7 @@ def run_suite(stages: list[Stage], ctx: Context, budget_s: float,
     for i, stage in enumerate(stages):
         reserved = scale * sum(s.budget_s for s in stages[i + 1:])
         timeout_s = deadline - time.monotonic() - reserved
-        if timeout_s < 5:
+        if timeout_s < 1:
             outcome = Outcome(stage.name, "not run: no time left in the budget")
         else:
             outcome = run_stage(stage, ctx, timeout_s)
