@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -52,6 +53,7 @@ class Context:
     work: Path  # run directories and raw JSON: a temporary folder, not --out
     dry_run: bool
     python: str = sys.executable
+    mfu_args: str = ""  # extra flags for benchmarks/mfu.py
 
 
 @dataclass
@@ -117,7 +119,7 @@ def _mfu(ctx: Context) -> list[str]:
         cmd += ["--device=cpu", "--no-compile", "--hand=on", "--n-layer=1", "--n-head=2",
                 "--n-embd=32", "--seq=32", "--batch=2", "--vocab=128", "--steps=25",
                 "--warmup=5", "--curve-steps=10"]
-    return cmd
+    return cmd + shlex.split(ctx.mfu_args)  # e.g. "--batch 32": later flags win
 
 
 def _monitor(ctx: Context) -> list[str]:
@@ -237,8 +239,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true",
                    help="tiny sizes, CPU where there is no GPU: proves the plumbing")
     p.add_argument("--budget", type=float, default=None,
-                   help="seconds for the whole suite (default: 570; dry run: 400)")
+                   help="seconds for the whole suite (default: 550; dry run: 400)")
     p.add_argument("--stages", default=",".join(names), help=f"of: {', '.join(names)}")
+    p.add_argument("--mfu-args", default="", metavar="FLAGS",
+                   help="extra flags for benchmarks/mfu.py, e.g. '--batch 32'")
     args = p.parse_args(argv)
     if not args.out:
         p.error("no output folder: pass --out DIR or set OUT")
@@ -248,7 +252,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--stages: unknown {', '.join(unknown)}; choose from {', '.join(names)}")
     args.stages = [s for s in STAGES if s.name in chosen]
     if args.budget is None:
-        args.budget = 400.0 if args.dry_run else 570.0
+        args.budget = 400.0 if args.dry_run else 550.0
     return args
 
 
@@ -262,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         print("NOTE: no CUDA device: the GPU tests will skip and the benchmarks run on the "
               "CPU. Use --dry-run for the quick plumbing check.", flush=True)
     with tempfile.TemporaryDirectory(prefix="gpufleet-gpu-suite-") as work:
-        ctx = Context(out, Path(work), args.dry_run)
+        ctx = Context(out, Path(work), args.dry_run, mfu_args=args.mfu_args)
 
         def progress(outcomes: list[Outcome]) -> None:
             last = outcomes[-1]
