@@ -111,3 +111,5 @@ def test_doctor_sees_cuda_nccl_and_the_gpu(run_cli):
     gpus = checks["gpus"]
     assert gpus["status"] == "ok" and gpus["details"]["count"] >= 1, gpus
     assert torch.cuda.get_device_name(0) in gpus["message"], gpus["message"]
+    sees = checks["torch sees gpus"]
+    assert sees["status"] == "ok" and sees["details"]["torch"] == torch.cuda.device_count()
