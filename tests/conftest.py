@@ -46,3 +46,14 @@ def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
     ckpts = sorted((Path(run_dir) / "checkpoints").glob("step-*.pt"))
     assert ckpts, f"no checkpoint in {run_dir}"
     return torch.load(ckpts[-1], map_location="cpu", weights_only=False)["model"]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` skip, saying why, where torch sees no CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False "
+                                   f"(torch {torch.__version__})")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)

@@ -86,6 +86,9 @@ class DataConfig(Section):
     pin_memory: bool = opt(True, "Pin host memory for faster copies (only used with CUDA).")
     prefetch_factor: int = opt(2, "Batches each worker loads ahead (with num_workers > 0).",
                                min=1)
+    device_prefetch: bool = opt(True, "CUDA: copy the next batch to the GPU on a side "
+                                "stream while the current step computes (false: copy on "
+                                "the compute stream when the batch is taken).")
     shuffle: bool = opt(True, "Shuffle the training set every epoch.")
     batching: str = opt("fixed", "fixed (batch_size samples per batch) or tokens (pack "
                         "variable-length samples under token_budget; the data set needs "

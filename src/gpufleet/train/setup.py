@@ -36,7 +36,7 @@ from gpufleet.precision import build_precision
 from gpufleet.procs import record_process
 from gpufleet.train import checkpoint as ckpt
 from gpufleet.train import sharded as sharded_ckpt
-from gpufleet.train.batches import make_loss_fn
+from gpufleet.train.batches import make_loss_fn, to_device
 from gpufleet.train.callbacks import Callback, CallbackList
 from gpufleet.train.optim import build_scheduler, optimizer_spec
 from gpufleet.train.perf import apply_backend_flags, prepare_model, share_cores
@@ -175,10 +175,14 @@ class TrainerSetup:
         self.train_loader.generator.manual_seed(
             self.cfg.run.seed * 1_000_003 + self.env.rank * 7919 + self.epoch)
         batches = iter(self.train_loader)
-        if self.device.type == "cuda":
+        if self.device.type != "cuda":
+            return batches
+        if self.cfg.data.device_prefetch:
             # Copy the next batch to the GPU on a side stream while this step computes.
             return iter(DevicePrefetcher(batches, self.device))
-        return batches
+        # The copy runs on the compute stream when the batch is taken (data.device_prefetch
+        # off: for comparison, or to rule the prefetcher out when hunting a bug).
+        return (to_device(b, self.device, non_blocking=self.pin_memory) for b in batches)
 
     def _default_callbacks(self) -> list[Callback]:
         """The run's own callbacks, in the order they hear each hook: phase timing first
