@@ -232,6 +232,7 @@ def _visible_gpus(cfg: Config) -> int:
 
 def _print_summary(result: Any) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title="gpufleet run summary", show_header=False)
@@ -247,6 +248,8 @@ def _print_summary(result: Any) -> None:
         ("run directory", result.run_dir),
         ("checkpoint", result.checkpoint or "-"),
     ]
+    for sink, error in getattr(result, "callback_errors", {}).items():
+        rows.append((f"[red]{sink} failed[/]", escape(error)))
     for name, value in rows:
         table.add_row(name, value)
     console = Console(stderr=False)

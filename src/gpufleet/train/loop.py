@@ -49,6 +49,9 @@ class FitResult:
         run_dir / checkpoint: where the run and its last written checkpoint are.
         skipped_steps: optimizer steps skipped for non-finite loss or gradients.
         checkpoint_errors: checkpoint writes that failed (training went on).
+        callback_errors: non-essential callbacks (metric sinks) that failed, by name,
+            with their first error (training went on without them).
+        eval_metrics: ``(step, {metric: value})`` of each evaluation (``eval.metrics``).
         findings: what limits the run (:class:`gpufleet.monitor.diagnose.Finding`).
     """
 
@@ -62,6 +65,8 @@ class FitResult:
     checkpoint: str | None = None
     skipped_steps: int = 0
     checkpoint_errors: list[str] = field(default_factory=list)
+    callback_errors: dict[str, str] = field(default_factory=dict)
+    eval_metrics: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     findings: list[Any] = field(default_factory=list)
 
     @property
@@ -372,6 +377,7 @@ class Trainer(TrainerSetup):
             if self._tokens_seen:
                 result.tokens_per_s = self._tokens_seen / self._train_time
         self.callbacks.on_fit_end(self, result)
+        result.callback_errors = dict(self.callbacks.failures)
         if self.env.is_main and self.cfg.monitor.report:
             self._write_report()
         return result
