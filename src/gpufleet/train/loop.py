@@ -27,6 +27,7 @@ from gpufleet.monitor.metrics import flops_metrics, phase_metrics
 from gpufleet.procs import forget_process
 from gpufleet.train.batches import batch_size_of, to_device, tokens_of
 from gpufleet.train.callbacks import Callback
+from gpufleet.train.evalmetrics import batch_totals, final_values
 from gpufleet.train.perf import to_channels_last
 from gpufleet.train.setup import TrainerSetup
 
@@ -304,7 +305,8 @@ class Trainer(TrainerSetup):
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean loss over the evaluation set, summed exactly across ranks.
+        """Mean loss (and ``eval.metrics``) over the evaluation set, summed exactly across
+        ranks.
 
         The evaluation sampler gives every sample to exactly one rank (no padding), so
         the all-reduced sums count each sample once.
@@ -313,26 +315,40 @@ class Trainer(TrainerSetup):
             return None
         model = self.strategy.eval_model(self.model)
         model.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # [Σ loss·n, Σ n]
+        batched = [m for m in self.eval_metrics if m.update is not None]
+        # [Σ loss·n, Σ n, then Σ metric, Σ count for each batched metric]
+        totals = torch.zeros(2 + 2 * len(batched), dtype=torch.float64, device=self.device)
         for batch, counted in self._eval_batches():
             n = batch_size_of(batch) if counted else 0
             batch = to_device(batch, self.device, non_blocking=self.pin_memory)
             if self.cfg.perf.channels_last:
                 batch = to_channels_last(batch)
             with self.precision.autocast():
-                loss = self.loss_fn(model, batch)
+                if batched:
+                    loss, output, target = self.loss_fn.with_output(model, batch)
+                else:
+                    loss = self.loss_fn(model, batch)
             if counted:
                 totals[0] += loss.double() * n
                 totals[1] += n
+                for i, metric in enumerate(batched):
+                    total, count = batch_totals(metric, output, target, n)
+                    totals[2 + 2 * i] += total
+                    totals[3 + 2 * i] += count
         self.model.train()
         self.strategy.all_reduce(totals)  # COLLECTIVE + SYNC (below): once per evaluation
-        loss_total, count = totals.tolist()
-        count /= self.data_copies  # pipeline stages saw the same samples (ratio unchanged)
+        loss_total, count, *metric_totals = totals.tolist()
+        # Pipeline stages saw the same samples: the ratios stay, the count is divided.
+        count /= self.data_copies
         loss_total /= self.data_copies
         value = loss_total / count if count else float("nan")
+        metrics = final_values(self.eval_metrics, metric_totals, value)
         self.result.eval_losses.append((self.step, value))
+        if metrics:
+            self.result.eval_metrics.append((self.step, metrics))
         self.callbacks.on_eval(self, self.step, {"step": self.step, "eval_loss": value,
-                                                 "eval_samples": int(count)})
+                                                 "eval_samples": int(count),
+                                                 "eval_metrics": metrics})
         return value
 
     def _eval_batches(self) -> Iterator[tuple[Any, bool]]:
