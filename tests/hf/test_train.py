@@ -116,3 +116,27 @@ def test_example_with_bf16_and_accumulation_on_two_ranks(run_cli, tmp_path):
     losses = _run_example(run_cli, tmp_path, "--precision.mode=bf16-mixed",
                           "--optim.grad_accum=2", "--data.batch_size=4")
     assert _mean(losses[-3:]) < _mean(losses[:3]) - 0.1, losses
+
+
+@pytest.mark.parametrize("rank, shown", [("0", True), ("1", False)])
+def test_the_transformers_load_report_prints_on_rank_0_only(minilm_dir, monkeypatch, rank,
+                                                            shown):
+    import logging
+
+    from gpufleet.hf import pretrained
+
+    # MiniLM has no classifier head: loading it as a classifier reports the new weights.
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(handler)  # what transformers prints
+    try:
+        model = pretrained(str(minilm_dir), "AutoModelForSequenceClassification",
+                           num_labels=2)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert model.config.num_labels == 2
+    text = "\n".join(seen)
+    assert ("LOAD REPORT" in text) is shown and ("classifier.weight" in text) is shown
