@@ -63,7 +63,8 @@ def test_report_is_self_contained_and_shows_everything(run_dir):
     assert "http://" not in html and "https://" not in html
     assert "<script" not in html and "<link" not in html  # no code, no stylesheet to fetch
     for title in ("Loss", "Learning rate", "Gradient norm (before clipping)",
-                  "Throughput (all ranks)", "Data-wait share", "Step time per rank", "Rank 0 phases over the run",
+                  "Throughput (all ranks)", "Data-wait share", "Step time per rank",
+                  "Rank 0 phases over the run",
                   "node-a: GPU utilisation", "node-b: GPU memory used (of 79.6 GB)",
                   "Host CPU (share of all cores)"):
         assert f'aria-label="{title}' in html, title
