@@ -61,10 +61,13 @@ def test_metrics_reach_the_result_and_callbacks_in_python(tmp_path):
     model = toyjob.make_classifier()
     result = gpufleet.fit(model, train, held_out, loss_fn=F.cross_entropy, overrides={
         "run.dir": str(tmp_path / "r"), "run.max_steps": 4, "run.eval_every": 2,
-        "run.eval_batches": 0, "log.progress": "off", "eval.metrics": "accuracy"})
+        "run.eval_batches": 0, "log.progress": "off", "eval.metrics": "accuracy"},
+        eval_metrics={"p_true": toyjob.true_class_prob})  # a callable, no import string
     assert [s for s, _ in result.eval_metrics] == [2, 4]
-    assert result.eval_metrics[-1][1]["accuracy"] == pytest.approx(
-        _expected(model, held_out)["accuracy"], rel=1e-6)
+    want = _expected(model, held_out)
+    assert result.eval_metrics[-1][1] == {
+        "accuracy": pytest.approx(want["accuracy"], rel=1e-6),
+        "p_true": pytest.approx(want["true_class_prob"], rel=1e-5)}
 
 
 def test_token_accuracy_skips_ignored_positions():

@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +27,7 @@ from gpufleet.monitor.metrics import flops_metrics, phase_metrics
 from gpufleet.procs import forget_process
 from gpufleet.train.batches import batch_size_of, to_device, tokens_of
 from gpufleet.train.callbacks import Callback
-from gpufleet.train.evalmetrics import batch_totals, final_values
+from gpufleet.train.evalmetrics import EvalMetric, batch_totals, final_values
 from gpufleet.train.perf import to_channels_last
 from gpufleet.train.setup import TrainerSetup
 
@@ -91,6 +91,8 @@ class Trainer(TrainerSetup):
         eval_data: optional evaluation ``Dataset``.
         loss_fn: ``loss(model_output, target)``; omit when the model returns its loss.
         callbacks: extra :class:`Callback` objects.
+        eval_metrics: ``{name: fn(output, target)}`` evaluated besides ``eval.metrics``
+            (see :mod:`gpufleet.train.evalmetrics`).
 
     Example:
         >>> trainer = Trainer(Config(), model, dataset, loss_fn=F.mse_loss)  # doctest: +SKIP
@@ -99,8 +101,10 @@ class Trainer(TrainerSetup):
 
     def __init__(self, cfg: Config, model: nn.Module, train_data: Dataset,
                  eval_data: Dataset | None = None, *, loss_fn: Any = None,
-                 callbacks: list[Callback] | tuple[Callback, ...] = ()) -> None:
+                 callbacks: list[Callback] | tuple[Callback, ...] = (),
+                 eval_metrics: Mapping[str, Any] | None = None) -> None:
         super().__init__(cfg, model, train_data, eval_data, loss_fn, list(callbacks))
+        self.eval_metrics += [EvalMetric(name, fn) for name, fn in (eval_metrics or {}).items()]
 
     # -- the loop --------------------------------------------------------------------
     def fit(self) -> FitResult:
