@@ -310,6 +310,9 @@ def test_a_failing_sink_does_not_stop_training(tmp_path, caplog):
         _, result = _fit(tmp_path, {}, callbacks=[BrokenLogger()])
     assert result.steps == 8
     assert "BrokenLogger failed in on_log (1 time(s) so far): ConnectionError" in caplog.text
+    # The result names it (once, with its first error), so the summary can.
+    assert result.callback_errors == {
+        "BrokenLogger": "on_log: ConnectionError: remote logger is down"}
 
 
 def test_an_essential_callback_error_still_stops_training(tmp_path):

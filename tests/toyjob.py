@@ -26,6 +26,24 @@ def make_data(n: int = 256, in_dim: int = 8, n_eval: int = 0):
     return (train, TensorDataset(x[n:], y[n:])) if n_eval else train
 
 
+def make_classifier(in_dim: int = 8, classes: int = 10) -> nn.Module:
+    return nn.Sequential(nn.Linear(in_dim, 32), nn.Tanh(), nn.Linear(32, classes))
+
+
+def make_class_data(n: int = 256, n_eval: int = 51, in_dim: int = 8, classes: int = 10):
+    """(train, eval) of points labelled by the largest of ``classes`` random projections;
+    an odd eval set, so two ranks hold different numbers of samples."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n + n_eval, in_dim, generator=g)
+    y = (x @ torch.randn(in_dim, classes, generator=g)).argmax(-1)
+    return TensorDataset(x[:n], y[:n]), TensorDataset(x[n:], y[n:])
+
+
+def true_class_prob(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """An eval metric of the user's own: the mean softmax probability of the true class."""
+    return output.softmax(-1).gather(-1, target[:, None]).mean()
+
+
 class _KillOnce(Dataset):
     """Wraps a dataset; on the first attempt, rank ``rank`` SIGKILLs itself after
     ``after`` items, like a node losing a process. Restarted ranks run normally."""

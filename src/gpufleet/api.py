@@ -29,7 +29,8 @@ from gpufleet.train.seed import seed_everything
 def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None, *,
         loss_fn: Any = None, config: Config | str | None = None,
         overrides: Mapping[str, Any] | Sequence[str] = (),
-        callbacks: Sequence[Callback] = ()) -> FitResult:
+        callbacks: Sequence[Callback] = (),
+        eval_metrics: Mapping[str, Any] | None = None) -> FitResult:
     """Train ``model`` on ``train_data``; returns the :class:`FitResult`.
 
     Args:
@@ -40,6 +41,8 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
         config: a :class:`Config`, a TOML path, or None for the defaults.
         overrides: ``{"optim.lr": 1e-3}`` or ``["optim.lr=1e-3"]`` applied on top.
         callbacks: extra :class:`~gpufleet.train.callbacks.Callback` objects.
+        eval_metrics: your own metrics, ``{"f1": fn}`` with ``fn(output, target)``
+            returning the batch's mean or ``(sum, count)``; besides ``eval.metrics``.
     """
     cfg = _config(config, overrides)
     from gpufleet.launch import DistEnv
@@ -48,7 +51,8 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
     if not logging.getLogger().handlers:  # leave a logging setup of the user's alone
         setup_logging(cfg.log.level, DistEnv.detect())
     trainer = Trainer(cfg, model, train_data, eval_data, loss_fn=loss_fn,
-                      callbacks=[Progress(cfg.log.progress), *callbacks])
+                      callbacks=[Progress(cfg.log.progress), *callbacks],
+                      eval_metrics=eval_metrics)
     return trainer.fit()
 
 

@@ -232,6 +232,7 @@ def _visible_gpus(cfg: Config) -> int:
 
 def _print_summary(result: Any) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title="gpufleet run summary", show_header=False)
@@ -241,12 +242,16 @@ def _print_summary(result: Any) -> None:
         ("train loss", f"{first[1]:.4f} (step {first[0]}) -> {result.final_loss:.4f} "
                        f"(step {result.losses[-1][0]})" if first else "-"),
         ("eval loss", f"{result.eval_loss:.4f}" if result.eval_loss is not None else "-"),
+        *((f"eval {name}", f"{value:.4f}") for name, value in
+          (result.eval_metrics[-1][1] if getattr(result, "eval_metrics", None) else {}).items()),
         ("throughput", (f"{result.tokens_per_s:,.0f} tokens/s, " if result.tokens_per_s
                         else "") + f"{result.samples_per_s:,.1f} samples/s"),
         ("training time", f"{result.train_time_s:.1f} s"),
         ("run directory", result.run_dir),
         ("checkpoint", result.checkpoint or "-"),
     ]
+    for sink, error in getattr(result, "callback_errors", {}).items():
+        rows.append((f"[red]{sink} failed[/]", escape(error)))
     for name, value in rows:
         table.add_row(name, value)
     console = Console(stderr=False)

@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 
 import gpufleet
-from conftest import TESTS
+from conftest import TESTS, final_params
 from gpufleet.hf import TextDataset, add_tokens, pad_batch
 from gpufleet.train.batches import make_loss_fn
 
-from .conftest import EXAMPLES, MARKERS
+from .conftest import EXAMPLES, MARKERS, SENTENCE
 
 sys.path.insert(0, str(EXAMPLES))
 import entity_markers
@@ -116,3 +116,72 @@ def test_example_with_bf16_and_accumulation_on_two_ranks(run_cli, tmp_path):
     losses = _run_example(run_cli, tmp_path, "--precision.mode=bf16-mixed",
                           "--optim.grad_accum=2", "--data.batch_size=4")
     assert _mean(losses[-3:]) < _mean(losses[:3]) - 0.1, losses
+
+
+@pytest.mark.parametrize("rank, shown", [("0", True), ("1", False)])
+def test_the_transformers_load_report_prints_on_rank_0_only(minilm_dir, monkeypatch, rank,
+                                                            shown):
+    import logging
+
+    from gpufleet.hf import pretrained
+
+    # MiniLM has no classifier head: loading it as a classifier reports the new weights.
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(handler)  # what transformers prints
+    try:
+        model = pretrained(str(minilm_dir), "AutoModelForSequenceClassification",
+                           num_labels=2)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert model.config.num_labels == 2
+    text = "\n".join(seen)
+    assert ("LOAD REPORT" in text) is shown and ("classifier.weight" in text) is shown
+
+
+def test_export_hf_gives_from_pretrained_the_trained_weights(run_cli, tmp_path, minilm_dir):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    # A small BERT with MiniLM's tokenizer plus the markers, as `gpufleet tokens add` makes.
+    base = tmp_path / "base"
+    tokenizer = AutoTokenizer.from_pretrained(minilm_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": MARKERS})
+    model = _tiny_classifier(len(tokenizer))
+    tokenizer.save_pretrained(base)
+    model.save_pretrained(base)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(EXAMPLES), str(TESTS),
+                                                       os.environ.get("PYTHONPATH")])),
+           "HF_HUB_OFFLINE": "1"}
+    kwargs = f"{{path = {json.dumps(str(base))}, auto_class = " \
+             "'AutoModelForSequenceClassification', num_labels = 2}"
+    run_cli("train", "--model", "gpufleet.hf:pretrained", f"--model.kwargs={kwargs}",
+            "--data", "entity_markers:build_data",
+            f"--data.kwargs={{model_dir = {json.dumps(str(base))}, n_train = 32}}",
+            "--max-steps", "3", "--batch-size", "8", "--run-dir", "runs/hf", "--lr", "1e-2",
+            "--run.eval_every=0", "--log.progress=off", "--device", "cpu", env=env)
+    proc = run_cli("export", "hf", "runs/hf", "out", env=env)
+    assert "wrote the trained model and its tokenizer to out" in proc.stdout
+    trained = final_params(tmp_path / "runs" / "hf")
+    exported = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out")
+    got = exported.state_dict()
+    assert trained.keys() <= got.keys()
+    for key, value in trained.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
+    before = model.state_dict()["classifier.weight"]
+    assert not torch.equal(got["classifier.weight"], before)  # trained, not the base
+    out_tok = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert len(out_tok) == len(tokenizer) and out_tok.tokenize(SENTENCE)[1] == "[ENT_START]"
+
+
+def test_export_hf_of_an_own_factory_asks_for_the_base_folder(run_cli, tmp_path):
+    from gpufleet.config import load_config, write_config
+
+    (tmp_path / "runs" / "toy").mkdir(parents=True)
+    write_config(load_config(overrides={"model.name": "toyjob:make_model"}),
+                 tmp_path / "runs" / "toy" / "config.toml")
+    proc = run_cli("export", "hf", "runs/toy", "out", expect=2)
+    assert "the run's model is 'toyjob:make_model'" in proc.stderr
+    assert "Pass --base FOLDER" in proc.stderr and "Traceback" not in proc.stderr

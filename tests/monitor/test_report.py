@@ -62,12 +62,15 @@ def test_report_is_self_contained_and_shows_everything(run_dir):
     assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", html, re.I)
     assert "http://" not in html and "https://" not in html
     assert "<script" not in html and "<link" not in html  # no code, no stylesheet to fetch
-    for title in ("Loss", "Throughput (all ranks)", "Data-wait share and MFU",
-                  "Step time per rank", "Rank 0 phases over the run",
+    for title in ("Loss", "Learning rate", "Gradient norm (before clipping)",
+                  "Throughput (all ranks)", "Data-wait share", "Step time per rank",
+                  "Rank 0 phases over the run",
                   "node-a: GPU utilisation", "node-b: GPU memory used (of 79.6 GB)",
                   "Host CPU (share of all cores)"):
         assert f'aria-label="{title}' in html, title
-    assert html.count("<svg") == 11
+    assert html.count("<svg") == 13
+    # A CPU run has no MFU (no known peak): no empty MFU line, no MFU in a title.
+    assert "MFU" not in html
     assert "input-bound on rank 0" in html and "raise data.num_workers from 0 to 2." in html
     assert "<td>steps</td><td>60</td>" in html
     assert "4 per host: NVIDIA H100 80GB HBM3" in html
@@ -80,9 +83,35 @@ def test_report_with_partial_data(tmp_path):
               "samples_per_s": 100.0 + s} for s in range(1, 6)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n{broken")
     html = write_report(tmp_path).read_text()
-    assert html.count("<svg") == 2  # loss and throughput
+    assert html.count("<svg") == 3  # loss, learning rate and throughput
+    assert "Gradient norm" not in html  # not in the records
     assert "No GPU samples" in html and "No phase timings" in html
     assert "No finding recorded" in html and "No system samples" in html
+
+
+def test_a_short_run_lists_its_values_instead_of_drawing_curves(tmp_path):
+    lines = [{"kind": "train", "time": 1.0 + s, "step": s, "loss": 2.0 / s, "lr": 1e-3 * s,
+              "grad_norm": 0.5, "samples_per_s": 100.0, "mfu": 0.41} for s in (10, 20)]
+    lines.append({"kind": "eval", "time": 30.0, "step": 20, "eval_loss": 0.75,
+                  "eval_samples": 64, "eval_metrics": {"accuracy": 0.625}})
+    (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, lines)))
+    html = write_report(tmp_path).read_text()
+    assert "<svg" not in html  # two points make no curve
+    assert "2 log interval(s): too few for curves" in html
+    assert "<tr><td>20</td><td>0.1000</td><td>2.00e-02</td><td>0.5</td><td>100.0</td>" \
+           "<td>41.0%</td></tr>" in html
+    assert "<tr><td>20</td><td>0.7500</td><td>0.6250</td></tr>" in html
+    assert "<td>eval accuracy (step 20)</td><td>0.6250</td>" in html
+
+
+def test_eval_metrics_get_a_chart(tmp_path):
+    lines = [{"kind": "train", "time": 1.0 + s, "step": s, "loss": 1.0, "lr": 1e-3,
+              "samples_per_s": 10.0} for s in range(1, 7)]
+    lines += [{"kind": "eval", "time": 9.0, "step": s, "eval_loss": 0.5,
+               "eval_metrics": {"accuracy": s / 10}} for s in (3, 6)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, lines)))
+    html = write_report(tmp_path).read_text()
+    assert 'aria-label="Eval accuracy"' in html and "<title>accuracy: 0.6 at 6</title>" in html
 
 
 def test_stacked_bars_per_rank(tmp_path):
@@ -201,3 +230,55 @@ def test_report_renders_in_headless_chromium(run_dir, tmp_path):
     # lower part of the page: a line plot, not just a legend key or a bar.
     teal = rows_with[palette[3]]
     assert len(teal[teal > 1800]) > 150
+
+
+# Measures, in the browser, every text box of each chart (SVG labels and the legend's
+# keys) and lists the pairs that overlap. Added to a copy of the page only: the report
+# itself carries no script.
+_OVERLAP_PROBE = """<script>
+window.addEventListener("load", () => {
+  const found = [];
+  for (const fig of document.querySelectorAll("figure.chart")) {
+    const title = fig.querySelector("svg").getAttribute("aria-label");
+    const boxes = [...fig.querySelectorAll("svg text, .legend .key")]
+      .map(e => [e.textContent, e.getBoundingClientRect()]).filter(([, r]) => r.width > 0);
+    const page = document.body.getBoundingClientRect();
+    for (let i = 0; i < boxes.length; i++) {
+      const [a, r] = boxes[i];
+      if (r.right > page.right + 1) found.push([title, a, "past the page's edge"]);
+      for (let j = i + 1; j < boxes.length; j++) {
+        const [b, q] = boxes[j];
+        const w = Math.min(r.right, q.right) - Math.max(r.left, q.left);
+        const h = Math.min(r.bottom, q.bottom) - Math.max(r.top, q.top);
+        if (w > 1 && h > 1) found.push([title, a, b]);
+      }
+    }
+  }
+  const out = document.createElement("pre");
+  out.id = "overlaps";
+  out.textContent = JSON.stringify({charts: document.querySelectorAll("figure.chart").length,
+                                    overlaps: found});
+  document.body.appendChild(out);
+});
+</script>"""
+
+
+def test_chart_labels_do_not_overlap_in_chromium(run_dir, tmp_path):
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("no chromium binary on PATH (Debian: apt-get install -y chromium)")
+    html = write_report(run_dir).read_text()
+    # Long series names, as runs on hosts with long names have them.
+    html = html.replace("node-a", "gpu-node-a.cluster.example").replace(
+        "node-b", "gpu-node-b.cluster.example")
+    probe = tmp_path / "probe.html"
+    probe.write_text(html.replace("</body>", _OVERLAP_PROBE + "</body>"))
+    proc = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
+                           "--window-size=1200,3000", "--virtual-time-budget=5000",
+                           "--dump-dom", probe.as_uri()],
+                          capture_output=True, text=True, timeout=120)
+    found = re.search(r'<pre id="overlaps">(.*?)</pre>', proc.stdout, re.S)
+    assert found, proc.stderr[-2000:]
+    result = json.loads(found.group(1).replace("&quot;", '"'))
+    assert result["charts"] == 13
+    assert result["overlaps"] == []

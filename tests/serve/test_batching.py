@@ -21,7 +21,7 @@ def _batch_sizes(metrics_text: str) -> tuple[int, float]:
     """(number of executed batches, total rows) of model gpt from /metrics."""
     count = re.search(r'gpufleet_inference_batch_size_count\{model="gpt"\} (\S+)', metrics_text)
     total = re.search(r'gpufleet_inference_batch_size_sum\{model="gpt"\} (\S+)', metrics_text)
-    return int(count.group(1)), float(total.group(1))
+    return int(float(count.group(1))), float(total.group(1))
 
 
 def test_concurrent_clients_are_batched_and_get_their_own_rows(gpt_model):
@@ -48,7 +48,7 @@ def test_concurrent_clients_are_batched_and_get_their_own_rows(gpt_model):
     batches, rows = _batch_sizes(text)
     assert rows == sum(len(x) for x in xs)
     assert batches < len(xs), "no two requests were merged"
-    assert 'gpufleet_inference_batch_size_bucket{model="gpt",le="1"}' in text
+    assert 'gpufleet_inference_batch_size_bucket{le="1.0",model="gpt"}' in text
 
 
 def _double(xs):

@@ -110,3 +110,16 @@ def test_a_trace_that_pins_the_cpu_asks_for_cpu_instances(tmp_path):
     config = text_format.Parse((folder / "config.pbtxt").read_text(),
                                model_config_pb2.ModelConfig())
     assert config.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_CPU
+
+
+def test_pbtxt_round_trips_the_config_dict():
+    from google.protobuf import json_format
+
+    config = {"name": "m", "platform": "pytorch_libtorch", "max_batch_size": 4,
+              "input": [{"name": "INPUT__0", "data_type": "TYPE_INT64", "dims": [-1],
+                         "reshape": {"shape": []}}],
+              "instance_group": [{"count": 1, "kind": "KIND_CPU"}]}
+    parsed = text_format.Parse(to_pbtxt(config), model_config_pb2.ModelConfig())
+    back = json_format.MessageToDict(parsed, preserving_proto_field_name=True)
+    assert back["input"][0]["data_type"] == "TYPE_INT64" and back["max_batch_size"] == 4
+    assert back["instance_group"] == [{"count": 1, "kind": "KIND_CPU"}]

@@ -18,6 +18,7 @@ from gpufleet.config.schema import (
     Config,
     DataConfig,
     DistConfig,
+    EvalConfig,
     FaultConfig,
     LogConfig,
     ModelConfig,
@@ -32,9 +33,9 @@ from gpufleet.config.schema import (
 from gpufleet.errors import ConfigError
 
 __all__ = [
-    "CheckpointConfig", "Config", "DataConfig", "DistConfig", "FaultConfig", "LogConfig",
-    "Machine", "ModelConfig", "MonitorConfig", "OptimConfig", "ParallelConfig", "PerfConfig",
-    "PrecisionConfig", "ProfileConfig", "RunConfig",
+    "CheckpointConfig", "Config", "DataConfig", "DistConfig", "EvalConfig", "FaultConfig",
+    "LogConfig", "Machine", "ModelConfig", "MonitorConfig", "OptimConfig", "ParallelConfig",
+    "PerfConfig", "PrecisionConfig", "ProfileConfig", "RunConfig",
     "config_from_dict", "config_to_dict", "help_rows", "load_config", "parse_override",
     "resolve", "write_config",
 ]

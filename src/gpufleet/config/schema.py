@@ -56,6 +56,19 @@ class RunConfig(Section):
 
 
 @dataclass
+class EvalConfig(Section):
+    metrics: str = opt("", "Evaluation metrics besides the loss, comma-separated: accuracy, "
+                       "top5_accuracy, perplexity, or your own package.module:function"
+                       "(output, target). Summed exactly across ranks.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        from gpufleet.train.evalmetrics import check_names
+
+        check_names(self.metrics)
+
+
+@dataclass
 class ModelConfig(Section):
     name: str = opt("gpt", "'gpt' (built in) or your factory as 'package.module:function'.")
     kwargs: dict = opt({}, "Keyword arguments for your factory, e.g. {hidden = 64}.")
@@ -288,6 +301,7 @@ class Config:
     """
 
     run: RunConfig = field(default_factory=RunConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,8 @@ def load_pretrained(path: str | Path, auto_class: str | None = None,
     check_model_folder(path)
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
-        model = model_class(path, auto_class).from_pretrained(str(path), **kwargs)
+        with reports_on_rank0():
+            model = model_class(path, auto_class).from_pretrained(str(path), **kwargs)
     except OSError as e:
         raise ModelFolderError(f"cannot load a model and tokenizer from {str(path)!r}: {e}. "
                                "Give a folder written by save_pretrained.") from e
@@ -82,10 +84,35 @@ def pretrained(path: str, auto_class: str = "AutoModel", **kwargs: Any) -> Any:
     """
     check_model_folder(path)
     try:
-        return model_class(path, auto_class).from_pretrained(str(path), **kwargs)
+        with reports_on_rank0():
+            return model_class(path, auto_class).from_pretrained(str(path), **kwargs)
     except OSError as e:
         raise ModelFolderError(f"cannot load a model from {str(path)!r}: {e}. Give a folder "
                                "written by save_pretrained.") from e
+
+
+@contextlib.contextmanager
+def reports_on_rank0() -> Iterator[None]:
+    """Transformers' warnings (the load report of missing and unexpected weights) from
+    rank 0 only: every rank loads the same folder and would print the same report.
+    Errors still show on every rank.
+
+    Example:
+        >>> with reports_on_rank0():  # doctest: +SKIP
+        ...     model = AutoModelForSequenceClassification.from_pretrained(path)
+    """
+    from gpufleet.launch.env import DistEnv
+
+    logger = logging.getLogger("transformers")
+    if DistEnv.detect().rank == 0:
+        yield
+        return
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def default_sample(tokens: Sequence[str]) -> str:

@@ -206,7 +206,9 @@ class Progress(Callback):
         if self.mode == "off":
             return
         count = metrics.get("eval_samples")
-        text = f"step {step}: eval loss {metrics['eval_loss']:.4f}" + (
+        text = f"step {step}: eval loss {metrics['eval_loss']:.4f}" + "".join(
+            f" | {name} {value:.4f}" for name, value in (metrics.get("eval_metrics") or
+                                                         {}).items()) + (
             f" ({count} samples)" if count is not None else "")
         if self._live is not None:
             self._live.console.print(text)

@@ -48,10 +48,14 @@ table.kv td{padding:2px 14px 2px 0;vertical-align:top}table.kv td:first-child{co
 .finding{border-left:5px solid #999;padding:6px 12px;margin:8px 0;background:#f7f7f7}
 .finding.warn{border-color:#e15759;background:#fdf0f0}.finding.info{border-color:#4e79a7;
 background:#eef3f9}.finding .fix{margin-top:4px}.note{color:#777;font-style:italic}
-svg.chart{display:block;margin:8px 0;max-width:100%;height:auto}
+figure.chart{margin:8px 0 18px}svg.chart{display:block;max-width:100%;height:auto}
+.legend{display:flex;flex-wrap:wrap;gap:4px 18px;padding-left:70px;font-size:12px;color:#333}
+.legend .key{white-space:nowrap}.legend i{display:inline-block;width:18px;height:0;
+border-top:4px solid;margin-right:6px;vertical-align:middle}.legend i.dashed{border-top-style:
+dashed}table.values td,table.values th{padding:2px 12px 2px 0;text-align:right}
 svg .grid{stroke:#e5e5e5}svg .frame{fill:none;stroke:#bbb}svg text{font-family:inherit}
 svg .tick{font-size:11px;fill:#555}svg .axis{font-size:12px;fill:#333}
-svg .title{font-size:14px;font-weight:600;fill:#222}svg .legend{font-size:12px;fill:#333}
+svg .title{font-size:14px;font-weight:600;fill:#222}
 pre{background:#f6f6f6;padding:10px;overflow:auto;font-size:12px}
 """
 
@@ -148,6 +152,9 @@ def _summary(train: list[dict], evals: list[dict], system: list[dict]) -> str:
     if evals:
         best = min(evals, key=lambda r: r["eval_loss"])
         rows.append(("best eval loss", f"{best['eval_loss']:.4f} (step {best.get('step')})"))
+        last_metrics = evals[-1].get("eval_metrics") or {}
+        rows += [(f"eval {name} (step {evals[-1].get('step')})", f"{value:.4f}")
+                 for name, value in last_metrics.items()]
     if system:
         hosts = sorted({s.get("host", "?") for s in system})
         names = sorted({g.get("name", "?") for s in system for g in s.get("gpus", [])})
@@ -177,22 +184,75 @@ def _curve(records: list[dict], key: str, scale: float = 1.0) -> list[tuple[floa
     return [(r["step"], r[key] * scale) for r in records if r.get(key) is not None]
 
 
+MIN_CURVE_POINTS = 3  # fewer log intervals than this: a table of values, not curves
+
+
 def _training(train: list[dict], evals: list[dict]) -> list[str]:
     if not train and not evals:
         return [_note("No training metrics in metrics.jsonl.")]
+    if len(train) < MIN_CURVE_POINTS:
+        return _values_table(train, evals)
     out = [line_chart("Loss", [Series("train loss", _curve(train, "loss")),
                                Series("eval loss", _curve(evals, "eval_loss"), dots=True)],
                       "optimizer step", "loss", y_min=None)]
+    for name in _eval_metric_names(evals):
+        out.append(line_chart(f"Eval {name}", [Series(name, _eval_curve(evals, name),
+                                                      dots=True)],
+                              "optimizer step", name, y_min=None))
+    out.append(line_chart("Learning rate", [Series("lr", _curve(train, "lr"))],
+                          "optimizer step", "learning rate"))
+    if any(r.get("grad_norm") for r in train):  # all zero: not measured (no clipping)
+        out.append(line_chart("Gradient norm (before clipping)",
+                              [Series("grad norm", _curve(train, "grad_norm"))],
+                              "optimizer step", "L2 norm"))
     tokens = _curve(train, "tokens_per_s")
     rate = Series("tokens/s", tokens) if tokens else Series("samples/s",
                                                            _curve(train, "samples_per_s"))
     if rate.points:
         out.append(line_chart("Throughput (all ranks)", [rate], "optimizer step", rate.name))
-    shares = [Series("data wait", _curve(train, "data_wait_share", 100)),
-              Series("MFU", _curve(train, "mfu", 100))]
-    if any(s.points for s in shares):
-        out.append(line_chart("Data-wait share and MFU", shares, "optimizer step", "%",
-                              y_max=100))
+    # MFU needs a known peak (a GPU in the table, or monitor.peak_tflops): no line when
+    # the run has none, and no word of it in the title.
+    shares = [s for s in (Series("data wait", _curve(train, "data_wait_share", 100)),
+                          Series("MFU", _curve(train, "mfu", 100))) if s.points]
+    if shares:
+        title = " and ".join("MFU" if s.name == "MFU" else "Data-wait share" for s in shares)
+        out.append(line_chart(title, shares, "optimizer step", "%", y_max=100))
+    return out
+
+
+def _eval_metric_names(evals: list[dict]) -> list[str]:
+    return list(dict.fromkeys(k for r in evals for k in (r.get("eval_metrics") or {})))
+
+
+def _eval_curve(evals: list[dict], name: str) -> list[tuple[float, float]]:
+    return [(r["step"], r["eval_metrics"][name]) for r in evals
+            if (r.get("eval_metrics") or {}).get(name) is not None]
+
+
+_COLUMNS = (("loss", "loss", "{:.4f}"), ("lr", "lr", "{:.2e}"), ("grad norm", "grad_norm",
+            "{:.3g}"), ("samples/s", "samples_per_s", "{:,.1f}"), ("tokens/s", "tokens_per_s",
+            "{:,.0f}"), ("data wait", "data_wait_share", "{:.0%}"), ("MFU", "mfu", "{:.1%}"))
+
+
+def _values_table(train: list[dict], evals: list[dict]) -> list[str]:
+    """The numbers of a run too short for curves, one row per log interval/evaluation."""
+    out = [_note(f"{len(train)} log interval(s): too few for curves, so the values are "
+                 "listed. A smaller log.every gives more points.")]
+    cols = [c for c in _COLUMNS if any(r.get(c[1]) is not None for r in train)]
+    if train:
+        head = "".join(f"<th>{escape(name)}</th>" for name, _, _ in cols)
+        rows = "".join("<tr><td>" + str(r["step"]) + "</td>" + "".join(
+            f"<td>{fmt.format(r[key]) if r.get(key) is not None else '-'}</td>"
+            for _, key, fmt in cols) + "</tr>" for r in train)
+        out.append(f'<table class="values"><tr><th>step</th>{head}</tr>{rows}</table>')
+    if evals:
+        names = _eval_metric_names(evals)
+        head = "".join(f"<th>{escape(n)}</th>" for n in names)
+        rows = "".join(f"<tr><td>{r['step']}</td><td>{r['eval_loss']:.4f}</td>" + "".join(
+            f"<td>{(r.get('eval_metrics') or {}).get(n, float('nan')):.4f}</td>"
+            for n in names) + "</tr>" for r in evals)
+        out.append(f'<table class="values"><tr><th>step</th><th>eval loss</th>{head}</tr>'
+                   f"{rows}</table>")
     return out
 
 
@@ -221,7 +281,7 @@ def _phases(train: list[dict]) -> list[str]:
         mean = {p: sum(r["phases"].get(p, 0.0) for r in steady) * 1000 / len(steady)
                 for p in PHASES}
         out.append(stacked_bars("Step time, rank 0 (mean)", [("rank 0", mean)], PHASES, "ms"))
-    if with_phases:
+    if len(with_phases) >= MIN_CURVE_POINTS:
         out.append(line_chart("Rank 0 phases over the run", [
             Series(p, [(r["step"], r["phases"].get(p, 0.0) * 1000) for r in with_phases])
             for p in PHASES], "optimizer step", "ms per step"))

@@ -1,12 +1,14 @@
 """Inline SVG charts for the HTML report: line charts and stacked bars, no JavaScript.
 
-Each function returns one ``<svg>`` element as a string, sized in CSS pixels, with a
-``<title>`` on every line, point and bar segment so a browser shows the value on hover.
+Each function returns one ``<figure>``: an ``<svg>`` sized in CSS pixels, with a
+``<title>`` on every line, point and bar segment so a browser shows the value on hover,
+and the legend under it as HTML. The browser lays the legend's labels out by their real
+width and wraps them, so they cannot overlap whatever their length or font.
 
 Example:
-    >>> svg = line_chart("loss", [Series("train", [(1, 2.0), (2, 1.5), (3, 1.2)])],
+    >>> fig = line_chart("loss", [Series("train", [(1, 2.0), (2, 1.5), (3, 1.2)])],
     ...                  x_label="step", y_label="loss")
-    >>> svg.startswith("<svg") and "polyline" in svg
+    >>> fig.startswith('<figure class="chart"><svg') and "polyline" in fig
     True
 """
 
@@ -129,8 +131,8 @@ def line_chart(title: str, series: Sequence[Series], x_label: str, y_label: str,
             out.extend(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="{r}" fill="{color}">'
                        f'<title>{name}: {_fmt(y)} at {_fmt(x)}</title></circle>'
                        for x, y in s.points)
-    out.append(_legend([s.name for s in series]))
     out.append("</svg>")
+    out.append(_legend([s.name for s in series], [s.dashed for s in series]))
     return "\n".join(out)
 
 
@@ -177,25 +179,28 @@ def stacked_bars(title: str, rows: Sequence[tuple[str, dict[str, float]]],
             x += v
         out.append(f'<text class="tick" x="{sx(total) + 4:.1f}" y="{y + bar_h / 2 + 4}">'
                    f'{_fmt(total)}</text>')
-    out.append(_legend(list(parts)))
     out.append("</svg>")
+    out.append(_legend(list(parts)))
     return "\n".join(out)
 
 
 def _open(title: str, height: int = HEIGHT) -> str:
-    return (f'<svg class="chart" viewBox="0 0 {WIDTH} {height}" width="{WIDTH}" '
-            f'height="{height}" role="img" aria-label="{escape(title)}">'
+    return (f'<figure class="chart"><svg class="chart" viewBox="0 0 {WIDTH} {height}" '
+            f'width="{WIDTH}" height="{height}" role="img" aria-label="{escape(title)}">'
             f'<text class="title" x="{LEFT}" y="22">{escape(title)}</text>')
 
 
-def _legend(names: Sequence[str]) -> str:
-    """Colour keys at the top right, right-aligned, in the order of the series."""
-    out, x = [], WIDTH - RIGHT
-    for i in reversed(range(len(names))):
-        text = escape(names[i])
-        w = 7 * len(names[i]) + 22
-        x -= w
-        out.append(f'<rect x="{x}" y="12" width="12" height="12" '
-                   f'fill="{PALETTE[i % len(PALETTE)]}"/>'
-                   f'<text class="legend" x="{x + 16}" y="22">{text}</text>')
-    return "".join(out)
+def _legend(names: Sequence[str], dashed: Sequence[bool] = ()) -> str:
+    """Colour keys in the order of the series, as HTML that wraps (closes the figure).
+
+    Example:
+        >>> _legend(["train"])
+        '<figcaption class="legend"><span class="key"><i style="border-color:#4e79a7">\
+</i>train</span></figcaption></figure>'
+    """
+    keys = []
+    for i, name in enumerate(names):
+        cls = ' class="dashed"' if i < len(dashed) and dashed[i] else ""
+        keys.append(f'<span class="key"><i{cls} style="border-color:'
+                    f'{PALETTE[i % len(PALETTE)]}"></i>{escape(name)}</span>')
+    return f'<figcaption class="legend">{"".join(keys)}</figcaption></figure>'

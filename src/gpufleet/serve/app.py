@@ -32,7 +32,7 @@ from starlette.routing import Route
 
 from gpufleet.errors import unknown_choice
 from gpufleet.serve.batcher import DynamicBatcher, ModelError
-from gpufleet.serve.metrics import ServerMetrics
+from gpufleet.serve.metrics import CONTENT_TYPE, ServerMetrics
 from gpufleet.serve.model import ServedModel
 from gpufleet.serve.protocol import (
     HEADER_LENGTH,
@@ -140,8 +140,7 @@ class _Server:
                              for m in self.models.values()])
 
     async def metrics_text(self, request: Request) -> Response:
-        return PlainTextResponse(self.metrics.render(),
-                                 media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(self.metrics.render(), media_type=CONTENT_TYPE)
 
     async def infer(self, request: Request) -> Response:
         start = time.perf_counter()

@@ -26,7 +26,6 @@ from gpufleet.serve.model import ServedModel, TensorSpec, _resize, to_numpy, to_
 log = logging.getLogger(__name__)
 
 _CONFIG_TYPES = {"BYTES": "TYPE_STRING"}  # every other v2 datatype X is TYPE_X
-_ENUM_KEYS = {"data_type", "kind"}
 
 
 def config_type(datatype: str) -> str:
@@ -62,8 +61,9 @@ def model_config(model: ServedModel, max_batch_size: int, max_queue_delay_us: in
     return config
 
 
-def to_pbtxt(config: dict[str, Any], indent: str = "") -> str:
-    """Write a ModelConfig dict in protobuf text format (what ``config.pbtxt`` holds).
+def to_pbtxt(config: dict[str, Any]) -> str:
+    """A ModelConfig dict in protobuf text format (what ``config.pbtxt`` holds), written
+    by protobuf's ``text_format`` from Triton's own ModelConfig message.
 
     Example:
         >>> print(to_pbtxt({"name": "m", "max_batch_size": 8, "dynamic_batching": {}}))
@@ -71,30 +71,23 @@ def to_pbtxt(config: dict[str, Any], indent: str = "") -> str:
         max_batch_size: 8
         dynamic_batching {
         }
+        <BLANKLINE>
     """
-    lines = []
-    for key, value in config.items():
-        if isinstance(value, dict):
-            lines += [f"{indent}{key} {{", to_pbtxt(value, indent + "  "), f"{indent}}}"]
-        elif isinstance(value, list) and value and isinstance(value[0], dict):
-            blocks = [f"{indent}  {{\n{to_pbtxt(v, indent + '    ')}\n{indent}  }}"
-                      for v in value]
-            lines += [f"{indent}{key} [", ",\n".join(blocks), f"{indent}]"]
-        elif isinstance(value, list):
-            lines.append(f"{indent}{key}: [ {', '.join(_scalar(key, v) for v in value)} ]")
-        else:
-            lines.append(f"{indent}{key}: {_scalar(key, value)}")
-    return "\n".join(line for line in lines if line)
+    from google.protobuf import json_format, text_format
+
+    message = json_format.ParseDict(config, _config_schema().ModelConfig())
+    return text_format.MessageToString(message)
 
 
-def _scalar(key: str, value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return str(value)
-    if key in _ENUM_KEYS:
-        return str(value)
-    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+def _config_schema() -> Any:
+    """Triton's ModelConfig protobuf module (shipped with tritonclient's gRPC client)."""
+    try:
+        from tritonclient.grpc import model_config_pb2
+    except ImportError as e:
+        raise ConfigError("reading or writing config.pbtxt needs Triton's model-config "
+                          "schema: pip install 'gpufleet[serve]' (or "
+                          "'tritonclient[grpc]').") from e
+    return model_config_pb2
 
 
 def export_triton(model: ServedModel, out_dir: str | Path, max_batch_size: int = 8,
@@ -138,7 +131,7 @@ def export_triton(model: ServedModel, out_dir: str | Path, max_batch_size: int =
                     "asks for CPU instances (instance_group KIND_CPU)", model.name)
     config = model_config(model, max_batch_size, max_queue_delay_us,
                           "KIND_CPU" if pinned else None)
-    (folder / "config.pbtxt").write_text(to_pbtxt(config) + "\n")
+    (folder / "config.pbtxt").write_text(to_pbtxt(config))
     log.info("wrote %s", folder)
     return folder
 
@@ -161,12 +154,9 @@ def _check_same(module: Any, traced: Any, arrays: list[np.ndarray]) -> None:
 
 def load_triton_model_dir(folder: Path, device: str = "cpu") -> ServedModel:
     """Serve a Triton model directory with a TorchScript model (what export writes)."""
-    try:
-        from google.protobuf import text_format
-        from tritonclient.grpc import model_config_pb2
-    except ImportError as e:
-        raise ConfigError(f"reading {folder / 'config.pbtxt'} needs Triton's model-config "
-                          "schema: pip install 'tritonclient[grpc]'.") from e
+    from google.protobuf import text_format
+
+    model_config_pb2 = _config_schema()
     from gpufleet.serve.model import from_module, jit_load
 
     try:

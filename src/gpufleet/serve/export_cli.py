@@ -1,4 +1,5 @@
-"""``gpufleet export triton RUN_DIR OUT_DIR``: write a Triton model repository.
+"""``gpufleet export triton RUN_DIR OUT_DIR``: write a Triton model repository;
+``gpufleet export hf RUN_DIR OUT_DIR``: a Transformers ``save_pretrained`` folder.
 
 Imports only the standard library at the top; torch loads inside ``run``.
 """
@@ -19,7 +20,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         >>> parser.parse_args(["export", "triton", "runs/x", "repo"]).out_dir
         'repo'
     """
-    p = sub.add_parser("export", help="export a trained model (Triton model repository)",
+    p = sub.add_parser("export", help="export a trained model (Triton model repository, "
+                                      "Transformers folder)",
                        description="Export a trained model for serving elsewhere.")
     formats = p.add_subparsers(dest="format", metavar="FORMAT", required=True)
     t = formats.add_parser(
@@ -38,10 +40,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--model-name", metavar="NAME", help="model name (default: the run's name)")
     add_batching_args(t, default_batch=8, default_delay=100)
     add_input_arg(t)
+    h = formats.add_parser(
+        "hf", help="a Transformers save_pretrained folder (weights + tokenizer)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Write the run's trained weights (newest intact checkpoint) and the "
+                    "tokenizer as a save_pretrained folder that from_pretrained loads. "
+                    "Nothing named in the run's config is imported or run.",
+        epilog="examples:\n"
+               "  gpufleet export hf runs/entity-markers-20260101-120000 out/minilm-tuned\n"
+               "  gpufleet export hf runs/mymodel-1 out --base models/minilm   # own factory")
+    h.add_argument("source", metavar="RUN_DIR", help="the run directory")
+    h.add_argument("out_dir", metavar="OUT_DIR", help="the folder to write")
+    h.add_argument("--base", metavar="FOLDER", help="the model folder the run started from "
+                   "(default: model.kwargs.path of a gpufleet.hf:pretrained run)")
+    h.add_argument("--tokenizer", metavar="FOLDER", help="take the tokenizer from here "
+                   "(default: the base folder)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Export and print where the repository was written."""
+    if args.format == "hf":
+        return _run_hf(args)
     from gpufleet.errors import ConfigError
     from gpufleet.serve.export import export_triton, load_for_export
     from gpufleet.serve.model import load_model
@@ -58,4 +77,16 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote Triton model {model.name!r} to {folder} "
           f"(config.pbtxt, 1/model.pt); serve it with "
           f"tritonserver --model-repository={args.out_dir}")
+    return 0
+
+
+def _run_hf(args: argparse.Namespace) -> int:
+    from gpufleet.hf import require_transformers
+
+    require_transformers("gpufleet export hf")
+    from gpufleet.hf.export import export_pretrained
+
+    out = export_pretrained(args.source, args.out_dir, base=args.base, tokenizer=args.tokenizer)
+    print(f"wrote the trained model and its tokenizer to {out}; load them with "
+          f"AutoModel*.from_pretrained({str(out)!r}) and AutoTokenizer.from_pretrained(...)")
     return 0

@@ -77,23 +77,53 @@ def make_loss_fn(loss: Callable[[Any, Any], torch.Tensor] | None = None) -> Loss
     """
 
     def compute(model: nn.Module, batch: Any) -> torch.Tensor:
-        if loss is not None:
-            if isinstance(batch, Mapping) and "labels" in batch:  # logits + labels
-                out = model(**{k: v for k, v in batch.items() if k != "labels"})
-                if isinstance(out, Mapping) and out.get("logits") is not None:
-                    out = out["logits"]  # a Transformers ModelOutput (or a plain dict)
-                return _as_loss(loss(out, batch["labels"]), False)
-            if type(batch) in (tuple, list) and len(batch) == 2:  # the common (x, y)
-                return _as_loss(loss(model(batch[0]), batch[1]), False)
-            if not isinstance(batch, (tuple, list)) or len(batch) < 2:
-                raise TypeError(f"with a loss function the batch must be (inputs, target); "
-                                f"got {type(batch).__name__}. Return (x, y) from your dataset.")
-            out = loss(model(*batch[:-1]), batch[-1])
-        else:
-            out = _call_with_batch(model, batch)
-        return _as_loss(out, isinstance(model, nn.DataParallel))
+        return _forward(model, batch, loss)[0]
 
+    def with_output(model: nn.Module, batch: Any) -> tuple[torch.Tensor, Any, Any]:
+        """``(loss, output, target)``: what evaluation metrics need besides the loss."""
+        value, out, target = _forward(model, batch, loss)
+        if out is None and isinstance(batch, (tuple, list)) and len(batch) >= 2:
+            # The model returned only its loss (e.g. GPT(idx, targets)): its output is
+            # what it returns for the inputs alone. One more forward, evaluation only.
+            out = _logits(model(*batch[:-1]))
+        return value, out, target
+
+    compute.with_output = with_output  # type: ignore[attr-defined]
     return compute
+
+
+def _forward(model: nn.Module, batch: Any,
+             loss: Callable[[Any, Any], torch.Tensor] | None) -> tuple[torch.Tensor, Any, Any]:
+    """``(loss, output, target)`` of a batch; ``output`` is None when the model computed
+    its own loss and returned nothing else."""
+    if loss is not None:
+        if isinstance(batch, Mapping) and "labels" in batch:  # logits + labels
+            out = _logits(model(**{k: v for k, v in batch.items() if k != "labels"}))
+            target = batch["labels"]
+        elif type(batch) in (tuple, list) and len(batch) == 2:  # the common (x, y)
+            out, target = model(batch[0]), batch[1]
+        elif not isinstance(batch, (tuple, list)) or len(batch) < 2:
+            raise TypeError(f"with a loss function the batch must be (inputs, target); "
+                            f"got {type(batch).__name__}. Return (x, y) from your dataset.")
+        else:
+            out, target = model(*batch[:-1]), batch[-1]
+        return _as_loss(loss(out, target), False), out, target
+    out = _call_with_batch(model, batch)
+    target = batch.get("labels") if isinstance(batch, Mapping) else (
+        batch[-1] if isinstance(batch, (tuple, list)) else None)
+    logits = None if isinstance(out, torch.Tensor) else _logits(out, None)
+    return _as_loss(out, isinstance(model, nn.DataParallel)), logits, target
+
+
+_SAME = object()
+
+
+def _logits(out: Any, default: Any = _SAME) -> Any:
+    """The ``logits`` of a Transformers ModelOutput (or a plain dict); else ``default``
+    (``out`` itself unless given)."""
+    if isinstance(out, Mapping) and out.get("logits") is not None:
+        return out["logits"]
+    return out if default is _SAME else default
 
 
 def _call_with_batch(model: nn.Module, batch: Any) -> Any:

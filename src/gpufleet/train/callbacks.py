@@ -55,11 +55,15 @@ class CallbackList:
 
     def __init__(self, callbacks: list[Callback]) -> None:
         self.callbacks = list(callbacks)
+        # name -> first error, for each non-essential callback that failed (the summary
+        # names them: a sink that logged nothing must not go unnoticed).
+        self.failures: dict[str, str] = {}
         for hook in _HOOKS:
             base = getattr(Callback, hook)
             owners = [c for c in self.callbacks if getattr(type(c), hook, base) is not base]
             setattr(self, hook, _dispatcher([
-                getattr(c, hook) if c.essential else _tolerant(c, getattr(c, hook))
+                getattr(c, hook) if c.essential else _tolerant(c, getattr(c, hook),
+                                                               self.failures)
                 for c in owners]))
             if hook == "on_phase":
                 # The loop calls these directly, with no dispatcher in between.
@@ -78,8 +82,9 @@ def _dispatcher(listeners: list[Any]) -> Any:
     return call
 
 
-def _tolerant(callback: Callback, fn: Any) -> Any:
-    """``fn`` with its errors reported instead of raised (the 1st, then every 100th)."""
+def _tolerant(callback: Callback, fn: Any, record: dict[str, str]) -> Any:
+    """``fn`` with its errors reported instead of raised (the 1st, then every 100th) and
+    the first one kept in ``record`` under the callback's name."""
     name = type(callback).__name__
     failures = 0
 
@@ -89,6 +94,8 @@ def _tolerant(callback: Callback, fn: Any) -> Any:
             fn(*args)
         except Exception as e:
             failures += 1
+            record.setdefault(getattr(callback, "name", name),
+                              f"{fn.__name__}: {type(e).__name__}: {e}"[:300])
             if failures == 1 or failures % 100 == 0:
                 log.error("%s failed in %s (%d time(s) so far): %s: %s. Training goes on "
                           "without it.", name, fn.__name__, failures, type(e).__name__, e)

@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,7 @@ from gpufleet.monitor.metrics import flops_metrics, phase_metrics
 from gpufleet.procs import forget_process
 from gpufleet.train.batches import batch_size_of, to_device, tokens_of
 from gpufleet.train.callbacks import Callback
+from gpufleet.train.evalmetrics import EvalMetric, batch_totals, final_values
 from gpufleet.train.perf import to_channels_last
 from gpufleet.train.setup import TrainerSetup
 
@@ -49,6 +50,9 @@ class FitResult:
         run_dir / checkpoint: where the run and its last written checkpoint are.
         skipped_steps: optimizer steps skipped for non-finite loss or gradients.
         checkpoint_errors: checkpoint writes that failed (training went on).
+        callback_errors: non-essential callbacks (metric sinks) that failed, by name,
+            with their first error (training went on without them).
+        eval_metrics: ``(step, {metric: value})`` of each evaluation (``eval.metrics``).
         findings: what limits the run (:class:`gpufleet.monitor.diagnose.Finding`).
     """
 
@@ -62,6 +66,8 @@ class FitResult:
     checkpoint: str | None = None
     skipped_steps: int = 0
     checkpoint_errors: list[str] = field(default_factory=list)
+    callback_errors: dict[str, str] = field(default_factory=dict)
+    eval_metrics: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     findings: list[Any] = field(default_factory=list)
 
     @property
@@ -85,6 +91,8 @@ class Trainer(TrainerSetup):
         eval_data: optional evaluation ``Dataset``.
         loss_fn: ``loss(model_output, target)``; omit when the model returns its loss.
         callbacks: extra :class:`Callback` objects.
+        eval_metrics: ``{name: fn(output, target)}`` evaluated besides ``eval.metrics``
+            (see :mod:`gpufleet.train.evalmetrics`).
 
     Example:
         >>> trainer = Trainer(Config(), model, dataset, loss_fn=F.mse_loss)  # doctest: +SKIP
@@ -93,8 +101,10 @@ class Trainer(TrainerSetup):
 
     def __init__(self, cfg: Config, model: nn.Module, train_data: Dataset,
                  eval_data: Dataset | None = None, *, loss_fn: Any = None,
-                 callbacks: list[Callback] | tuple[Callback, ...] = ()) -> None:
+                 callbacks: list[Callback] | tuple[Callback, ...] = (),
+                 eval_metrics: Mapping[str, Any] | None = None) -> None:
         super().__init__(cfg, model, train_data, eval_data, loss_fn, list(callbacks))
+        self.eval_metrics += [EvalMetric(name, fn) for name, fn in (eval_metrics or {}).items()]
 
     # -- the loop --------------------------------------------------------------------
     def fit(self) -> FitResult:
@@ -299,7 +309,8 @@ class Trainer(TrainerSetup):
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean loss over the evaluation set, summed exactly across ranks.
+        """Mean loss (and ``eval.metrics``) over the evaluation set, summed exactly across
+        ranks.
 
         The evaluation sampler gives every sample to exactly one rank (no padding), so
         the all-reduced sums count each sample once.
@@ -308,26 +319,40 @@ class Trainer(TrainerSetup):
             return None
         model = self.strategy.eval_model(self.model)
         model.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # [Σ loss·n, Σ n]
+        batched = [m for m in self.eval_metrics if m.update is not None]
+        # [Σ loss·n, Σ n, then Σ metric, Σ count for each batched metric]
+        totals = torch.zeros(2 + 2 * len(batched), dtype=torch.float64, device=self.device)
         for batch, counted in self._eval_batches():
             n = batch_size_of(batch) if counted else 0
             batch = to_device(batch, self.device, non_blocking=self.pin_memory)
             if self.cfg.perf.channels_last:
                 batch = to_channels_last(batch)
             with self.precision.autocast():
-                loss = self.loss_fn(model, batch)
+                if batched:
+                    loss, output, target = self.loss_fn.with_output(model, batch)
+                else:
+                    loss = self.loss_fn(model, batch)
             if counted:
                 totals[0] += loss.double() * n
                 totals[1] += n
+                for i, metric in enumerate(batched):
+                    total, count = batch_totals(metric, output, target, n)
+                    totals[2 + 2 * i] += total
+                    totals[3 + 2 * i] += count
         self.model.train()
         self.strategy.all_reduce(totals)  # COLLECTIVE + SYNC (below): once per evaluation
-        loss_total, count = totals.tolist()
-        count /= self.data_copies  # pipeline stages saw the same samples (ratio unchanged)
+        loss_total, count, *metric_totals = totals.tolist()
+        # Pipeline stages saw the same samples: the ratios stay, the count is divided.
+        count /= self.data_copies
         loss_total /= self.data_copies
         value = loss_total / count if count else float("nan")
+        metrics = final_values(self.eval_metrics, metric_totals, value)
         self.result.eval_losses.append((self.step, value))
+        if metrics:
+            self.result.eval_metrics.append((self.step, metrics))
         self.callbacks.on_eval(self, self.step, {"step": self.step, "eval_loss": value,
-                                                 "eval_samples": int(count)})
+                                                 "eval_samples": int(count),
+                                                 "eval_metrics": metrics})
         return value
 
     def _eval_batches(self) -> Iterator[tuple[Any, bool]]:
@@ -372,6 +397,7 @@ class Trainer(TrainerSetup):
             if self._tokens_seen:
                 result.tokens_per_s = self._tokens_seen / self._train_time
         self.callbacks.on_fit_end(self, result)
+        result.callback_errors = dict(self.callbacks.failures)
         if self.env.is_main and self.cfg.monitor.report:
             self._write_report()
         return result

@@ -38,6 +38,7 @@ from gpufleet.train import checkpoint as ckpt
 from gpufleet.train import sharded as sharded_ckpt
 from gpufleet.train.batches import make_loss_fn, to_device
 from gpufleet.train.callbacks import Callback, CallbackList
+from gpufleet.train.evalmetrics import build_metrics
 from gpufleet.train.optim import build_scheduler, optimizer_spec
 from gpufleet.train.perf import apply_backend_flags, prepare_model, share_cores
 from gpufleet.train.rundir import plan_run
@@ -118,6 +119,7 @@ class TrainerSetup:
             self.model, optimizer_spec(cfg.optim, self.device.type))
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.run.max_steps)
         self.loss_fn = make_loss_fn(loss_fn)
+        self.eval_metrics = build_metrics(cfg.eval.metrics)  # imports the user's functions
         self.nonfinite = (NonFiniteGuard(cfg.fault, self.strategy, self.precision)
                           if cfg.fault.skip_nonfinite else None)
         # Every rank now draws different dropout masks; data order comes from the

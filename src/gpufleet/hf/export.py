@@ -1,0 +1,143 @@
+"""``gpufleet export hf RUN_DIR OUT_DIR``: a trained Transformers model back to a
+``save_pretrained`` folder, with its tokenizer.
+
+A run trained with ``--model gpufleet.hf:pretrained`` keeps gpufleet checkpoints (the
+model's state dict plus the training state). This builds the same Transformers class
+from the base folder's config (with the run's ``model.kwargs``, e.g. ``num_labels``),
+loads the newest intact checkpoint's weights into it (``weights_only=True``: nothing in
+the file runs), and saves model and tokenizer together, so that
+``AutoModel*.from_pretrained(OUT_DIR)`` and ``AutoTokenizer.from_pretrained(OUT_DIR)``
+give back the trained model.
+
+Nothing named in the run's config is imported: the base folder comes from
+``model.kwargs.path`` of ``gpufleet.hf:pretrained`` runs, or from ``--base`` for runs of
+your own factory.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from gpufleet.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+PRETRAINED_FACTORIES = ("gpufleet.hf:pretrained", "gpufleet.hf.models:pretrained")
+
+
+def export_pretrained(run_dir: str | Path, out_dir: str | Path, base: str | Path | None = None,
+                      tokenizer: str | Path | None = None) -> Path:
+    """Write the run's trained weights and the tokenizer as a ``save_pretrained`` folder.
+
+    Args:
+        run_dir: a run directory (config.toml and checkpoints/).
+        out_dir: the folder to write (created).
+        base: the model folder the run started from (config.json); default: the run's
+            ``model.kwargs.path`` when it was trained with ``gpufleet.hf:pretrained``.
+        tokenizer: the folder to take the tokenizer from (default: ``base``).
+
+    Returns:
+        ``out_dir``.
+
+    Example:
+        >>> export_pretrained("runs/entity-markers-1", "out/minilm-tuned")  # doctest: +SKIP
+        PosixPath('out/minilm-tuned')
+    """
+    from gpufleet.config import load_config
+    from gpufleet.hf.models import check_model_folder, model_class, save_together
+    from gpufleet.train.checkpoint import find_resume_checkpoint
+
+    run = Path(run_dir)
+    if not (run / "config.toml").is_file():
+        raise ConfigError(f"{str(run)!r} is not a run directory (no config.toml). Give the "
+                          "folder `gpufleet train` wrote, e.g. runs/<name>-<time>.")
+    cfg = load_config(run / "config.toml")
+    kwargs = dict(cfg.model.kwargs)
+    base = Path(base or _base_folder(cfg.model.name, kwargs))
+    check_model_folder(base)
+    checkpoint = find_resume_checkpoint(str(run), cfg.run.out_dir, cfg.run.name)
+    state = _model_state(checkpoint)
+    auto_class = kwargs.pop("auto_class", None)
+    kwargs.pop("path", None)
+    model = _build(model_class(base, auto_class), base, kwargs, state)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ConfigError(
+            f"the weights in {checkpoint} do not fit {type(model).__name__} built from "
+            f"{base}: missing {list(missing)[:5]}, unexpected {list(unexpected)[:5]}. Pass "
+            "--base with the folder the run's model was built from.")
+    tok = _tokenizer(Path(tokenizer) if tokenizer else base)
+    out = save_together(model, tok, out_dir)
+    log.info("exported %s (step %s) to %s", checkpoint.name, checkpoint.stem, out)
+    return out
+
+
+def _base_folder(model_name: str, kwargs: dict[str, Any]) -> str:
+    if model_name in PRETRAINED_FACTORIES and kwargs.get("path"):
+        return str(kwargs["path"])
+    raise ConfigError(
+        f"the run's model is {model_name!r}, not gpufleet.hf:pretrained with a path, so its "
+        "Transformers folder is unknown. Pass --base FOLDER: the save_pretrained folder "
+        "(config.json, tokenizer) the model was built from.")
+
+
+def _model_state(checkpoint: Path) -> dict[str, Any]:
+    """The model's state dict from a checkpoint, read without running anything in it."""
+    import torch
+
+    if checkpoint.is_dir():  # sharded (fsdp): the gathered model
+        from gpufleet.train.sharded import read_full_model
+
+        return read_full_model(checkpoint)
+    try:
+        with torch.serialization.safe_globals(_numpy_globals()):  # the saved RNG states
+            state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ConfigError(f"cannot read the weights in {checkpoint} ({type(e).__name__}: "
+                          f"{e}). Export a checkpoint written by `gpufleet train`.") from e
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise ConfigError(f"{checkpoint} holds no model state dict; it is not a gpufleet "
+                          "checkpoint.")
+    return state["model"]
+
+
+def _numpy_globals() -> list[Any]:
+    """What a numpy array (numpy's RNG state in a checkpoint) needs to unpickle: array
+    reconstruction and dtypes, none of which runs code."""
+    import numpy as np
+
+    multiarray = getattr(np, "_core", None) or np.core
+    return [multiarray.multiarray._reconstruct, np.ndarray, np.dtype,
+            *{type(np.dtype(t)) for t in (np.uint32, np.float64, np.int64)}]
+
+
+def _build(cls: Any, base: Path, kwargs: dict[str, Any], state: dict[str, Any]) -> Any:
+    """An untrained ``cls`` from ``base``'s config (with ``kwargs``), its vocabulary sized
+    as the checkpoint's."""
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(base), **kwargs)
+    except (OSError, TypeError, ValueError) as e:
+        raise ConfigError(f"cannot read the model config in {base} with the run's "
+                          f"model.kwargs {kwargs}: {e}") from e
+    build = getattr(cls, "from_config", None) or cls._from_config
+    model = build(config)
+    embeddings = model.get_input_embeddings()
+    name = next((n for n, p in model.named_parameters() if p is embeddings.weight), None)
+    rows = state[name].shape[0] if name in state else embeddings.weight.shape[0]
+    if rows != embeddings.weight.shape[0]:  # tokens were added before or during training
+        model.resize_token_embeddings(rows)
+    return model
+
+
+def _tokenizer(folder: Path) -> Any:
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"no tokenizer in {folder} ({e}). Pass --tokenizer FOLDER (the "
+                          "folder the run's data was tokenized with).") from e
