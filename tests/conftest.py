@@ -45,4 +45,4 @@ def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
     """The model weights in a run's newest checkpoint."""
     ckpts = sorted((Path(run_dir) / "checkpoints").glob("step-*.pt"))
     assert ckpts, f"no checkpoint in {run_dir}"
-    return torch.load(ckpts[-1], map_location="cpu", weights_only=False)["model"]
+    return torch.load(ckpts[-1], map_location="cpu", weights_only=True)["model"]

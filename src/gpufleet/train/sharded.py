@@ -34,6 +34,7 @@ from gpufleet.train.checkpoint import (
     _HashingWriter,
     checkpoint_dir,
     prune,
+    safe_load,
 )
 
 log = logging.getLogger(__name__)
@@ -146,11 +147,7 @@ def verify_sharded(path: Path) -> None:
 
 def read_trainer_state(path: str | Path) -> dict[str, Any]:
     """A sharded checkpoint's training state (step, scheduler, sampler, RNG, config)."""
-    try:
-        return torch.load(Path(path) / TRAINER_STATE, map_location="cpu", weights_only=False)
-    except (OSError, RuntimeError) as e:
-        raise CheckpointError(f"checkpoint {str(path)!r}: {TRAINER_STATE} cannot be read "
-                              f"({e}). Resume from an earlier checkpoint.") from e
+    return safe_load(Path(path) / TRAINER_STATE, shown=path)  # tensors and plain data only
 
 
 def read_full_model(path: str | Path) -> dict[str, torch.Tensor]:
