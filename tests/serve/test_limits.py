@@ -47,8 +47,9 @@ def test_health_and_metadata_answer_while_a_large_json_body_is_parsed(model):
         big: dict = {}
 
         def send_big() -> None:
+            start = time.monotonic()
             big["status"], _, big["body"] = request(srv.url, "POST", INFER, body)
-            big["done"] = time.monotonic()
+            big["seconds"] = time.monotonic() - start
 
         thread = threading.Thread(target=send_big)
         thread.start()
@@ -61,9 +62,11 @@ def test_health_and_metadata_answer_while_a_large_json_body_is_parsed(model):
         thread.join()
     assert big["status"] == 200, big["body"]
     assert json.loads(big["body"])["outputs"][0]["shape"] == [1, 1]
-    # Answered all along, not queued behind the parse: many round trips completed while
-    # the big request was in flight (the parse alone takes most of a second or more).
-    assert len(answered_during) >= 5, answered_during
+    # Answered all along, not queued behind the parse. Parsed on the event loop, one
+    # round trip waits out the whole parse (most of the big request's time: 2.9 of 3.0 s
+    # measured); a ratio, not a time, so a slow machine does not fail it.
+    # benchmarks/serve_health.py measures the latencies themselves.
+    assert max(answered_during) < 0.5 * big["seconds"], (answered_during, big)
 
 
 @pytest.mark.parametrize("shape, words", [
