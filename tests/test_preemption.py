@@ -1,6 +1,7 @@
 """Preemption with real signals on 2 ranks (gloo): SIGTERM to the launcher (Kubernetes)
 or SIGUSR1 to one rank only (SLURM's warning) stops both ranks after the same step with
-a checkpoint and exit status 75; --resume latest then continues bit for bit."""
+a checkpoint and exit status 75; --resume latest then continues bit for bit. The ranks
+check every 2 steps here, so the stop waits for a step that is a multiple of 2."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ STEPS = 12
 TOY = ["--model", "toyjob:make_model", "--model.loss", "torch.nn.functional:mse_loss",
        "--nproc", "2", "--batch-size", "16", "--data.num_workers", "0", "--log.every", "1",
        "--log.progress", "off", "--optim.warmup_steps", "2", "--checkpoint.every", "1000",
-       "--max-steps", str(STEPS)]
+       "--max-steps", str(STEPS), "--fault.preempt_check_every", "2"]
 SLOW = ["--data", "toyjob:make_slow_data", "--data.kwargs={delay = 0.01}"]
 
 
@@ -64,6 +65,7 @@ def _stopped_cleanly(code: int, err: str, run_dir: Path, name: str) -> int:
     assert f"stopped by {name}" in err and "--resume latest" in err, err
     steps = _train_steps(run_dir)
     assert steps == list(range(1, len(steps) + 1)) and len(steps) < STEPS
+    assert steps[-1] % 2 == 0  # the ranks agree at multiples of preempt_check_every
     checkpoints = sorted((run_dir / "checkpoints").glob("step-*.pt"))
     assert [p.name for p in checkpoints] == [f"step-{steps[-1]:07d}.pt"]
     return steps[-1]
@@ -77,7 +79,8 @@ def _resume_matches_an_uninterrupted_run(tmp_path: Path, run_dir: Path) -> None:
     assert resumed.returncode == 0, resumed.stderr
     assert _train_steps(run_dir) == list(range(1, STEPS + 1))  # no step twice
     straight = subprocess.run([sys.executable, "-m", "gpufleet", "train", *TOY,
-                               "--data", "toyjob:make_data", "--run-dir", str(tmp_path / "straight")], cwd=tmp_path,
+                               "--data", "toyjob:make_data",
+                               "--run-dir", str(tmp_path / "straight")], cwd=tmp_path,
                               env=_env(), capture_output=True, text=True, timeout=240)
     assert straight.returncode == 0, straight.stderr
     want = final_params(tmp_path / "straight")
