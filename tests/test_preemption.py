@@ -106,3 +106,19 @@ def test_sigusr1_to_one_rank_stops_both_after_the_same_step(tmp_path):
     step = _stopped_cleanly(*_finish(proc), run_dir, "SIGUSR1")
     state = torch.load(run_dir / "checkpoints" / f"step-{step:07d}.pt", weights_only=True)
     assert state["step"] == step and len(state["rng"]) == 2  # both ranks' states in it
+
+
+def test_ctrl_c_in_one_process_checkpoints_and_exits_130(tmp_path):
+    run_dir = tmp_path / "run"
+    i = TOY.index("--nproc")
+    args = TOY[:i] + TOY[i + 2:]  # one process, no launcher
+    proc = subprocess.Popen([sys.executable, "-m", "gpufleet", "train", *args, *SLOW,
+                             "--run-dir", str(run_dir)], cwd=tmp_path, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_step(proc, run_dir, 3)
+    proc.send_signal(signal.SIGINT)
+    code, err = _finish(proc)
+    assert code == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    steps = _train_steps(run_dir)
+    assert (run_dir / "checkpoints" / f"step-{steps[-1]:07d}.pt").exists()

@@ -164,3 +164,20 @@ def test_a_truncated_newest_checkpoint_without_checksum_falls_back(tiny_run, tmp
     assert ckpt.find_resume_checkpoint("latest", "", "", str(run)) == first
     with pytest.raises(CheckpointError, match="not a complete checkpoint"):
         ckpt.find_resume_checkpoint(str(newest), "", "")
+
+
+def test_a_sharded_checkpoint_of_format_1_is_refused_then_migrated(tmp_path):
+    from gpufleet.train import sharded
+
+    rng = {"python": (3, tuple(range(625)), None), "torch": torch.get_rng_state(),
+           "numpy": ("MT19937", np.arange(624, dtype=np.uint32), 0, 0, 0.0)}
+    path = sharded.save_sharded_checkpoint(tmp_path, 1, {"model": {"w": torch.ones(2)}},
+                                           {"step": 1, "rng": [rng]}, keep_last=2)
+    with pytest.raises(CheckpointError, match=f"gpufleet checkpoint migrate {path}"):
+        sharded.read_trainer_state(path)
+    proc = _gpufleet(tmp_path, "checkpoint", "migrate", str(path))
+    assert proc.returncode == 0 and "migrated" in proc.stdout, proc.stderr
+    sharded.verify_sharded(path)  # the manifest names the new trainer.pt
+    state = sharded.read_trainer_state(path)
+    assert state["rng"][0]["numpy"][1].tolist() == list(range(624))
+    assert torch.equal(sharded.read_full_model(path)["w"], torch.ones(2))
