@@ -185,6 +185,7 @@ def run_training(cfg: Config) -> Any:
     from gpufleet.config import Machine, resolve
     from gpufleet.launch import DistEnv, launch
     from gpufleet.procs import forget_process, record_process
+    from gpufleet.train import runlock
 
     env = DistEnv.detect()
     if env.is_distributed:  # torchrun, SLURM, horovodrun, mpirun or our launcher
@@ -217,8 +218,9 @@ def run_training(cfg: Config) -> Any:
                                                             launcher=launcher))
     if launcher == "none":
         return run_worker(config_to_dict(cfg))  # rank 0 locks the run directory
-    cfg, lock = _plan_and_lock(cfg, multi_node)
+    run_id_before, lock = os.environ.get(runlock.RUN_ID_ENV), None
     try:
+        cfg, lock = _plan_and_lock(cfg, multi_node)  # its run id goes to the ranks' env
         record_process(cfg.run.dir, "launcher")  # for `gpufleet cleanup RUN_DIR`
         results = launch(
             run_worker, (config_to_dict(cfg),), nproc=nproc, launcher=launcher,
@@ -232,6 +234,10 @@ def run_training(cfg: Config) -> Any:
     finally:
         if lock is not None:
             lock.release()
+        if run_id_before is None:  # this process may start other runs later
+            os.environ.pop(runlock.RUN_ID_ENV, None)
+        else:
+            os.environ[runlock.RUN_ID_ENV] = run_id_before
     # On a node without global rank 0, a rank of this node says how the run ended.
     return results.get(0) or next((r for r in results.values() if r is not None), None)
 
@@ -257,6 +263,7 @@ def _plan_and_lock(cfg: Config, multi_node: bool) -> tuple[Config, Any]:
         where = dist.rdzv_endpoint or f"{dist.master_addr}:{dist.master_port}"
         os.environ[runlock.RUN_ID_ENV] = f"{dist.rdzv_id or cfg.run.name}@{where}"
         return cfg, runlock.acquire(cfg.run.dir)
+    os.environ[runlock.RUN_ID_ENV] = runlock.run_id()  # the ranks share the lock
     cfg, resume_from, lock = plan_and_lock(cfg)  # one directory for every rank and restart
     try:
         if resume_from is not None:

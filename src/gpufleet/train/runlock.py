@@ -39,13 +39,15 @@ class RunDirInUse(ConfigError):
     """Another run holds the run directory."""
 
 
+_OWN_RUN_ID = uuid.uuid4().hex  # a process started alone is a run of its own
+
+
 def run_id() -> str:
-    """This process's run id: the launcher's (inherited), torchrun's, or a new one that
-    later processes of this run (its ranks) inherit."""
-    found = os.environ.get(RUN_ID_ENV) or os.environ.get("TORCHELASTIC_RUN_ID")
-    if not found:
-        found = os.environ[RUN_ID_ENV] = uuid.uuid4().hex
-    return found
+    """This process's run id: the launcher's (inherited), torchrun's, or its own. The
+    launcher puts its id in the environment of the ranks it starts (not of itself for
+    longer than the launch: later runs of the same Python process are other runs)."""
+    return (os.environ.get(RUN_ID_ENV) or os.environ.get("TORCHELASTIC_RUN_ID")
+            or _OWN_RUN_ID)
 
 
 @dataclass
