@@ -181,3 +181,25 @@ def test_a_sharded_checkpoint_of_format_1_is_refused_then_migrated(tmp_path):
     state = sharded.read_trainer_state(path)
     assert state["rng"][0]["numpy"][1].tolist() == list(range(624))
     assert torch.equal(sharded.read_full_model(path)["w"], torch.ones(2))
+
+
+def test_a_sharded_checkpoint_whose_dcp_metadata_calls_code_is_refused(tmp_path):
+    import pickle
+
+    from gpufleet.train import sharded
+
+    path = sharded.save_sharded_checkpoint(tmp_path, 1, {"model": {"w": torch.ones(2)}},
+                                           {"step": 1}, keep_last=2)
+    marker = tmp_path / "code-ran"
+    (path / ".metadata").write_bytes(pickle.dumps(_Trap(marker)))
+    lines = (path / ckpt.MANIFEST).read_text().splitlines()  # a matching manifest too
+    digest = hashlib.sha256((path / ".metadata").read_bytes()).hexdigest()
+    (path / ckpt.MANIFEST).write_text("\n".join(
+        f"{digest}  .metadata" if line.endswith(" .metadata") else line
+        for line in lines) + "\n")
+    sharded.verify_sharded(path)
+    for load in (sharded.read_trainer_state, sharded.read_full_model, ckpt.check_loadable,
+                 ckpt.load_checkpoint):
+        with pytest.raises(CheckpointError, match=r"\.metadata asks for posix\.system"):
+            load(path)
+    assert not marker.exists()

@@ -278,6 +278,9 @@ def check_loadable(path: str | Path) -> None:
     read: a check of the structure costs little even for a large file."""
     path = Path(path)
     if path.is_dir():
+        from gpufleet.train.sharded import check_metadata
+
+        check_metadata(path)
         path, shown = path / TRAINER_STATE, path
     else:
         shown = path
