@@ -16,7 +16,8 @@ def _env(extra: dict | None = None) -> dict:
     env["PYTHONUNBUFFERED"] = "1"
     env["OMP_NUM_THREADS"] = "1"  # several ranks share 2 cores
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-              "SLURM_PROCID", "SLURM_NTASKS", "TORCHELASTIC_RESTART_COUNT"):
+              "SLURM_PROCID", "SLURM_NTASKS", "TORCHELASTIC_RESTART_COUNT",
+              "GPUFLEET_RUN_ID"):
         env.pop(k, None)
     for k in [k for k in env if k.startswith(("HOROVOD_", "OMPI_COMM_WORLD_", "PMI_"))]:
         env.pop(k)  # a test started inside horovodrun or mpirun is not one of its ranks
@@ -45,7 +46,7 @@ def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
     """The model weights in a run's newest checkpoint."""
     ckpts = sorted((Path(run_dir) / "checkpoints").glob("step-*.pt"))
     assert ckpts, f"no checkpoint in {run_dir}"
-    return torch.load(ckpts[-1], map_location="cpu", weights_only=False)["model"]
+    return torch.load(ckpts[-1], map_location="cpu", weights_only=True)["model"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -30,7 +30,7 @@ def test_compile_compiles_in_place_and_matches_eager(tmp_path):
     assert compiled_model._compiled_call_impl is not None  # forward goes through dynamo
     assert eager_model._compiled_call_impl is None
     # Same state-dict names as the eager model: checkpoints load either way.
-    saved = torch.load(compiled.checkpoint, weights_only=False)["model"]
+    saved = torch.load(compiled.checkpoint, weights_only=True)["model"]
     assert saved.keys() == eager_model.state_dict().keys()
     for (_, a), (_, b) in zip(eager.losses, compiled.losses):
         assert a == pytest.approx(b, rel=1e-4)

@@ -36,7 +36,7 @@ def test_loss_falls_and_run_dir_is_written(tmp_path):
     lines = [json.loads(x) for x in open(f"{result.run_dir}/metrics.jsonl")]
     assert [x["step"] for x in lines if x["kind"] == "train"] == list(range(1, 41))
     assert (tmp_path / result.run_dir.split("/")[-1] / "config.toml").exists()
-    state = torch.load(result.checkpoint, weights_only=False)
+    state = torch.load(result.checkpoint, weights_only=True)
     assert state["step"] == 40
     assert not any(k.startswith("module.") for k in state["model"])
 
@@ -120,7 +120,7 @@ def test_a_run_directory_with_checkpoints_is_never_trained_over(tmp_path):
     _, first = _fit(tmp_path, {"run.dir": str(tmp_path / "run")})
     with pytest.raises(gpufleet.ConfigError, match=r"already holds checkpoints.*--resume latest"):
         _fit(tmp_path, {"run.dir": str(tmp_path / "run")})
-    assert torch.load(first.checkpoint, weights_only=False)["step"] == 8  # untouched
+    assert torch.load(first.checkpoint, weights_only=True)["step"] == 8  # untouched
 
 
 def test_resume_latest_only_picks_runs_of_that_name(tmp_path):

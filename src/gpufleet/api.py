@@ -14,6 +14,7 @@ Under ``torchrun`` (or ``gpufleet.launch``) the same call trains on every rank.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -80,9 +81,37 @@ def run_worker(cfg_dict: dict[str, Any]) -> FitResult:
     cfg = config_from_dict(cfg_dict)
     setup_logging(cfg.log.level, DistEnv.detect())
     try:
-        return train(cfg)
+        result = train(cfg)
     finally:
         destroy_process_group()
+    if result.preempted and "TORCHELASTIC_RUN_ID" in os.environ:
+        _exit_unless_collected(result.preempted)
+    return result
+
+
+# Seconds a preempted rank waits for torch's elastic agent to collect its result.
+COLLECT_GRACE_S = 5.0
+
+
+def _exit_unless_collected(signal_name: str) -> None:
+    """A rank of torch's elastic agent that stopped on a signal hands back its result and
+    waits for the agent to read it. An agent that got the signal itself is shutting down
+    and never reads it: the rank would sit there until the agent kills it 30 s later. So
+    a daemon thread ends the process with the requeue status after a grace period
+    (the checkpoint is written already); when the agent does read, the process ends
+    first and the thread with it."""
+    import signal
+    import threading
+
+    from gpufleet.fault.preempt import exit_status
+
+    def leave() -> None:
+        logging.shutdown()  # flush the log lines first: os._exit skips that
+        os._exit(exit_status(getattr(signal, signal_name)))
+
+    timer = threading.Timer(COLLECT_GRACE_S, leave)
+    timer.daemon = True
+    timer.start()
 
 
 def setup_logging(level: str, env: Any) -> None:

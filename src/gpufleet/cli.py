@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import os
+import signal
 import sys
 import textwrap
 from collections.abc import Sequence
 from typing import Any
 
 from gpufleet.config import Config, config_to_dict, help_rows, load_config, parse_override
-from gpufleet.errors import ConfigError, GpufleetError, LaunchError, unknown_choice
+from gpufleet.errors import ConfigError, GpufleetError, LaunchError, RunStopped, unknown_choice
+from gpufleet.fault.preempt import INTERRUPT_EXIT, exit_status
 
 # Short flags for the options people type most; every config key also works as
 # --section.key=value (see `gpufleet train --help`).
@@ -51,6 +54,7 @@ COMMANDS: dict[str, str] = {
     "export": "gpufleet.serve.export_cli",
     "doctor": "gpufleet.doctor.cli",
     "cleanup": "gpufleet.procs",
+    "checkpoint": "gpufleet.train.migrate",
     "tokens": "gpufleet.hf.cli",
     "report": "gpufleet.monitor.report_cli",
     "top": "gpufleet.monitor.top",
@@ -70,6 +74,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in COMMANDS and not rest:
             return importlib.import_module(COMMANDS[args.command]).run(args)
         parser.error(f"unrecognised arguments: {' '.join(rest)}")
+    except RunStopped as e:
+        print(f"gpufleet: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save
+        print("gpufleet: interrupted (Ctrl-C) before training started", file=sys.stderr)
+        return INTERRUPT_EXIT
     except LaunchError as e:
         print(f"gpufleet: error: {e}", file=sys.stderr)
         return 1
@@ -152,7 +162,21 @@ def _cmd_train(args: argparse.Namespace, rest: Sequence[str]) -> int:
     result = run_training(cfg)
     if result is not None:
         _print_summary(result)
+        if result.preempted:
+            raise RunStopped(_stopped(result.preempted, result.run_dir),
+                             exit_status(getattr(signal, result.preempted)))
     return 0
+
+
+def _stopped(signal_name: str, run_dir: str) -> str:
+    """What a run stopped by a signal says: where it can continue from, and how."""
+    from gpufleet.train.checkpoint import list_checkpoints
+
+    found = list_checkpoints(run_dir)
+    newest = f"the newest checkpoint is {found[-1]}" if found else "no checkpoint was written"
+    return (f"stopped by {signal_name} after finishing the current step; {newest}. "
+            f"Continue with the same command plus --resume latest (or --run-dir {run_dir} "
+            "--resume latest).")
 
 
 def run_training(cfg: Config) -> Any:
@@ -161,12 +185,14 @@ def run_training(cfg: Config) -> Any:
     from gpufleet.config import Machine, resolve
     from gpufleet.launch import DistEnv, launch
     from gpufleet.procs import forget_process, record_process
-    from gpufleet.train.checkpoint import mark_verified
-    from gpufleet.train.rundir import plan_run
+    from gpufleet.train import runlock
 
     env = DistEnv.detect()
     if env.is_distributed:  # torchrun, SLURM, horovodrun, mpirun or our launcher
         result = run_worker(config_to_dict(cfg))
+        if result.preempted and not env.is_main:  # every rank exits "requeue"
+            raise RunStopped(f"rank {env.rank} stopped by {result.preempted}.",
+                             exit_status(getattr(signal, result.preempted)))
         return result if env.is_main else None  # one summary per job, from rank 0
     dist = cfg.dist
     if cfg.parallel.strategy == "horovod" and dist.nproc > 1:
@@ -191,7 +217,38 @@ def run_training(cfg: Config) -> Any:
     cfg = dataclasses.replace(cfg, dist=dataclasses.replace(dist, nproc=nproc,
                                                             launcher=launcher))
     if launcher == "none":
-        return run_worker(config_to_dict(cfg))
+        return run_worker(config_to_dict(cfg))  # rank 0 locks the run directory
+    run_id_before, lock = os.environ.get(runlock.RUN_ID_ENV), None
+    try:
+        cfg, lock = _plan_and_lock(cfg, multi_node)  # its run id goes to the ranks' env
+        record_process(cfg.run.dir, "launcher")  # for `gpufleet cleanup RUN_DIR`
+        results = launch(
+            run_worker, (config_to_dict(cfg),), nproc=nproc, launcher=launcher,
+            nnodes=dist.nnodes, node_rank=dist.node_rank, master_addr=dist.master_addr,
+            master_port=dist.master_port, rdzv_endpoint=dist.rdzv_endpoint,
+            rdzv_backend=dist.rdzv_backend, rdzv_id=dist.rdzv_id or cfg.run.name,
+            max_restarts=dist.max_restarts)
+        forget_process(cfg.run.dir)
+    except RunStopped as e:  # the agent got the signal: the ranks' results are lost
+        raise RunStopped(_stopped(e.signal, cfg.run.dir), e.exit_code, e.signal) from None
+    finally:
+        if lock is not None:
+            lock.release()
+        if run_id_before is None:  # this process may start other runs later
+            os.environ.pop(runlock.RUN_ID_ENV, None)
+        else:
+            os.environ[runlock.RUN_ID_ENV] = run_id_before
+    # On a node without global rank 0, a rank of this node says how the run ended.
+    return results.get(0) or next((r for r in results.values() if r is not None), None)
+
+
+def _plan_and_lock(cfg: Config, multi_node: bool) -> tuple[Config, Any]:
+    """The launcher's run directory, locked for this run (see gpufleet.train.runlock)."""
+    from gpufleet.train import runlock
+    from gpufleet.train.checkpoint import check_loadable, mark_verified
+    from gpufleet.train.rundir import plan_and_lock
+
+    dist = cfg.dist
     if multi_node:
         # Every node must agree on the run directory without talking to each other.
         if not cfg.run.dir:
@@ -202,19 +259,22 @@ def run_training(cfg: Config) -> Any:
                     "--run-dir PATH, on a file system all nodes share.")
             run_dir = f"{cfg.run.out_dir}/{cfg.run.name}-{dist.rdzv_id}"
             cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir))
-    else:
-        cfg, resume_from = plan_run(cfg)  # one directory for every rank and restart
-        if resume_from is not None and resume_from.is_file():
-            mark_verified(resume_from)  # checked just now: rank 0 need not hash it again
-    record_process(cfg.run.dir, "launcher")  # for `gpufleet cleanup RUN_DIR`
-    results = launch(
-        run_worker, (config_to_dict(cfg),), nproc=nproc, launcher=launcher,
-        nnodes=dist.nnodes, node_rank=dist.node_rank, master_addr=dist.master_addr,
-        master_port=dist.master_port, rdzv_endpoint=dist.rdzv_endpoint,
-        rdzv_backend=dist.rdzv_backend, rdzv_id=dist.rdzv_id or cfg.run.name,
-        max_restarts=dist.max_restarts)
-    forget_process(cfg.run.dir)
-    return results.get(0)
+        # Every node of this run shares the lock: they agree on the rendezvous.
+        where = dist.rdzv_endpoint or f"{dist.master_addr}:{dist.master_port}"
+        os.environ[runlock.RUN_ID_ENV] = f"{dist.rdzv_id or cfg.run.name}@{where}"
+        return cfg, runlock.acquire(cfg.run.dir)
+    os.environ[runlock.RUN_ID_ENV] = runlock.run_id()  # the ranks share the lock
+    cfg, resume_from, lock = plan_and_lock(cfg)  # one directory for every rank and restart
+    try:
+        if resume_from is not None:
+            check_loadable(resume_from)  # refused here, once, not in a traceback per rank
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    if resume_from is not None and resume_from.is_file():
+        mark_verified(resume_from)  # checked just now: rank 0 need not hash it again
+    return cfg, lock
 
 
 def _visible_gpus(cfg: Config) -> int:

@@ -29,6 +29,16 @@ class TrainingStopped(GpufleetError, RuntimeError):
     """Training cannot go on (e.g. the loss stayed non-finite for too many steps)."""
 
 
+class RunStopped(GpufleetError):
+    """A run stopped early on a signal (preemption, Ctrl-C); ``exit_code`` is the status
+    the process should end with (see :mod:`gpufleet.fault.preempt`), ``signal`` the
+    signal's name."""
+
+    def __init__(self, message: str, exit_code: int, signal: str = "") -> None:
+        super().__init__(message)
+        self.exit_code, self.signal = exit_code, signal
+
+
 class JsonlError(GpufleetError, ValueError):
     """A JSON Lines file, or its index, that cannot be read as asked."""
 

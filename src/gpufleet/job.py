@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 BUILTIN_MODELS = ("gpt",)
 BUILTIN_DATA = ("stdlib",)
+# Config keys whose value may be an import string that is imported and called.
+FACTORY_KEYS = ("model.name", "data.name", "model.loss")
 
 
 @dataclass
@@ -58,6 +60,47 @@ def import_object(spec: str, key: str) -> Any:
 
         raise ConfigError(unknown_choice(f"{key} = {spec!r}: module {module_name!r} has no "
                                          f"{attr!r}; name", attr, names[:20])) from None
+
+
+def require_trusted(cfg: Config, trust_code: bool, source: str) -> None:
+    """Refuse a received config (``source``, e.g. a run directory) that names code to
+    import and call, unless the user passed ``--trust-code``.
+
+    Built-in names (``gpt``, ``stdlib``) and functions defined in gpufleet's own modules
+    need no flag; any other ``package.module:function`` would run code the config's
+    sender chose (``model.name = "os:system"`` runs a shell command).
+
+    Raises:
+        ConfigError: the config names such a factory and ``trust_code`` is False.
+    """
+    if trust_code:
+        return
+    foreign = [f"{key} = {value!r}" for key, value in _factories(cfg)
+               if not _is_own_function(value)]
+    if foreign:
+        raise ConfigError(
+            f"{source!r} names code to import and run: {', '.join(foreign)}. gpufleet does "
+            "not run code named in a received config unless you say so. If you trust "
+            "where this run directory came from, pass --trust-code (as with "
+            "Transformers' trust_remote_code); otherwise do not use it.")
+
+
+def _factories(cfg: Config) -> list[tuple[str, str]]:
+    values = (cfg.model.name, cfg.data.name, cfg.model.loss)
+    return [(k, v) for k, v in zip(FACTORY_KEYS, values, strict=True) if v and ":" in v]
+
+
+def _is_own_function(spec: str) -> bool:
+    """A function defined in a gpufleet module (not a name one of them imported, such as
+    ``os`` or ``subprocess.run``): importing gpufleet's own modules runs no foreign code."""
+    module_name = spec.partition(":")[0]
+    if module_name != "gpufleet" and not module_name.startswith("gpufleet."):
+        return False
+    try:
+        obj = import_object(spec, "factory")
+    except ConfigError:
+        return False
+    return getattr(obj, "__module__", "").startswith("gpufleet") and callable(obj)
 
 
 def build_job(cfg: Config) -> Job:

@@ -135,6 +135,9 @@ def list_records(run_dir: str | os.PathLike[str]) -> list[ProcRecord]:
     for path in sorted((Path(run_dir) / RECORDS_DIR).glob("*.json")):
         try:
             data = json.loads(path.read_text())
+            if not isinstance(data["pid"], int) or data["pid"] <= 0:
+                # kill(-1) would signal every process we may signal: never act on it.
+                raise ValueError(f"pid {data['pid']!r} is not a process id")
             records.append(ProcRecord(
                 pid=int(data["pid"]), role=str(data["role"]), rank=data.get("rank"),
                 host=str(data["host"]), create_time=float(data["create_time"]),

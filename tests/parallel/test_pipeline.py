@@ -108,9 +108,9 @@ def test_gpipe_and_1f1b_on_two_ranks_equal_single(run_cli, tmp_path):
         assert len(_losses(run, "eval")) == 2  # steps 3 and 6
         assert "bubble share 20.0%" in proc.stderr
         ckpt = torch.load(sorted((run / "checkpoints").glob("step-*.pt"))[-1],
-                          weights_only=False)
+                          weights_only=True)
         ref = torch.load(sorted((single / "checkpoints").glob("step-*.pt"))[-1],
-                         weights_only=False)
+                         weights_only=True)
         # The gathered optimizer state is laid out exactly as a single process's.
         assert ckpt["optimizer"]["param_groups"] == ref["optimizer"]["param_groups"]
         for i, s in ref["optimizer"]["state"].items():

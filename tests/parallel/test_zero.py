@@ -37,7 +37,7 @@ def test_zero1_equals_single_and_resumes_as_if_uninterrupted(run_cli, tmp_path):
     # The step-6 checkpoint holds every rank's part of the AdamW state, in torch.optim's
     # form: a plain optimizer of the same model loads it.
     step6 = straight / "checkpoints" / "step-0000006.pt"
-    state = torch.load(step6, weights_only=False)
+    state = torch.load(step6, weights_only=True)
     import toyjob
 
     model = toyjob.make_model()

@@ -9,6 +9,7 @@ depend on the machine (``dp`` without CUDA, say).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,11 @@ class Section:
             choices = f.metadata.get("choices")
             if choices and value not in choices:
                 raise ConfigError(unknown_choice(f"{section}.{f.name}", value, choices))
+            if isinstance(value, float) and not math.isfinite(value):
+                # NaN passes every bound (each comparison is False): catch it by name.
+                raise ConfigError(
+                    f"{section}.{f.name} = {value!r} is not a finite number. Set "
+                    f"{section}.{f.name} to a number such as {f.default!r}.")
             low = f.metadata.get("min")
             if low is not None and value < low:
                 raise ConfigError(
@@ -258,6 +264,11 @@ class FaultConfig(Section):
                              "seconds (the only limit until a few steps are timed).",
                              min=0.1)
     watchdog_poll_s: float = opt(1.0, "Seconds between the watchdog's checks.", min=0.05)
+    preempt_check_every: int = opt(10, "On SIGTERM/SIGUSR1/SIGINT the ranks stop together "
+                                   "at the next multiple of this many steps, write a "
+                                   "checkpoint and exit 75 (requeue; 130 for Ctrl-C). Each "
+                                   "check is a one-int CPU all-reduce (about 1 ms on a busy "
+                                   "2-core host); 0: signals are not caught.", min=0)
 
 
 @dataclass

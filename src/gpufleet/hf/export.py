@@ -84,33 +84,19 @@ def _base_folder(model_name: str, kwargs: dict[str, Any]) -> str:
 
 
 def _model_state(checkpoint: Path) -> dict[str, Any]:
-    """The model's state dict from a checkpoint, read without running anything in it."""
-    import torch
+    """The model's state dict from a checkpoint, read without running anything in it
+    (gpufleet's one safe loader: ``weights_only=True``; an old-format file gets the
+    migration command)."""
+    from gpufleet.train.checkpoint import CheckpointError, load_checkpoint
 
-    if checkpoint.is_dir():  # sharded (fsdp): the gathered model
-        from gpufleet.train.sharded import read_full_model
-
-        return read_full_model(checkpoint)
     try:
-        with torch.serialization.safe_globals(_numpy_globals()):  # the saved RNG states
-            state = torch.load(checkpoint, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ConfigError(f"cannot read the weights in {checkpoint} ({type(e).__name__}: "
-                          f"{e}). Export a checkpoint written by `gpufleet train`.") from e
-    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        state = load_checkpoint(checkpoint, verify=False)  # newest_intact verified it
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    if not isinstance(state.get("model"), dict):
         raise ConfigError(f"{checkpoint} holds no model state dict; it is not a gpufleet "
                           "checkpoint.")
     return state["model"]
-
-
-def _numpy_globals() -> list[Any]:
-    """What a numpy array (numpy's RNG state in a checkpoint) needs to unpickle: array
-    reconstruction and dtypes, none of which runs code."""
-    import numpy as np
-
-    multiarray = getattr(np, "_core", None) or np.core
-    return [multiarray.multiarray._reconstruct, np.ndarray, np.dtype,
-            *{type(np.dtype(t)) for t in (np.uint32, np.float64, np.int64)}]
 
 
 def _build(cls: Any, base: Path, kwargs: dict[str, Any], state: dict[str, Any]) -> Any:

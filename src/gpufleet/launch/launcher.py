@@ -24,12 +24,19 @@ from typing import Any
 
 import torch.multiprocessing as mp
 from torch.distributed import DistError
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from gpufleet.errors import LaunchError, unknown_choice
+from gpufleet.errors import LaunchError, RunStopped, unknown_choice
+from gpufleet.fault.preempt import (
+    AGENT_SIGNALS,
+    INTERRUPT_EXIT,
+    REQUEUE_EXIT,
+    exit_status,
+    signal_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -206,15 +213,27 @@ def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: Launc
     )
     logger.info("launching %d rank(s) with torch's elastic agent (%s rendezvous at %s, "
                 "max_restarts=%d)", nproc, plan.mode, plan.rdzv_endpoint, max_restarts)
+    # The agent forwards these to every rank and waits for them to checkpoint and end.
+    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", AGENT_SIGNALS)
     try:
         with _fresh_store_per_restart(plan.rdzv_backend):
             # The agent wraps fn in torch's @record in each rank, so a rank's exception
             # lands in its error file; results come back through a queue per rank.
             results = elastic_launch(config, fn)(*args)
     except ChildFailedError as err:
+        codes = {f.exitcode for f in err.failures.values()}
+        if codes <= {REQUEUE_EXIT, INTERRUPT_EXIT}:  # the ranks got the signal, not the agent
+            name = "SIGINT" if codes == {INTERRUPT_EXIT} else "SIGTERM or SIGUSR1"
+            raise RunStopped(f"stopped by {name}: the ranks finished their step and wrote a "
+                             "checkpoint.", max(codes), name) from None
         where = (f"Rank logs (stdout.log, stderr.log) and error files are under {log_dir}."
                  if log_dir else f"Error files are under {logs.root_log_dir}.")
         raise LaunchError(_describe_failures(err, max_restarts, where)) from err
+    except SignalException as err:  # the agent got it, passed it on, the ranks ended
+        name = signal_name(err.sigval)
+        raise RunStopped(f"stopped by {name}: the agent passed it to the ranks, which "
+                         "finished their step and wrote a checkpoint.",
+                         exit_status(err.sigval), name) from None
     except (RendezvousError, DistError) as err:
         raise LaunchError(
             f"The agents did not meet ({plan.mode} rendezvous at {plan.rdzv_endpoint}, "

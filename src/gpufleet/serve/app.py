@@ -10,23 +10,31 @@ Endpoints (``{model}`` path segments may carry ``/versions/{version}``):
 - ``POST /v2/models/{name}/infer``: inference, JSON or with binary tensor data;
 - ``GET /metrics``: Prometheus text.
 
-The event loop only parses and encodes; each model runs in its batcher's thread. Every
-error a client can cause is a 4xx with ``{"error": "..."}``.
+The event loop stays free for health and metadata requests: each model runs in its
+batcher's thread, and a large body (over ``PARSE_INLINE_BYTES``) is parsed into arrays in
+a separate process (JSON parsing holds the GIL, so a thread would not help). The bytes of
+the requests in flight are capped (``max_inflight_bytes``): past the cap a request gets
+503 with a Retry-After instead of growing the server's memory. Every error a client can
+cause is a 4xx with ``{"error": "..."}``; a client that disconnects mid-request is one
+log line.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import multiprocessing as mp
 import time
 import zlib
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import numpy as np
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
@@ -46,6 +54,7 @@ from gpufleet.serve.protocol import (
 log = logging.getLogger(__name__)
 
 EXTENSIONS = ["binary_tensor_data", "model_repository"]
+PARSE_INLINE_BYTES = 256 * 1024  # larger bodies are parsed in another process
 
 
 @dataclass
@@ -55,9 +64,12 @@ class ServeOptions:
     max_batch_size: int = 8  # most rows per model call; 1 turns batching off
     max_queue_delay_us: int = 1000  # longest the oldest request waits for others to join
     max_body_bytes: int = 64 * 2**20  # larger request bodies get 413
+    max_inflight_bytes: int = 256 * 2**20  # bytes of all requests being handled; past: 503
+    parse_workers: int = 2  # processes that parse large bodies
 
     def __post_init__(self) -> None:
-        for key in ("max_batch_size", "max_body_bytes"):
+        for key in ("max_batch_size", "max_body_bytes", "max_inflight_bytes",
+                    "parse_workers"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} = {getattr(self, key)}: must be 1 or more.")
         if self.max_queue_delay_us < 0:
@@ -76,6 +88,8 @@ class _Server:
         self.options = options
         self.metrics = ServerMetrics()
         self.batchers: dict[str, DynamicBatcher] = {}
+        self.inflight = InflightBytes(options.max_inflight_bytes)
+        self._parser: ProcessPoolExecutor | None = None  # started by the first large body
 
     def start(self) -> None:
         for name, m in self.models.items():
@@ -87,6 +101,20 @@ class _Server:
         for batcher in self.batchers.values():
             batcher.close()
         self.batchers.clear()
+        if self._parser is not None:
+            self._parser.shutdown(cancel_futures=True)
+            self._parser = None
+
+    async def parse(self, body: bytes, header_length: str | None) -> InferRequest:
+        """Parse a request body; a large one in the parse processes, off the event loop."""
+        if len(body) <= PARSE_INLINE_BYTES:
+            return parse_infer_request(body, header_length)
+        if self._parser is None:
+            self._parser = ProcessPoolExecutor(self.options.parse_workers,
+                                               mp_context=mp.get_context("spawn"))
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._parser, parse_infer_request, body,
+                                          header_length)
 
     def model(self, request: Request) -> ServedModel:
         name = request.path_params["name"]
@@ -146,9 +174,22 @@ class _Server:
         start = time.perf_counter()
         m = self.model(request)
         self.metrics.requests.inc(m.name)
+        held = self.inflight.holder()
         try:
-            body = await self._read_body(request)
-            req = parse_infer_request(body, request.headers.get(HEADER_LENGTH))
+            return await self._infer(request, m, start, held)
+        except ClientDisconnect:
+            log.info("client %s disconnected before its request to %r was complete",
+                     request.client.host if request.client else "?", m.name)
+            self.metrics.failures.inc(m.name, "request")
+            return Response(status_code=400)  # nobody reads it
+        finally:
+            held.release()
+
+    async def _infer(self, request: Request, m: ServedModel, start: float,
+                     held: InflightBytes.Holder) -> Response:
+        try:
+            body = await self._read_body(request, held)
+            req = await self.parse(body, request.headers.get(HEADER_LENGTH))
             inputs = check_inputs(m, req, self.options.max_batch_size)
             wanted = _wanted_outputs(m, req)
         except ProtocolError:
@@ -172,13 +213,15 @@ class _Server:
         return Response(payload, media_type="application/octet-stream",
                         headers={HEADER_LENGTH: str(header_length)})
 
-    async def _read_body(self, request: Request) -> bytes:
+    async def _read_body(self, request: Request, held: InflightBytes.Holder) -> bytes:
         limit = self.options.max_body_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise ProtocolError(f"the request body has {int(declared)} bytes, more than the "
                                 f"server's limit of {limit}. Send smaller batches, or start "
                                 "the server with a larger --max-body-bytes.", status=413)
+        if declared.isdigit():
+            held.hold(int(declared))  # reserved before any byte is read
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
@@ -186,8 +229,46 @@ class _Server:
                 raise ProtocolError(f"the request body exceeds the server's limit of {limit} "
                                     "bytes. Send smaller batches, or start the server with a "
                                     "larger --max-body-bytes.", status=413)
+            held.hold(size)
             chunks.append(chunk)
-        return _decompress(b"".join(chunks), request.headers.get("content-encoding"), limit)
+        body = _decompress(b"".join(chunks), request.headers.get("content-encoding"), limit)
+        if len(body) != size:  # decompressed: both are in memory until this returns
+            held.hold(len(body) + size)
+        return body
+
+
+class InflightBytes:
+    """The bytes of the request bodies being handled, against a limit (one event loop:
+    no lock needed). Past the limit a request gets 503 and is not read."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+
+    def holder(self) -> InflightBytes.Holder:
+        return InflightBytes.Holder(self)
+
+    class Holder:
+        """What one request holds; :meth:`hold` raises it to ``n`` bytes in all."""
+
+        def __init__(self, pool: InflightBytes) -> None:
+            self.pool, self.held = pool, 0
+
+        def hold(self, n: int) -> None:
+            extra = n - self.held
+            if extra <= 0:
+                return
+            if self.pool.used + extra > self.pool.limit:
+                raise ProtocolError(
+                    f"the server is busy: {self.pool.used:,} bytes of requests are in flight "
+                    f"and this one needs {n:,} more than the limit of {self.pool.limit:,} "
+                    "allows (--max-inflight-bytes). Retry shortly, or send smaller requests.",
+                    status=503)
+            self.pool.used += extra
+            self.held = n
+
+        def release(self) -> None:
+            self.pool.used -= self.held
+            self.held = 0
 
 
 def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
@@ -297,7 +378,10 @@ def create_app(models: Sequence[ServedModel], options: ServeOptions | None = Non
 
     async def protocol_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ProtocolError)
-        return _error(str(exc), exc.status)
+        response = _error(str(exc), exc.status)
+        if exc.status == 503:
+            response.headers["Retry-After"] = "1"
+        return response
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

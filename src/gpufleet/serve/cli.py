@@ -53,9 +53,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_batching_args(p, default_batch=8, default_delay=1000)
     p.add_argument("--max-body-bytes", type=int, default=64 * 2**20, metavar="N",
                    help="larger request bodies get 413 (default 64 MiB)")
+    p.add_argument("--max-inflight-bytes", type=int, default=256 * 2**20, metavar="N",
+                   help="bytes of all requests being handled at once; past it requests get "
+                        "503 with Retry-After (default 256 MiB)")
     p.add_argument("--model-name", metavar="NAME", help="name clients use (default: the "
                    "run's name, or the file/factory name)")
     add_input_arg(p)
+    add_trust_code_arg(p)
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
 
@@ -68,6 +72,13 @@ def add_batching_args(p: argparse.ArgumentParser, default_batch: int,
     p.add_argument("--max-queue-delay-us", type=int, default=default_delay, metavar="US",
                    help="longest the oldest queued request waits for others to join, in "
                         f"microseconds (default {default_delay})")
+
+
+def add_trust_code_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trust-code", action="store_true",
+                   help="import and call the model/data factory a run directory's "
+                        "config.toml names (not needed for the built-in gpt model). Only for "
+                        "run directories you trust: the factory runs as you")
 
 
 def add_input_arg(p: argparse.ArgumentParser) -> None:
@@ -87,11 +98,14 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         options = ServeOptions(args.max_batch_size, args.max_queue_delay_us,
-                               args.max_body_bytes)
+                               args.max_body_bytes, args.max_inflight_bytes)
     except ValueError as e:
         raise ConfigError(f"{e} Fix the --max-* option.") from None
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port} is not a TCP port. Pick one from 1 to 65535 "
+                          "(0: any free port).")
     model = load_model(args.model, name=args.model_name, inputs=args.input,
-                       device=args.device)
+                       device=args.device, trust_code=args.trust_code)
     try:
         sock = bind(args.host, args.port)
     except OSError as e:

@@ -189,11 +189,13 @@ def _dims(tensor: Any) -> tuple[int, ...]:
     return tuple(tensor.dims)
 
 
-def load_for_export(source: str, name: str | None = None) -> ServedModel:
-    """The model behind ``gpufleet export triton SOURCE`` (same sources as serve), on CPU."""
+def load_for_export(source: str, name: str | None = None,
+                    trust_code: bool = False) -> ServedModel:
+    """The model behind ``gpufleet export triton SOURCE`` (same sources as serve), on CPU;
+    ``trust_code`` as for :func:`~gpufleet.serve.model.load_model`."""
     from gpufleet.serve.model import load_model
 
-    model = load_model(source, name=name, device="cpu")
+    model = load_model(source, name=name, device="cpu", trust_code=trust_code)
     if model.module is None or not model.example:
         raise ConfigError(f"{source!r} is not a torch model with a known example input.")
     return model

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from gpufleet.serve.cli import add_batching_args, add_input_arg
+from gpufleet.serve.cli import add_batching_args, add_input_arg, add_trust_code_arg
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,6 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--model-name", metavar="NAME", help="model name (default: the run's name)")
     add_batching_args(t, default_batch=8, default_delay=100)
     add_input_arg(t)
+    add_trust_code_arg(t)
     h = formats.add_parser(
         "hf", help="a Transformers save_pretrained folder (weights + tokenizer)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -70,9 +71,10 @@ def run(args: argparse.Namespace) -> int:
                           f"{args.max_queue_delay_us}: the batch size must be >= 1 and the "
                           "delay >= 0.")
     if args.input:
-        model = load_model(args.source, name=args.model_name, inputs=args.input, device="cpu")
+        model = load_model(args.source, name=args.model_name, inputs=args.input, device="cpu",
+                           trust_code=args.trust_code)
     else:
-        model = load_for_export(args.source, name=args.model_name)
+        model = load_for_export(args.source, name=args.model_name, trust_code=args.trust_code)
     folder = export_triton(model, args.out_dir, args.max_batch_size, args.max_queue_delay_us)
     print(f"wrote Triton model {model.name!r} to {folder} "
           f"(config.pbtxt, 1/model.pt); serve it with "

@@ -87,8 +87,12 @@ def parse_input_spec(text: str) -> TensorSpec:
 
 
 def load_model(source: str, *, name: str | None = None, inputs: Sequence[str] = (),
-               device: str = "auto") -> ServedModel:
+               device: str = "auto", trust_code: bool = False) -> ServedModel:
     """Load what ``gpufleet serve SOURCE`` serves (see the module docstring).
+
+    A run directory's checkpoint loads as tensors and plain data only; a factory its
+    ``config.toml`` names (other than gpufleet's own) is refused unless ``trust_code``
+    (``--trust-code``): the directory may come from someone else.
 
     Example:
         >>> model = load_model("runs/gpt-stdlib-20260101-120000")  # doctest: +SKIP
@@ -99,7 +103,7 @@ def load_model(source: str, *, name: str | None = None, inputs: Sequence[str] = 
     path = Path(source)
     dev = _device(device)
     if (path / "config.toml").is_file():
-        model = _load_run(path, specs, dev)
+        model = _load_run(path, specs, dev, trust_code)
     elif (path / "config.pbtxt").is_file():
         from gpufleet.serve.export import load_triton_model_dir
 
@@ -157,12 +161,14 @@ def _device(device: str) -> str:
     return device
 
 
-def _load_run(run_dir: Path, specs: list[TensorSpec], device: str) -> ServedModel:
+def _load_run(run_dir: Path, specs: list[TensorSpec], device: str,
+              trust_code: bool) -> ServedModel:
     from gpufleet.config import load_config
-    from gpufleet.job import build_job
+    from gpufleet.job import build_job, require_trusted
     from gpufleet.train.checkpoint import find_resume_checkpoint, load_checkpoint
 
     cfg = load_config(run_dir / "config.toml")
+    require_trusted(cfg, trust_code, str(run_dir))  # before anything is imported
     # The newest checkpoint that passes its checksum (a damaged newer one is reported).
     checkpoint = find_resume_checkpoint(str(run_dir), cfg.run.out_dir, cfg.run.name)
     job = build_job(cfg)

@@ -54,6 +54,15 @@ class ProtocolError(GpufleetError, ValueError):
         super().__init__(message)
         self.status = status
 
+    def __reduce__(self) -> tuple:  # keeps the status across processes (the parse pool)
+        return type(self), (str(self), self.status)
+
+
+# Shapes: numpy allows 64 dims, no served model takes more than a handful; elements are
+# capped so that a shape cannot ask for more memory than any body could fill.
+MAX_DIMS = 32
+MAX_ELEMENTS = 2**31
+
 
 @dataclass
 class Tensor:
@@ -186,6 +195,13 @@ def _parse_input(raw: Any, i: int, binary: bytes, used: int) -> tuple[Tensor, in
             type(d) is int and 0 <= d < 2**40 for d in shape):
         raise ProtocolError(f"{where}: 'shape' must be a list of non-negative integers, "
                             f"got {shape!r}.")
+    if len(shape) > MAX_DIMS:
+        raise ProtocolError(f"{where}: shape has {len(shape)} dims; this server takes at "
+                            f"most {MAX_DIMS}. Send the shape the model takes (see "
+                            "GET /v2/models/NAME).")
+    if math.prod(max(d, 1) for d in shape) > MAX_ELEMENTS:
+        raise ProtocolError(f"{where}: shape {shape} has more than {MAX_ELEMENTS:,} elements. "
+                            "Send smaller batches.")
     params = _dict_field(raw, "parameters", where)
     for key in _SHARED_MEMORY:
         if key in params:

@@ -12,6 +12,13 @@ the new one is complete, so a failed write leaves the previous ones intact. The 
 Sharded strategies (``fsdp``) write a directory instead, ``step-<N>/``: see
 :mod:`gpufleet.train.sharded`. Listing, pruning, verifying and finding checkpoints here
 handle both kinds.
+
+Every checkpoint holds tensors and plain data only (RNG states as tensors and ints, the
+config as a dict of plain values) and every load goes through :func:`safe_load`
+(``torch.load(weights_only=True)``): a received file cannot run code when it is loaded,
+whatever its checksum says (a sender sends a matching ``.sha256``). A file that needs
+arbitrary pickled objects is refused; one written by gpufleet before format 2 (numpy
+arrays in its RNG state) is converted once with ``gpufleet checkpoint migrate FILE``.
 """
 
 from __future__ import annotations
@@ -19,8 +26,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import pickle
 import re
 import shutil
+import zipfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -33,7 +42,8 @@ from gpufleet.files import fsync_dir
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: loads with weights_only=True (1 had numpy arrays in "rng")
+READABLE_FORMATS = (1, 2)  # a format-1 file that loads safely (no numpy state) is fine
 _NAME = re.compile(r"^step-(\d+)(\.pt)?$")  # a file, or a directory of shards
 MANIFEST = "MANIFEST.sha256"  # in a sharded checkpoint: every file's SHA-256
 TRAINER_STATE = "trainer.pt"  # in a sharded checkpoint: all but model and optimizer
@@ -74,6 +84,17 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any],
     folder = checkpoint_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
     path = checkpoint_path(run_dir, step)
+    write_checkpoint_file(path, {"format": FORMAT_VERSION, **state})
+    prune(run_dir, keep_last)
+    return path
+
+
+def write_checkpoint_file(path: Path, state: dict[str, Any]) -> None:
+    """``torch.save`` ``state`` to ``path`` atomically, with ``path.sha256`` beside it.
+
+    Raises:
+        OSError: the write failed; nothing is left under ``path``'s name.
+    """
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     sums = checksum_path(path)
     sums_tmp = sums.with_name(f".{sums.name}.tmp-{os.getpid()}")
@@ -81,7 +102,7 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any],
         with open(tmp, "wb") as f:
             out = _HashingWriter(f)
             try:
-                torch.save({"format": FORMAT_VERSION, **state}, out)
+                torch.save(state, out)
             except RuntimeError as e:
                 # torch's zip writer turns a failed write into a RuntimeError: give the
                 # caller the OSError (ENOSPC, EIO, ...) that caused it.
@@ -98,12 +119,10 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any],
         # one (a crash between the two renames leaves only a stray .sha256).
         os.replace(sums_tmp, sums)
         os.replace(tmp, path)
-        fsync_dir(folder)
+        fsync_dir(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
         sums_tmp.unlink(missing_ok=True)
-    prune(run_dir, keep_last)
-    return path
 
 
 def prune(run_dir: str | Path, keep_last: int) -> None:
@@ -187,8 +206,9 @@ def verify_checkpoint(path: str | Path) -> None:
     except FileNotFoundError:
         if not path.exists():
             raise CheckpointError(f"checkpoint {str(path)!r} does not exist.") from None
-        log.warning("checkpoint %s has no checksum file (%s): it cannot be verified",
-                    path, sums.name)
+        log.warning("checkpoint %s has no checksum file (%s): only its structure is "
+                    "checked", path, sums.name)
+        _check_structure(path)
         return
     except (OSError, IndexError) as e:
         raise CheckpointError(f"checksum file {str(sums)!r} cannot be read ({e}).") from e
@@ -206,6 +226,21 @@ def verify_checkpoint(path: str | Path) -> None:
             f"written with it ({size:,} bytes now; truncated or corrupted after writing). "
             f"Resume from an earlier checkpoint in {str(path.parent)!r}."
         )
+
+
+def _check_structure(path: Path) -> None:
+    """Without a checksum: a file ``torch.save`` wrote is a zip archive whose every
+    member passes its CRC; a truncated or damaged one does not."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        bad = str(e)
+    if bad is not None:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} cannot be read: it is not a complete checkpoint "
+            f"file ({bad}; truncated, damaged or not a checkpoint). Resume from an "
+            f"earlier checkpoint in {str(path.parent)!r}.")
 
 
 def newest_intact(paths: Iterable[Path]) -> Path | None:
@@ -234,21 +269,61 @@ def load_checkpoint(path: str | Path, verify: bool = True) -> dict[str, Any]:
         from gpufleet.train.sharded import read_full_model, read_trainer_state
 
         return {**read_trainer_state(path), "model": read_full_model(path)}
+    return safe_load(path)
+
+
+def check_loadable(path: str | Path) -> None:
+    """Raise :class:`CheckpointError` now, in the launching process, if the checkpoint
+    would be refused by :func:`safe_load` in the ranks. Tensors are memory-mapped, not
+    read: a check of the structure costs little even for a large file."""
+    path = Path(path)
+    if path.is_dir():
+        from gpufleet.train.sharded import check_metadata
+
+        check_metadata(path)
+        path, shown = path / TRAINER_STATE, path
+    else:
+        shown = path
+    safe_load(path, shown=shown, mmap=True)
+
+
+def safe_load(path: str | Path, shown: str | Path | None = None,
+              mmap: bool = False) -> dict[str, Any]:
+    """``torch.load(path, weights_only=True)`` on the CPU, as a gpufleet checkpoint.
+
+    Tensors and plain data only: nothing in the file can run code. ``shown`` is the path
+    named in errors and in the migration command (a sharded checkpoint's directory).
+
+    Raises:
+        CheckpointError: the file is missing, damaged, needs pickled Python objects
+            (an old or foreign file: the message gives the one-line migration), or is
+            not a gpufleet checkpoint.
+    """
+    path = Path(path)
+    shown = str(shown or path)
     try:
-        # weights_only=False: the file holds RNG states and the config, which are plain
-        # Python objects. Only load checkpoints you wrote yourself.
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {str(path)!r} does not exist.") from None
+        raise CheckpointError(f"checkpoint {shown!r} does not exist.") from None
+    except pickle.UnpicklingError as e:
+        named = re.search(r"GLOBAL ([\w.]+)", str(e))
+        refused = f"it calls for {named.group(1)}" if named else "objects torch's safe " \
+            "loader refuses"
+        raise CheckpointError(
+            f"checkpoint {shown!r} holds pickled Python objects, not only tensors and plain "
+            f"data ({refused}); loading it could run code from the file, so gpufleet "
+            "refuses. If you wrote it yourself with gpufleet before format 2, convert it "
+            f"once (only for a file you trust): gpufleet checkpoint migrate {shown}"
+        ) from None
     except Exception as e:
         raise CheckpointError(
-            f"checkpoint {str(path)!r} cannot be read ({type(e).__name__}: {e}). "
+            f"checkpoint {shown!r} cannot be read ({type(e).__name__}: {e}). "
             "The file is damaged or not a gpufleet checkpoint; resume from an earlier one "
-            f"in {str(path.parent)!r}."
+            f"in {str(Path(shown).parent)!r}."
         ) from e
-    if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
+    if not isinstance(state, dict) or state.get("format") not in READABLE_FORMATS:
         raise CheckpointError(
-            f"checkpoint {str(path)!r} is not a gpufleet checkpoint of format "
+            f"checkpoint {shown!r} is not a gpufleet checkpoint of format "
             f"{FORMAT_VERSION}. Pass a file written by `gpufleet train`."
         )
     return state

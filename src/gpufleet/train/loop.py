@@ -54,6 +54,8 @@ class FitResult:
             with their first error (training went on without them).
         eval_metrics: ``(step, {metric: value})`` of each evaluation (``eval.metrics``).
         findings: what limits the run (:class:`gpufleet.monitor.diagnose.Finding`).
+        preempted: the signal that stopped the run early ("SIGTERM", ...), after a
+            checkpoint of its last step; None when it ran to the end.
     """
 
     steps: int = 0
@@ -69,6 +71,7 @@ class FitResult:
     callback_errors: dict[str, str] = field(default_factory=dict)
     eval_metrics: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     findings: list[Any] = field(default_factory=list)
+    preempted: str | None = None
 
     @property
     def final_loss(self) -> float | None:
@@ -120,6 +123,10 @@ class Trainer(TrainerSetup):
         finally:
             if self.watchdog is not None:
                 self.watchdog.stop()
+            if self.run_lock is not None:
+                self.run_lock.release()
+            if self.preemption is not None:
+                self.preemption.close()
 
     def _fit(self) -> FitResult:
         cfg, model, opt = self.cfg, self.model, self.optimizer
@@ -221,7 +228,23 @@ class Trainer(TrainerSetup):
                     cb.on_phase(self, "checkpoint")
                 self.save_checkpoint()
                 interval_start = time.perf_counter()
+            # COLLECTIVE (one int on the CPU, every fault.preempt_check_every steps): a
+            # SIGTERM/SIGUSR1/SIGINT on any rank stops every rank after this same step.
+            if self.preemption is not None and self.preemption.should_stop(self.step):
+                self._stop_for_preemption()
+                break
         return self._finish()
+
+    def _stop_for_preemption(self) -> None:
+        """Checkpoint the step just finished; the run then ends without evaluating."""
+        from gpufleet.fault.preempt import signal_name
+
+        self.result.preempted = signal_name(self.preemption.received)
+        if self.env.is_main:
+            log.warning("%s received: stopping after step %d with a checkpoint",
+                        self.result.preempted, self.step)
+        if self._saved_step != self.step:
+            self.save_checkpoint()  # COLLECTIVE
 
     def _flop_counter(self) -> Any:
         """torch's FLOP counter for the first step; off (FLOPs unknown, no MFU) with
@@ -380,7 +403,7 @@ class Trainer(TrainerSetup):
 
     def _finish(self) -> FitResult:
         result, phases = self.result, self.callbacks.phase_listeners
-        if self.eval_loader is not None and (
+        if self.eval_loader is not None and not result.preempted and (
                 not result.eval_losses or result.eval_losses[-1][0] != self.step):
             for cb in phases:
                 cb.on_phase(self, "eval")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from gpufleet.config import Config
 from gpufleet.errors import CheckpointError, ConfigError
+from gpufleet.train import runlock
 from gpufleet.train.checkpoint import (
     find_resume_checkpoint,
     list_checkpoints,
@@ -73,3 +74,24 @@ def plan_run(cfg: Config, restart_count: int = 0) -> tuple[Config, Path | None]:
         checkpoint=dataclasses.replace(ckpt, resume=str(resume_from) if resume_from else ""),
     )
     return cfg, resume_from
+
+
+def plan_and_lock(cfg: Config, restart_count: int = 0
+                  ) -> tuple[Config, Path | None, runlock.RunLock | None]:
+    """:func:`plan_run`, with the run directory locked for this run (see
+    :mod:`gpufleet.train.runlock`; the lock is None where this run holds it already).
+
+    A directory named up front is locked before it is looked at: a second run started
+    at the same moment is refused naming the first, not judged on a half-written
+    directory.
+    """
+    lock = runlock.acquire(cfg.run.dir) if cfg.run.dir else None
+    try:
+        cfg, resume_from = plan_run(cfg, restart_count)
+        if lock is None:
+            lock = runlock.acquire(cfg.run.dir)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return cfg, resume_from, lock

@@ -31,10 +31,14 @@ def set_deterministic(enabled: bool) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    """Every RNG state of this process (saved per rank in checkpoints)."""
+    """Every RNG state of this process (saved per rank in checkpoints), as tensors and
+    plain data only, so that a checkpoint loads with ``torch.load(weights_only=True)``:
+    numpy's key array becomes an int64 tensor, Python's state stays ints in tuples."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
+                  float(cached)],
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -43,8 +47,12 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    """Restore what :func:`rng_state` saved."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
+    np.random.set_state((name, keys.astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -20,6 +20,7 @@ from gpufleet.data.prefetch import DevicePrefetcher
 from gpufleet.errors import CheckpointError, ConfigError, GpufleetError
 from gpufleet.fault.ncclenv import apply_nccl_defaults
 from gpufleet.fault.nonfinite import NonFiniteGuard
+from gpufleet.fault.preempt import PreemptionWatch
 from gpufleet.fault.watchdog import Watchdog
 from gpufleet.launch import (
     DistEnv,
@@ -35,13 +36,14 @@ from gpufleet.parallel import build_strategy
 from gpufleet.precision import build_precision
 from gpufleet.procs import record_process
 from gpufleet.train import checkpoint as ckpt
+from gpufleet.train import runlock
 from gpufleet.train import sharded as sharded_ckpt
 from gpufleet.train.batches import make_loss_fn, to_device
 from gpufleet.train.callbacks import Callback, CallbackList
 from gpufleet.train.evalmetrics import build_metrics
 from gpufleet.train.optim import build_scheduler, optimizer_spec
 from gpufleet.train.perf import apply_backend_flags, prepare_model, share_cores
-from gpufleet.train.rundir import plan_run
+from gpufleet.train.rundir import plan_and_lock
 from gpufleet.train.seed import rng_state, seed_everything, set_deterministic, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,9 @@ class TrainerSetup:
                                   self.env.world_size, job_store(), self.env.restart_count)
                          if self.cfg.fault.watchdog else None)
         self.result = FitResult(run_dir=str(self.run_dir))
+        self.preemption = (PreemptionWatch(self.cfg.fault.preempt_check_every,
+                                           is_initialized())
+                           if self.cfg.fault.preempt_check_every else None)
         # Samples and tokens read since the last log line (host ints, from batch shapes).
         self._interval_samples, self._interval_tokens = 0, 0
         self._fixed_tokens: int | None = None  # tokens per batch when batches are fixed
@@ -128,12 +133,14 @@ class TrainerSetup:
 
     def _build_run_dir(self) -> None:
         plan: Any = None
+        self.run_lock: runlock.RunLock | None = None
         if self.env.is_main:
             try:
-                plan = plan_run(self.cfg, self.env.restart_count)
-                run_dir = Path(plan[0].run.dir)
-                run_dir.mkdir(parents=True, exist_ok=True)
-                write_config(plan[0], run_dir / "config.toml")
+                # The lock is None when this run's launcher holds it (train.runlock).
+                cfg, resume_from, self.run_lock = plan_and_lock(self.cfg,
+                                                                self.env.restart_count)
+                plan = (cfg, resume_from)
+                write_config(cfg, Path(cfg.run.dir) / "config.toml")
             except (GpufleetError, OSError) as e:
                 plan = e
         # COLLECTIVE: every rank takes rank 0's run directory, or its error: a rank 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import pickle
 import shutil
 import warnings
 from pathlib import Path
@@ -34,6 +35,7 @@ from gpufleet.train.checkpoint import (
     _HashingWriter,
     checkpoint_dir,
     prune,
+    safe_load,
 )
 
 log = logging.getLogger(__name__)
@@ -145,12 +147,50 @@ def verify_sharded(path: Path) -> None:
 
 
 def read_trainer_state(path: str | Path) -> dict[str, Any]:
-    """A sharded checkpoint's training state (step, scheduler, sampler, RNG, config)."""
+    """A sharded checkpoint's training state (step, scheduler, sampler, RNG, config).
+    Every load of a sharded checkpoint starts here, so its DCP metadata is checked too."""
+    check_metadata(path)
+    return safe_load(Path(path) / TRAINER_STATE, shown=path)  # tensors and plain data only
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` (which DCP itself reads with plain ``pickle.load``)
+    allowing only what DCP writes there: its own metadata classes, tensor sizes, dtypes
+    and layouts, paths. Anything else, e.g. a function a crafted file calls, is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        obj = super().find_class(module, name)
+        if module.startswith("torch.distributed.checkpoint.") and isinstance(obj, type) \
+                and obj.__module__.startswith("torch.distributed.checkpoint."):
+            return obj
+        allowed = ((module == "torch" and (name == "Size" or isinstance(obj, torch.dtype)))
+                   or (module, name) == ("torch.serialization", "_get_layout")
+                   or (module == "pathlib" and name in ("PosixPath", "WindowsPath",
+                                                        "PurePosixPath", "PureWindowsPath")))
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name}")
+        return obj
+
+
+def check_metadata(path: str | Path) -> None:
+    """Refuse a sharded checkpoint whose ``.metadata`` asks for more than DCP's own
+    classes (loading it through DCP would run that code).
+
+    Raises:
+        CheckpointError: the metadata is missing, damaged or asks for other objects.
+    """
+    file = Path(path) / ".metadata"
     try:
-        return torch.load(Path(path) / TRAINER_STATE, map_location="cpu", weights_only=False)
-    except (OSError, RuntimeError) as e:
-        raise CheckpointError(f"checkpoint {str(path)!r}: {TRAINER_STATE} cannot be read "
-                              f"({e}). Resume from an earlier checkpoint.") from e
+        with open(file, "rb") as f:
+            _MetadataUnpickler(f).load()
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"sharded checkpoint {str(path)!r}: its .metadata asks for {e}, which DCP's "
+            "metadata never holds; loading it could run code from the file, so gpufleet "
+            "refuses. Use a checkpoint written by gpufleet.") from None
+    except (OSError, EOFError, ValueError, AttributeError, ImportError) as e:
+        raise CheckpointError(f"sharded checkpoint {str(path)!r}: .metadata cannot be read "
+                              f"({e}). Resume from an earlier checkpoint.") from None
 
 
 def read_full_model(path: str | Path) -> dict[str, torch.Tensor]:
@@ -163,6 +203,7 @@ def read_full_model(path: str | Path) -> dict[str, torch.Tensor]:
     dcp = _dcp()
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    check_metadata(path)  # DCP reads it with plain pickle
     reader = dcp.FileSystemReader(str(path))
     meta = reader.read_metadata().state_dict_metadata
     model = {key.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)

@@ -1,0 +1,112 @@
+"""Preemption: finish the step, write a checkpoint, exit with a status that means "run me
+again".
+
+Schedulers warn before they stop a job: Kubernetes sends SIGTERM (then SIGKILL after the
+pod's grace period, 30 s by default), SLURM sends SIGTERM at preemption and, with
+``#SBATCH --signal=USR1@90``, SIGUSR1 before the time limit. Ctrl-C sends SIGINT.
+
+Each rank's handler only sets a flag. The ranks agree at step boundaries: every
+``fault.preempt_check_every`` steps they all-reduce the flags (one int, on the CPU over
+gloo: no GPU sync), so all of them stop after the same step even when only one rank got
+the signal. Then they write a checkpoint and the run ends with exit status
+:data:`REQUEUE_EXIT` (75, ``EX_TEMPFAIL``: try again later) for SIGTERM and SIGUSR1, or
+130 for Ctrl-C. ``gpufleet train --resume latest`` continues bit for bit.
+
+The launcher's agent (torch's elastic agent) forwards these signals to the ranks and
+waits up to 30 s for them to end; gpufleet asks it to forward SIGUSR1 too
+(``TORCHELASTIC_SIGNALS_TO_HANDLE``).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+REQUEUE_EXIT = 75  # sysexits.h EX_TEMPFAIL: a temporary failure, run the job again
+INTERRUPT_EXIT = 130  # 128 + SIGINT, what shells report for Ctrl-C
+# For torch's elastic agent (read when it starts the ranks): the signals it turns into
+# a shutdown that forwards the signal to every rank.
+AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
+def exit_status(signum: int) -> int:
+    """The exit status of a run stopped by ``signum``: 130 for Ctrl-C, else 75."""
+    return INTERRUPT_EXIT if signum == signal.SIGINT else REQUEUE_EXIT
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+class PreemptionWatch:
+    """Catches the stop signals of this rank; :meth:`should_stop` says, on every rank
+    alike, whether to stop after this step.
+
+    Args:
+        check_every: steps between the ranks' agreements (each is one small CPU
+            all-reduce when several ranks run).
+        distributed: whether a process group joins several ranks.
+
+    Example:
+        >>> watch = PreemptionWatch(check_every=1, distributed=False)
+        >>> watch.should_stop(1)
+        False
+        >>> watch.close()
+    """
+
+    def __init__(self, check_every: int, distributed: bool) -> None:
+        self.check_every = check_every
+        self.received: int | None = None  # the first stop signal this rank got
+        self._distributed = distributed
+        self._group: Any = None
+        if distributed:
+            import torch.distributed as dist
+
+            # COLLECTIVE (once, at setup): a gloo group for the flag when the default
+            # group runs on GPUs, so agreeing costs no device sync.
+            if "gloo" not in str(dist.get_backend()):
+                self._group = dist.new_group(backend="gloo")
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        else:
+            log.warning("training runs outside the main thread: SIGTERM/SIGUSR1 cannot be "
+                        "caught, so a preempted run stops without a final checkpoint")
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is None:  # a signal handler: set a flag, nothing more
+            self.received = signum
+
+    def should_stop(self, step: int) -> bool:
+        """Whether every rank stops after ``step`` (the same answer on all ranks).
+
+        COLLECTIVE every ``check_every`` steps when distributed: all ranks call it after
+        each step.
+        """
+        if step % self.check_every:
+            return False
+        if not self._distributed:
+            return self.received is not None
+        import torch.distributed as dist
+
+        flag = torch.tensor([self.received or 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)  # COLLECTIVE (CPU)
+        agreed = int(flag.item())
+        if agreed and self.received is None:
+            self.received = agreed  # another rank got it: stop for the same reason
+        return bool(agreed)
+
+    def close(self) -> None:
+        """Put back the handlers that were there before."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
