@@ -169,11 +169,13 @@ def run_training(cfg: Config) -> Any:
         result = run_worker(config_to_dict(cfg))
         return result if env.is_main else None  # one summary per job, from rank 0
     dist = cfg.dist
-    if cfg.parallel.strategy == "horovod" and dist.nproc > 1:
+    traits = strategy_traits(cfg)
+    if traits.ranks_started_elsewhere and dist.nproc > 1:
+        name = cfg.parallel.strategy
         raise ConfigError(
-            f"--nproc {dist.nproc} with --strategy horovod: Horovod's ranks are started by "
+            f"--nproc {dist.nproc} with --strategy {name}: its ranks are started by "
             f"horovodrun, not by gpufleet. Run: horovodrun -np {dist.nproc} gpufleet train "
-            "--strategy horovod ... (without --nproc).")
+            f"--strategy {name} ... (without --nproc).")
     nproc = dist.nproc or _visible_gpus(cfg)
     max_nodes = int(dist.nnodes.split(":")[-1])
     multi_node = max_nodes > 1
@@ -217,15 +219,25 @@ def run_training(cfg: Config) -> Any:
     return results.get(0)
 
 
+def strategy_traits(cfg: Config) -> Any:
+    """What the config's strategy asks of the run (``auto`` is ``ddp`` here: it asks for
+    every visible GPU)."""
+    from gpufleet.parallel import strategy_class
+
+    name = cfg.parallel.strategy
+    return strategy_class("ddp" if name == "auto" else name).traits
+
+
 def _visible_gpus(cfg: Config) -> int:
-    if cfg.parallel.strategy == "horovod":
+    traits = strategy_traits(cfg)
+    if traits.ranks_started_elsewhere:
         return 1  # one process here; horovodrun -np N starts more
     if cfg.run.device == "cpu":
         return 1
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if cfg.parallel.strategy in ("dp", "single"):
+    if traits.one_process:
         return 1  # dp: one process drives every GPU; single: one process, one GPU
     return max(1, count)
 
