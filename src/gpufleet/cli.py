@@ -28,7 +28,7 @@ SHORTCUTS: dict[str, tuple[str, str]] = {
     "--resume": ("checkpoint.resume", "'latest' or a checkpoint / run directory path"),
     "--model": ("model.name", "'gpt' or your factory package.module:function"),
     "--data": ("data.name", "'stdlib' or your factory package.module:function"),
-    "--strategy": ("parallel.strategy", "auto, single, dp, ddp, fsdp, zero1, pipeline, "
+    "--strategy": ("parallel.strategy", "auto, single, dp, ddp, fsdp, hsdp, zero1, pipeline, "
                                         "local_sgd, model_parallel or horovod"),
     "--precision": ("precision.mode", "auto, fp32, bf16-mixed or fp16-mixed"),
     "--max-steps": ("run.max_steps", "optimizer steps"),
