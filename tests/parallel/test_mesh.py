@@ -141,13 +141,22 @@ def test_hsdp_2x2_on_four_ranks_equals_single_and_resumes_at_four(run_cli, tmp_p
     _assert_same(single, again)  # the same world size: the epoch goes on where it was
 
 
-def test_tensor_parallel_gpt_on_two_ranks_equals_single_and_resumes_at_one(
-        run_cli, tmp_path):
+def test_tensor_parallel_gpt_on_two_ranks_equals_single(run_cli, tmp_path):
     single = _train(run_cli, tmp_path, "single", GPT, "--batch-size", "8")
     # tp = 2: both ranks read the same 8 samples, each computes half of every layer.
     tp = _train(run_cli, tmp_path, "tp", GPT, "--nproc", "2", "--strategy", "fsdp",
                 "--parallel.tp", "2", "--batch-size", "8")
     _assert_same(single, tp)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_checkpoint_resumes_at_two_and_at_one(run_cli, tmp_path):
+    single = _train(run_cli, tmp_path, "single", GPT, "--batch-size", "8")
+    tp = _train(run_cli, tmp_path, "tp", GPT, "--nproc", "2", "--strategy", "fsdp",
+                "--parallel.tp", "2", "--batch-size", "8")
+    again = _train(run_cli, tmp_path, "again", GPT, "--nproc", "2", "--strategy", "fsdp",
+                   "--parallel.tp", "2", "--batch-size", "8", "--resume", _step_dir(tp, 3))
+    _assert_same(single, again)  # the same world size: the epoch goes on where it was
     _assert_resumes_elsewhere(run_cli, tmp_path, GPT, single, 3, 8,
                               "--batch-size", "8", "--resume", _step_dir(tp, 3))
 
@@ -173,7 +182,7 @@ def test_hsdp_checkpoint_of_four_ranks_resumes_at_two(run_cli, tmp_path):
                               "--resume", _step_dir(hsdp, 4))
 
 
-def test_fsdp_with_pipeline_2x2_equals_single_and_resumes_at_four(run_cli, tmp_path):
+def test_fsdp_with_pipeline_2x2_equals_single(run_cli, tmp_path):
     single = _train(run_cli, tmp_path, "single", TOY, "--batch-size", "32")
     # 2 stages x 2 shards: each pipeline reads 16 samples a step, two pipelines 32.
     both = _train(run_cli, tmp_path, "both", TOY, "--nproc", "4", "--strategy", "pipeline",
@@ -181,17 +190,17 @@ def test_fsdp_with_pipeline_2x2_equals_single_and_resumes_at_four(run_cli, tmp_p
                   "--parallel.pipeline_schedule", "gpipe")
     _assert_same(single, both, 4)
     _assert_same(single, both)
-    again = _train(run_cli, tmp_path, "again", TOY, "--nproc", "4", "--strategy", "pipeline",
-                   "--parallel.dp_shard", "2", "--batch-size", "16",
-                   "--resume", _step_dir(both, 4))
-    _assert_same(single, again)
 
 
 @pytest.mark.slow
-def test_fsdp_with_pipeline_checkpoint_of_four_ranks_resumes_at_two(run_cli, tmp_path):
+def test_fsdp_with_pipeline_checkpoint_resumes_at_four_and_at_two(run_cli, tmp_path):
     single = _train(run_cli, tmp_path, "single", TOY, "--batch-size", "32")
     both = _train(run_cli, tmp_path, "both", TOY, "--nproc", "4", "--strategy", "pipeline",
                   "--parallel.dp_shard", "2", "--batch-size", "16")
+    again = _train(run_cli, tmp_path, "again", TOY, "--nproc", "4", "--strategy", "pipeline",
+                   "--parallel.dp_shard", "2", "--batch-size", "16",
+                   "--resume", _step_dir(both, 4))
+    _assert_same(single, again)  # the same world size: the epoch goes on where it was
     _assert_resumes_elsewhere(run_cli, tmp_path, TOY, single, 4, 32, "--nproc", "2",
                               "--strategy", "pipeline", "--batch-size", "32",
                               "--resume", _step_dir(both, 4))
