@@ -2,7 +2,7 @@
 
 Example:
     >>> from gpufleet.parallel import strategy_names
-    >>> strategy_names()
+    >>> strategy_names()  # doctest: +NORMALIZE_WHITESPACE
     ['single', 'dp', 'ddp', 'pipeline', 'local_sgd', 'model_parallel', 'horovod', 'fsdp', 'zero1',
      'hsdp']
 """
