@@ -31,7 +31,7 @@ SHORTCUTS: dict[str, tuple[str, str]] = {
     "--resume": ("checkpoint.resume", "'latest' or a checkpoint / run directory path"),
     "--model": ("model.name", "'gpt' or your factory package.module:function"),
     "--data": ("data.name", "'stdlib' or your factory package.module:function"),
-    "--strategy": ("parallel.strategy", "auto, single, dp, ddp, fsdp, zero1, pipeline, "
+    "--strategy": ("parallel.strategy", "auto, single, dp, ddp, fsdp, hsdp, zero1, pipeline, "
                                         "local_sgd, model_parallel or horovod"),
     "--precision": ("precision.mode", "auto, fp32, bf16-mixed or fp16-mixed"),
     "--max-steps": ("run.max_steps", "optimizer steps"),
@@ -195,11 +195,13 @@ def run_training(cfg: Config) -> Any:
                              exit_status(getattr(signal, result.preempted)))
         return result if env.is_main else None  # one summary per job, from rank 0
     dist = cfg.dist
-    if cfg.parallel.strategy == "horovod" and dist.nproc > 1:
+    traits = strategy_traits(cfg)
+    if traits.ranks_started_elsewhere and dist.nproc > 1:
+        name = cfg.parallel.strategy
         raise ConfigError(
-            f"--nproc {dist.nproc} with --strategy horovod: Horovod's ranks are started by "
+            f"--nproc {dist.nproc} with --strategy {name}: its ranks are started by "
             f"horovodrun, not by gpufleet. Run: horovodrun -np {dist.nproc} gpufleet train "
-            "--strategy horovod ... (without --nproc).")
+            f"--strategy {name} ... (without --nproc).")
     nproc = dist.nproc or _visible_gpus(cfg)
     max_nodes = int(dist.nnodes.split(":")[-1])
     multi_node = max_nodes > 1
@@ -277,15 +279,25 @@ def _plan_and_lock(cfg: Config, multi_node: bool) -> tuple[Config, Any]:
     return cfg, lock
 
 
+def strategy_traits(cfg: Config) -> Any:
+    """What the config's strategy asks of the run (``auto`` is ``ddp`` here: it asks for
+    every visible GPU)."""
+    from gpufleet.parallel import strategy_class
+
+    name = cfg.parallel.strategy
+    return strategy_class("ddp" if name == "auto" else name).traits
+
+
 def _visible_gpus(cfg: Config) -> int:
-    if cfg.parallel.strategy == "horovod":
+    traits = strategy_traits(cfg)
+    if traits.ranks_started_elsewhere:
         return 1  # one process here; horovodrun -np N starts more
     if cfg.run.device == "cpu":
         return 1
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if cfg.parallel.strategy in ("dp", "single"):
+    if traits.one_process:
         return 1  # dp: one process drives every GPU; single: one process, one GPU
     return max(1, count)
 

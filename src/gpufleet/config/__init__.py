@@ -85,17 +85,20 @@ def resolve(cfg: Config, machine: Machine, world_size: int,
     strategy = par.strategy
     if strategy == "auto":
         strategy = "ddp" if world_size > 1 else "single"
-    if strategy == "dp" and device != "cuda":
-        raise ConfigError("parallel.strategy = 'dp' (nn.DataParallel) needs CUDA GPUs, and "
-                          "none is in use. Use parallel.strategy=ddp with --nproc N "
-                          "(runs on CPU with gloo), or single.")
-    if strategy == "dp" and world_size > 1:
-        raise ConfigError(f"parallel.strategy = 'dp' runs in one process, but this run has "
-                          f"{world_size} ranks. Use parallel.strategy=ddp for several "
-                          "processes, or --nproc 1 with dp.")
-    if strategy == "single" and world_size > 1:
-        raise ConfigError(f"parallel.strategy = 'single' with {world_size} ranks would train "
-                          "independent copies. Use parallel.strategy=ddp, or --nproc 1.")
+    # The strategy's traits answer how many processes, which device and backend, and
+    # which mesh degrees (gpufleet.parallel.dims); imported here, not at module level,
+    # because gpufleet.parallel reads this package's sections.
+    from gpufleet.parallel import strategy_class
+    from gpufleet.parallel.dims import plan_for
+
+    traits = strategy_class(strategy).traits
+    if traits.needs_cuda and device != "cuda":
+        wraps = f" ({traits.wraps})" if traits.wraps else ""
+        raise ConfigError(f"parallel.strategy = {strategy!r}{wraps} needs CUDA GPUs, and none "
+                          "is in use. Use parallel.strategy=ddp with --nproc N (runs on CPU with "
+                          "gloo), or single.")
+    plan_for(dataclasses.replace(par, strategy=strategy), traits, world_size,
+             local_world_size)
     if strategy == "dp" and cfg.perf.compile:
         raise ConfigError("perf.compile with parallel.strategy = 'dp': nn.DataParallel "
                           "copies the module to every GPU each step, which a compiled module "
@@ -103,13 +106,8 @@ def resolve(cfg: Config, machine: Machine, world_size: int,
     if run.deterministic and cfg.perf.cudnn_benchmark:
         raise ConfigError("run.deterministic and perf.cudnn_benchmark contradict each other: "
                           "benchmarking picks algorithms by timing. Turn one of them off.")
-    backend = dist.backend
-    if strategy == "horovod":
-        # Horovod reduces the gradients and the loop's statistics; the process group
-        # only carries gpufleet's book-keeping (run directory, RNG states, heartbeats),
-        # which needs no NCCL communicator on the GPUs beside Horovod's.
-        backend = "gloo"
-    elif backend == "auto":
+    backend = traits.backend or dist.backend
+    if backend == "auto":
         backend = "nccl" if device == "cuda" else "gloo"
     if backend == "nccl" and device != "cuda":
         raise ConfigError("dist.backend = 'nccl' needs CUDA GPUs. Use dist.backend=gloo "

@@ -149,7 +149,16 @@ class OptimConfig(Section):
 @dataclass
 class ParallelConfig(Section):
     strategy: str = opt("auto", "How the model is spread: auto (ddp with several ranks, else "
-                        "single) or a registered strategy (single, dp, ddp, ...).")
+                        "single) or a registered strategy (single, dp, ddp, fsdp, hsdp, ...); the "
+                        "dp_replicate/dp_shard/tp/pp degrees refine it.")
+    dp_replicate: int = opt(0, "Mesh: whole replicas that all-reduce gradients (0: the "
+                            "strategy chooses; hsdp: the nodes).", min=0)
+    dp_shard: int = opt(0, "Mesh: ranks that shard parameters, gradients and optimizer state "
+                        "(0: the strategy chooses; fsdp: all ranks; hsdp: one node's).", min=0)
+    tp: int = opt(0, "Mesh: tensor parallel degree, with fsdp or hsdp (0: 1). The built-in "
+                  "GPT splits its heads; other models define tp_plan(tp_mesh).", min=0)
+    pp: int = opt(0, "Mesh: pipeline stages (0: the strategy chooses; pipeline: all ranks).",
+                  min=0)
     bucket_cap_mb: float = opt(25.0, "DDP: gradient bucket size in MB.", min=0.0)
     static_graph: bool = opt(False, "DDP: the graph is the same every step (enables reuse).")
     gradient_as_bucket_view: bool = opt(False, "DDP: gradients are views into the buckets "

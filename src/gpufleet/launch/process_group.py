@@ -181,8 +181,9 @@ def barrier() -> None:
         dist.barrier()  # collective: every rank must call it
 
 
-def broadcast_object(obj: T, src: int = 0) -> T:
-    """Return rank ``src``'s ``obj`` on every rank (picklable objects only).
+def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
+    """Return rank ``src``'s ``obj`` on every rank of ``group`` (default: all; picklable
+    objects only; ``src`` is a global rank).
 
     Without a process group ``obj`` comes back as it is.
 
@@ -193,7 +194,7 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     if not is_initialized():
         return obj
     box: list[Any] = [obj]
-    dist.broadcast_object_list(box, src=src)  # collective; pickles through the backend
+    dist.broadcast_object_list(box, src=src, group=group)  # collective; pickles
     return box[0]
 
 

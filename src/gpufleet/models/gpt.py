@@ -63,18 +63,24 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.dropout = cfg.dropout
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v at once
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        # [B, T, C] -> [B, n_head, T, head_dim]
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        B, T, _ = x.shape
+        qkv = self.c_attn(x)
+        # Widths come from c_attn's output: under tensor parallelism it holds only this
+        # rank's heads (q, k, v of n_head / tp heads each), see gpufleet.parallel.tensor.
+        C = qkv.size(-1) // 3
+        heads = C // self.head_dim
+        q, k, v = qkv.split(C, dim=2)
+        # [B, T, C] -> [B, heads, T, head_dim]
+        q = q.view(B, T, heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, heads, self.head_dim).transpose(1, 2)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again

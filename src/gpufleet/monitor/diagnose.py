@@ -211,8 +211,19 @@ def _host_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
     return Finding("host-bound", "warn", "host-bound", message, fix + ".")
 
 
+def _reduces_in_backward(strategy: str) -> bool:
+    """Whether the strategy's backward ends with a gradient all-reduce (its traits)."""
+    from gpufleet.errors import ConfigError
+    from gpufleet.parallel import strategy_class  # here: parallel imports the loop's modules
+
+    try:
+        return strategy_class(strategy).traits.reduces_in_backward
+    except ConfigError:  # a run recorded by a strategy this install does not have
+        return False
+
+
 def _communication_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
-    if facts.world < 2 or facts.strategy not in ("ddp", "zero1", "fsdp"):
+    if facts.world < 2 or not _reduces_in_backward(facts.strategy):
         return None
     # Backward computes about twice what forward does; the rest of it is waiting for
     # the gradient all-reduce (on the fastest rank, so a straggler does not count).

@@ -2,8 +2,9 @@
 
 Example:
     >>> from gpufleet.parallel import strategy_names
-    >>> strategy_names()
-    ['single', 'dp', 'ddp', 'pipeline', 'local_sgd', 'model_parallel', 'horovod', 'fsdp', 'zero1']
+    >>> strategy_names()  # doctest: +NORMALIZE_WHITESPACE
+    ['single', 'dp', 'ddp', 'pipeline', 'local_sgd', 'model_parallel', 'horovod', 'fsdp', 'zero1',
+     'hsdp']
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import torch
 
 from gpufleet.errors import ConfigError, unknown_choice
 from gpufleet.parallel.base import OptimizerSpec, Strategy
+from gpufleet.parallel.dims import ParallelDims
 
-__all__ = ["OptimizerSpec", "Strategy", "build_strategy", "register", "strategy_names"]
+__all__ = ["OptimizerSpec", "ParallelDims", "Strategy", "build_strategy", "register",
+           "strategy_class", "strategy_names"]
 
 _REGISTRY: dict[str, type[Strategy]] = {}
 
@@ -31,17 +34,23 @@ def strategy_names() -> list[str]:
     return list(_REGISTRY)
 
 
-def build_strategy(name: str, cfg, device: torch.device, precision=None) -> Strategy:
-    """Make the strategy called ``name`` for ``device``."""
+def strategy_class(name: str) -> type[Strategy]:
+    """The class registered as ``name`` (its ``traits`` say what it asks of a run)."""
     if name not in _REGISTRY:
         raise ConfigError(unknown_choice("parallel.strategy", name, _REGISTRY))
-    return _REGISTRY[name](cfg, device, precision)
+    return _REGISTRY[name]
+
+
+def build_strategy(name: str, cfg, device: torch.device, precision=None,
+                   dims: ParallelDims | None = None) -> Strategy:
+    """Make the strategy called ``name`` for ``device`` over the mesh degrees ``dims``."""
+    return strategy_class(name)(cfg, device, precision, dims)
 
 
 def _register_builtins() -> None:
     from gpufleet.parallel.ddp import DistributedDataParallel
     from gpufleet.parallel.dp import DataParallel
-    from gpufleet.parallel.fsdp import FullyShardedDataParallel
+    from gpufleet.parallel.fsdp import FullyShardedDataParallel, HybridShardedDataParallel
     from gpufleet.parallel.horovod import Horovod
     from gpufleet.parallel.local_sgd import LocalSGD
     from gpufleet.parallel.model_parallel import ModelParallel
@@ -50,7 +59,8 @@ def _register_builtins() -> None:
     from gpufleet.parallel.zero import ZeroRedundancy
 
     for cls in (SingleDevice, DataParallel, DistributedDataParallel, PipelineParallel,
-                LocalSGD, ModelParallel, Horovod, FullyShardedDataParallel, ZeroRedundancy):
+                LocalSGD, ModelParallel, Horovod, FullyShardedDataParallel, ZeroRedundancy,
+                HybridShardedDataParallel):
         register(cls)
 
 

@@ -40,6 +40,8 @@ from torch import nn
 
 from gpufleet.config import ParallelConfig
 from gpufleet.launch.process_group import is_initialized
+from gpufleet.parallel.dims import ParallelDims, StrategyTraits, plan_for
+from gpufleet.parallel.grad_norm import clip_grads_, grad_norm, spreads_gradients
 
 
 @dataclass
@@ -87,12 +89,19 @@ class Strategy:
     #: in it): every rank must then run the same number, and the loop repeats a batch,
     #: uncounted, on ranks whose share of the evaluation set is a batch shorter.
     eval_in_lockstep: ClassVar[bool] = False
+    #: What the strategy asks of the run (processes, device, backend, mesh degrees);
+    #: :func:`gpufleet.parallel.dims.plan_for` reads it.
+    traits: ClassVar[StrategyTraits] = StrategyTraits()
 
     def __init__(self, cfg: ParallelConfig, device: torch.device,
-                 precision: Any = None) -> None:
+                 precision: Any = None, dims: ParallelDims | None = None) -> None:
         self.cfg = cfg
         self.device = device
         self.precision = precision
+        #: The mesh degrees of this run; when not given, the config's degrees over the
+        #: ranks of the process group.
+        self.dims = dims or plan_for(cfg, self.traits,
+                                     dist.get_world_size() if is_initialized() else 1)
 
     # -- building ------------------------------------------------------------------
     def setup_model(self, model: nn.Module) -> nn.Module:
@@ -108,9 +117,12 @@ class Strategy:
         return model
 
     def data_shard(self, rank: int, world_size: int) -> tuple[int, int]:
-        """``(shard, shards)``: which part of the data this rank reads. Every rank is its
-        own data-parallel replica by default; a pipeline's stages share one shard."""
-        return rank, world_size
+        """``(shard, shards)``: which part of the data this rank reads: its data parallel
+        replica in the mesh. Ranks that differ only in tensor or pipeline position (a
+        pipeline's stages, a layer's tensor parallel slices) share one shard."""
+        if self.dims.world_size != world_size:  # a strategy built without the run's dims
+            return rank, world_size
+        return self.dims.dp_rank(rank), self.dims.dp
 
     # -- the step --------------------------------------------------------------------
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
@@ -135,19 +147,19 @@ class Strategy:
         return loss.detach()
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """Clip the global gradient norm; returns the norm before clipping (on device)."""
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+        """Clip the global gradient norm; returns the norm before clipping (on device).
+        COLLECTIVE when the mesh spreads the gradients over ranks (see
+        :mod:`gpufleet.parallel.grad_norm`)."""
+        if not spreads_gradients(self.dims):
+            return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+        norm = self.grad_norm(model)
+        clip_grads_(grads_of(model), max_norm, norm)
+        return norm
 
     def grad_norm(self, model: nn.Module) -> torch.Tensor:
-        """The global L2 norm of the gradients (on device), without clipping."""
-        grads = list(grads_of(model))
-        if not grads:
-            return torch.zeros((), device=self.device)
-        total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
-        if total_norm is not None:
-            return total_norm(grads, foreach=True)
-        return torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))
+        """The global L2 norm of the gradients (on device), without clipping; a
+        COLLECTIVE like :meth:`clip_grad_norm`."""
+        return grad_norm(grads_of(model), self.device, self.dims)
 
     def after_optimizer_step(self, model: nn.Module, step: int) -> None:
         """Called after every optimizer step (model averaging hooks in here)."""

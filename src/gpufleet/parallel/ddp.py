@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpufleet.parallel.base import Strategy
+from gpufleet.parallel.dims import StrategyTraits
 
 # Rank 0's buffers (BatchNorm statistics) to every rank before each forward. Newer torch
 # names the option forward_sync_buffers and warns on the old name; the buffers are then
@@ -26,6 +27,7 @@ class DistributedDataParallel(Strategy):
     """Wrap the model in DDP with the ``[parallel]`` bucket and graph options."""
 
     name = "ddp"
+    traits = StrategyTraits(reduces_in_backward=True)
     needs_process_group = True
 
     def setup_model(self, model: nn.Module) -> nn.Module:

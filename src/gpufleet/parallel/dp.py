@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from gpufleet.parallel.base import Strategy
+from gpufleet.parallel.dims import StrategyTraits
 
 
 class _AutocastReplica(nn.Module):
@@ -36,6 +37,7 @@ class DataParallel(Strategy):
     """Replicate the model over all visible GPUs from one process."""
 
     name = "dp"
+    traits = StrategyTraits(one_process=True, needs_cuda=True, wraps="nn.DataParallel")
 
     def setup_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)

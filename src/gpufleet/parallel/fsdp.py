@@ -23,6 +23,11 @@ reduce-scattered, so a rank holds the full parameters of only the block it is ru
   state in host memory (the optimizer step runs on the CPU).
 * ``parallel.fsdp_reshard_after_forward = false`` keeps each block's gathered
   parameters from forward until its backward (one all-gather less, more memory).
+* The mesh (:mod:`gpufleet.parallel.dims`): ``fsdp`` shards over ``dp_shard`` (all
+  ranks by default); with ``dp_replicate > 1`` it is HSDP over a 2-D (replicate,
+  shard) mesh, the ``hsdp`` preset's default (shard within a node, replicate across
+  nodes); with ``tp > 1`` tensor parallelism (:mod:`gpufleet.parallel.tensor`) splits
+  the blocks first and FSDP shards the result over the data parallel ranks.
 * Checkpoints are sharded: every rank writes its own shards with
   ``torch.distributed.checkpoint`` (see :mod:`gpufleet.train.checkpoint`), and they load
   at any world size.
@@ -47,7 +52,9 @@ from torch import nn
 
 from gpufleet.config import ParallelConfig
 from gpufleet.errors import ConfigError, did_you_mean
-from gpufleet.parallel.base import Strategy, grads_of
+from gpufleet.parallel.base import Strategy
+from gpufleet.parallel.dims import ParallelDims, StrategyTraits
+from gpufleet.parallel.tensor import apply_tensor_parallel, without_strided
 
 log = logging.getLogger(__name__)
 
@@ -95,14 +102,16 @@ class FullyShardedDataParallel(Strategy):
     """Shard the model with FSDP2 per block (``[parallel]`` ``fsdp_*`` options)."""
 
     name = "fsdp"
+    traits = StrategyTraits(rest="dp_shard", dims=frozenset({"dp_replicate", "dp_shard", "tp"}),
+                            reduces_in_backward=True)
     saves_on_every_rank = True
     needs_process_group = True
     # Evaluation runs on the sharded model (no full copy): each forward all-gathers.
     eval_in_lockstep = True
 
     def __init__(self, cfg: ParallelConfig, device: torch.device,
-                 precision: Any = None) -> None:
-        super().__init__(cfg, device, precision)
+                 precision: Any = None, dims: ParallelDims | None = None) -> None:
+        super().__init__(cfg, device, precision, dims)
         self.api = fsdp_api()
         if getattr(precision, "name", "fp32") == "fp16-mixed":
             raise ConfigError(
@@ -114,32 +123,21 @@ class FullyShardedDataParallel(Strategy):
 
     # -- building ------------------------------------------------------------------
     def setup_model(self, model: nn.Module) -> nn.Module:
-        api, cfg = self.api, self.cfg
+        cfg = self.cfg
         model = model.to(self.device)
         # COLLECTIVE: every rank starts from rank 0's weights, as DDP does.
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.detach(), src=0)
-        mesh = api.init_device_mesh(self.device.type, (dist.get_world_size(),))
-        common: dict[str, Any] = {"mesh": mesh}
-        if cfg.fsdp_cpu_offload:
-            # Pinned host memory makes the copies to the GPU asynchronous (CUDA only).
-            common["offload_policy"] = api.CPUOffloadPolicy(
-                pin_memory=self.device.type == "cuda")
-        if self.compute_dtype is not None:
-            common["mp_policy"] = api.MixedPrecisionPolicy(
-                param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
-        blocks = blocks_to_shard(model, cfg.fsdp_wrap)
-        for block in blocks:
-            api.fully_shard(block, reshard_after_forward=cfg.fsdp_reshard_after_forward,
-                            **common)
-        if self.compute_dtype is not None:  # the loss is computed from float32 outputs
-            common["mp_policy"] = api.MixedPrecisionPolicy(
-                param_dtype=self.compute_dtype, reduce_dtype=torch.float32,
-                output_dtype=torch.float32)
-        # The root's parameters are gathered in forward and kept for backward.
-        api.fully_shard(model, reshard_after_forward=cfg.fsdp_reshard_after_forward, **common)
-        log.info("fsdp: %d block(s) sharded one by one over %d rank(s), then the root",
-                 len(blocks), dist.get_world_size())
+        mesh = self.dims.build_mesh(self.device.type)  # COLLECTIVE
+        if self.dims.tp > 1:  # first the layers' matrices over tp, then the shards
+            apply_tensor_parallel(model, mesh["tp"])
+        # HSDP: a 2-D (replicate, shard) mesh; FSDP: the shard dimension alone.
+        dp_mesh = (mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1
+                   else mesh["dp_shard"])
+        blocks = shard_model(model, dp_mesh, cfg, self.device, self.compute_dtype,
+                             tp_split=self.dims.tp > 1)
+        log.info("%s: %d block(s) sharded one by one over %s, then the root", self.name,
+                 blocks, self.dims.describe())
         return model
 
     # -- the step --------------------------------------------------------------------
@@ -154,32 +152,12 @@ class FullyShardedDataParallel(Strategy):
         return super().forward_backward(model, batch, loss_fn, precision, loss_scale,
                                         *args, **kwargs)
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        norm = self.grad_norm(model)  # COLLECTIVE: one all-reduce of one number
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        with torch.no_grad():
-            for local in map(_local, grads_of(model)):  # each rank scales its own shards
-                local.mul_(coef.to(local.device))
-        return norm
-
-    def grad_norm(self, model: nn.Module) -> torch.Tensor:
-        """The global L2 norm: each rank's shards in squares, summed across ranks on this
-        rank's device (under CPU offload the gradients are in host memory, and NCCL
-        reduces device tensors only; torch's DTensor clip would reduce them where they
-        are)."""
-        grads = list(grads_of(model))
-        sharded = [_local(g) for g in grads if _is_sharded(g)]
-        whole = [g for g in grads if not _is_sharded(g)]  # the same on every rank
-        total = _squares(sharded, self.device)
-        self.all_reduce(total)  # COLLECTIVE: every rank, even one without gradients
-        return (total + _squares(whole, self.device)).sqrt()
-
     # -- state -----------------------------------------------------------------------
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """This rank's shards of model and optimizer state (DTensors, keyed by parameter
         name); :func:`gpufleet.train.sharded.save_sharded_checkpoint` writes them."""
         msd, osd = self.api.get_state_dict(model, optimizer)
-        return {"model": msd, "optimizer": osd}
+        return without_strided({"model": msd, "optimizer": osd})
 
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                         state: dict[str, Any]) -> None:
@@ -193,6 +171,45 @@ class FullyShardedDataParallel(Strategy):
         api.set_state_dict(model, optimizer, model_state_dict=state["model"],
                            optim_state_dict=osd,
                            options=api.StateDictOptions(full_state_dict=True))
+
+
+def shard_model(model: nn.Module, dp_mesh: Any, cfg: ParallelConfig, device: torch.device,
+                compute_dtype: torch.dtype | None = None, tp_split: bool = False) -> int:
+    """``fully_shard`` each block of ``model`` over ``dp_mesh``, then the root, with the
+    ``[parallel]`` ``fsdp_*`` options; returns how many blocks were sharded. A 2-D
+    ``dp_mesh`` (replicate, shard) gives HSDP; ``tp_split``: tensor parallelism has
+    already split the blocks' matrices."""
+    api = fsdp_api()
+    common: dict[str, Any] = {"mesh": dp_mesh}
+    if tp_split:
+        common["shard_placement_fn"] = shard_beside_heads
+    if cfg.fsdp_cpu_offload:
+        # Pinned host memory makes the copies to the GPU asynchronous (CUDA only).
+        common["offload_policy"] = api.CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    if compute_dtype is not None:
+        common["mp_policy"] = api.MixedPrecisionPolicy(
+            param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    blocks = blocks_to_shard(model, cfg.fsdp_wrap)
+    for block in blocks:
+        api.fully_shard(block, reshard_after_forward=cfg.fsdp_reshard_after_forward, **common)
+    if compute_dtype is not None:  # the loss is computed from float32 outputs
+        common["mp_policy"] = api.MixedPrecisionPolicy(
+            param_dtype=compute_dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    # The root's parameters are gathered in forward and kept for backward.
+    api.fully_shard(model, reshard_after_forward=cfg.fsdp_reshard_after_forward, **common)
+    return len(blocks)
+
+
+class HybridShardedDataParallel(FullyShardedDataParallel):
+    """HSDP: FSDP within a node, whole replicas across nodes (``dp_shard`` = ranks per
+    node, ``dp_replicate`` = nodes, unless the config sets them). Each step
+    reduce-scatters the gradients inside the node and all-reduces the shards across
+    nodes, so only 1/``dp_shard`` of the gradients crosses the slower network."""
+
+    name = "hsdp"
+    traits = StrategyTraits(rest="dp_replicate", shard_default_per_node=True,
+                            dims=frozenset({"dp_replicate", "dp_shard", "tp"}),
+                            reduces_in_backward=True)
 
 
 def blocks_to_shard(model: nn.Module, wrap: str) -> list[nn.Module]:
@@ -228,26 +245,19 @@ def blocks_to_shard(model: nn.Module, wrap: str) -> list[nn.Module]:
     return list(reversed(picked))
 
 
+def shard_beside_heads(param: nn.Parameter) -> Any:
+    """FSDP's dimension for a parameter that tensor parallelism already split: dim 1 for
+    a head-split q/k/v weight (its rows are split in thirds over ``tp``, and a second
+    split of those rows has no layout), torch's default (dim 0) for every other."""
+    from torch.distributed.tensor import Shard
+
+    if any(type(p).__name__ == "_StridedShard" for p in getattr(param, "placements", ())):
+        return Shard(1)
+    return None
+
+
 def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
-
-
-
-def _is_sharded(t: torch.Tensor) -> bool:
-    return hasattr(t, "to_local")  # a DTensor
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (shares its storage), or the tensor itself."""
-    return t.to_local() if _is_sharded(t) else t
-
-
-def _squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of squares of all elements of ``tensors``, in float32 on ``device``."""
-    if not tensors:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch._foreach_norm(tensors)  # one kernel launch per device and dtype
-    return torch.stack([n.float().to(device) for n in norms]).square().sum()
 
 
 @contextlib.contextmanager

@@ -41,6 +41,7 @@ from torch import nn
 from gpufleet.errors import ConfigError, GpufleetError
 from gpufleet.launch.env import DistEnv
 from gpufleet.parallel.base import OptimizerSpec, Strategy
+from gpufleet.parallel.dims import StrategyTraits
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +74,12 @@ class Horovod(Strategy):
     """Data parallel with Horovod's ``DistributedOptimizer`` (launched by ``horovodrun``)."""
 
     name = "horovod"
+    # Horovod reduces the gradients and the loop's statistics; the process group only
+    # carries gpufleet's book-keeping, which needs no NCCL communicator beside Horovod's.
+    traits = StrategyTraits(backend="gloo", ranks_started_elsewhere=True)
 
-    def __init__(self, cfg: Any, device: torch.device, precision: Any = None) -> None:
+    def __init__(self, cfg: Any, device: torch.device, precision: Any = None,
+                 dims: Any = None) -> None:
         self.hvd = _import_hvd()
         self.hvd.init()  # the device is already this rank's: its local rank's GPU
         world = DistEnv.detect().world_size
@@ -85,7 +90,7 @@ class Horovod(Strategy):
                 "started cannot find each other through Horovod, so each would train alone. "
                 f"Start them with Horovod's launcher: horovodrun -np {world} gpufleet train "
                 "--strategy horovod ... (without --nproc).")
-        super().__init__(cfg, device, precision)
+        super().__init__(cfg, device, precision, dims)
         self._optimizer: Any = None
         self._accumulating = False  # inside no_sync: a micro-step that is not the last
         self._skip: Any = None  # the open skip_synchronize() context until the step ends

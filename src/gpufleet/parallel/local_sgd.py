@@ -47,6 +47,7 @@ from gpufleet.errors import ConfigError
 from gpufleet.launch import DistEnv
 from gpufleet.parallel.base import OptimizerSpec
 from gpufleet.parallel.ddp import DistributedDataParallel
+from gpufleet.parallel.dims import StrategyTraits
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class LocalSGD(DistributedDataParallel):
     """DDP without per-step gradient all-reduce after warm-up, plus model averaging."""
 
     name = "local_sgd"
+    traits = StrategyTraits()  # no per-step gradient all-reduce after the warm-up
 
     def setup_model(self, model: nn.Module) -> nn.Module:
         from torch.distributed.algorithms.model_averaging.averagers import (

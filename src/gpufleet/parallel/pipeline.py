@@ -19,7 +19,8 @@ How the loop's pieces map onto the pipeline:
   ``optim.grad_accum`` works as usual: each loop micro-step runs one whole schedule and
   the gradients add up. ``no_sync`` has nothing to do (no gradient all-reduce exists).
 * **clipping**: each stage holds different parameters; the global norm is the square
-  root of the stages' squared norms summed with one all-reduce (COLLECTIVE).
+  root of the stages' squared norms summed with one all-reduce (COLLECTIVE, in
+  :mod:`gpufleet.parallel.grad_norm`).
 * **evaluation**: :meth:`eval_model` runs the stages one after another on each whole
   evaluation batch, each stage broadcasting its output, so every rank ends with the
   model's output and the loop computes the same loss on every rank
@@ -53,7 +54,9 @@ from torch import nn
 
 from gpufleet.errors import ConfigError, GpufleetError
 from gpufleet.launch import broadcast_object, gather_objects
-from gpufleet.parallel.base import OptimizerSpec, Strategy, grads_of
+from gpufleet.parallel.base import OptimizerSpec, Strategy
+from gpufleet.parallel.dims import StrategyTraits
+from gpufleet.parallel.fsdp import fsdp_api, shard_model
 from gpufleet.parallel.pipeline_split import (
     bubble_share,
     plan_stages,
@@ -71,6 +74,9 @@ class PipelineParallel(Strategy):
     """One pipeline stage per rank, run by a GPipe or 1F1B schedule."""
 
     name = "pipeline"
+    # The stages take the ranks dp_shard leaves (all of them by default); ranks of one
+    # pipeline read the same batches, and dp_shard > 1 shards each stage with FSDP.
+    traits = StrategyTraits(rest="pp", dims=frozenset({"pp", "dp_shard"}))
     needs_process_group = True
     # saves_on_every_rank stays False: state_dict (a collective, called on every rank)
     # gathers the whole model, and rank 0 writes one ordinary checkpoint file.
@@ -88,16 +94,27 @@ class PipelineParallel(Strategy):
                               "'fp16-mixed': the schedule runs backward itself, past the loss "
                               "scaler. Use --precision bf16-mixed (or fp32).")
         cfg = self.cfg
-        self.rank, self.stages = dist.get_rank(), dist.get_world_size()
+        mesh = None
+        if self.dims.dp_shard > 1:  # FSDP + pipeline: this rank's pipeline is a mesh row
+            mesh = self.dims.build_mesh(self.device.type)  # COLLECTIVE
+            self._group, self.rank = mesh.get_group("pp"), mesh.get_local_rank("pp")
+        else:
+            self._group, self.rank = None, dist.get_rank()
+        self.stages = self.dims.pp
         self.microbatches = cfg.pipeline_microbatches
         units = sequential_units(model)
         starts = [*plan_stages(units, self.stages, cfg.pipeline_split), len(units)]
         first, stop = starts[self.rank], starts[self.rank + 1]
         stage = stage_module(model, units, first, stop).to(self.device)
+        if mesh is not None:
+            shard_model(stage, mesh["dp_shard"], cfg, self.device)
+            # Each stage's ranks write their own shards; evaluation forwards all-gather.
+            self.saves_on_every_rank = self.eval_in_lockstep = True
         self.layers = [[n for n, _ in units[a:b]] for a, b in itertools.pairwise(starts)]
         self.is_first, self.is_last = self.rank == 0, self.rank == self.stages - 1
         self.bubble_share = bubble_share(self.stages, self.microbatches)
-        self._stage = PipelineStage(stage, self.rank, self.stages, self.device)
+        self._stage = PipelineStage(stage, self.rank, self.stages, self.device,
+                                    group=self._group)
         self._schedule = self._build_schedule()
         self._mb_losses: list[torch.Tensor] = []
         self._loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None
@@ -130,7 +147,8 @@ class PipelineParallel(Strategy):
         # COLLECTIVE (once): every stage's parameter groups, to lay out the full model's
         # optimizer state the way a single process numbers it.
         merged: list[tuple[str, list[str]]] = []
-        for part in gather_objects(own):
+        per_stage = dist.get_world_size() // self.stages  # one part per stage, in order
+        for part in gather_objects(own)[::per_stage]:
             for key, group_names in part:
                 slot = next((i for i, (k, _) in enumerate(merged) if k == key), None)
                 if slot is None:
@@ -141,9 +159,6 @@ class PipelineParallel(Strategy):
         self._slots = [next(i for i, (k, _) in enumerate(merged) if k == key)
                        for key, _ in own]
         return optimizer
-
-    def data_shard(self, rank: int, world_size: int) -> tuple[int, int]:
-        return 0, 1  # every stage reads the same batches
 
     def describe(self) -> dict[str, Any]:
         """The pipeline's shape for the run's report (``bubble_share`` in 0..1)."""
@@ -181,7 +196,7 @@ class PipelineParallel(Strategy):
         else:
             loss = torch.zeros((), device=self.device)
         # COLLECTIVE: the last stage's loss to every rank (one scalar per micro-step).
-        dist.broadcast(loss, src=self.stages - 1)
+        dist.broadcast(loss, src=self.global_rank(self.stages - 1), group=self._group)
         return loss
 
     def _microbatch_loss(self, output: Any, target: Any) -> torch.Tensor:
@@ -210,30 +225,26 @@ class PipelineParallel(Strategy):
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # no gradient all-reduce to skip
 
-    def grad_norm(self, model: nn.Module) -> torch.Tensor:
-        grads = list(grads_of(model))
-        squares = torch.zeros((), dtype=torch.float32, device=self.device)
-        if grads:
-            squares = torch.stack([torch.linalg.vector_norm(g.detach().float()) ** 2
-                                   for g in grads]).sum()
-        dist.all_reduce(squares)  # COLLECTIVE: the stages' squared norms, summed
-        return squares.sqrt()
-
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        norm = self.grad_norm(model)
-        # The same coefficient torch's clip_grad_norm_ uses, from the global norm.
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        grads = list(grads_of(model))
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
-        return norm
-
     def eval_model(self, model: nn.Module) -> nn.Module:
         return _PipelineForward(model, self)
 
+    def global_rank(self, stage: int) -> int:
+        """The rank that runs ``stage`` of this rank's pipeline."""
+        return stage if self._group is None else dist.get_global_rank(self._group, stage)
+
     # -- state (COLLECTIVE: every rank calls these) -------------------------------------
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The full model and optimizer state (as ``single`` saves it), on every rank."""
+        """The full model and optimizer state (as ``single`` saves it), on every rank;
+        with FSDP, this rank's shards keyed by the full model's names (every rank
+        writes them, see :mod:`gpufleet.train.sharded`)."""
+        if self.saves_on_every_rank:
+            msd, osd = fsdp_api().get_state_dict(model, optimizer)
+            if len(osd["param_groups"]) == len(self._layout):
+                # Every stage writes the same groups (the keys are the group numbers): each
+                # names the whole model's parameters, of which a stage loads its own.
+                osd["param_groups"] = [{**g, "params": self._layout[slot]} for g, slot
+                                       in zip(osd["param_groups"], self._slots, strict=True)]
+            return {"model": msd, "optimizer": osd}
         opt = optimizer.state_dict()
         own_state, own_groups = {}, []
         for i, group in enumerate(opt["param_groups"]):
@@ -258,6 +269,11 @@ class PipelineParallel(Strategy):
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                         state: dict[str, Any]) -> None:
         """Load this stage's share of a full checkpoint (any strategy's)."""
+        if self.saves_on_every_rank:
+            raise ConfigError("pipeline with parallel.dp_shard > 1 resumes from sharded "
+                              "checkpoints (a step-N/ folder); resume this single-file one "
+                              "with parallel.dp_shard = 1, then continue from its next "
+                              "checkpoint.")
         full = state["model"]
         model.load_state_dict({k: full[k] for k in model.state_dict()})  # KeyError: no fit
         opt = state["optimizer"]
@@ -307,11 +323,12 @@ class _PipelineForward(nn.Module):
                         "pipeline evaluation passes one tensor from stage to stage, and "
                         f"stage {index} returned {type(hidden).__name__}. Return a tensor "
                         "from each stage's last layer.")
+            src = s.global_rank(index)
             meta = broadcast_object((tuple(hidden.shape), hidden.dtype)
-                                    if s.rank == index else None, src=index)
+                                    if s.rank == index else None, src=src, group=s._group)
             if s.rank != index:
                 hidden = torch.empty(meta[0], dtype=meta[1], device=s.device)
-            dist.broadcast(hidden, src=index)
+            dist.broadcast(hidden, src=src, group=s._group)
         return hidden
 
 

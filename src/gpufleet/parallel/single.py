@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from gpufleet.parallel.base import Strategy
+from gpufleet.parallel.dims import StrategyTraits
 
 
 class SingleDevice(Strategy):
     """Train on one device with no wrapping."""
 
     name = "single"
+    traits = StrategyTraits(one_process=True)

@@ -28,18 +28,20 @@ from torch import nn
 from gpufleet.config import ParallelConfig
 from gpufleet.parallel.base import OptimizerSpec, Strategy
 from gpufleet.parallel.ddp import DistributedDataParallel
+from gpufleet.parallel.dims import ParallelDims, StrategyTraits
 
 
 class ZeroRedundancy(Strategy):
     """DDP-wrapped model, optimizer state sharded by ``ZeroRedundancyOptimizer``."""
 
     name = "zero1"
+    traits = StrategyTraits(reduces_in_backward=True)
     needs_process_group = True
 
     def __init__(self, cfg: ParallelConfig, device: torch.device,
-                 precision: Any = None) -> None:
-        super().__init__(cfg, device, precision)
-        self._ddp = DistributedDataParallel(cfg, device, precision)  # same wrapping
+                 precision: Any = None, dims: ParallelDims | None = None) -> None:
+        super().__init__(cfg, device, precision, dims)
+        self._ddp = DistributedDataParallel(cfg, device, precision, dims)  # same wrapping
 
     def setup_model(self, model: nn.Module) -> nn.Module:
         return self._ddp.setup_model(model)

@@ -32,7 +32,8 @@ from gpufleet.launch import (
 )
 from gpufleet.monitor.flops import device_peak_flops
 from gpufleet.monitor.phases import PhaseTimer
-from gpufleet.parallel import build_strategy
+from gpufleet.parallel import build_strategy, strategy_class
+from gpufleet.parallel.dims import plan_for
 from gpufleet.precision import build_precision
 from gpufleet.procs import record_process
 from gpufleet.train import checkpoint as ckpt
@@ -95,7 +96,9 @@ class TrainerSetup:
     def _build_device(self) -> None:
         cfg = self.cfg
         if cfg.run.device == "cuda":
-            index = 0 if cfg.parallel.strategy == "dp" else local_gpu_index(self.env)
+            # A one-process strategy (dp drives every GPU from it) starts on GPU 0.
+            one_process = strategy_class(cfg.parallel.strategy).traits.one_process
+            index = 0 if one_process else local_gpu_index(self.env)
             self.device = torch.device("cuda", index)
             torch.cuda.set_device(self.device)
         else:
@@ -106,8 +109,10 @@ class TrainerSetup:
     def _build_model(self, model: nn.Module, loss_fn: Any) -> None:
         cfg = self.cfg
         self.precision = build_precision(cfg.precision.mode, self.device.type, cfg.precision)
-        self.strategy = build_strategy(cfg.parallel.strategy, cfg.parallel, self.device,
-                                       self.precision)
+        name = cfg.parallel.strategy
+        dims = plan_for(cfg.parallel, strategy_class(name).traits, self.env.world_size,
+                        self.env.local_world_size)
+        self.strategy = build_strategy(name, cfg.parallel, self.device, self.precision, dims)
         if self.strategy.needs_process_group and not is_initialized():
             raise ConfigError(
                 f"parallel.strategy = {cfg.parallel.strategy!r} needs a process group, and "

@@ -237,14 +237,18 @@ def load_sharded_into(path: str | Path, model: torch.nn.Module,
                            "zero1; resume with one of those strategies")
     # Tensors of the right shapes and shardings for this run, filled in place by DCP
     # (the optimizer's state is created first if it has taken no step yet).
+    from gpufleet.parallel.tensor import restore_strided, without_strided
+
     msd, osd = get_state_dict(model, optimizer)
-    state = {"model": msd, "optimizer": osd}
+    # Head-split (tensor parallel) tensors are read whole, then split again.
+    state = without_strided({"model": msd, "optimizer": osd})
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", ".*single process.*")
             dcp.load(state, checkpoint_id=str(path))
     except dcp.api.CheckpointException as e:  # a BaseException: make it an error
         raise RuntimeError(str(e)) from None
+    state = restore_strided(state, {"model": msd, "optimizer": osd})
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
 
