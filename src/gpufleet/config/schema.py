@@ -139,7 +139,7 @@ class ParallelConfig(Section):
     fsdp_cpu_offload: bool = opt(False, "FSDP: keep sharded parameters and gradients in CPU "
                                  "memory between uses.")
     fsdp_wrap: str = opt("auto", "FSDP: module class names to shard one by one (comma-"
-                         "separated); auto: the blocks of the model's largest ModuleList.")
+                         "separated); auto: the model's blocks (what every:K picks from).")
     pipeline_schedule: str = opt("1f1b", "Pipeline: micro-batch schedule.",
                                  choices=("gpipe", "1f1b"))
     pipeline_microbatches: int = opt(4, "Pipeline: micro-batches per batch.", min=1)
