@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 MYMOD = textwrap.dedent('''
     import torch
     from torch import nn
@@ -52,3 +54,30 @@ def test_factories_in_the_current_folder_are_found(tmp_path):
     proc = _gpufleet_script(tmp_path, "train", *TOY, "--max-steps", "2")
     assert proc.returncode == 0, proc.stderr
     assert "gpufleet run summary" in proc.stdout
+
+
+def test_optimizer_defaults_fit_the_model():
+    from torch import nn
+
+    from gpufleet.config import OptimConfig
+    from gpufleet.models import build_gpt
+    from gpufleet.train.optim import fill_optimizer_defaults
+
+    def chosen(cfg, model):
+        filled = fill_optimizer_defaults(cfg, model)
+        return filled.lr, filled.weight_decay, filled.beta2
+
+    gpt = build_gpt(n_layer=1, n_head=2, n_embd=16, block_size=8)
+    resnet_like = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    assert chosen(OptimConfig(), gpt) == (3e-3, 0.1, 0.95)
+    assert chosen(OptimConfig(), resnet_like) == (1e-3, 0.01, 0.999)  # torch's AdamW
+    assert chosen(OptimConfig(name="sgd"), resnet_like)[:2] == (0.1, 1e-4)
+    assert chosen(OptimConfig(lr=0.02), resnet_like) == (0.02, 0.01, 0.999)  # yours stays
+
+
+def test_a_negative_optimizer_setting_other_than_auto_is_refused():
+    from gpufleet.config import load_config
+    from gpufleet.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"optim.lr = -0.5 is negative.*-1 for the model"):
+        load_config(overrides=["optim.lr=-0.5"])

@@ -23,6 +23,9 @@ def opt(default: Any, help: str, *, choices: tuple[str, ...] = (), min: float | 
     return field(default=default, metadata=meta)
 
 
+AUTO = -1.0  # an optimizer setting whose default depends on the model (train.optim)
+
+
 class Section:
     """Checks the choices and bounds declared with :func:`opt`."""
 
@@ -109,10 +112,17 @@ class DataConfig(Section):
 @dataclass
 class OptimConfig(Section):
     name: str = opt("adamw", "Optimizer.", choices=("adamw", "sgd"))
-    lr: float = opt(3e-3, "Peak learning rate.", min=0.0)
-    weight_decay: float = opt(0.1, "Decoupled weight decay (matrices only for adamw).", min=0.0)
+    lr: float = opt(AUTO, "Peak learning rate (-1: the default for the model, see "
+                    "optim.weight_decay).", min=AUTO)
+    weight_decay: float = opt(AUTO, "Decoupled weight decay (matrices only for adamw). -1: "
+                              "the model's default: the built-in GPT lr 3e-3, decay 0.1, "
+                              "beta2 0.95; a Transformers model 5e-5, 0, 0.999 (Trainer's "
+                              "fine-tuning defaults); any other model 1e-3, 0.01, 0.999 "
+                              "(torch's AdamW); sgd lr 0.1, decay 1e-4 (torchvision's "
+                              "reference recipe).", min=AUTO)
     beta1: float = opt(0.9, "AdamW beta1.", min=0.0)
-    beta2: float = opt(0.95, "AdamW beta2.", min=0.0)
+    beta2: float = opt(AUTO, "AdamW beta2 (-1: the model's default, see "
+                       "optim.weight_decay).", min=AUTO)
     momentum: float = opt(0.9, "SGD momentum.", min=0.0)
     grad_accum: int = opt(1, "Micro-steps per optimizer step (gradient sync only on the last).",
                           min=1)
@@ -122,6 +132,14 @@ class OptimConfig(Section):
     decay: str = opt("cosine", "Learning-rate decay after warm-up.",
                      choices=("cosine", "linear", "constant"))
     min_lr_ratio: float = opt(0.1, "Final learning rate as a share of lr.", min=0.0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("lr", "weight_decay", "beta2"):
+            value = getattr(self, key)
+            if value < 0 and value != AUTO:
+                raise ConfigError(f"optim.{key} = {value!r} is negative. Give 0 or more, or "
+                                  f"-1 for the model's default.")
 
 
 @dataclass
@@ -280,8 +298,8 @@ class Config:
 
     Example:
         >>> cfg = Config()
-        >>> cfg.optim.lr
-        0.003
+        >>> cfg.optim.grad_accum
+        1
     """
 
     run: RunConfig = field(default_factory=RunConfig)

@@ -6,6 +6,7 @@ model, optimizer, precision → run directory → data → resume → sinks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from gpufleet.train import checkpoint as ckpt
 from gpufleet.train import sharded as sharded_ckpt
 from gpufleet.train.batches import make_loss_fn
 from gpufleet.train.callbacks import Callback, CallbackList
-from gpufleet.train.optim import build_scheduler, optimizer_spec
+from gpufleet.train.optim import build_scheduler, fill_optimizer_defaults, optimizer_spec
 from gpufleet.train.perf import apply_backend_flags, prepare_model, share_cores
 from gpufleet.train.rundir import plan_run
 from gpufleet.train.seed import rng_state, seed_everything, set_deterministic, set_rng_state
@@ -113,6 +114,10 @@ class TrainerSetup:
         # SyncBatchNorm and activation checkpointing change layers in place (same
         # state-dict names), before compilation and before the strategy wraps the model.
         model = apply_layer_options(model, cfg.parallel, self.device, self.env.world_size)
+        # Optimizer settings left at -1 get the model's defaults; the run directory's
+        # config.toml then records the values used.
+        cfg = self.cfg = dataclasses.replace(
+            cfg, optim=fill_optimizer_defaults(cfg.optim, model))
         self.model = self.strategy.setup_model(prepare_model(model, cfg.perf))
         self.optimizer = self.strategy.setup_optimizer(
             self.model, optimizer_spec(cfg.optim, self.device.type))
