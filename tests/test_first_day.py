@@ -3,11 +3,14 @@ current folder, run names, rerunnable configs, epochs, a preflight, clear rank e
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+import torch
 
 MYMOD = textwrap.dedent('''
     import torch
@@ -81,3 +84,58 @@ def test_a_negative_optimizer_setting_other_than_auto_is_refused():
 
     with pytest.raises(ConfigError, match=r"optim.lr = -0.5 is negative.*-1 for the model"):
         load_config(overrides=["optim.lr=-0.5"])
+
+
+def test_runs_are_named_after_the_factories_and_their_config_reruns(run_cli, tmp_path):
+    _write_mymod(tmp_path)
+    run_cli("train", *TOY, "--max-steps", "2")
+    (first,) = (tmp_path / "runs").glob("classifier-fakedata-*")
+    assert 'name = "classifier-fakedata"' in (first / "config.toml").read_text()
+    # The run's own config.toml starts a new run in a new directory, the first untouched.
+    before = sorted(p.name for p in (first / "checkpoints").iterdir())
+    proc = run_cli("train", "--config", str(first / "config.toml"), "--max-steps", "3")
+    assert "starting a new run with it" in proc.stderr
+    runs = sorted((tmp_path / "runs").glob("classifier-fakedata-*"))
+    assert len(runs) == 2
+    (second,) = [r for r in runs if r != first]
+    assert (second / "checkpoints" / "step-0000003.pt").exists()
+    assert sorted(p.name for p in (first / "checkpoints").iterdir()) == before
+    # Continuing the old run is still one flag away.
+    run_cli("train", "--config", str(first / "config.toml"), "--resume", str(first),
+            "--max-steps", "4")
+    assert (first / "checkpoints" / "step-0000004.pt").exists()
+
+
+def test_under_torchrun_the_run_folder_is_timestamped(run_cli, tmp_path):
+    _write_mymod(tmp_path)
+    run_cli("--standalone", "--nproc-per-node", "2", "-m", "gpufleet", "train", *TOY,
+            "--max-steps", "2", module="torch.distributed.run")
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert re.fullmatch(r"classifier-fakedata-\d{8}-\d{6}", run_dir.name), run_dir.name
+    assert "nproc" in (run_dir / "config.toml").read_text()
+
+
+class MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
+                                          torch.nn.Linear(8, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def test_fit_names_the_run_after_the_module_or_the_script(tmp_path, monkeypatch):
+    import gpufleet
+    from gpufleet.config import Config
+    from gpufleet.train.rundir import run_name
+
+    monkeypatch.chdir(tmp_path)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+    result = gpufleet.fit(MLP(), data, loss_fn=torch.nn.functional.mse_loss,
+                          overrides={"run.max_steps": 2, "log.progress": "off",
+                                     "monitor.report": False, "data.batch_size": 8})
+    assert re.fullmatch(r"mlp-\d{8}-\d{6}", Path(result.run_dir).name), result.run_dir
+    monkeypatch.setattr(sys, "argv", ["/home/me/train_toy.py"])
+    assert run_name(Config(), torch.nn.Sequential(torch.nn.Linear(2, 2))) == "train_toy"
+    assert run_name(Config(), MLP()) == "mlp"

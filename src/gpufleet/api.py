@@ -25,6 +25,8 @@ from gpufleet.train.callbacks import Callback
 from gpufleet.train.loop import FitResult, Trainer
 from gpufleet.train.seed import seed_everything
 
+log = logging.getLogger(__name__)
+
 
 def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None, *,
         loss_fn: Any = None, config: Config | str | None = None,
@@ -41,12 +43,14 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
         overrides: ``{"optim.lr": 1e-3}`` or ``["optim.lr=1e-3"]`` applied on top.
         callbacks: extra :class:`~gpufleet.train.callbacks.Callback` objects.
     """
-    cfg = _config(config, overrides)
+    cfg, note = _config(config, overrides)
     from gpufleet.launch import DistEnv
     from gpufleet.monitor.progress import Progress
 
     if not logging.getLogger().handlers:  # leave a logging setup of the user's alone
         setup_logging(cfg.log.level, DistEnv.detect())
+    if note:
+        log.info("%s", note)
     trainer = Trainer(cfg, model, train_data, eval_data, loss_fn=loss_fn,
                       callbacks=[Progress(cfg.log.progress), *callbacks])
     return trainer.fit()
@@ -57,8 +61,10 @@ def train(cfg: Config, callbacks: Sequence[Callback] = ()) -> FitResult:
     from gpufleet.job import build_job
     from gpufleet.launch import DistEnv
     from gpufleet.monitor.progress import Progress
+    from gpufleet.train.rundir import named
     from gpufleet.train.setup import join_process_group
 
+    cfg = named(cfg)  # from the factories' names, before the job builds the model
     # Join first, so the job can build its data with rank_zero_first.
     join_process_group(cfg, DistEnv.detect())
     # The same seed on every rank, so every rank builds the same initial weights.
@@ -90,7 +96,14 @@ def setup_logging(level: str, env: Any) -> None:
     logging.getLogger("gpufleet").setLevel(level if env.rank == 0 else "WARNING")
 
 
-def _config(config: Config | str | None, overrides: Any) -> Config:
+def _config(config: Config | str | None, overrides: Any) -> tuple[Config, str]:
+    """The config and, when it came from a run's own config.toml, a note that this
+    starts a new run."""
+    from gpufleet.train.rundir import as_new_run
+
     if isinstance(config, Config):
-        return load_config(overrides=overrides, base=config)
-    return load_config(config, overrides)
+        return load_config(overrides=overrides, base=config), ""
+    base, note = None, ""
+    if config is not None:
+        base, note = as_new_run(load_config(config), config)
+    return load_config(overrides=overrides, base=base), note

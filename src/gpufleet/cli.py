@@ -144,7 +144,15 @@ def parse_train_config(args: argparse.Namespace, rest: Sequence[str]) -> Config:
             overrides.append(f"{key}={value}")
     for text in overrides:
         parse_override(text)  # early, precise errors for malformed overrides
-    return load_config(args.config, overrides)
+    from gpufleet.train.rundir import as_new_run
+
+    base = None
+    if args.config:
+        # A run's own config.toml starts a new run; overrides (--run-dir too) apply on top.
+        base, note = as_new_run(load_config(args.config), args.config)
+        if note:
+            print(f"gpufleet: {note}", file=sys.stderr)
+    return load_config(overrides=overrides, base=base)
 
 
 def _cmd_train(args: argparse.Namespace, rest: Sequence[str]) -> int:
@@ -162,8 +170,9 @@ def run_training(cfg: Config) -> Any:
     from gpufleet.launch import DistEnv, launch
     from gpufleet.procs import forget_process, record_process
     from gpufleet.train.checkpoint import mark_verified
-    from gpufleet.train.rundir import plan_run
+    from gpufleet.train.rundir import named, plan_run
 
+    cfg = named(cfg)  # e.g. gpt-stdlib: every rank and node then agrees on it
     env = DistEnv.detect()
     if env.is_distributed:  # torchrun, SLURM, horovodrun, mpirun or our launcher
         result = run_worker(config_to_dict(cfg))

@@ -46,7 +46,9 @@ class Section:
 
 @dataclass
 class RunConfig(Section):
-    name: str = opt("gpt-stdlib", "Run name; the run directory is <out_dir>/<name>-<time>.")
+    name: str = opt("", "Run name; the run directory is <out_dir>/<name>-<time> (empty: "
+                    "from the model and data factories, e.g. resnet18-fakedata, or the "
+                    "module's class for gpufleet.fit).")
     dir: str = opt("", "Run directory to use as is (default: a new one under out_dir).")
     out_dir: str = opt("runs", "Folder that holds the run directories.")
     max_steps: int = opt(600, "Optimizer steps to train for.", min=1)

@@ -41,7 +41,7 @@ from gpufleet.train.batches import make_loss_fn
 from gpufleet.train.callbacks import Callback, CallbackList
 from gpufleet.train.optim import build_scheduler, fill_optimizer_defaults, optimizer_spec
 from gpufleet.train.perf import apply_backend_flags, prepare_model, share_cores
-from gpufleet.train.rundir import plan_run
+from gpufleet.train.rundir import named, plan_run
 from gpufleet.train.seed import rng_state, seed_everything, set_deterministic, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,8 @@ class TrainerSetup:
 
         self.env = DistEnv.detect()
         # Resolving needs no process group; the resolved backend then needs no second look.
-        self.cfg = resolve(cfg, Machine.detect(), self.env.world_size,
+        # A run without a name is named after the model (gpufleet.fit(MLP(), ...): mlp).
+        self.cfg = resolve(named(cfg, model), Machine.detect(), self.env.world_size,
                            local_world_size=self.env.local_world_size)
         join_process_group(self.cfg, self.env)
         share_cores(self.env.local_world_size, self.env.is_main)
