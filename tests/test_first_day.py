@@ -3,7 +3,9 @@ current folder, run names, rerunnable configs, epochs, a preflight, clear rank e
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -139,3 +141,51 @@ def test_fit_names_the_run_after_the_module_or_the_script(tmp_path, monkeypatch)
     monkeypatch.setattr(sys, "argv", ["/home/me/train_toy.py"])
     assert run_name(Config(), torch.nn.Sequential(torch.nn.Linear(2, 2))) == "train_toy"
     assert run_name(Config(), MLP()) == "mlp"
+
+
+def _train_rows(run_dir):
+    return [r for r in map(json.loads, open(run_dir / "metrics.jsonl")) if r["kind"] == "train"]
+
+
+def test_max_epochs_ends_the_run_and_shapes_the_schedule(run_cli, tmp_path):
+    _write_mymod(tmp_path)  # 64 samples, batch 8: 8 steps an epoch
+    proc = run_cli("train", *TOY, "--max-epochs", "2", "--run-dir", "runs/epochs",
+                   "--checkpoint.every", "4", "--checkpoint.keep_last", "9",
+                   "--optim.warmup_steps", "2")
+    rows = _train_rows(tmp_path / "runs/epochs")
+    assert rows[-1]["step"] == 16  # without --max-steps, the epochs decide
+    assert rows[-1]["lr"] == pytest.approx(1e-4)  # the decay ended at step 16: 0.1 x 1e-3
+    assert "epoch 1.00/2 | loss" in proc.stderr and "epoch 2.00/2 | loss" in proc.stderr
+    assert "│ epochs        │ 2.00" in proc.stdout
+    # Whichever comes first: 5 steps end the run before 2 epochs do.
+    run_cli("train", *TOY, "--max-epochs", "2", "--max-steps", "5", "--run-dir", "runs/s")
+    assert _train_rows(tmp_path / "runs/s")[-1]["step"] == 5
+    # Resuming mid-epoch (step 4 of 8) ends exactly where the uninterrupted run did.
+    part = tmp_path / "runs/part/checkpoints"
+    part.mkdir(parents=True)
+    for f in (tmp_path / "runs/epochs/checkpoints").glob("step-0000004*"):
+        shutil.copy(f, part / f.name)
+    run_cli("train", *TOY, "--max-epochs", "2", "--run-dir", "runs/part", "--resume",
+            str(part), "--optim.warmup_steps", "2")
+    from conftest import final_params
+
+    assert (part / "step-0000016.pt").exists()
+    full, resumed = final_params(tmp_path / "runs/epochs"), final_params(part.parent)
+    for key, value in full.items():
+        assert torch.equal(resumed[key], value), key
+
+
+def test_step_limit_defaults_to_600_unless_epochs_are_given():
+    from gpufleet.config import Machine, load_config, resolve
+    from gpufleet.errors import ConfigError
+
+    cpu = Machine(cuda=False, gpus=0, bf16=False)
+
+    def steps(**overrides):
+        return resolve(load_config(overrides=overrides), cpu, world_size=1).run.max_steps
+
+    assert steps() == 600
+    assert steps(**{"run.max_epochs": 3}) == 0  # no step limit: the epochs end the run
+    assert steps(**{"run.max_epochs": 3, "run.max_steps": 50}) == 50
+    with pytest.raises(ConfigError, match=r"would never end.*--max-epochs N"):
+        steps(**{"run.max_steps": 0})

@@ -31,7 +31,9 @@ SHORTCUTS: dict[str, tuple[str, str]] = {
     "--strategy": ("parallel.strategy", "auto, single, dp, ddp, fsdp, zero1, pipeline, "
                                         "local_sgd, model_parallel or horovod"),
     "--precision": ("precision.mode", "auto, fp32, bf16-mixed or fp16-mixed"),
-    "--max-steps": ("run.max_steps", "optimizer steps"),
+    "--max-steps": ("run.max_steps", "optimizer steps (with --max-epochs: whichever ends "
+                                     "first)"),
+    "--max-epochs": ("run.max_epochs", "passes over the training set"),
     "--batch-size": ("data.batch_size", "samples per rank per micro-step"),
     "--lr": ("optim.lr", "peak learning rate"),
     "--grad-accum": ("optim.grad_accum", "micro-steps per optimizer step"),
@@ -247,6 +249,7 @@ def _print_summary(result: Any) -> None:
     first = result.losses[0] if result.losses else None
     rows = [
         ("steps", str(result.steps)),
+        ("epochs", f"{result.epochs:.2f}"),
         ("train loss", f"{first[1]:.4f} (step {first[0]}) -> {result.final_loss:.4f} "
                        f"(step {result.losses[-1][0]})" if first else "-"),
         ("eval loss", f"{result.eval_loss:.4f}" if result.eval_loss is not None else "-"),

@@ -51,7 +51,11 @@ class RunConfig(Section):
                     "module's class for gpufleet.fit).")
     dir: str = opt("", "Run directory to use as is (default: a new one under out_dir).")
     out_dir: str = opt("runs", "Folder that holds the run directories.")
-    max_steps: int = opt(600, "Optimizer steps to train for.", min=1)
+    max_steps: int = opt(-1, "Optimizer steps to train for; with run.max_epochs, whichever "
+                         "ends first (-1: 600, or no step limit when run.max_epochs is set; "
+                         "0: no step limit).", min=-1)
+    max_epochs: int = opt(0, "Passes over the training set; with run.max_steps, whichever "
+                          "ends first (0: no epoch limit).", min=0)
     seed: int = opt(1337, "Seed for python, numpy, torch (CPU and CUDA) and data workers.")
     deterministic: bool = opt(False, "Use only deterministic kernels (slower; bit-exact reruns).")
     device: str = opt("auto", "Where to train: auto (CUDA if present), cpu or cuda.",

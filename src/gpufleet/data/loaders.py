@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -94,6 +94,15 @@ class TrainLoader:
     sampler: Any
     unit: int
     variable: bool
+    _counts: dict[int, int] = field(default_factory=dict, repr=False)
+
+    def batches_in_epoch(self, epoch: int) -> int:
+        """Batches this rank reads in ``epoch`` (token batching: they vary by epoch)."""
+        if epoch not in self._counts:
+            plan = getattr(self.sampler, "epoch_batches", None)
+            self._counts[epoch] = (len(plan(epoch)) // self.sampler.world_size
+                                   if plan is not None else len(self.loader))
+        return self._counts[epoch]
 
 
 def loader_options(cfg: DataConfig, workers: int, pin_memory: bool) -> dict[str, Any]:

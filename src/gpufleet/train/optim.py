@@ -70,8 +70,9 @@ def fill_optimizer_defaults(cfg: OptimConfig, model: nn.Module) -> OptimConfig:
               if getattr(cfg, key) == AUTO}
     if not chosen:
         return cfg
-    log.info("optimizer defaults for %s: %s (set optim.<key> to change)",
-             "sgd" if kind == "sgd" else f"a {kind} model",
+    words = {"gpt": "the built-in GPT", "transformers": "a Transformers model",
+             "model": "your model (torch's AdamW defaults)", "sgd": "sgd"}
+    log.info("optimizer defaults for %s: %s (set optim.<key> to change)", words[kind],
              ", ".join(f"{k}={v:g}" for k, v in chosen.items()))
     return dataclasses.replace(cfg, **chosen)
 

@@ -65,6 +65,7 @@ class TrainerSetup:
         self._build_model(model, loss_fn)
         self._build_run_dir()
         self._build_data(train_data, eval_data)
+        self._build_schedule()
         self.step, self.epoch, self.consumed = 0, 0, 0
         self._saved_step = -1
         mon = self.cfg.monitor
@@ -122,7 +123,6 @@ class TrainerSetup:
         self.model = self.strategy.setup_model(prepare_model(model, cfg.perf))
         self.optimizer = self.strategy.setup_optimizer(
             self.model, optimizer_spec(cfg.optim, self.device.type))
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.run.max_steps)
         self.loss_fn = make_loss_fn(loss_fn)
         self.nonfinite = (NonFiniteGuard(cfg.fault, self.strategy, self.precision)
                           if cfg.fault.skip_nonfinite else None)
@@ -165,11 +165,40 @@ class TrainerSetup:
         train = build_train_loader(train_data, cfg.data, rank=shard,
                                    world_size=shards, seed=cfg.run.seed,
                                    pin_memory=self.pin_memory)
+        self._train = train
         self.train_loader, self.train_sampler = train.loader, train.sampler
         self._consume_unit, self._variable_batches = train.unit, train.variable
         self.eval_loader = build_eval_loader(eval_data, cfg.data, rank=shard,
                                              world_size=shards,
                                              pin_memory=self.pin_memory)
+
+    def _build_schedule(self) -> None:
+        """The step the run ends at, and the learning-rate schedule over it: run.max_steps
+        or the steps of run.max_epochs, whichever comes first."""
+        run, accum = self.cfg.run, self.cfg.optim.grad_accum
+        limits = [run.max_steps] if run.max_steps else []
+        if run.max_epochs:
+            batches = sum(self._train.batches_in_epoch(e) for e in range(run.max_epochs))
+            if batches < accum:
+                raise ConfigError(
+                    f"run.max_epochs = {run.max_epochs} gives {batches} batch(es) per rank, "
+                    f"fewer than optim.grad_accum = {accum} per optimizer step. Train more "
+                    "epochs, lower optim.grad_accum or data.batch_size.")
+            # An optimizer step takes grad_accum batches; a remainder is left out.
+            limits.append(batches // accum)
+            if self.env.is_main:
+                log.info("%d epoch(s) = %d optimizer steps (%d batches per rank)%s",
+                         run.max_epochs, batches // accum, batches,
+                         f"; run.max_steps = {run.max_steps} ends the run first"
+                         if run.max_steps and run.max_steps < batches // accum else "")
+        self.max_steps = min(limits)  # resolve() makes sure there is a limit
+        self.scheduler = build_scheduler(self.optimizer, self.cfg.optim, self.max_steps)
+
+    @property
+    def epochs_done(self) -> float:
+        """Passes over the training set so far, e.g. 1.5 halfway through the second."""
+        per_epoch = self._train.batches_in_epoch(self.epoch) * self._consume_unit
+        return self.epoch + (self.consumed / per_epoch if per_epoch else 0.0)
 
     def _epoch_iterator(self) -> Any:
         """A fresh pass over the training loader for ``self.epoch``.
