@@ -189,3 +189,78 @@ def test_step_limit_defaults_to_600_unless_epochs_are_given():
     assert steps(**{"run.max_epochs": 3, "run.max_steps": 50}) == 50
     with pytest.raises(ConfigError, match=r"would never end.*--max-epochs N"):
         steps(**{"run.max_steps": 0})
+
+
+def test_a_config_mistake_is_one_line_before_any_rank_starts(run_cli, tmp_path):
+    _write_mymod(tmp_path)
+    no_loss = [a for a in TOY if a not in ("--model.loss", "torch.nn.functional:cross_entropy")]
+    proc = run_cli("train", *no_loss, "--nproc", "2", expect=2)
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, proc.stderr
+    assert errors[0].startswith("gpufleet: error: preflight: a batch of 2 sample(s)")
+    assert "--model.loss=package.module:function" in errors[0]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs").exists()  # no run directory, no crash report
+
+
+def test_a_rank_failure_is_told_once_with_advice_that_fits(run_cli, tmp_path):
+    _write_mymod(tmp_path)
+    no_loss = [a for a in TOY if a not in ("--model.loss", "torch.nn.functional:cross_entropy")]
+    proc = run_cli("train", *no_loss, "--nproc", "2", "--run.preflight=false", expect=1)
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.count("First failure") == 1
+    assert "This TypeError comes from the config or the code" in proc.stderr
+    assert "raise --dist.max_restarts" not in proc.stderr
+
+
+def test_failure_advice_follows_the_cause():
+    from gpufleet.launch.launcher import _advice
+
+    assert "dmesg" in _advice("", "", -9, "SIGKILL", 0)
+    assert "batch_size" in _advice("OutOfMemoryError", "CUDA out of memory", 1, "", 0)
+    assert "--dist.max_restarts N" in _advice("DistNetworkError", "Connection reset", 1, "", 0)
+    assert "fix it and run again" in _advice("ConfigError", "bad", 1, "", 0)
+
+
+FIT_SCRIPT = textwrap.dedent('''
+    import json
+    import torch
+    import gpufleet
+    from mymod import classifier, fakedata
+
+    if __name__ == "__main__":
+        result = gpufleet.fit(classifier(), fakedata(), loss_fn=torch.nn.functional.cross_entropy,
+                              overrides={"dist.nproc": 2, "run.max_steps": 3,
+                                         "log.progress": "lines", "monitor.report": False,
+                                         "data.batch_size": 8})
+        print(json.dumps({"steps": result.steps, "run_dir": result.run_dir}))
+''')
+
+
+def test_fit_starts_the_ranks_that_dist_nproc_asks_for(run_cli, tmp_path):
+    _write_mymod(tmp_path)
+    (tmp_path / "fit_two.py").write_text(FIT_SCRIPT)
+    from conftest import _env
+
+    proc = subprocess.run([sys.executable, "fit_two.py"], cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["steps"] == 3
+    run_dir = tmp_path / result["run_dir"]
+    assert run_dir.name.startswith("classifier-")
+    config = (run_dir / "config.toml").read_text()
+    assert 'strategy = "ddp"' in config and "nproc = 2" in config  # two ranks, not one
+    assert "[rank 0]" in proc.stderr
+
+
+def test_fit_refuses_clearly_what_it_cannot_send_to_the_ranks(tmp_path, monkeypatch):
+    import gpufleet
+    from gpufleet.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+    with pytest.raises(ConfigError, match="loss function, which cannot be pickled"):
+        gpufleet.fit(MLP(), data, loss_fn=lambda out, y: (out - y).pow(2).mean(),
+                     overrides={"dist.nproc": 2, "log.progress": "off"})
+    assert not (tmp_path / "runs").exists()

@@ -42,15 +42,31 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
         config: a :class:`Config`, a TOML path, or None for the defaults.
         overrides: ``{"optim.lr": 1e-3}`` or ``["optim.lr=1e-3"]`` applied on top.
         callbacks: extra :class:`~gpufleet.train.callbacks.Callback` objects.
+
+    With ``overrides={"dist.nproc": 2}`` (and no ranks started yet) fit starts the ranks
+    itself (torch's elastic agent) and sends each the model, the data, the loss and the
+    callbacks, which must be picklable: defined at module level of an importable file,
+    with the script's own work under ``if __name__ == "__main__":``. It returns rank 0's
+    result. Under torchrun every rank calls fit and trains its share.
     """
     cfg, note = _config(config, overrides)
     from gpufleet.launch import DistEnv
     from gpufleet.monitor.progress import Progress
 
+    env = DistEnv.detect()
     if not logging.getLogger().handlers:  # leave a logging setup of the user's alone
-        setup_logging(cfg.log.level, DistEnv.detect())
+        setup_logging(cfg.log.level, env)
     if note:
         log.info("%s", note)
+    if not env.is_distributed and (cfg.dist.nproc > 1 or cfg.dist.nnodes != "1"):
+        # Asked for several ranks from plain Python: start them, each trains a copy.
+        from gpufleet.job import Job
+        from gpufleet.train.rundir import named
+        from gpufleet.train.start import start_run
+
+        return start_run(named(cfg, model), _fit_worker,
+                         (model, train_data, eval_data, loss_fn, list(callbacks)),
+                         job=Job(model, train_data, eval_data, loss_fn))
     trainer = Trainer(cfg, model, train_data, eval_data, loss_fn=loss_fn,
                       callbacks=[Progress(cfg.log.progress), *callbacks])
     return trainer.fit()
@@ -73,6 +89,22 @@ def train(cfg: Config, callbacks: Sequence[Callback] = ()) -> FitResult:
     trainer = Trainer(cfg, job.model, job.train_data, job.eval_data, loss_fn=job.loss_fn,
                       callbacks=[Progress(cfg.log.progress), *callbacks])
     return trainer.fit()
+
+
+def _fit_worker(cfg_dict: dict[str, Any], model: nn.Module, train_data: Dataset,
+                eval_data: Dataset | None, loss_fn: Any,
+                callbacks: list[Callback]) -> FitResult:
+    """Entry point of each rank that :func:`fit` started (``dist.nproc > 1``)."""
+    from gpufleet.launch import DistEnv, destroy_process_group
+    from gpufleet.monitor.progress import Progress
+
+    cfg = config_from_dict(cfg_dict)
+    setup_logging(cfg.log.level, DistEnv.detect())
+    try:
+        return Trainer(cfg, model, train_data, eval_data, loss_fn=loss_fn,
+                       callbacks=[Progress(cfg.log.progress), *callbacks]).fit()
+    finally:
+        destroy_process_group()
 
 
 def run_worker(cfg_dict: dict[str, Any]) -> FitResult:

@@ -60,6 +60,9 @@ class RunConfig(Section):
     deterministic: bool = opt(False, "Use only deterministic kernels (slower; bit-exact reruns).")
     device: str = opt("auto", "Where to train: auto (CUDA if present), cpu or cuda.",
                       choices=("auto", "cpu", "cuda"))
+    preflight: bool = opt(True, "Before the ranks start, run one batch of 2 samples "
+                          "through the model and loss on the CPU (forward only), so a config "
+                          "mistake is one line, not a traceback per rank.")
     eval_every: int = opt(200, "Evaluate every N optimizer steps (0: only at the end).", min=0)
     eval_batches: int = opt(50, "Batches per rank in an evaluation (0: the whole set).", min=0)
 
