@@ -101,8 +101,6 @@ def start_run(cfg: Config, worker: Callable[..., Any], extra: tuple = (),
     """
     from gpufleet.launch import launch
     from gpufleet.procs import forget_process, record_process
-    from gpufleet.train.checkpoint import mark_verified
-    from gpufleet.train.rundir import plan_run
 
     dist = cfg.dist
     if cfg.parallel.strategy == "horovod" and dist.nproc > 1:
@@ -133,20 +131,7 @@ def start_run(cfg: Config, worker: Callable[..., Any], extra: tuple = (),
     check_picklable(dict(zip(("model", "training data", "evaluation data", "loss function",
                               "callbacks"), extra, strict=False)), nproc)
     _preflight_job(cfg, job)
-    if multi_node:
-        # Every node must agree on the run directory without talking to each other.
-        if not cfg.run.dir:
-            if not dist.rdzv_id:
-                raise ConfigError(
-                    "a multi-node run needs a run directory that every node agrees on. "
-                    "Pass --rdzv-id NAME (the run writes to <out_dir>/<name>-NAME) or "
-                    "--run-dir PATH, on a file system all nodes share.")
-            run_dir = f"{cfg.run.out_dir}/{cfg.run.name}-{dist.rdzv_id}"
-            cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir))
-    else:
-        cfg, resume_from = plan_run(cfg)  # one directory for every rank and restart
-        if resume_from is not None and resume_from.is_file():
-            mark_verified(resume_from)  # checked just now: rank 0 need not hash it again
+    cfg = _plan_run_dir(cfg, multi_node)
     record_process(cfg.run.dir, "launcher")  # for `gpufleet cleanup RUN_DIR`
     results = launch(
         worker, (config_to_dict(cfg), *extra), nproc=nproc, launcher=launcher,
@@ -156,6 +141,28 @@ def start_run(cfg: Config, worker: Callable[..., Any], extra: tuple = (),
         max_restarts=dist.max_restarts)
     forget_process(cfg.run.dir)
     return results.get(0)
+
+
+def _plan_run_dir(cfg: Config, multi_node: bool) -> Config:
+    """The run directory every rank (and every restart) of the job writes to."""
+    from gpufleet.train.checkpoint import mark_verified
+    from gpufleet.train.rundir import plan_run
+
+    if not multi_node:
+        cfg, resume_from = plan_run(cfg)
+        if resume_from is not None and resume_from.is_file():
+            mark_verified(resume_from)  # checked just now: rank 0 need not hash it again
+        return cfg
+    # Every node must agree on the run directory without talking to each other.
+    if cfg.run.dir:
+        return cfg
+    if not cfg.dist.rdzv_id:
+        raise ConfigError(
+            "a multi-node run needs a run directory that every node agrees on. "
+            "Pass --rdzv-id NAME (the run writes to <out_dir>/<name>-NAME) or "
+            "--run-dir PATH, on a file system all nodes share.")
+    run_dir = f"{cfg.run.out_dir}/{cfg.run.name}-{cfg.dist.rdzv_id}"
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir))
 
 
 def _preflight_job(cfg: Config, job: Any) -> None:
