@@ -60,13 +60,13 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
         log.info("%s", note)
     if not env.is_distributed and (cfg.dist.nproc > 1 or cfg.dist.nnodes != "1"):
         # Asked for several ranks from plain Python: start them, each trains a copy.
+        from gpufleet.cli import run_training
         from gpufleet.job import Job
         from gpufleet.train.rundir import named
-        from gpufleet.train.start import start_run
 
-        return start_run(named(cfg, model), _fit_worker,
-                         (model, train_data, eval_data, loss_fn, list(callbacks)),
-                         job=Job(model, train_data, eval_data, loss_fn))
+        return run_training(named(cfg, model), _fit_worker,
+                            (model, train_data, eval_data, loss_fn, list(callbacks)),
+                            job=Job(model, train_data, eval_data, loss_fn))
     trainer = Trainer(cfg, model, train_data, eval_data, loss_fn=loss_fn,
                       callbacks=[Progress(cfg.log.progress), *callbacks])
     return trainer.fit()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import sys
 import textwrap
@@ -164,19 +165,94 @@ def _cmd_train(args: argparse.Namespace, rest: Sequence[str]) -> int:
     return 0
 
 
-def run_training(cfg: Config) -> Any:
-    """Train here, or start the ranks and train there; returns rank 0's FitResult."""
-    from gpufleet.api import run_worker
-    from gpufleet.launch import DistEnv
-    from gpufleet.train.rundir import named
-    from gpufleet.train.start import start_run
+def run_training(cfg: Config, worker: Any = None, extra: tuple = (), job: Any = None) -> Any:
+    """Train here, or start the ranks and train there; returns rank 0's FitResult.
 
+    Args:
+        cfg: the run's config.
+        worker: what each rank runs, ``worker(cfg_dict, *extra)`` (default: the job the
+            config names, :func:`gpufleet.api.run_worker`).
+        extra: further arguments for ``worker``, sent to every rank (picklable).
+        job: the model, data and loss the preflight checks (a
+            :class:`gpufleet.job.Job`); None builds the job the config names.
+    """
+    from gpufleet.api import run_worker
+    from gpufleet.config import Machine, resolve
+    from gpufleet.launch import DistEnv, launch
+    from gpufleet.procs import forget_process, record_process
+    from gpufleet.train.checkpoint import mark_verified
+    from gpufleet.train.rundir import named, plan_run
+    from gpufleet.train.start import check_picklable, preflight_job
+
+    worker = worker or run_worker
     cfg = named(cfg)  # e.g. gpt-stdlib: every rank and node then agrees on it
     env = DistEnv.detect()
     if env.is_distributed:  # torchrun, SLURM, horovodrun, mpirun or our launcher
         result = run_worker(config_to_dict(cfg))
         return result if env.is_main else None  # one summary per job, from rank 0
-    return start_run(cfg, run_worker)
+    dist = cfg.dist
+    if cfg.parallel.strategy == "horovod" and dist.nproc > 1:
+        raise ConfigError(
+            f"--nproc {dist.nproc} with --strategy horovod: Horovod's ranks are started by "
+            f"horovodrun, not by gpufleet. Run: horovodrun -np {dist.nproc} gpufleet train "
+            "--strategy horovod ... (without --nproc).")
+    nproc = dist.nproc or _visible_gpus(cfg)
+    max_nodes = int(dist.nnodes.split(":")[-1])
+    multi_node = max_nodes > 1
+    launcher = dist.launcher
+    if launcher == "auto":
+        needs_agent = nproc > 1 or multi_node or dist.max_restarts > 0
+        launcher = "elastic" if needs_agent else "none"
+    if launcher == "none" and (nproc > 1 or multi_node):
+        raise ConfigError(f"dist.launcher = 'none' runs one process, but {nproc} rank(s) "
+                          f"on {dist.nnodes} node(s) were asked for. Use "
+                          "--launcher elastic (or spawn), or --nproc 1.")
+    # Check the whole config here, once, before any rank starts: a mistake then reads as
+    # one message instead of a traceback per rank (and per restart).
+    resolve(cfg, Machine.detect(), world_size=nproc * max_nodes, local_world_size=nproc)
+    cfg = dataclasses.replace(cfg, dist=dataclasses.replace(dist, nproc=nproc,
+                                                            launcher=launcher))
+    if launcher == "none":
+        return worker(config_to_dict(cfg), *extra)
+    # Before any rank starts: what the ranks are sent, and one batch through the job.
+    check_picklable(extra, nproc)
+    preflight_job(cfg, job)
+    if multi_node:
+        # Every node must agree on the run directory without talking to each other.
+        if not cfg.run.dir:
+            if not dist.rdzv_id:
+                raise ConfigError(
+                    "a multi-node run needs a run directory that every node agrees on. "
+                    "Pass --rdzv-id NAME (the run writes to <out_dir>/<name>-NAME) or "
+                    "--run-dir PATH, on a file system all nodes share.")
+            run_dir = f"{cfg.run.out_dir}/{cfg.run.name}-{dist.rdzv_id}"
+            cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir))
+    else:
+        cfg, resume_from = plan_run(cfg)  # one directory for every rank and restart
+        if resume_from is not None and resume_from.is_file():
+            mark_verified(resume_from)  # checked just now: rank 0 need not hash it again
+    record_process(cfg.run.dir, "launcher")  # for `gpufleet cleanup RUN_DIR`
+    results = launch(
+        worker, (config_to_dict(cfg), *extra), nproc=nproc, launcher=launcher,
+        nnodes=dist.nnodes, node_rank=dist.node_rank, master_addr=dist.master_addr,
+        master_port=dist.master_port, rdzv_endpoint=dist.rdzv_endpoint,
+        rdzv_backend=dist.rdzv_backend, rdzv_id=dist.rdzv_id or cfg.run.name,
+        max_restarts=dist.max_restarts)
+    forget_process(cfg.run.dir)
+    return results.get(0)
+
+
+def _visible_gpus(cfg: Config) -> int:
+    if cfg.parallel.strategy == "horovod":
+        return 1  # one process here; horovodrun -np N starts more
+    if cfg.run.device == "cpu":
+        return 1
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cfg.parallel.strategy in ("dp", "single"):
+        return 1  # dp: one process drives every GPU; single: one process, one GPU
+    return max(1, count)
 
 
 def _print_summary(result: Any) -> None:

@@ -1,5 +1,4 @@
-"""Start a run from the process the user ran: check it once, then train here or start
-the ranks.
+"""Checks the launching process makes before ranks start (``gpufleet.cli.run_training``).
 
 Before any rank starts, the launching process checks the whole config and runs a
 preflight: one small batch through the model and the loss, forward only, on the CPU.
@@ -10,16 +9,14 @@ traceback from every rank.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import pickle
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from gpufleet.config import Config, Machine, config_to_dict, resolve
+from gpufleet.config import Config
 from gpufleet.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -66,11 +63,15 @@ def _failed(what: str, error: Exception, cfg: Config) -> str:
             "--run.preflight=false if the model only runs on a GPU.)")
 
 
-def check_picklable(what: dict[str, Any], nproc: int) -> None:
+# What gpufleet.fit sends to the ranks it starts, in the order it passes them.
+_SENT = ("model", "training data", "evaluation data", "loss function", "callbacks")
+
+
+def check_picklable(extra: tuple, nproc: int) -> None:
     """Refuse, naming the culprit, to send ranks objects that cannot be pickled (or
     that the new processes could not import: defined in a notebook or the REPL)."""
     interactive = not getattr(sys.modules.get("__main__"), "__file__", None)
-    for name, value in what.items():
+    for name, value in zip(_SENT, extra, strict=False):
         module = getattr(value, "__module__", None) or type(value).__module__
         if interactive and "__main__" in (module, type(value).__module__):
             raise ConfigError(
@@ -88,84 +89,9 @@ def check_picklable(what: dict[str, Any], nproc: int) -> None:
                 f"--nproc-per-node {nproc} so that every rank builds its own.") from None
 
 
-def start_run(cfg: Config, worker: Callable[..., Any], extra: tuple = (),
-              job: Any = None) -> Any:
-    """Train here, or start the ranks and train there; returns rank 0's result.
-
-    Args:
-        cfg: the run's config (named: ``run.name`` set).
-        worker: what each rank runs, ``worker(cfg_dict, *extra)``.
-        extra: further arguments for ``worker`` (sent to every rank: picklable).
-        job: the model, data and loss to preflight (a :class:`gpufleet.job.Job`);
-            None builds the job the config names, for the preflight only.
-    """
-    from gpufleet.launch import launch
-    from gpufleet.procs import forget_process, record_process
-
-    dist = cfg.dist
-    if cfg.parallel.strategy == "horovod" and dist.nproc > 1:
-        raise ConfigError(
-            f"--nproc {dist.nproc} with --strategy horovod: Horovod's ranks are started by "
-            f"horovodrun, not by gpufleet. Run: horovodrun -np {dist.nproc} gpufleet train "
-            "--strategy horovod ... (without --nproc).")
-    nproc = dist.nproc or _visible_gpus(cfg)
-    max_nodes = int(dist.nnodes.split(":")[-1])
-    multi_node = max_nodes > 1
-    launcher = dist.launcher
-    if launcher == "auto":
-        needs_agent = nproc > 1 or multi_node or dist.max_restarts > 0
-        launcher = "elastic" if needs_agent else "none"
-    if launcher == "none" and (nproc > 1 or multi_node):
-        raise ConfigError(f"dist.launcher = 'none' runs one process, but {nproc} rank(s) "
-                          f"on {dist.nnodes} node(s) were asked for. Use "
-                          "--launcher elastic (or spawn), or --nproc 1.")
-    # Check the whole config here, once, before any rank starts: a mistake then reads as
-    # one message instead of a traceback per rank (and per restart).
-    resolve(cfg, Machine.detect(), world_size=nproc * max_nodes, local_world_size=nproc)
-    cfg = dataclasses.replace(cfg, dist=dataclasses.replace(dist, nproc=nproc,
-                                                            launcher=launcher))
-    if launcher == "none":
-        # One process: a mistake surfaces here anyway, and the data set is read by this
-        # process alone (a preflight would read from it before the run does).
-        return worker(config_to_dict(cfg), *extra)
-    check_picklable(dict(zip(("model", "training data", "evaluation data", "loss function",
-                              "callbacks"), extra, strict=False)), nproc)
-    _preflight_job(cfg, job)
-    cfg = _plan_run_dir(cfg, multi_node)
-    record_process(cfg.run.dir, "launcher")  # for `gpufleet cleanup RUN_DIR`
-    results = launch(
-        worker, (config_to_dict(cfg), *extra), nproc=nproc, launcher=launcher,
-        nnodes=dist.nnodes, node_rank=dist.node_rank, master_addr=dist.master_addr,
-        master_port=dist.master_port, rdzv_endpoint=dist.rdzv_endpoint,
-        rdzv_backend=dist.rdzv_backend, rdzv_id=dist.rdzv_id or cfg.run.name,
-        max_restarts=dist.max_restarts)
-    forget_process(cfg.run.dir)
-    return results.get(0)
-
-
-def _plan_run_dir(cfg: Config, multi_node: bool) -> Config:
-    """The run directory every rank (and every restart) of the job writes to."""
-    from gpufleet.train.checkpoint import mark_verified
-    from gpufleet.train.rundir import plan_run
-
-    if not multi_node:
-        cfg, resume_from = plan_run(cfg)
-        if resume_from is not None and resume_from.is_file():
-            mark_verified(resume_from)  # checked just now: rank 0 need not hash it again
-        return cfg
-    # Every node must agree on the run directory without talking to each other.
-    if cfg.run.dir:
-        return cfg
-    if not cfg.dist.rdzv_id:
-        raise ConfigError(
-            "a multi-node run needs a run directory that every node agrees on. "
-            "Pass --rdzv-id NAME (the run writes to <out_dir>/<name>-NAME) or "
-            "--run-dir PATH, on a file system all nodes share.")
-    run_dir = f"{cfg.run.out_dir}/{cfg.run.name}-{cfg.dist.rdzv_id}"
-    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir))
-
-
-def _preflight_job(cfg: Config, job: Any) -> None:
+def preflight_job(cfg: Config, job: Any = None) -> None:
+    """:func:`preflight` for ``job`` (a :class:`gpufleet.job.Job`), or for the job the
+    config names, built here for the check only."""
     if not cfg.run.preflight:
         return
     if job is None:
@@ -175,14 +101,3 @@ def _preflight_job(cfg: Config, job: Any) -> None:
         seed_everything(cfg.run.seed)
         job = build_job(cfg)
     preflight(job.model, job.train_data, job.loss_fn, cfg)
-
-
-def _visible_gpus(cfg: Config) -> int:
-    if cfg.parallel.strategy == "horovod":
-        return 1  # one process here; horovodrun -np N starts more
-    if cfg.run.device == "cpu":
-        return 1
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if cfg.parallel.strategy in ("dp", "single"):
-        return 1  # dp: one process drives every GPU; single: one process, one GPU
-    return max(1, count)
