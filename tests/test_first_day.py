@@ -264,3 +264,15 @@ def test_fit_refuses_clearly_what_it_cannot_send_to_the_ranks(tmp_path, monkeypa
         gpufleet.fit(MLP(), data, loss_fn=lambda out, y: (out - y).pow(2).mean(),
                      overrides={"dist.nproc": 2, "log.progress": "off"})
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_transformers_model_gets_fine_tuning_defaults():
+    transformers = pytest.importorskip("transformers")
+    from gpufleet.config import OptimConfig
+    from gpufleet.train.optim import fill_optimizer_defaults
+
+    bert = transformers.BertForSequenceClassification(transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        vocab_size=100))
+    filled = fill_optimizer_defaults(OptimConfig(), bert)
+    assert (filled.lr, filled.weight_decay, filled.beta2) == (5e-5, 0.0, 0.999)
