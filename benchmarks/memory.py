@@ -41,7 +41,7 @@ from gpufleet.launch import free_port
 from gpufleet.models.gpt import build_gpt
 from gpufleet.parallel import build_strategy
 from gpufleet.precision import build_precision
-from gpufleet.train.optim import optimizer_spec
+from gpufleet.train.optim import fill_optimizer_defaults, optimizer_spec
 
 STRATEGIES = ("ddp", "zero1", "fsdp")
 MB = 1024 * 1024
@@ -76,8 +76,9 @@ def _rank(rank: int, world: int, port: int, strategy: str, args: argparse.Namesp
         n_params = sum(p.numel() for p in model.parameters())
         precision = build_precision("fp32", "cpu")
         strat = build_strategy(strategy, ParallelConfig(), torch.device("cpu"), precision)
+        optim_cfg = fill_optimizer_defaults(OptimConfig(), model)  # the GPT's defaults
         model = strat.setup_model(model)
-        optimizer = strat.setup_optimizer(model, optimizer_spec(OptimConfig(), "cpu"))
+        optimizer = strat.setup_optimizer(model, optimizer_spec(optim_cfg, "cpu"))
         idx = torch.randint(0, 256, (args.batch, args.seq))
         strat.forward_backward(model, (idx, idx), lambda m, b: m(b[0], targets=b[1]),
                                precision, 1.0)

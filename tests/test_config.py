@@ -19,7 +19,7 @@ def test_defaults_and_overrides():
     assert cfg.data.kwargs == {"n": 3}
     assert cfg.model.name == "mypkg.mod:make"
     assert cfg.dist.nnodes == "2"  # an integer on the command line becomes the string
-    assert Config().optim.lr == 3e-3
+    assert Config().optim.lr == -1.0  # the model's default, filled in by the trainer
 
 
 def test_toml_file_then_overrides(tmp_path):

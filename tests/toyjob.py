@@ -120,7 +120,7 @@ def make_data_stalling_rank(rank: int = 1, after: int = 100, sleep: float = 5.0,
 
 
 class _Recording(Dataset):
-    """Appends every index it is asked for to ``<out>/rank<R>.txt`` (num_workers=0 reads
+    """Appends every index a rank asks for to ``<out>/rank<R>.txt`` (num_workers=0 reads
     exactly what training consumes); rank ``kill_rank`` SIGKILLs itself after
     ``kill_after`` items."""
 
@@ -132,7 +132,9 @@ class _Recording(Dataset):
         return len(self.inner)
 
     def __getitem__(self, i: int):
-        rank = int(os.environ.get("RANK", "0"))
+        if "RANK" not in os.environ:  # the launcher's preflight: not a rank's reading
+            return self.inner[i]
+        rank = int(os.environ["RANK"])
         self.seen += 1
         if rank == self.kill_rank and self.seen > self.kill_after:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -26,6 +26,8 @@ from gpufleet.train.callbacks import Callback
 from gpufleet.train.loop import FitResult, Trainer
 from gpufleet.train.seed import seed_everything
 
+log = logging.getLogger(__name__)
+
 
 def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None, *,
         loss_fn: Any = None, config: Config | str | None = None,
@@ -44,13 +46,32 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
         callbacks: extra :class:`~gpufleet.train.callbacks.Callback` objects.
         eval_metrics: your own metrics, ``{"f1": fn}`` with ``fn(output, target)``
             returning the batch's mean or ``(sum, count)``; besides ``eval.metrics``.
+
+    With ``overrides={"dist.nproc": 2}`` (and no ranks started yet) fit starts the ranks
+    itself (torch's elastic agent) and sends each the model, the data, the loss and the
+    callbacks, which must be picklable: defined at module level of an importable file,
+    with the script's own work under ``if __name__ == "__main__":``. It returns rank 0's
+    result. Under torchrun every rank calls fit and trains its share.
     """
-    cfg = _config(config, overrides)
+    cfg, note = _config(config, overrides)
     from gpufleet.launch import DistEnv
     from gpufleet.monitor.progress import Progress
 
+    env = DistEnv.detect()
     if not logging.getLogger().handlers:  # leave a logging setup of the user's alone
-        setup_logging(cfg.log.level, DistEnv.detect())
+        setup_logging(cfg.log.level, env)
+    if note:
+        log.info("%s", note)
+    if not env.is_distributed and (cfg.dist.nproc > 1 or cfg.dist.nnodes != "1"):
+        # Asked for several ranks from plain Python: start them, each trains a copy.
+        from gpufleet.cli import run_training
+        from gpufleet.job import Job
+        from gpufleet.train.rundir import named
+
+        return run_training(named(cfg, model), _fit_worker,
+                            (model, train_data, eval_data, loss_fn, list(callbacks),
+                             eval_metrics),
+                            job=Job(model, train_data, eval_data, loss_fn))
     trainer = Trainer(cfg, model, train_data, eval_data, loss_fn=loss_fn,
                       callbacks=[Progress(cfg.log.progress), *callbacks],
                       eval_metrics=eval_metrics)
@@ -62,8 +83,10 @@ def train(cfg: Config, callbacks: Sequence[Callback] = ()) -> FitResult:
     from gpufleet.job import build_job
     from gpufleet.launch import DistEnv
     from gpufleet.monitor.progress import Progress
+    from gpufleet.train.rundir import named
     from gpufleet.train.setup import join_process_group
 
+    cfg = named(cfg)  # from the factories' names, before the job builds the model
     # Join first, so the job can build its data with rank_zero_first.
     join_process_group(cfg, DistEnv.detect())
     # The same seed on every rank, so every rank builds the same initial weights.
@@ -72,6 +95,24 @@ def train(cfg: Config, callbacks: Sequence[Callback] = ()) -> FitResult:
     trainer = Trainer(cfg, job.model, job.train_data, job.eval_data, loss_fn=job.loss_fn,
                       callbacks=[Progress(cfg.log.progress), *callbacks])
     return trainer.fit()
+
+
+def _fit_worker(cfg_dict: dict[str, Any], model: nn.Module, train_data: Dataset,
+                eval_data: Dataset | None, loss_fn: Any,
+                callbacks: list[Callback],
+                eval_metrics: dict[str, Any] | None = None) -> FitResult:
+    """Entry point of each rank that :func:`fit` started (``dist.nproc > 1``)."""
+    from gpufleet.launch import DistEnv, destroy_process_group
+    from gpufleet.monitor.progress import Progress
+
+    cfg = config_from_dict(cfg_dict)
+    setup_logging(cfg.log.level, DistEnv.detect())
+    try:
+        return Trainer(cfg, model, train_data, eval_data, loss_fn=loss_fn,
+                       callbacks=[Progress(cfg.log.progress), *callbacks],
+                       eval_metrics=eval_metrics).fit()
+    finally:
+        destroy_process_group()
 
 
 def run_worker(cfg_dict: dict[str, Any]) -> FitResult:
@@ -123,7 +164,14 @@ def setup_logging(level: str, env: Any) -> None:
     logging.getLogger("gpufleet").setLevel(level if env.rank == 0 else "WARNING")
 
 
-def _config(config: Config | str | None, overrides: Any) -> Config:
+def _config(config: Config | str | None, overrides: Any) -> tuple[Config, str]:
+    """The config and, when it came from a run's own config.toml, a note that this
+    starts a new run."""
+    from gpufleet.train.rundir import as_new_run
+
     if isinstance(config, Config):
-        return load_config(overrides=overrides, base=config)
-    return load_config(config, overrides)
+        return load_config(overrides=overrides, base=config), ""
+    base, note = None, ""
+    if config is not None:
+        base, note = as_new_run(load_config(config), config)
+    return load_config(overrides=overrides, base=base), note

@@ -34,7 +34,9 @@ SHORTCUTS: dict[str, tuple[str, str]] = {
     "--strategy": ("parallel.strategy", "auto, single, dp, ddp, fsdp, hsdp, zero1, pipeline, "
                                         "local_sgd, model_parallel or horovod"),
     "--precision": ("precision.mode", "auto, fp32, bf16-mixed or fp16-mixed"),
-    "--max-steps": ("run.max_steps", "optimizer steps"),
+    "--max-steps": ("run.max_steps", "optimizer steps (with --max-epochs: whichever ends "
+                                     "first)"),
+    "--max-epochs": ("run.max_epochs", "passes over the training set"),
     "--batch-size": ("data.batch_size", "samples per rank per micro-step"),
     "--lr": ("optim.lr", "peak learning rate"),
     "--grad-accum": ("optim.grad_accum", "micro-steps per optimizer step"),
@@ -154,7 +156,15 @@ def parse_train_config(args: argparse.Namespace, rest: Sequence[str]) -> Config:
             overrides.append(f"{key}={value}")
     for text in overrides:
         parse_override(text)  # early, precise errors for malformed overrides
-    return load_config(args.config, overrides)
+    from gpufleet.train.rundir import as_new_run
+
+    base = None
+    if args.config:
+        # A run's own config.toml starts a new run; overrides (--run-dir too) apply on top.
+        base, note = as_new_run(load_config(args.config), args.config)
+        if note:
+            print(f"gpufleet: {note}", file=sys.stderr)
+    return load_config(overrides=overrides, base=base)
 
 
 def _cmd_train(args: argparse.Namespace, rest: Sequence[str]) -> int:
@@ -179,17 +189,30 @@ def _stopped(signal_name: str, run_dir: str) -> str:
             "--resume latest).")
 
 
-def run_training(cfg: Config) -> Any:
-    """Train here, or start the ranks and train there; returns rank 0's FitResult."""
+def run_training(cfg: Config, worker: Any = None, extra: tuple = (), job: Any = None) -> Any:
+    """Train here, or start the ranks and train there; returns rank 0's FitResult.
+
+    Args:
+        cfg: the run's config.
+        worker: what each rank runs, ``worker(cfg_dict, *extra)`` (default: the job the
+            config names, :func:`gpufleet.api.run_worker`).
+        extra: further arguments for ``worker``, sent to every rank (picklable).
+        job: the model, data and loss the preflight checks (a
+            :class:`gpufleet.job.Job`); None builds the job the config names.
+    """
     from gpufleet.api import run_worker
     from gpufleet.config import Machine, resolve
     from gpufleet.launch import DistEnv, launch
     from gpufleet.procs import forget_process, record_process
     from gpufleet.train import runlock
+    from gpufleet.train.rundir import named
+    from gpufleet.train.start import check_picklable, preflight_job
 
+    worker = worker or run_worker
+    cfg = named(cfg)  # e.g. gpt-stdlib: every rank and node then agrees on it
     env = DistEnv.detect()
     if env.is_distributed:  # torchrun, SLURM, horovodrun, mpirun or our launcher
-        result = run_worker(config_to_dict(cfg))
+        result = worker(config_to_dict(cfg), *extra)
         if result.preempted and not env.is_main:  # every rank exits "requeue"
             raise RunStopped(f"rank {env.rank} stopped by {result.preempted}.",
                              exit_status(getattr(signal, result.preempted)))
@@ -219,13 +242,16 @@ def run_training(cfg: Config) -> Any:
     cfg = dataclasses.replace(cfg, dist=dataclasses.replace(dist, nproc=nproc,
                                                             launcher=launcher))
     if launcher == "none":
-        return run_worker(config_to_dict(cfg))  # rank 0 locks the run directory
+        return worker(config_to_dict(cfg), *extra)  # rank 0 locks the run directory
+    # Before any rank starts: what the ranks are sent, and one batch through the job.
+    check_picklable(extra, nproc)
+    preflight_job(cfg, job)
     run_id_before, lock = os.environ.get(runlock.RUN_ID_ENV), None
     try:
         cfg, lock = _plan_and_lock(cfg, multi_node)  # its run id goes to the ranks' env
         record_process(cfg.run.dir, "launcher")  # for `gpufleet cleanup RUN_DIR`
         results = launch(
-            run_worker, (config_to_dict(cfg),), nproc=nproc, launcher=launcher,
+            worker, (config_to_dict(cfg), *extra), nproc=nproc, launcher=launcher,
             nnodes=dist.nnodes, node_rank=dist.node_rank, master_addr=dist.master_addr,
             master_port=dist.master_port, rdzv_endpoint=dist.rdzv_endpoint,
             rdzv_backend=dist.rdzv_backend, rdzv_id=dist.rdzv_id or cfg.run.name,
@@ -311,6 +337,7 @@ def _print_summary(result: Any) -> None:
     first = result.losses[0] if result.losses else None
     rows = [
         ("steps", str(result.steps)),
+        ("epochs", f"{result.epochs:.2f}"),
         ("train loss", f"{first[1]:.4f} (step {first[0]}) -> {result.final_loss:.4f} "
                        f"(step {result.losses[-1][0]})" if first else "-"),
         ("eval loss", f"{result.eval_loss:.4f}" if result.eval_loss is not None else "-"),

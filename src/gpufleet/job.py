@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,11 +49,13 @@ def import_object(spec: str, key: str) -> Any:
     if not sep or not module_name or not attr:
         raise ConfigError(f"{key} = {spec!r} is not an import string. Write it as "
                           "package.module:function, e.g. mypkg.models:build_model.")
+    _search_current_folder()
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ConfigError(f"{key} = {spec!r}: cannot import module {module_name!r} ({e}). "
-                          "Install the package or add its folder to PYTHONPATH.") from e
+                          "Install the package, add its folder to PYTHONPATH, or run from "
+                          "the folder that holds it.") from e
     try:
         return getattr(module, attr)
     except AttributeError:
@@ -101,6 +105,15 @@ def _is_own_function(spec: str) -> bool:
     except ConfigError:
         return False
     return getattr(obj, "__module__", "").startswith("gpufleet") and callable(obj)
+def _search_current_folder() -> None:
+    """Let factories be found in the current folder, as ``python -m`` does.
+
+    The ``gpufleet`` script (unlike ``python -m``) does not put the current folder on
+    ``sys.path``. It is added last, so it never shadows an installed package.
+    """
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.append(here)
 
 
 def build_job(cfg: Config) -> Job:

@@ -70,7 +70,7 @@ def test_tensorboard_gets_train_and_eval_scalars(tmp_path):
     if "phases" in next(iter(_train_records(run_dir))):
         assert "phases/data_ms" in tags
     [config] = events.Tensors("config/text_summary")
-    assert b'"name": "gpt-stdlib"' in config.tensor_proto.string_val[0]
+    assert b'"out_dir": "runs"' in config.tensor_proto.string_val[0]
 
 
 class SlowSteps(Callback):

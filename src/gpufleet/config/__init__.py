@@ -112,6 +112,12 @@ def resolve(cfg: Config, machine: Machine, world_size: int,
     if backend == "nccl" and device != "cuda":
         raise ConfigError("dist.backend = 'nccl' needs CUDA GPUs. Use dist.backend=gloo "
                           "(or auto) on CPU.")
+    max_steps = run.max_steps
+    if max_steps == -1:  # the default: 600 steps, unless epochs say when to stop
+        max_steps = 600 if run.max_epochs == 0 else 0
+    if max_steps == 0 and run.max_epochs == 0:
+        raise ConfigError("run.max_steps = 0 and run.max_epochs = 0: the run would never end. "
+                          "Set --max-steps N or --max-epochs N.")
     workers = cfg.data.num_workers
     if workers < 0:
         from gpufleet.data.loaders import default_num_workers
@@ -119,7 +125,7 @@ def resolve(cfg: Config, machine: Machine, world_size: int,
         workers = default_num_workers(device, local_world_size)
     return dataclasses.replace(
         cfg,
-        run=dataclasses.replace(run, device=device),
+        run=dataclasses.replace(run, device=device, max_steps=max_steps),
         data=dataclasses.replace(cfg.data, num_workers=workers),
         precision=dataclasses.replace(prec, mode=mode),
         parallel=dataclasses.replace(par, strategy=strategy),

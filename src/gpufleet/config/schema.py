@@ -24,6 +24,9 @@ def opt(default: Any, help: str, *, choices: tuple[str, ...] = (), min: float | 
     return field(default=default, metadata=meta)
 
 
+AUTO = -1.0  # an optimizer setting whose default depends on the model (train.optim)
+
+
 class Section:
     """Checks the choices and bounds declared with :func:`opt`."""
 
@@ -49,14 +52,23 @@ class Section:
 
 @dataclass
 class RunConfig(Section):
-    name: str = opt("gpt-stdlib", "Run name; the run directory is <out_dir>/<name>-<time>.")
+    name: str = opt("", "Run name; the run directory is <out_dir>/<name>-<time> (empty: "
+                    "from the model and data factories, e.g. resnet18-fakedata, or the "
+                    "module's class for gpufleet.fit).")
     dir: str = opt("", "Run directory to use as is (default: a new one under out_dir).")
     out_dir: str = opt("runs", "Folder that holds the run directories.")
-    max_steps: int = opt(600, "Optimizer steps to train for.", min=1)
+    max_steps: int = opt(-1, "Optimizer steps to train for; with run.max_epochs, whichever "
+                         "ends first (-1: 600, or no step limit when run.max_epochs is set; "
+                         "0: no step limit).", min=-1)
+    max_epochs: int = opt(0, "Passes over the training set; with run.max_steps, whichever "
+                          "ends first (0: no epoch limit).", min=0)
     seed: int = opt(1337, "Seed for python, numpy, torch (CPU and CUDA) and data workers.")
     deterministic: bool = opt(False, "Use only deterministic kernels (slower; bit-exact reruns).")
     device: str = opt("auto", "Where to train: auto (CUDA if present), cpu or cuda.",
                       choices=("auto", "cpu", "cuda"))
+    preflight: bool = opt(True, "Before the ranks start, run one batch of 2 samples "
+                          "through the model and loss on the CPU (forward only), so a config "
+                          "mistake is one line, not a traceback per rank.")
     eval_every: int = opt(200, "Evaluate every N optimizer steps (0: only at the end).", min=0)
     eval_batches: int = opt(50, "Batches per rank in an evaluation (0: the whole set).", min=0)
 
@@ -131,10 +143,17 @@ class DataConfig(Section):
 @dataclass
 class OptimConfig(Section):
     name: str = opt("adamw", "Optimizer.", choices=("adamw", "sgd"))
-    lr: float = opt(3e-3, "Peak learning rate.", min=0.0)
-    weight_decay: float = opt(0.1, "Decoupled weight decay (matrices only for adamw).", min=0.0)
+    lr: float = opt(AUTO, "Peak learning rate (-1: the default for the model, see "
+                    "optim.weight_decay).", min=AUTO)
+    weight_decay: float = opt(AUTO, "Decoupled weight decay (matrices only for adamw). -1: "
+                              "the model's default: the built-in GPT lr 3e-3, decay 0.1, "
+                              "beta2 0.95; a Transformers model 5e-5, 0, 0.999 (Trainer's "
+                              "fine-tuning defaults); any other model 1e-3, 0.01, 0.999 "
+                              "(torch's AdamW); sgd lr 0.1, decay 1e-4 (torchvision's "
+                              "reference recipe).", min=AUTO)
     beta1: float = opt(0.9, "AdamW beta1.", min=0.0)
-    beta2: float = opt(0.95, "AdamW beta2.", min=0.0)
+    beta2: float = opt(AUTO, "AdamW beta2 (-1: the model's default, see "
+                       "optim.weight_decay).", min=AUTO)
     momentum: float = opt(0.9, "SGD momentum.", min=0.0)
     grad_accum: int = opt(1, "Micro-steps per optimizer step (gradient sync only on the last).",
                           min=1)
@@ -144,6 +163,14 @@ class OptimConfig(Section):
     decay: str = opt("cosine", "Learning-rate decay after warm-up.",
                      choices=("cosine", "linear", "constant"))
     min_lr_ratio: float = opt(0.1, "Final learning rate as a share of lr.", min=0.0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("lr", "weight_decay", "beta2"):
+            value = getattr(self, key)
+            if value < 0 and value != AUTO:
+                raise ConfigError(f"optim.{key} = {value!r} is negative. Give 0 or more, or "
+                                  f"-1 for the model's default.")
 
 
 @dataclass
@@ -170,7 +197,7 @@ class ParallelConfig(Section):
     fsdp_cpu_offload: bool = opt(False, "FSDP: keep sharded parameters and gradients in CPU "
                                  "memory between uses.")
     fsdp_wrap: str = opt("auto", "FSDP: module class names to shard one by one (comma-"
-                         "separated); auto: the blocks of the model's largest ModuleList.")
+                         "separated); auto: the model's blocks (what every:K picks from).")
     pipeline_schedule: str = opt("1f1b", "Pipeline: micro-batch schedule.",
                                  choices=("gpipe", "1f1b"))
     pipeline_microbatches: int = opt(4, "Pipeline: micro-batches per batch.", min=1)
@@ -316,8 +343,8 @@ class Config:
 
     Example:
         >>> cfg = Config()
-        >>> cfg.optim.lr
-        0.003
+        >>> cfg.optim.grad_accum
+        1
     """
 
     run: RunConfig = field(default_factory=RunConfig)

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from gpufleet.config import DataConfig
 from gpufleet.data.bucket import BucketBatchSampler, pad_collate
@@ -94,6 +94,15 @@ class TrainLoader:
     sampler: Any
     unit: int
     variable: bool
+    _counts: dict[int, int] = field(default_factory=dict, repr=False)
+
+    def batches_in_epoch(self, epoch: int) -> int:
+        """Batches this rank reads in ``epoch`` (token batching: they vary by epoch)."""
+        if epoch not in self._counts:
+            plan = getattr(self.sampler, "epoch_batches", None)
+            self._counts[epoch] = (len(plan(epoch)) // self.sampler.world_size
+                                   if plan is not None else len(self.loader))
+        return self._counts[epoch]
 
 
 def loader_options(cfg: DataConfig, workers: int, pin_memory: bool) -> dict[str, Any]:
@@ -107,6 +116,15 @@ def loader_options(cfg: DataConfig, workers: int, pin_memory: bool) -> dict[str,
     if workers > 0:
         options["prefetch_factor"] = cfg.prefetch_factor
     return options
+
+
+def train_collate(data: Dataset, cfg: DataConfig) -> Any:
+    """How training samples become a batch: the data set's own ``collate_fn``, else
+    padding ("tokens" batching) or torch's default collation."""
+    own = getattr(data, "collate_fn", None)
+    if own is not None:
+        return own
+    return pad_collate if cfg.batching == "tokens" else default_collate
 
 
 def build_train_loader(data: Dataset, cfg: DataConfig, *, rank: int, world_size: int,
@@ -127,8 +145,8 @@ def build_train_loader(data: Dataset, cfg: DataConfig, *, rank: int, world_size:
             lengths, token_budget=cfg.token_budget, max_samples=cfg.max_samples,
             max_len=cfg.max_len, sort_size=cfg.sort_size, rank=rank, world_size=world_size,
             seed=seed, shuffle=cfg.shuffle)
-        collate = getattr(data, "collate_fn", None) or pad_collate
-        loader = DataLoader(data, batch_sampler=sampler, collate_fn=collate, **options)
+        loader = DataLoader(data, batch_sampler=sampler, collate_fn=train_collate(data, cfg),
+                            **options)
         return TrainLoader(loader, sampler, unit=1, variable=True)
     sampler = ResumableDistributedSampler(len(data), rank=rank, world_size=world_size,
                                           shuffle=cfg.shuffle, seed=seed)
@@ -139,7 +157,7 @@ def build_train_loader(data: Dataset, cfg: DataConfig, *, rank: int, world_size:
             "more data.")
     # drop_last: every step sees a full batch, so every rank runs the same number.
     loader = DataLoader(data, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
-                        collate_fn=getattr(data, "collate_fn", None), **options)
+                        collate_fn=train_collate(data, cfg), **options)
     return TrainLoader(loader, sampler, unit=cfg.batch_size, variable=False)
 
 

@@ -87,11 +87,11 @@ class ProfilerCallback(Callback):
 
     def on_fit_start(self, trainer: Any) -> None:
         step = trainer.step
-        cfg = getattr(trainer, "cfg", None)
-        if cfg is not None and cfg.run.max_steps < self.last:
-            log.info("profile.steps = %d-%d goes past run.max_steps = %d; tracing up to "
-                     "step %d.", self.first, self.last, cfg.run.max_steps, cfg.run.max_steps)
-            self.last = max(self.first, cfg.run.max_steps)
+        end = getattr(trainer, "max_steps", None)  # run.max_steps, or where epochs end
+        if end is not None and end < self.last:
+            log.info("profile.steps = %d-%d goes past the run's last step %d; tracing up to "
+                     "step %d.", self.first, self.last, end, end)
+            self.last = max(self.first, end)
         if step >= self.last:
             log.info("profile.steps = %d-%d: this run resumes at step %d, after the "
                      "window; nothing is traced.", self.first, self.last, step)

@@ -156,7 +156,8 @@ class Progress(Callback):
             return
         self._start = time.perf_counter()
         self._first_step = trainer.step
-        self._total = trainer.cfg.run.max_steps
+        self._total = trainer.max_steps
+        self._epochs = trainer.cfg.run.max_epochs
         if self.sampler is None:
             self.sampler = _find_sampler(trainer)
         if self.mode == "bar":
@@ -192,6 +193,9 @@ class Progress(Callback):
         if self.mode == "off":
             return
         self.stats = stats_text(metrics)
+        if hasattr(trainer, "epochs_done"):
+            of = f"/{self._epochs}" if self._epochs else ""
+            self.stats = f"epoch {trainer.epochs_done:.2f}{of} | {self.stats}"
         if self._bar is not None:
             self._bar.update(self._task, completed=step)
             return

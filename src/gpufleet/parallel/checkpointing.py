@@ -45,8 +45,9 @@ def apply_activation_checkpointing(model: nn.Module, spec: str) -> list[str]:
     Args:
         model: the model; changed in place (its state-dict names stay the same).
         spec: ``""`` (off), comma-separated module class names (``"Block,MLP"``), or
-            ``"every:K"``: every K-th block (0, K, 2K, ...) of the model's largest
-            ``nn.ModuleList``.
+            ``"every:K"``: every K-th block (0, K, 2K, ...) of the model's blocks,
+            found as :func:`gpufleet.parallel.blocks.find_blocks` says (the rule FSDP's
+            ``auto`` wrapping uses too).
 
     Returns:
         The qualified names of the modules now checkpointed.
@@ -66,8 +67,9 @@ def apply_activation_checkpointing(model: nn.Module, spec: str) -> list[str]:
     modules = dict(model.named_modules())
     for name in names:
         checkpoint_module(modules[name])
-    log.info("activation checkpointing on %d module(s): %s", len(names),
-             ", ".join(names[:8]) + (" ..." if len(names) > 8 else ""))
+    from gpufleet.parallel.blocks import describe_blocks
+
+    log.info("activation checkpointing (%s) on %s", spec, describe_blocks(model, names))
     return names
 
 
@@ -153,16 +155,15 @@ def _every_k(model: nn.Module, spec: str) -> list[str]:
     if not k_text.isdigit() or int(k_text) < 1:
         raise ConfigError(f"parallel.activation_checkpointing = {spec!r}: K must be a whole "
                           "number >= 1, e.g. 'every:2' (every second block).")
-    lists = [(name, m) for name, m in model.named_modules()
-             if isinstance(m, nn.ModuleList) and len(m)]
-    if not lists:
+    from gpufleet.parallel.blocks import find_blocks
+
+    blocks = find_blocks(model)
+    if not blocks:
         raise ConfigError(f"parallel.activation_checkpointing = {spec!r}: the model has no "
-                          "nn.ModuleList of blocks to pick from. Name the block class "
-                          "instead (e.g. 'Block').")
-    name, blocks = max(lists, key=lambda item: len(item[1]))
-    k = int(k_text)
-    prefix = f"{name}." if name else ""
-    return [f"{prefix}{i}" for i in range(0, len(blocks), k)]
+                          "blocks (a module repeated inside an nn.ModuleList or "
+                          "nn.Sequential) to pick from. Name the block class instead "
+                          "(e.g. 'Block').")
+    return blocks[::int(k_text)]
 
 
 def convert_sync_batchnorm(model: nn.Module) -> nn.Module:

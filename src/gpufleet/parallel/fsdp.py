@@ -5,9 +5,10 @@ block's forward its parameters are all-gathered, after its backward the gradient
 reduce-scattered, so a rank holds the full parameters of only the block it is running.
 
 * Wrapping: ``fully_shard`` on each block, then on the root. ``parallel.fsdp_wrap =
-  "auto"`` takes the children of the model's largest ``nn.ModuleList``/``nn.Sequential``
-  (the transformer blocks of a GPT); class names (``"Block,Embedding"``) pick modules by
-  type instead. One block is the unit of communication and of peak memory.
+  "auto"`` takes the model's blocks (:mod:`gpufleet.parallel.blocks`: the transformer
+  blocks of a GPT, the residual blocks of a ResNet); class names
+  (``"Block,Embedding"``) pick modules by type instead. One block is the unit of
+  communication and of peak memory.
 * Mixed precision: with ``bf16-mixed`` (``fp16-mixed``) FSDP all-gathers the parameters
   in that dtype and computes forward and backward in it, reduces gradients in float32,
   and keeps the sharded float32 master weights for the optimizer. The loop's autocast is
@@ -215,9 +216,9 @@ class HybridShardedDataParallel(FullyShardedDataParallel):
 def blocks_to_shard(model: nn.Module, wrap: str) -> list[nn.Module]:
     """The modules to shard one by one, innermost first.
 
-    ``"auto"``: the children with parameters of the model's largest (by parameter
-    count) ``nn.ModuleList`` or ``nn.Sequential``. Otherwise a comma-separated list of
-    class names; every module of those classes is sharded.
+    ``"auto"``: the model's blocks, found as :func:`gpufleet.parallel.blocks.find_blocks`
+    says (the rule activation checkpointing's ``every:K`` uses too). Otherwise a
+    comma-separated list of class names; every module of those classes is sharded.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
@@ -225,11 +226,12 @@ def blocks_to_shard(model: nn.Module, wrap: str) -> list[nn.Module]:
         ['Linear', 'Linear']
     """
     if wrap.strip() == "auto":
-        containers = [m for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]
-        if not containers:
-            return []
-        biggest = max(containers, key=_numel)
-        return [c for c in biggest.children() if _numel(c) > 0]
+        from gpufleet.parallel.blocks import describe_blocks, find_blocks
+
+        names = find_blocks(model)
+        log.info("fsdp auto wrap: %s", describe_blocks(model, names))
+        modules = dict(model.named_modules())
+        return [modules[n] for n in names]
     names = [n.strip() for n in wrap.split(",") if n.strip()]
     present = {type(m).__name__ for m in model.modules()}
     for name in names:
@@ -254,10 +256,6 @@ def shard_beside_heads(param: nn.Parameter) -> Any:
     if any(type(p).__name__ == "_StridedShard" for p in getattr(param, "placements", ())):
         return Shard(1)
     return None
-
-
-def _numel(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
 
 
 @contextlib.contextmanager

@@ -48,6 +48,7 @@ class FitResult:
             and checkpoint time excluded); tokens only for integer-id inputs.
         train_time_s: seconds spent in training steps this session.
         run_dir / checkpoint: where the run and its last written checkpoint are.
+        epochs: passes over the training set (1.5: halfway through the second).
         skipped_steps: optimizer steps skipped for non-finite loss or gradients.
         checkpoint_errors: checkpoint writes that failed (training went on).
         callback_errors: non-essential callbacks (metric sinks) that failed, by name,
@@ -67,6 +68,7 @@ class FitResult:
     run_dir: str = ""
     checkpoint: str | None = None
     skipped_steps: int = 0
+    epochs: float = 0.0
     checkpoint_errors: list[str] = field(default_factory=list)
     callback_errors: dict[str, str] = field(default_factory=dict)
     eval_metrics: list[tuple[int, dict[str, float]]] = field(default_factory=list)
@@ -132,7 +134,7 @@ class Trainer(TrainerSetup):
         cfg, model, opt = self.cfg, self.model, self.optimizer
         strategy, precision, cbs = self.strategy, self.precision, self.callbacks
         guard = self.nonfinite  # None when fault.skip_nonfinite is off
-        accum, max_steps = cfg.optim.grad_accum, cfg.run.max_steps
+        accum, max_steps = cfg.optim.grad_accum, self.max_steps  # steps or epochs
         loss_scale = 1.0 / accum
         phases = cbs.phase_listeners
 
@@ -413,6 +415,7 @@ class Trainer(TrainerSetup):
                 cb.on_phase(self, "checkpoint")
             self.save_checkpoint()
         result.steps = self.step
+        result.epochs = self.epochs_done
         result.skipped_steps = self.nonfinite.skipped if self.nonfinite is not None else 0
         result.train_time_s = self._train_time
         if self._train_time > 0:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import logging
 import math
 from typing import Any
 
@@ -10,7 +12,10 @@ import torch
 from torch import nn
 
 from gpufleet.config import OptimConfig
+from gpufleet.config.schema import AUTO
 from gpufleet.parallel import OptimizerSpec
+
+log = logging.getLogger(__name__)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -30,8 +35,54 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return groups
 
 
+# (lr, weight_decay, beta2) by kind of model, for the optimizer settings left at -1.
+DEFAULTS: dict[str, tuple[float, float, float]] = {
+    "gpt": (3e-3, 0.1, 0.95),  # the built-in GPT: nanoGPT-style pre-training
+    "transformers": (5e-5, 0.0, 0.999),  # Transformers Trainer's fine-tuning defaults
+    "model": (1e-3, 0.01, 0.999),  # torch.optim.AdamW's defaults
+    "sgd": (0.1, 1e-4, 0.999),  # torchvision's classification reference recipe
+}
+
+
+def model_kind(model: nn.Module) -> str:
+    """``gpt`` (gpufleet's GPT), ``transformers`` (a PreTrainedModel) or ``model``."""
+    from gpufleet.models.gpt import GPT
+
+    if isinstance(model, GPT):
+        return "gpt"
+    if any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel"
+           for c in type(model).__mro__):
+        return "transformers"
+    return "model"
+
+
+def fill_optimizer_defaults(cfg: OptimConfig, model: nn.Module) -> OptimConfig:
+    """``cfg`` with the settings left at -1 (lr, weight_decay, beta2) set for ``model``.
+
+    Example:
+        >>> fill_optimizer_defaults(OptimConfig(), nn.Linear(2, 2)).lr
+        0.001
+    """
+    kind = "sgd" if cfg.name == "sgd" else model_kind(model)
+    lr, decay, beta2 = DEFAULTS[kind]
+    chosen = {key: value for key, value in
+              (("lr", lr), ("weight_decay", decay), ("beta2", beta2))
+              if getattr(cfg, key) == AUTO}
+    if not chosen:
+        return cfg
+    words = {"gpt": "the built-in GPT", "transformers": "a Transformers model",
+             "model": "your model (torch's AdamW defaults)", "sgd": "sgd"}
+    log.info("optimizer defaults for %s: %s (set optim.<key> to change)", words[kind],
+             ", ".join(f"{k}={v:g}" for k, v in chosen.items()))
+    return dataclasses.replace(cfg, **chosen)
+
+
 def optimizer_spec(cfg: OptimConfig, device_type: str) -> OptimizerSpec:
-    """What to build; the strategy builds it (sharded strategies need the class)."""
+    """What to build; the strategy builds it (sharded strategies need the class).
+    ``cfg`` has its defaults filled (:func:`fill_optimizer_defaults`)."""
+    if AUTO in (cfg.lr, cfg.weight_decay, cfg.beta2):
+        raise ValueError("optimizer_spec needs concrete settings: call "
+                         "fill_optimizer_defaults(cfg, model) first")
     if cfg.name == "adamw":
         kwargs: dict[str, Any] = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2)}
         # The fused kernel does the whole update in one launch per parameter group.

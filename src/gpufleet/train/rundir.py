@@ -1,21 +1,90 @@
-"""Where a run writes: the run directory, decided once for all ranks and restarts."""
+"""Where a run writes: its name and directory, decided once for all ranks and restarts."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import re
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from gpufleet.config import Config
 from gpufleet.errors import CheckpointError, ConfigError
 from gpufleet.train import runlock
 from gpufleet.train.checkpoint import (
     find_resume_checkpoint,
+    glob_escape,
     list_checkpoints,
     newest_intact,
     run_dir_of,
 )
+
+log = logging.getLogger(__name__)
+
+TORCHRUN_MARK = ".torchelastic_run_id"  # in a run directory made under torchrun
+
+
+def run_name(cfg: Config, model: Any = None) -> str:
+    """The run's name: ``run.name`` when set, else one made from what is trained.
+
+    From the config: the model and data factories' function names (``gpt-stdlib``,
+    ``resnet18-fakedata``). For a module passed to :func:`gpufleet.fit`: its class
+    name (``mlp``), or the script's name when the class is one of torch's own
+    (``nn.Sequential``).
+
+    Example:
+        >>> from gpufleet.config import load_config
+        >>> run_name(load_config(overrides={"model.name": "nets:resnet18",
+        ...                                 "data.name": "vision:FakeData"}))
+        'resnet18-fakedata'
+    """
+    if cfg.run.name:
+        return cfg.run.name
+    if model is None:
+        name = "-".join(_factory_word(n) for n in (cfg.model.name, cfg.data.name))
+    elif type(model).__module__.startswith("torch."):
+        script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else ""
+        name = script if script and script not in ("-c", "__main__") else "fit"
+    else:
+        name = type(model).__name__
+    return re.sub(r"[^a-z0-9_.-]+", "-", name.lower()).strip("-.") or "run"
+
+
+def named(cfg: Config, model: Any = None) -> Config:
+    """``cfg`` with ``run.name`` set (see :func:`run_name`)."""
+    if cfg.run.name:
+        return cfg
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=run_name(cfg, model)))
+
+
+def as_new_run(cfg: Config, config_path: str | Path | None) -> tuple[Config, str]:
+    """A run's own ``config.toml`` read back starts a new run, not the old one again.
+
+    The file records the directory it was written to (``run.dir``) and the checkpoint
+    that run resumed from; when ``config_path`` lies in that directory both are
+    cleared, so the rerun gets a fresh timestamped directory. To continue the old run
+    instead, pass ``--resume RUN_DIR``.
+
+    Returns:
+        The config, and a sentence for the user when it was changed ("" otherwise).
+    """
+    if config_path is None or not cfg.run.dir:
+        return cfg, ""
+    if Path(config_path).resolve().parent != Path(cfg.run.dir).resolve():
+        return cfg, ""
+    note = (f"{config_path} is the config of run {cfg.run.dir}: starting a new run with it "
+            f"(continue that run with --resume {cfg.run.dir})")
+    return dataclasses.replace(
+        cfg, run=dataclasses.replace(cfg.run, dir=""),
+        checkpoint=dataclasses.replace(cfg.checkpoint, resume="")), note
+
+
+def _factory_word(spec: str) -> str:
+    """``mypkg.nets:resnet18`` -> ``resnet18``; built-in names stay as they are."""
+    return spec.rpartition(":")[2].rpartition(".")[2] or spec
 
 
 def new_run_dir(out_dir: str, name: str) -> Path:
@@ -34,8 +103,8 @@ def plan_run(cfg: Config, restart_count: int = 0) -> tuple[Config, Path | None]:
     Called once by the launching process (so every rank and every elastic restart
     shares one directory) and again by rank 0, where it is then a no-op except that
     after an elastic restart the newest checkpoint of the run is picked up. Under
-    torchrun (which restarts ranks itself) the directory is named after torchrun's run
-    id, so restarted ranks find it again.
+    torchrun (which restarts ranks itself) rank 0 makes a timestamped directory like
+    any other run and marks it with torchrun's run id, so restarted ranks find it again.
 
     Returns:
         The config with ``run.dir`` and ``checkpoint.resume`` set to concrete paths, and
@@ -47,8 +116,8 @@ def plan_run(cfg: Config, restart_count: int = 0) -> tuple[Config, Path | None]:
     """
     run, ckpt = cfg.run, cfg.checkpoint
     run_dir = run.dir
-    if not run_dir and os.environ.get("TORCHELASTIC_RUN_ID"):
-        run_dir = str(Path(run.out_dir) / f"{run.name}-{os.environ['TORCHELASTIC_RUN_ID']}")
+    if not run_dir and os.environ.get("TORCHELASTIC_RUN_ID") and not ckpt.resume:
+        run_dir = str(_torchrun_run_dir(run.out_dir, run.name, restart_count))
     resume_from: Path | None = None
     existing = list_checkpoints(run_dir) if run_dir else []
     if restart_count > 0 and existing:
@@ -95,3 +164,17 @@ def plan_and_lock(cfg: Config, restart_count: int = 0
             lock.release()
         raise
     return cfg, resume_from, lock
+def _torchrun_run_dir(out_dir: str, name: str, restart_count: int) -> Path:
+    """Under torchrun: a new timestamped directory on the first attempt, marked with
+    torchrun's run id; on a restart, the newest directory of this name with that mark."""
+    run_id = os.environ["TORCHELASTIC_RUN_ID"]
+    if restart_count > 0:
+        marked = [p for p in Path(out_dir).glob(f"{glob_escape(name)}-*")
+                  if (p / TORCHRUN_MARK).is_file()
+                  and (p / TORCHRUN_MARK).read_text() == run_id]
+        if marked:
+            return max(marked, key=lambda p: p.stat().st_mtime)
+    path = new_run_dir(out_dir, name)
+    path.mkdir(parents=True)
+    (path / TORCHRUN_MARK).write_text(run_id)
+    return path

@@ -6,6 +6,7 @@ model, optimizer, precision → run directory → data → resume → sinks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -42,9 +43,9 @@ from gpufleet.train import sharded as sharded_ckpt
 from gpufleet.train.batches import make_loss_fn, to_device
 from gpufleet.train.callbacks import Callback, CallbackList
 from gpufleet.train.evalmetrics import build_metrics
-from gpufleet.train.optim import build_scheduler, optimizer_spec
+from gpufleet.train.optim import build_scheduler, fill_optimizer_defaults, optimizer_spec
 from gpufleet.train.perf import apply_backend_flags, prepare_model, share_cores
-from gpufleet.train.rundir import plan_and_lock
+from gpufleet.train.rundir import named, plan_and_lock
 from gpufleet.train.seed import rng_state, seed_everything, set_deterministic, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,8 @@ class TrainerSetup:
 
         self.env = DistEnv.detect()
         # Resolving needs no process group; the resolved backend then needs no second look.
-        self.cfg = resolve(cfg, Machine.detect(), self.env.world_size,
+        # A run without a name is named after the model (gpufleet.fit(MLP(), ...): mlp).
+        self.cfg = resolve(named(cfg, model), Machine.detect(), self.env.world_size,
                            local_world_size=self.env.local_world_size)
         join_process_group(self.cfg, self.env)
         share_cores(self.env.local_world_size, self.env.is_main)
@@ -67,6 +69,7 @@ class TrainerSetup:
         self._build_model(model, loss_fn)
         self._build_run_dir()
         self._build_data(train_data, eval_data)
+        self._build_schedule()
         self.step, self.epoch, self.consumed = 0, 0, 0
         self._saved_step = -1
         mon = self.cfg.monitor
@@ -124,10 +127,13 @@ class TrainerSetup:
         # SyncBatchNorm and activation checkpointing change layers in place (same
         # state-dict names), before compilation and before the strategy wraps the model.
         model = apply_layer_options(model, cfg.parallel, self.device, self.env.world_size)
+        # Optimizer settings left at -1 get the model's defaults; the run directory's
+        # config.toml then records the values used.
+        cfg = self.cfg = dataclasses.replace(
+            cfg, optim=fill_optimizer_defaults(cfg.optim, model))
         self.model = self.strategy.setup_model(prepare_model(model, cfg.perf))
         self.optimizer = self.strategy.setup_optimizer(
             self.model, optimizer_spec(cfg.optim, self.device.type))
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.run.max_steps)
         self.loss_fn = make_loss_fn(loss_fn)
         self.eval_metrics = build_metrics(cfg.eval.metrics)  # imports the user's functions
         self.nonfinite = (NonFiniteGuard(cfg.fault, self.strategy, self.precision)
@@ -173,11 +179,40 @@ class TrainerSetup:
         train = build_train_loader(train_data, cfg.data, rank=shard,
                                    world_size=shards, seed=cfg.run.seed,
                                    pin_memory=self.pin_memory)
+        self._train = train
         self.train_loader, self.train_sampler = train.loader, train.sampler
         self._consume_unit, self._variable_batches = train.unit, train.variable
         self.eval_loader = build_eval_loader(eval_data, cfg.data, rank=shard,
                                              world_size=shards,
                                              pin_memory=self.pin_memory)
+
+    def _build_schedule(self) -> None:
+        """The step the run ends at, and the learning-rate schedule over it: run.max_steps
+        or the steps of run.max_epochs, whichever comes first."""
+        run, accum = self.cfg.run, self.cfg.optim.grad_accum
+        limits = [run.max_steps] if run.max_steps else []
+        if run.max_epochs:
+            batches = sum(self._train.batches_in_epoch(e) for e in range(run.max_epochs))
+            if batches < accum:
+                raise ConfigError(
+                    f"run.max_epochs = {run.max_epochs} gives {batches} batch(es) per rank, "
+                    f"fewer than optim.grad_accum = {accum} per optimizer step. Train more "
+                    "epochs, lower optim.grad_accum or data.batch_size.")
+            # An optimizer step takes grad_accum batches; a remainder is left out.
+            limits.append(batches // accum)
+            if self.env.is_main:
+                log.info("%d epoch(s) = %d optimizer steps (%d batches per rank)%s",
+                         run.max_epochs, batches // accum, batches,
+                         f"; run.max_steps = {run.max_steps} ends the run first"
+                         if run.max_steps and run.max_steps < batches // accum else "")
+        self.max_steps = min(limits)  # resolve() makes sure there is a limit
+        self.scheduler = build_scheduler(self.optimizer, self.cfg.optim, self.max_steps)
+
+    @property
+    def epochs_done(self) -> float:
+        """Passes over the training set so far, e.g. 1.5 halfway through the second."""
+        per_epoch = self._train.batches_in_epoch(self.epoch) * self._consume_unit
+        return self.epoch + (self.consumed / per_epoch if per_epoch else 0.0)
 
     def _epoch_iterator(self) -> Any:
         """A fresh pass over the training loader for ``self.epoch``.

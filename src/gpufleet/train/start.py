@@ -1,0 +1,103 @@
+"""Checks the launching process makes before ranks start (``gpufleet.cli.run_training``).
+
+Before any rank starts, the launching process checks the whole config and runs a
+preflight: one small batch through the model and the loss, forward only, on the CPU.
+A config mistake (a missing ``--model.loss``, data the model cannot take) then reads
+as one line, before a run directory, a crash report or a rank exists, instead of a
+traceback from every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import sys
+from typing import Any
+
+import torch
+
+from gpufleet.config import Config
+from gpufleet.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+PREFLIGHT_SAMPLES = 2
+
+
+def preflight(model: torch.nn.Module, train_data: Any, loss_fn: Any, cfg: Config) -> None:
+    """Run ``PREFLIGHT_SAMPLES`` training samples through ``model`` and its loss.
+
+    Forward only, without gradients, in eval mode (BatchNorm statistics and dropout are
+    left alone), on the CPU in float32, and the model's mode is put back afterwards.
+
+    Raises:
+        ConfigError: the batch, the model or the loss failed, with what failed and why.
+    """
+    if not cfg.run.preflight:
+        return
+    from gpufleet.data.loaders import train_collate
+    from gpufleet.train.batches import make_loss_fn
+
+    try:
+        count = min(PREFLIGHT_SAMPLES, len(train_data))
+        batch = train_collate(train_data, cfg.data)([train_data[i] for i in range(count)])
+    except Exception as e:
+        raise ConfigError(_failed("reading the first training samples", e, cfg)) from None
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            make_loss_fn(loss_fn)(model, batch)
+    except Exception as e:
+        raise ConfigError(_failed(f"a batch of {count} sample(s) through the model and its "
+                                  "loss", e, cfg)) from None
+    finally:
+        model.train(was_training)
+    log.info("preflight: a batch of %d sample(s) went through the model and its loss", count)
+
+
+def _failed(what: str, error: Exception, cfg: Config) -> str:
+    text = " ".join(str(error).split()) or "(no message)"
+    return (f"preflight: {what} failed before training started: {type(error).__name__}: "
+            f"{text} (The preflight runs on the CPU; turn it off with "
+            "--run.preflight=false if the model only runs on a GPU.)")
+
+
+# What gpufleet.fit sends to the ranks it starts, in the order it passes them.
+_SENT = ("model", "training data", "evaluation data", "loss function", "callbacks")
+
+
+def check_picklable(extra: tuple, nproc: int) -> None:
+    """Refuse, naming the culprit, to send ranks objects that cannot be pickled (or
+    that the new processes could not import: defined in a notebook or the REPL)."""
+    interactive = not getattr(sys.modules.get("__main__"), "__file__", None)
+    for name, value in zip(_SENT, extra, strict=False):
+        module = getattr(value, "__module__", None) or type(value).__module__
+        if interactive and "__main__" in (module, type(value).__module__):
+            raise ConfigError(
+                f"dist.nproc = {nproc} starts {nproc} new processes, and the {name} is "
+                "defined in this interactive session, which they cannot import. Move it to "
+                "a .py file and import it from there.")
+        try:
+            pickle.dumps(value)
+        except Exception as e:
+            raise ConfigError(
+                f"dist.nproc = {nproc} starts {nproc} new processes and sends each the "
+                f"{name}, which cannot be pickled ({type(e).__name__}: {e}). Define it at "
+                "module level in a file that can be imported (and guard the script with "
+                "if __name__ == '__main__':), or start the script with torchrun "
+                f"--nproc-per-node {nproc} so that every rank builds its own.") from None
+
+
+def preflight_job(cfg: Config, job: Any = None) -> None:
+    """:func:`preflight` for ``job`` (a :class:`gpufleet.job.Job`), or for the job the
+    config names, built here for the check only."""
+    if not cfg.run.preflight:
+        return
+    if job is None:
+        from gpufleet.job import build_job
+        from gpufleet.train.seed import seed_everything
+
+        seed_everything(cfg.run.seed)
+        job = build_job(cfg)
+    preflight(job.model, job.train_data, job.loss_fn, cfg)
