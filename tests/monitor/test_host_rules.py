@@ -37,6 +37,10 @@ def test_other_processes_taking_the_cpu_are_named_first_with_their_share():
     assert "stress-ng (pid 100): 2.3 core(s)" in found[0].message
     assert "2.5 of this node's 4 cores (62%)" in found[0].message
     assert "OMP_NUM_THREADS=1" in found[0].fix  # 4 - 2.5 cores left, rounded down
+    assert found[0].severity == "warn" and found[0].changes == {"env.OMP_NUM_THREADS": 1}
+    # With no more threads than the cores left, nothing in the run is to change: info.
+    calm = diagnose(_summary(), RunFacts(cores=4, torch_threads=1), system)
+    assert [(f.rule, f.severity, f.changes) for f in calm] == [("cpu-contention", "info", {})]
     # A node whose other processes are idle, or which is not busy, has no such finding.
     assert not [f for f in diagnose(_summary(), facts, _sample([100.0] * 4, 390.0, []))
                 if f.rule == "cpu-contention"]

@@ -27,6 +27,8 @@ class Finding:
         message: what was measured, with the numbers.
         fix: what to change, with config keys and values.
         step: the optimizer step at which it was found.
+        changes: the fix as settings to try (config keys, and ``env.NAME`` for an
+            environment variable), when it is one; ``gpufleet tune`` measures them.
     """
 
     rule: str
@@ -35,6 +37,7 @@ class Finding:
     message: str
     fix: str
     step: int = 0
+    changes: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -42,7 +45,7 @@ class Finding:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Finding:
         return cls(**{k: data[k] for k in ("rule", "severity", "title", "message", "fix")},
-                   step=int(data.get("step", 0)))
+                   step=int(data.get("step", 0)), changes=dict(data.get("changes") or {}))
 
 
 def findings_for_run(run_dir: str | Path) -> list[Finding]:
@@ -153,6 +156,7 @@ def _input_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
     message = (f"{_ms(worst['data'])} of each {_ms(step)} step ({share:.0%}) waits for "
                f"the next batch, with data.num_workers = {workers}. One batch takes about "
                f"{_ms(load)} to load and {_ms(compute)} to train on.")
+    changes = {"data.num_workers": min(needed, cap)}
     if needed <= cap:
         fix = f"raise data.num_workers from {workers} to {needed}."
     else:
@@ -162,7 +166,8 @@ def _input_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
     if facts.device == "cuda" and not facts.pin_memory:
         fix += " Also set data.pin_memory=true (faster, asynchronous copies to the GPU)."
     fix += " `gpufleet bench loader` measures the options."
-    return Finding("input-bound", "warn", f"input-bound{rank}", message, fix)
+    return Finding("input-bound", "warn", f"input-bound{rank}", message, fix,
+                   changes=changes)
 
 
 def _straggler(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
@@ -215,13 +220,14 @@ def _host_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
                f"{facts.device_flops / 1e9:.3g} GFLOP/s of {what}, while data is ready "
                f"({worst_data / s.step_s:.0%} of the step waits for it). The time goes to "
                "Python and per-operation overhead, not to arithmetic.")
-    fix = (f"raise data.batch_size from {facts.batch_size} (the overhead per step stays, "
-           "the work grows)")
+    fix = (f"raise data.batch_size from {facts.batch_size} (to {4 * facts.batch_size}, "
+           "say: the overhead per step stays, the work grows)")
     if not facts.compile:
         fix += ", set perf.compile=true (fuses operations)"
     if facts.device == "cuda":
         fix += ", and perf.compile_mode=reduce-overhead (CUDA graphs: one launch per step)"
-    return Finding("host-bound", "warn", "host-bound", message, fix + ".")
+    return Finding("host-bound", "warn", "host-bound", message, fix + ".",
+                   changes={"data.batch_size": 4 * facts.batch_size})
 
 
 def _communication_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
@@ -243,7 +249,8 @@ def _communication_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None
            f"parallel.bucket_cap_mb from {facts.bucket_cap_mb:g} to "
            f"{max(50.0, 2 * facts.bucket_cap_mb):g} (fewer, larger messages), and measure "
            "the link with `gpufleet bench allreduce`.")
-    return Finding("communication-bound", "warn", "communication-bound", message, fix)
+    return Finding("communication-bound", "warn", "communication-bound", message, fix,
+                   changes={"optim.grad_accum": 2 * facts.grad_accum})
 
 
 def _memory_headroom(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
@@ -268,7 +275,7 @@ def _fp32_on_tensor_cores(s: Summary, facts: RunFacts, *_: Any) -> Finding | Non
         f"the run computes in fp32 on {facts.device_name}, whose tensor cores run bf16 "
         "several times faster.",
         "set precision.mode=bf16-mixed (no loss scaling needed), or at least "
-        "perf.tf32=true for fp32 matmuls.")
+        "perf.tf32=true for fp32 matmuls.", changes={"precision.mode": "bf16-mixed"})
 
 
 def _host_syncs(s: Summary, facts: RunFacts, system: Any,

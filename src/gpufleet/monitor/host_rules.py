@@ -72,12 +72,17 @@ def _cpu_contention(s: Summary, facts: RunFacts, system: dict[str, Any] | None,
     message = (f"other processes use {taken:.1f} of this node's {cores} cores "
                f"({taken / cores:.0%}): {names}. The node is {view['busy'] / cores:.0%} "
                f"busy; the run's own processes get {view['ours']:.1f} core(s) for "
-               f"{facts.local_world} rank(s) of {facts.torch_threads} torch thread(s), "
-               "whose threads now wait for each other behind the others' work.")
-    fix = ("stop, pause or move those processes (or run on a node of your own); if they "
-           f"must stay, give each rank only the cores left: OMP_NUM_THREADS={free} "
-           "(threads that outnumber free cores slow every step down).")
-    return Finding("cpu-contention", "warn", "other processes take the CPU", message, fix)
+               f"{facts.local_world} rank(s) of {facts.torch_threads} torch thread(s)")
+    fix = "stop, pause or move those processes (or run on a node of your own)"
+    if facts.torch_threads <= free:  # nothing to change in the run itself
+        return Finding("cpu-contention", "info", "other processes take the CPU",
+                       message + ".", fix + ".")
+    message += (f", more than the {free} core(s) per rank left free: the threads of one "
+                "operation wait for each other behind the others' work.")
+    fix += (f"; if they must stay, give each rank only the cores left: "
+            f"OMP_NUM_THREADS={free}.")
+    return Finding("cpu-contention", "warn", "other processes take the CPU", message, fix,
+                   changes={"env.OMP_NUM_THREADS": free})
 
 
 def _threads_beyond_cores(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
@@ -95,7 +100,7 @@ def _threads_beyond_cores(s: Summary, facts: RunFacts, *_: Any) -> Finding | Non
            f"{facts.local_world} rank(s) {per_rank}), and do not raise "
            "torch.set_num_threads above it in your code.")
     return Finding("thread-oversubscription", "warn", "more threads than cores", message,
-                   fix)
+                   fix, changes={"env.OMP_NUM_THREADS": per_rank})
 
 
 _OUTSIDE_KEYS = {"checkpoint": ("checkpoint.every", "checkpoint_every"),
@@ -122,9 +127,11 @@ def _time_outside_steps(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
                f"{_ms(s.step_s)}: {share:.0%} of the run's time goes to work between "
                "training steps.")
     fix = f"raise {key} from {every} to {_nice(wanted)} (about 5% of the time then)"
+    changes = {key: _nice(wanted)} if attr else {}
     if kind == "eval":
         fix += ", or evaluate on fewer batches (run.eval_batches)"
-    return Finding("time-outside-steps", "warn", f"{what} eat the run", message, fix + ".")
+    return Finding("time-outside-steps", "warn", f"{what} eat the run", message, fix + ".",
+                   changes=changes)
 
 
 def _slow_logging(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
@@ -142,7 +149,8 @@ def _slow_logging(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
                f"({share:.0%}), while training waits.")
     fix = (f"raise log.every from {every} to {wanted}, or make {name} cheaper (write in "
            "a background thread, batch its writes, check its destination).")
-    return Finding("slow-logging", "warn", f"slow log callback: {name}", message, fix)
+    return Finding("slow-logging", "warn", f"slow log callback: {name}", message, fix,
+                   changes={"log.every": wanted})
 
 
 def _ms(seconds: float) -> str:
@@ -156,4 +164,4 @@ def _nice(n: int) -> int:
     return next(m * scale for m in (1, 2, 5, 10) if m * scale >= n)
 
 
-HOST_RULES = (_cpu_contention, _threads_beyond_cores, _time_outside_steps, _slow_logging)
+HOST_RULES = (_threads_beyond_cores, _cpu_contention, _time_outside_steps, _slow_logging)
