@@ -38,11 +38,6 @@ from gpufleet.launch import gather_objects
 
 log = logging.getLogger(__name__)
 
-#: what :meth:`NonFiniteGuard.pending` holds: skips, index of the first skipped step in
-#: the interval (-1: none), the longest run of skips ending in the interval
-PENDING = 3
-
-
 @dataclass
 class SkipRecord:
     """One skipped step, as every rank saw it."""
@@ -84,34 +79,45 @@ def _prime_momentum(optimizer: torch.optim.Optimizer) -> None:
 
 
 class _DeviceState:
-    """The guard's counters, on the device; read once per log interval."""
+    """The guard's counters, on the device; read once per log interval.
+
+    ``counts`` holds the skips in the interval, the run of skips going on, and the
+    longest run seen in the interval; ``first`` the snapshot of the interval's first
+    skipped step: each parameter's local gradient norm, the local loss, and the step's
+    index in the interval. A handful of small operations per step, no host read.
+    """
 
     def __init__(self, device: torch.device, params: int) -> None:
-        zero = torch.zeros((), device=device)
-        self.count, self.run, self.longest = zero.clone(), zero.clone(), zero.clone()
-        self.index = zero.clone()  # steps so far in this interval
-        self.first = torch.full((), -1.0, device=device)
-        self.first_loss_bad = torch.zeros((), dtype=torch.bool, device=device)
-        self.first_flags = torch.zeros(params, dtype=torch.bool, device=device)
+        self.count = torch.zeros((), device=device)
+        self.run = torch.zeros((), device=device)
+        self.longest = torch.zeros((), device=device)
+        self.index = torch.zeros(1, device=device)
+        self.first = torch.zeros(params + 2, device=device)
 
-    def add(self, bad: torch.Tensor, loss_bad: torch.Tensor, flags: torch.Tensor) -> None:
-        self.count += bad
+    def add(self, bad: torch.Tensor, norms: torch.Tensor, loss: torch.Tensor) -> None:
+        # Until the interval's first skip the snapshot follows every step; from then on
+        # (a skip counted) it stays.
+        snapshot = torch.cat([norms, loss.reshape(1), self.index])
+        self.first = torch.where(self.count == 0, snapshot, self.first)
+        self.count.add_(bad)
         self.run.add_(1).mul_(bad)  # a finite step ends the run
         torch.maximum(self.longest, self.run, out=self.longest)
-        fresh = (bad > 0) & (self.first < 0)
-        self.first.copy_(torch.where(fresh, self.index, self.first))
-        self.first_loss_bad.copy_(torch.where(fresh, loss_bad, self.first_loss_bad))
-        self.first_flags.copy_(torch.where(fresh, flags, self.first_flags))
-        self.index += 1
+        self.index.add_(1)
 
     def pending(self) -> torch.Tensor:
-        return torch.stack([self.count, self.first, self.longest])
+        return torch.stack([self.count, self.first[-1], self.longest])
 
     def reset(self) -> None:
-        for t in (self.count, self.longest, self.index):
-            t.zero_()
+        self.count.zero_()
+        self.index.zero_()
         self.longest.copy_(self.run)  # a run still going counts on
-        self.first.fill_(-1.0)
+
+    def culprit(self, names: list[str]) -> tuple[bool, str | None, int]:
+        """This rank's view of the interval's first skipped step: its loss was not
+        finite, the first parameter whose gradient was not, how many were not."""
+        values = self.first.tolist()
+        bad = [n for n, v in zip(names, values[:-2]) if not math.isfinite(v)]
+        return not math.isfinite(values[-2]), bad[0] if bad else None, len(bad)
 
 
 @dataclass
@@ -173,13 +179,12 @@ class NonFiniteGuard:
 
     def _flag_on_device(self, step_loss: torch.Tensor, optimizer: Any) -> None:
         loss = step_loss.detach().float()
-        per_param = self._param_norms(loss.device)
-        flags = ~torch.isfinite(per_param)
-        probe = loss + per_param.sum()
+        norms = self._param_norms(loss.device)
+        probe = norms.sum() + loss
         self.strategy.all_reduce(probe)  # COLLECTIVE: every rank, every step; no SYNC
-        bad = (~torch.isfinite(probe)).float()
-        optimizer.found_inf = self._bad = bad  # the fused kernel then changes nothing
-        self._state.add(bad, ~torch.isfinite(loss), flags)
+        self._bad = bad = torch.isfinite(probe).logical_not_()
+        optimizer.found_inf = flag = bad.float()  # the fused kernel then changes nothing
+        self._state.add(flag, norms, loss)
 
     def _param_norms(self, device: torch.device) -> torch.Tensor:
         """The norm of each parameter's local gradient (0 for one without a gradient)."""
@@ -196,7 +201,7 @@ class NonFiniteGuard:
         """``step_loss``, or 0 when the step is skipped on the device (for loss sums)."""
         if not self.on_device:
             return step_loss
-        return torch.where(self._bad > 0, 0.0, step_loss)
+        return torch.where(self._bad, 0.0, step_loss)
 
     def pending(self) -> torch.Tensor | None:
         """The device counters to fold into the log-interval all-reduce (None off the
@@ -208,14 +213,12 @@ class NonFiniteGuard:
         ``first_step`` (``values``: :meth:`pending` as read on the host); report the
         first skip and stop the run after ``max_skips_in_row``."""
         count, first, longest = (round(v) for v in values)
-        self._state.reset()
         self.in_row = longest
         if not count:
+            self._state.reset()
             return
-        state = self._state
-        flags = state.first_flags.tolist()
-        bad = [n for n, f in zip(self._names, flags) if f]
-        mine = (bool(state.first_loss_bad), bad[0] if bad else None, len(bad))
+        mine = self._state.culprit(self._names)
+        self._state.reset()
         seen = gather_objects(mine)  # COLLECTIVE: intervals with a skip only, all ranks
         self.records.append(_record_of(seen, None))
         self.skipped += count
