@@ -38,6 +38,7 @@ def test_throughput_counts_samples_over_wall_time_between_the_first_and_last_log
     assert throughput(tmp_path) == pytest.approx(5.0)
 
 
+@pytest.mark.slow  # two training runs in subprocesses; the zoo test below covers the loop
 def test_tune_measures_the_change_an_input_bound_job_is_told_to_make(run_cli, tmp_path):
     proc = run_cli("tune", "--steps", "20", "--repeats", "1", "--out", "tuned",
                    "--model", "toyjob:make_model", "--model.loss",
