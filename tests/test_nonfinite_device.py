@@ -89,6 +89,7 @@ def _guarded(opt_cls, **kwargs):
 def _step(model, opt, guard, x):
     loss = F.mse_loss(model(x), torch.zeros(len(x), 1))
     loss.backward()
+    guard.inspect(model, loss.detach(), opt)
     assert guard.should_skip(model, loss.detach(), None, opt) is False  # on the device
     opt.step()
     opt.zero_grad()
@@ -124,3 +125,34 @@ def test_a_step_skipped_on_the_device_changes_nothing(opt_cls, kwargs):
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=0)
     assert guard.pending().tolist() == [2.0, 0.0, 1.0]  # 2 skips, first at index 0
+
+
+class _PoisonAt(Callback):
+    """Makes one parameter's gradient NaN in optimizer step ``step`` (1-based)."""
+
+    def __init__(self, param: torch.nn.Parameter, step: int) -> None:
+        self.step, self.now = step, 0
+        param.register_hook(lambda g: g * float("nan") if self.now == self.step else g)
+
+    def on_fit_start(self, trainer):
+        self.now = 1
+
+    def on_step_end(self, trainer, step):
+        self.now = step + 1
+
+
+def test_the_culprit_is_the_parameter_that_went_bad_before_clipping(tmp_path, caplog):
+    # Clipping by norm (on here) spreads a NaN norm into every gradient; the culprit is
+    # read before it, so the one bad parameter is named.
+    torch.manual_seed(0)
+    model = toyjob.make_model()
+    poison = _PoisonAt(model[3].weight, step=3)
+    with caplog.at_level("WARNING"):
+        result = gpufleet.fit(model, toyjob.make_data(), loss_fn=F.mse_loss, overrides={
+            "run.out_dir": str(tmp_path), "run.max_steps": 6, "log.every": 3,
+            "log.progress": "off", "data.batch_size": 16, "data.num_workers": 0,
+            "optim.clip_norm": 1.0}, callbacks=[poison])
+    assert result.skipped_steps == 1
+    assert ("step 3 skipped on every rank: non-finite gradients on rank 0 in 1 "
+            "parameter(s), first: 3.weight") in caplog.text
+    assert all(torch.isfinite(p).all() for p in model.parameters())

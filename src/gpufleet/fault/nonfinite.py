@@ -143,17 +143,11 @@ class NonFiniteGuard:
     _params: list[nn.Parameter] = field(default_factory=list)
     _bad: torch.Tensor | None = None
 
-    def should_skip(self, model: nn.Module, step_loss: torch.Tensor,
-                    grad_norm: torch.Tensor | None,
-                    optimizer: torch.optim.Optimizer | None = None) -> bool:
-        """Whether the loop must skip this step on the host.
-
-        On the device path (a fused ``optimizer``) the answer is always False: the
-        optimizer receives the agreed flag and skips by itself, and nothing is read on
-        the host. Otherwise: whether any rank's loss or gradients are non-finite;
-        ``grad_norm`` is the (unscaled) global norm when clipping computed it, else None
-        and it is computed here.
-        """
+    def inspect(self, model: nn.Module, step_loss: torch.Tensor,
+                optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Right after backward (and unscaling), before any clipping changes the
+        gradients: on the device path, flag the step and hand the flag to ``optimizer``
+        (no host read); on the host path nothing happens here (see :meth:`should_skip`)."""
         if self.on_device is None:
             self.on_device = takes_found_inf(optimizer, self.precision)
             named = [(n, p) for n, p in self.strategy.unwrap(model).named_parameters()
@@ -164,6 +158,21 @@ class NonFiniteGuard:
                 self._state = _DeviceState(step_loss.device, max(1, len(named)))
         if self.on_device:
             self._flag_on_device(step_loss, optimizer)
+
+    def should_skip(self, model: nn.Module, step_loss: torch.Tensor,
+                    grad_norm: torch.Tensor | None,
+                    optimizer: torch.optim.Optimizer | None = None) -> bool:
+        """Whether the loop must skip this step on the host (call :meth:`inspect` first).
+
+        On the device path (a fused ``optimizer``) the answer is always False: the
+        optimizer received the agreed flag and skips by itself, and nothing is read on
+        the host. Otherwise: whether any rank's loss or gradients are non-finite;
+        ``grad_norm`` is the (unscaled) global norm when clipping computed it, else None
+        and it is computed here.
+        """
+        if self.on_device is None:
+            self.inspect(model, step_loss, optimizer)
+        if self.on_device:
             return False
         if grad_norm is None:
             grad_norm = self.strategy.grad_norm(model)

@@ -161,16 +161,19 @@ class Trainer(TrainerSetup):
             for cb in phases:
                 cb.on_phase(self, "optimizer")
             precision.unscale(opt)  # true gradient sizes before clipping
+            if guard is not None:
+                # COLLECTIVE (fault.skip_nonfinite): with a fused optimizer, the ranks
+                # agree on the device whether this step's loss or gradients (as backward
+                # left them) are non-finite, and the optimizer skips by itself.
+                guard.inspect(model, step_loss, opt)
             if cfg.optim.clip_value:
                 torch.nn.utils.clip_grad_value_(model.parameters(), cfg.optim.clip_value)
             norm = None
             if cfg.optim.clip_norm:
                 # The norm stays a device tensor; it is only read at log time.
                 self.grad_norm = norm = strategy.clip_grad_norm(model, cfg.optim.clip_norm)
-            # COLLECTIVE (fault.skip_nonfinite): all ranks agree to skip a step whose
-            # loss or gradients are not finite on any of them. A fused optimizer takes
-            # the answer on the device and skips by itself; otherwise (fp16, ZeRO, an
-            # unfused optimizer) SYNC: the host reads it.
+            # Without the device path (fp16, ZeRO, an unfused optimizer): COLLECTIVE +
+            # SYNC, all ranks agree on the host to skip a step that is not finite.
             skip = guard is not None and guard.should_skip(model, step_loss, norm, opt)
             if not skip:
                 precision.step(opt)  # SYNC with fp16 and a non-fused optimizer (found_inf)
