@@ -124,7 +124,8 @@ def test_a_step_skipped_on_the_device_changes_nothing(opt_cls, kwargs):
     _step(ref, ref_opt, ref_guard, x)
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=0)
-    assert guard.pending().tolist() == [2.0, 0.0, 1.0]  # 2 skips, first at index 0
+    skipped = [not torch.isfinite(p) for p in guard.pending()]
+    assert skipped == [True, False, True]  # the agreed probes, read at the log interval
 
 
 class _PoisonAt(Callback):

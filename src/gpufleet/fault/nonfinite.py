@@ -79,45 +79,33 @@ def _prime_momentum(optimizer: torch.optim.Optimizer) -> None:
 
 
 class _DeviceState:
-    """The guard's counters, on the device; read once per log interval.
+    """Per step of the log interval, kept on the device: the agreed probe (not finite:
+    the step was skipped), and this rank's gradient norm of each parameter with its loss
+    (the culprit of a skip). Rows are written at the host's step count and read at the
+    log interval: a few small copies per step, no host read."""
 
-    ``counts`` holds the skips in the interval, the run of skips going on, and the
-    longest run seen in the interval; ``first`` the snapshot of the interval's first
-    skipped step: each parameter's local gradient norm, the local loss, and the step's
-    index in the interval. A handful of small operations per step, no host read.
-    """
+    def __init__(self, device: torch.device, width: int, rows: int = 16) -> None:
+        self.probes = torch.zeros(rows, device=device)
+        self.local = torch.zeros(rows, width, device=device)
+        self.rows = 0
 
-    def __init__(self, device: torch.device, params: int) -> None:
-        self.count = torch.zeros((), device=device)
-        self.run = torch.zeros((), device=device)
-        self.longest = torch.zeros((), device=device)
-        self.index = torch.zeros(1, device=device)
-        self.first = torch.zeros(params + 2, device=device)
-
-    def add(self, bad: torch.Tensor, norms: torch.Tensor, loss: torch.Tensor) -> None:
-        # Until the interval's first skip the snapshot follows every step; from then on
-        # (a skip counted) it stays.
-        snapshot = torch.cat([norms, loss.reshape(1), self.index])
-        self.first = torch.where(self.count == 0, snapshot, self.first)
-        self.count.add_(bad)
-        self.run.add_(1).mul_(bad)  # a finite step ends the run
-        torch.maximum(self.longest, self.run, out=self.longest)
-        self.index.add_(1)
+    def add(self, probe: torch.Tensor, local: torch.Tensor) -> None:
+        if self.rows == len(self.probes):  # a longer interval than so far: double
+            self.probes = torch.cat([self.probes, torch.zeros_like(self.probes)])
+            self.local = torch.cat([self.local, torch.zeros_like(self.local)])
+        self.probes[self.rows] = probe
+        self.local[self.rows] = local
+        self.rows += 1
 
     def pending(self) -> torch.Tensor:
-        return torch.stack([self.count, self.first[-1], self.longest])
+        return self.probes[:self.rows]
 
-    def reset(self) -> None:
-        self.count.zero_()
-        self.index.zero_()
-        self.longest.copy_(self.run)  # a run still going counts on
-
-    def culprit(self, names: list[str]) -> tuple[bool, str | None, int]:
-        """This rank's view of the interval's first skipped step: its loss was not
-        finite, the first parameter whose gradient was not, how many were not."""
-        values = self.first.tolist()
-        bad = [n for n, v in zip(names, values[:-2]) if not math.isfinite(v)]
-        return not math.isfinite(values[-2]), bad[0] if bad else None, len(bad)
+    def culprit(self, row: int, names: list[str]) -> tuple[bool, str | None, int]:
+        """This rank's view of step ``row`` of the interval: its loss was not finite,
+        the first parameter whose gradient was not, how many were not."""
+        values = self.local[row].tolist()
+        bad = [n for n, v in zip(names, values[:-1]) if not math.isfinite(v)]
+        return not math.isfinite(values[-1]), bad[0] if bad else None, len(bad)
 
 
 @dataclass
@@ -155,7 +143,7 @@ class NonFiniteGuard:
             self._names, self._params = [n for n, _ in named], [p for _, p in named]
             if self.on_device:
                 _prime_momentum(optimizer)
-                self._state = _DeviceState(step_loss.device, max(1, len(named)))
+                self._state = _DeviceState(step_loss.device, len(named) + 1)
         if self.on_device:
             self._flag_on_device(step_loss, optimizer)
 
@@ -187,53 +175,57 @@ class NonFiniteGuard:
         return True
 
     def _flag_on_device(self, step_loss: torch.Tensor, optimizer: Any) -> None:
-        loss = step_loss.detach().float()
-        norms = self._param_norms(loss.device)
-        probe = norms.sum() + loss
+        local = self._norms_and_loss(step_loss.detach().float())
+        probe = local.sum()  # finite only if every norm and the loss are
         self.strategy.all_reduce(probe)  # COLLECTIVE: every rank, every step; no SYNC
-        self._bad = bad = torch.isfinite(probe).logical_not_()
-        optimizer.found_inf = flag = bad.float()  # the fused kernel then changes nothing
-        self._state.add(flag, norms, loss)
+        # 1.0 where the agreed probe is not finite (inf - inf and NaN - NaN are NaN).
+        flag = (probe - probe).ne_(0)
+        optimizer.found_inf = self._bad = flag  # the fused kernel then changes nothing
+        self._state.add(probe, local)
 
-    def _param_norms(self, device: torch.device) -> torch.Tensor:
-        """The norm of each parameter's local gradient (0 for one without a gradient)."""
+    def _norms_and_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The norm of each parameter's local gradient (0 without one), then the loss."""
         grads = [p.grad for p in self._params]
         present = [_local(g) for g in grads if g is not None]
         norms = torch._foreach_norm(present) if present else []
-        if len(present) == len(grads) and grads:
-            return torch.stack(norms).float()
-        it, zero = iter(norms), torch.zeros((), device=device)
-        return torch.stack([next(it).float() if g is not None else zero for g in grads]
-                           + [zero])[:max(1, len(grads))]
+        if len(present) < len(grads):
+            it, zero = iter(norms), torch.zeros((), device=loss.device)
+            norms = [next(it) if g is not None else zero for g in grads]
+        return torch.stack([*norms, loss]).float()
 
     def kept(self, step_loss: torch.Tensor) -> torch.Tensor:
         """``step_loss``, or 0 when the step is skipped on the device (for loss sums)."""
         if not self.on_device:
             return step_loss
-        return torch.where(self._bad, 0.0, step_loss)
+        return torch.where(self._bad.bool(), 0.0, step_loss)
 
     def pending(self) -> torch.Tensor | None:
-        """The device counters to fold into the log-interval all-reduce (None off the
-        device path); every rank holds the same values."""
+        """The interval's agreed probes, to fold into the log-interval all-reduce (None
+        off the device path); every rank holds the same values."""
         return self._state.pending() if self.on_device else None
 
-    def settle(self, values: list[float], first_step: int, is_main: bool) -> None:
-        """Take the counters of the interval that began after optimizer step
-        ``first_step`` (``values``: :meth:`pending` as read on the host); report the
-        first skip and stop the run after ``max_skips_in_row``."""
-        count, first, longest = (round(v) for v in values)
+    def settle(self, probes: list[float], first_step: int, is_main: bool) -> None:
+        """Take the probes of the interval that began after optimizer step
+        ``first_step`` (:meth:`pending` as read on the host); report the first skip and
+        stop the run after ``max_skips_in_row`` in a row."""
+        skipped = [not math.isfinite(v) for v in probes]
+        run = longest = self.in_row  # a run of skips goes on across intervals
+        for bad in skipped:
+            run = run + 1 if bad else 0
+            longest = max(longest, run)
+        count = sum(skipped)
         self.in_row = longest
-        if not count:
-            self._state.reset()
-            return
-        mine = self._state.culprit(self._names)
-        self._state.reset()
-        seen = gather_objects(mine)  # COLLECTIVE: intervals with a skip only, all ranks
-        self.records.append(_record_of(seen, None))
-        self.skipped += count
-        self.interval_skipped += count
-        self.report(first_step + first + 1, is_main,
-                    f" ({count} in this log interval)" if count > 1 else "")
+        if count:
+            first = skipped.index(True)
+            mine = self._state.culprit(first, self._names)
+            seen = gather_objects(mine)  # COLLECTIVE: intervals with a skip only, all ranks
+            self.records.append(_record_of(seen, None))
+            self.skipped += count
+            self.interval_skipped += count
+            self.report(first_step + first + 1, is_main,
+                        f" ({count} in this log interval)" if count > 1 else "")
+        self.in_row = run
+        self._state.rows = 0
 
     def _record(self, model: nn.Module, step_loss: torch.Tensor) -> None:
         names = [n for n, p in self.strategy.unwrap(model).named_parameters()
