@@ -288,7 +288,8 @@ class DistConfig(Section):
 class FaultConfig(Section):
     skip_nonfinite: bool = opt(True, "Skip an optimizer step whose loss or gradients are "
                                "not finite on any rank (all ranks agree through one "
-                               "all-reduced flag; costs one host sync per step).")
+                               "all-reduced flag, decided on the device with a fused "
+                               "optimizer: no host sync per step).")
     max_skips_in_row: int = opt(10, "Stop the run after this many skipped steps in a row, "
                                 "naming the first parameter whose gradient went bad.", min=1)
     watchdog: bool = opt(True, "Watch for stalled steps; dump every rank's Python stack "

@@ -2,12 +2,21 @@
 
 One rank whose loss turns NaN must not step while the others skip (their replicas would
 drift apart), nor skip a collective the others enter (they would wait forever). So each
-rank adds its loss and gradient norm into one number, the ranks all-reduce it (a sum is
-finite only if every term is), and every rank acts on the same answer. That costs one
-tiny collective and one host-device sync per step; ``fault.skip_nonfinite = false``
-turns it off.
+rank adds its loss and its gradients' norms into one number, the ranks all-reduce it (a
+sum is finite only if every term is), and every rank acts on the same answer.
 
-With fp16 loss scaling, gradients that overflow while the loss is finite are the
+The answer stays on the device. A fused optimizer (AdamW and SGD are built fused where
+torch has the kernel) takes it as its ``found_inf`` flag, the way a loss scaler hands it
+over: a flagged step leaves the weights, the moments and the step counter exactly as
+they were. The skip count, the longest run of skips and the step and culprit (rank,
+first bad parameter) of the first skip are kept on the device too and read once per log
+interval, folded into the loop's own log-interval all-reduce. So the default
+configuration has no host sync per step; ``fault.max_skips_in_row`` is checked at the
+log interval.
+
+Where the optimizer cannot take the flag (ZeRO, Horovod, an unfused optimizer) or the
+loss scaler decides (fp16), the flag is read on the host every step, as the step depends
+on it. With fp16 loss scaling, gradients that overflow while the loss is finite are the
 scaler's ordinary calibration: the step is skipped and the scale backed off on every
 rank, without counting towards ``fault.max_skips_in_row`` until the scale has fallen
 below 1 (a scale that low means the model itself produces inf, a collapse).
@@ -29,7 +38,6 @@ from gpufleet.launch import gather_objects
 
 log = logging.getLogger(__name__)
 
-
 @dataclass
 class SkipRecord:
     """One skipped step, as every rank saw it."""
@@ -40,6 +48,64 @@ class SkipRecord:
     first_bad_param: str | None
     bad_params: int
     loss_scale: float | None = None
+
+
+def takes_found_inf(optimizer: Any, precision: Any) -> bool:
+    """Whether ``optimizer`` can skip a step on a device flag (a fused torch optimizer,
+    no loss scaler deciding on its own)."""
+    if hasattr(precision, "backoff") or not isinstance(optimizer, torch.optim.Optimizer):
+        return False
+    if any(g.get("momentum") and g.get("dampening") for g in optimizer.param_groups):
+        return False  # see _prime_momentum
+    return bool(optimizer.defaults.get("fused")) and \
+        getattr(optimizer, "_step_supports_amp_scaling", False)
+
+
+def _prime_momentum(optimizer: torch.optim.Optimizer) -> None:
+    """Zero momentum buffers for SGD before its first step.
+
+    Fused SGD allocates them uninitialised on its first step and fills them from the
+    gradient, which a flagged step does not do. Starting from zeros, the first update
+    (``buf = momentum * 0 + grad``, without dampening) is the same, and a skipped one
+    leaves clean zeros.
+    """
+    for group in optimizer.param_groups:
+        if not group.get("momentum") or "dampening" not in group:
+            continue
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+class _DeviceState:
+    """Per step of the log interval, kept on the device: the agreed probe (not finite:
+    the step was skipped), and this rank's gradient norm of each parameter with its loss
+    (the culprit of a skip). Rows are written at the host's step count and read at the
+    log interval: a few small copies per step, no host read."""
+
+    def __init__(self, device: torch.device, width: int, rows: int = 16) -> None:
+        self.probes = torch.zeros(rows, device=device)
+        self.local = torch.zeros(rows, width, device=device)
+        self.rows = 0
+
+    def add(self, probe: torch.Tensor, local: torch.Tensor) -> None:
+        if self.rows == len(self.probes):  # a longer interval than so far: double
+            self.probes = torch.cat([self.probes, torch.zeros_like(self.probes)])
+            self.local = torch.cat([self.local, torch.zeros_like(self.local)])
+        self.probes[self.rows] = probe
+        self.local[self.rows] = local
+        self.rows += 1
+
+    def pending(self) -> torch.Tensor:
+        return self.probes[:self.rows]
+
+    def culprit(self, row: int, names: list[str]) -> tuple[bool, str | None, int]:
+        """This rank's view of step ``row`` of the interval: its loss was not finite,
+        the first parameter whose gradient was not, how many were not."""
+        values = self.local[row].tolist()
+        bad = [n for n, v in zip(names, values[:-1]) if not math.isfinite(v)]
+        return not math.isfinite(values[-1]), bad[0] if bad else None, len(bad)
 
 
 @dataclass
@@ -59,14 +125,43 @@ class NonFiniteGuard:
     in_row: int = 0
     interval_skipped: int = 0
     records: list[SkipRecord] = field(default_factory=list)
+    on_device: bool | None = None  # decided at the first step (see takes_found_inf)
+    _state: _DeviceState | None = None
+    _names: list[str] = field(default_factory=list)
+    _params: list[nn.Parameter] = field(default_factory=list)
+    _bad: torch.Tensor | None = None
+
+    def inspect(self, model: nn.Module, step_loss: torch.Tensor,
+                optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Right after backward (and unscaling), before any clipping changes the
+        gradients: on the device path, flag the step and hand the flag to ``optimizer``
+        (no host read); on the host path nothing happens here (see :meth:`should_skip`)."""
+        if self.on_device is None:
+            self.on_device = takes_found_inf(optimizer, self.precision)
+            named = [(n, p) for n, p in self.strategy.unwrap(model).named_parameters()
+                     if p.requires_grad]
+            self._names, self._params = [n for n, _ in named], [p for _, p in named]
+            if self.on_device:
+                _prime_momentum(optimizer)
+                self._state = _DeviceState(step_loss.device, len(named) + 1)
+        if self.on_device:
+            self._flag_on_device(step_loss, optimizer)
 
     def should_skip(self, model: nn.Module, step_loss: torch.Tensor,
-                    grad_norm: torch.Tensor | None) -> bool:
-        """Whether any rank's loss or gradients are non-finite for this step.
+                    grad_norm: torch.Tensor | None,
+                    optimizer: torch.optim.Optimizer | None = None) -> bool:
+        """Whether the loop must skip this step on the host (call :meth:`inspect` first).
 
+        On the device path (a fused ``optimizer``) the answer is always False: the
+        optimizer received the agreed flag and skips by itself, and nothing is read on
+        the host. Otherwise: whether any rank's loss or gradients are non-finite;
         ``grad_norm`` is the (unscaled) global norm when clipping computed it, else None
         and it is computed here.
         """
+        if self.on_device is None:
+            self.inspect(model, step_loss, optimizer)
+        if self.on_device:
+            return False
         if grad_norm is None:
             grad_norm = self.strategy.grad_norm(model)
         # One number carries both flags: loss + norm is finite only if both are, and a
@@ -79,6 +174,59 @@ class NonFiniteGuard:
         self._record(model, step_loss)
         return True
 
+    def _flag_on_device(self, step_loss: torch.Tensor, optimizer: Any) -> None:
+        local = self._norms_and_loss(step_loss.detach().float())
+        probe = local.sum()  # finite only if every norm and the loss are
+        self.strategy.all_reduce(probe)  # COLLECTIVE: every rank, every step; no SYNC
+        # 1.0 where the agreed probe is not finite (inf - inf and NaN - NaN are NaN).
+        flag = (probe - probe).ne_(0)
+        optimizer.found_inf = self._bad = flag  # the fused kernel then changes nothing
+        self._state.add(probe, local)
+
+    def _norms_and_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The norm of each parameter's local gradient (0 without one), then the loss."""
+        grads = [p.grad for p in self._params]
+        present = [_local(g) for g in grads if g is not None]
+        norms = torch._foreach_norm(present) if present else []
+        if len(present) < len(grads):
+            it, zero = iter(norms), torch.zeros((), device=loss.device)
+            norms = [next(it) if g is not None else zero for g in grads]
+        return torch.stack([*norms, loss]).float()
+
+    def kept(self, step_loss: torch.Tensor) -> torch.Tensor:
+        """``step_loss``, or 0 when the step is skipped on the device (for loss sums)."""
+        if not self.on_device:
+            return step_loss
+        return torch.where(self._bad.bool(), 0.0, step_loss)
+
+    def pending(self) -> torch.Tensor | None:
+        """The interval's agreed probes, to fold into the log-interval all-reduce (None
+        off the device path); every rank holds the same values."""
+        return self._state.pending() if self.on_device else None
+
+    def settle(self, probes: list[float], first_step: int, is_main: bool) -> None:
+        """Take the probes of the interval that began after optimizer step
+        ``first_step`` (:meth:`pending` as read on the host); report the first skip and
+        stop the run after ``max_skips_in_row`` in a row."""
+        skipped = [not math.isfinite(v) for v in probes]
+        run = longest = self.in_row  # a run of skips goes on across intervals
+        for bad in skipped:
+            run = run + 1 if bad else 0
+            longest = max(longest, run)
+        count = sum(skipped)
+        self.in_row = longest
+        if count:
+            first = skipped.index(True)
+            mine = self._state.culprit(first, self._names)
+            seen = gather_objects(mine)  # COLLECTIVE: intervals with a skip only, all ranks
+            self.records.append(_record_of(seen, None))
+            self.skipped += count
+            self.interval_skipped += count
+            self.report(first_step + first + 1, is_main,
+                        f" ({count} in this log interval)" if count > 1 else "")
+        self.in_row = run
+        self._state.rows = 0
+
     def _record(self, model: nn.Module, step_loss: torch.Tensor) -> None:
         names = [n for n, p in self.strategy.unwrap(model).named_parameters()
                  if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
@@ -87,11 +235,7 @@ class NonFiniteGuard:
         # COLLECTIVE, on skipped steps only (every rank is here: the flags agreed).
         seen = gather_objects(mine)
         scale = self.precision.backoff() if hasattr(self.precision, "backoff") else None
-        record = SkipRecord(
-            step=0, loss_ranks=[r for r, s in enumerate(seen) if s[0]],
-            grad_ranks=[r for r, s in enumerate(seen) if s[2]],
-            first_bad_param=next((s[1] for s in seen if s[1]), None),
-            bad_params=max(s[2] for s in seen), loss_scale=scale)
+        record = _record_of(seen, scale)
         self.skipped += 1
         self.interval_skipped += 1
         self.records.append(record)
@@ -101,7 +245,7 @@ class NonFiniteGuard:
         if not calibrating:
             self.in_row += 1
 
-    def report(self, step: int, is_main: bool) -> None:
+    def report(self, step: int, is_main: bool, more: str = "") -> None:
         """Log the skip just recorded for optimizer step ``step``; stop the run when
         ``max_skips_in_row`` is reached."""
         record = self.records[-1]
@@ -110,7 +254,7 @@ class NonFiniteGuard:
         if self.in_row >= self.cfg.max_skips_in_row:
             raise TrainingStopped(
                 f"{self.in_row} optimizer steps in a row were skipped for non-finite values "
-                f"(last: step {step}: {what}). Lower optim.lr, set optim.clip_norm, use "
+                f"(step {step}: {what}). Lower optim.lr, set optim.clip_norm, use "
                 "bf16-mixed instead of fp16-mixed, and check the data of those steps; "
                 "resume from the last checkpoint with --resume latest.")
         if is_main:
@@ -118,8 +262,21 @@ class NonFiniteGuard:
                     and self.in_row == 0:
                 log.info("step %d skipped by the fp16 loss scaler: %s", step, what)
             else:
-                log.warning("step %d skipped on every rank: %s (%d skipped so far)",
-                            step, what, self.skipped)
+                log.warning("step %d skipped on every rank: %s%s (%d skipped so far)",
+                            step, what, more, self.skipped)
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly sharded) gradient."""
+    return grad.to_local() if hasattr(grad, "to_local") else grad
+
+
+def _record_of(seen: list[tuple[bool, str | None, int]], scale: float | None) -> SkipRecord:
+    return SkipRecord(
+        step=0, loss_ranks=[r for r, s in enumerate(seen) if s[0]],
+        grad_ranks=[r for r, s in enumerate(seen) if s[2]],
+        first_bad_param=next((s[1] for s in seen if s[1]), None),
+        bad_params=max(s[2] for s in seen), loss_scale=scale)
 
 
 def describe(record: SkipRecord) -> str:

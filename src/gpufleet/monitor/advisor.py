@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from gpufleet.bench.machine import cores_per_rank
+from gpufleet.bench.machine import cores_per_rank, usable_cores
 from gpufleet.monitor.diagnose import (
     DIAGNOSIS_FILE,
     Finding,
@@ -26,6 +26,7 @@ from gpufleet.monitor.diagnose import (
     Summary,
     diagnose,
 )
+from gpufleet.monitor.host_rules import host_view
 from gpufleet.monitor.phases import PHASES
 from gpufleet.train.callbacks import Callback
 
@@ -60,6 +61,9 @@ class Advisor(Callback):
         self.findings: list[Finding] = []
         self._said: set[tuple[str, str]] = set()
         self._last_step = 0
+        self._outside: dict[str, tuple[float, int]] = {}
+        self._log_callbacks: dict[str, float] = {}
+        self._log_base: dict[str, float] = {}
 
     def on_fit_start(self, trainer: Any) -> None:
         self._last_step = trainer.step
@@ -67,7 +71,9 @@ class Advisor(Callback):
     def on_log(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
         self.intervals += 1
         steps, self._last_step = max(1, step - self._last_step), step
+        logged = getattr(trainer.callbacks, "log_seconds", {})
         if self.intervals <= self.skip or "rank_phases" not in metrics:
+            self._log_base = dict(logged)  # start-up is left out here too
             return
         self.steps += steps
         self._step_s += metrics["step_time_s"] * steps
@@ -78,6 +84,11 @@ class Advisor(Callback):
         if "tflops" in metrics:
             self._flop_s += metrics["tflops"] * steps
         self._mem_peak = max(self._mem_peak, metrics.get("mem_peak_gb", 0.0))
+        timer = getattr(trainer, "phase_timer", None)
+        self._outside = {k: (v[0], int(v[1])) for k, v in timer.outside.items()} \
+            if timer is not None else {}
+        self._log_callbacks = {k: v - self._log_base.get(k, 0.0) for k, v in logged.items()
+                               if k != type(self).__name__}
         self._update(step)
 
     def summary(self) -> Summary | None:
@@ -87,13 +98,17 @@ class Advisor(Callback):
         rows = [{"rank": r, **{name: v / n for name, v in zip(PHASES, sums)}}
                 for r, sums in sorted(self._sums.items())]
         return Summary(steps=n, step_s=self._step_s / n, rank_phases=rows,
-                       tflops=self._flop_s / n or None, mem_peak_gb=self._mem_peak or None)
+                       tflops=self._flop_s / n or None, mem_peak_gb=self._mem_peak or None,
+                       train_s=self._step_s, outside=dict(self._outside),
+                       log_callbacks=dict(self._log_callbacks))
 
     def _update(self, step: int) -> None:
         summary = self.summary()
         if summary is None:
             return
         latest = self.system.latest() if self.system is not None else None
+        if latest is not None:  # the host's CPU over the last half minute
+            latest = {**latest, "host_view": host_view(self.system.window(30.0))}
         findings = [Finding(**{**f.to_dict(), "step": step})
                     for f in diagnose(summary, self.facts, latest, self.syncs)]
         new = [f for f in findings if (f.rule, f.title) not in self._said]
@@ -151,7 +166,10 @@ def run_facts(trainer: Any) -> RunFacts:
         num_workers=cfg.data.num_workers, pin_memory=trainer.pin_memory,
         batch_size=cfg.data.batch_size, grad_accum=cfg.optim.grad_accum,
         precision=cfg.precision.mode, strategy=cfg.parallel.strategy,
-        bucket_cap_mb=cfg.parallel.bucket_cap_mb, compile=cfg.perf.compile)
+        bucket_cap_mb=cfg.parallel.bucket_cap_mb, compile=cfg.perf.compile,
+        cores=usable_cores(), torch_threads=torch.get_num_threads(),
+        log_every=cfg.log.every, eval_every=cfg.run.eval_every,
+        checkpoint_every=cfg.checkpoint.every)
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         facts.device_name = props.name

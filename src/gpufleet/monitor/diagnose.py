@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,8 @@ class Finding:
         message: what was measured, with the numbers.
         fix: what to change, with config keys and values.
         step: the optimizer step at which it was found.
+        changes: the fix as settings to try (config keys, and ``env.NAME`` for an
+            environment variable), when it is one; ``gpufleet tune`` measures them.
     """
 
     rule: str
@@ -35,6 +37,7 @@ class Finding:
     message: str
     fix: str
     step: int = 0
+    changes: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -42,7 +45,7 @@ class Finding:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Finding:
         return cls(**{k: data[k] for k in ("rule", "severity", "title", "message", "fix")},
-                   step=int(data.get("step", 0)))
+                   step=int(data.get("step", 0)), changes=dict(data.get("changes") or {}))
 
 
 def findings_for_run(run_dir: str | Path) -> list[Finding]:
@@ -74,6 +77,9 @@ class RunFacts:
         device_flops_source: "peak" or "measured matmul".
         tensor_cores: a GPU with bf16 tensor cores (compute capability 8.0 or newer).
         mem_total_gb: device memory (CUDA), else 0.
+        cores: CPU cores this node's ranks may use; torch_threads: each rank's torch
+            intra-op threads.
+        log_every / eval_every / checkpoint_every: the run's intervals, in steps.
     """
 
     device: str = "cpu"
@@ -93,6 +99,11 @@ class RunFacts:
     device_flops_source: str = "peak"
     tensor_cores: bool = False
     mem_total_gb: float = 0.0
+    cores: int = 1
+    torch_threads: int = 1
+    log_every: int = 10
+    eval_every: int = 0
+    checkpoint_every: int = 0
 
 
 @dataclass
@@ -105,12 +116,15 @@ class Summary:
     rank_phases: list[dict[str, float]]  # per rank: data, forward, backward, optimizer, other
     tflops: float | None = None  # achieved by one rank
     mem_peak_gb: float | None = None
+    train_s: float = 0.0  # seconds in training steps
+    outside: dict[str, tuple[float, int]] = field(default_factory=dict)  # eval, checkpoint
+    log_callbacks: dict[str, float] = field(default_factory=dict)  # seconds in on_log
 
 
 def diagnose(s: Summary, facts: RunFacts, system: dict[str, Any] | None = None,
              syncs: list[tuple[str, int]] | None = None) -> list[Finding]:
     """Every rule that fires for this summary, most costly first."""
-    found = [f for rule in _RULES if (f := rule(s, facts, system, syncs)) is not None]
+    found = [f for rule in _rules() if (f := rule(s, facts, system, syncs)) is not None]
     found.sort(key=lambda f: f.severity != "warn")
     return found
 
@@ -142,6 +156,7 @@ def _input_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
     message = (f"{_ms(worst['data'])} of each {_ms(step)} step ({share:.0%}) waits for "
                f"the next batch, with data.num_workers = {workers}. One batch takes about "
                f"{_ms(load)} to load and {_ms(compute)} to train on.")
+    changes = {"data.num_workers": min(needed, cap)}
     if needed <= cap:
         fix = f"raise data.num_workers from {workers} to {needed}."
     else:
@@ -151,7 +166,8 @@ def _input_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
     if facts.device == "cuda" and not facts.pin_memory:
         fix += " Also set data.pin_memory=true (faster, asynchronous copies to the GPU)."
     fix += " `gpufleet bench loader` measures the options."
-    return Finding("input-bound", "warn", f"input-bound{rank}", message, fix)
+    return Finding("input-bound", "warn", f"input-bound{rank}", message, fix,
+                   changes=changes)
 
 
 def _straggler(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
@@ -190,10 +206,12 @@ def _host_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
     if not s.tflops or not facts.device_flops:
         return None
     worst_data = max(p["data"] for p in s.rank_phases)
-    if worst_data >= 0.25 * s.step_s or s.step_s > 0.05:  # input-bound is its own rule
+    if worst_data >= 0.25 * s.step_s:  # input-bound is its own rule
         return None
     use = s.tflops * 1e12 / facts.device_flops
-    if use >= 0.15:
+    # A short step below 15% of the yardstick is overhead-bound; a long one (over 50 ms,
+    # where per-operation overhead is a smaller share) must fall below 5%.
+    if use >= (0.15 if s.step_s <= 0.05 else 0.05):
         return None
     what = ("its peak" if facts.device_flops_source == "peak"
             else "a plain matmul on this CPU")
@@ -202,13 +220,14 @@ def _host_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
                f"{facts.device_flops / 1e9:.3g} GFLOP/s of {what}, while data is ready "
                f"({worst_data / s.step_s:.0%} of the step waits for it). The time goes to "
                "Python and per-operation overhead, not to arithmetic.")
-    fix = (f"raise data.batch_size from {facts.batch_size} (the overhead per step stays, "
-           "the work grows)")
+    fix = (f"raise data.batch_size from {facts.batch_size} (to {4 * facts.batch_size}, "
+           "say: the overhead per step stays, the work grows)")
     if not facts.compile:
         fix += ", set perf.compile=true (fuses operations)"
     if facts.device == "cuda":
         fix += ", and perf.compile_mode=reduce-overhead (CUDA graphs: one launch per step)"
-    return Finding("host-bound", "warn", "host-bound", message, fix + ".")
+    return Finding("host-bound", "warn", "host-bound", message, fix + ".",
+                   changes={"data.batch_size": 4 * facts.batch_size})
 
 
 def _reduces_in_backward(strategy: str) -> bool:
@@ -241,7 +260,8 @@ def _communication_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None
            f"parallel.bucket_cap_mb from {facts.bucket_cap_mb:g} to "
            f"{max(50.0, 2 * facts.bucket_cap_mb):g} (fewer, larger messages), and measure "
            "the link with `gpufleet bench allreduce`.")
-    return Finding("communication-bound", "warn", "communication-bound", message, fix)
+    return Finding("communication-bound", "warn", "communication-bound", message, fix,
+                   changes={"optim.grad_accum": 2 * facts.grad_accum})
 
 
 def _memory_headroom(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
@@ -266,7 +286,7 @@ def _fp32_on_tensor_cores(s: Summary, facts: RunFacts, *_: Any) -> Finding | Non
         f"the run computes in fp32 on {facts.device_name}, whose tensor cores run bf16 "
         "several times faster.",
         "set precision.mode=bf16-mixed (no loss scaling needed), or at least "
-        "perf.tf32=true for fp32 matmuls.")
+        "perf.tf32=true for fp32 matmuls.", changes={"precision.mode": "bf16-mixed"})
 
 
 def _host_syncs(s: Summary, facts: RunFacts, system: Any,
@@ -299,5 +319,10 @@ def _dp_imbalance(s: Summary, facts: RunFacts, system: dict[str, Any] | None,
         f"use parallel.strategy=ddp with --nproc {len(utils)} (one process per GPU).")
 
 
-_RULES = (_input_bound, _straggler, _host_bound, _communication_bound, _memory_headroom,
-          _fp32_on_tensor_cores, _host_syncs, _dp_imbalance)
+def _rules() -> tuple[Any, ...]:
+    """Every rule, in the order their findings are given (warnings before infos): what
+    slows the node from outside the step first, then the step's own limits."""
+    from gpufleet.monitor.host_rules import HOST_RULES
+
+    return (*HOST_RULES, _input_bound, _straggler, _communication_bound, _host_bound,
+            _memory_headroom, _fp32_on_tensor_cores, _host_syncs, _dp_imbalance)

@@ -7,7 +7,9 @@ and a list add per change. On CUDA it also records an event on the current strea
 each change; the events are read at the log interval, when the loop synchronises anyway,
 so the GPU-side times cost no sync per step.
 
-Evaluation and checkpointing are not part of a step and are left out.
+Evaluation and checkpointing are not part of a step: their time is kept apart
+(:attr:`PhaseTimer.outside`), for the rule that finds a run spending its time outside
+training steps.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class PhaseTimer(Callback):
         self._events: list[tuple[int, Any]] = []  # (bucket that starts, event) on CUDA
         self._pool: list[Any] = []
         self._interval_steps = 1
+        #: host seconds and counts of what ran between steps: "eval", "checkpoint"
+        self.outside: dict[str, list[float]] = {}
+        self._outside_kind: str | None = None
 
     def on_fit_start(self, trainer: Any) -> None:
         self._current, self._since = None, time.perf_counter()
@@ -49,7 +54,12 @@ class PhaseTimer(Callback):
         now = time.perf_counter()
         if self._current is not None:
             self._host[self._current] += now - self._since
+        elif self._outside_kind is not None:
+            kept = self.outside.setdefault(self._outside_kind, [0.0, 0])
+            kept[0] += now - self._since
+            kept[1] += 1
         bucket = _BUCKET.get(phase)  # None: eval / checkpoint, outside the step
+        self._outside_kind = phase if bucket is None else None
         if phase == "end":
             self._steps += 1
         self._current, self._since = bucket, now

@@ -15,6 +15,8 @@ One :class:`SystemSampler` per node (local rank 0) appends one JSON object per s
      "proc_rss_mb": 9876.0,           # the training processes and all their children
      "proc_cpu_pct": 312.0,           # the same processes; 100 = one core busy
      "procs": 12,                     # how many processes that is
+     "others": [{"pid": 4242, "name": "ffmpeg", "cpu_pct": 195.0}, ...],
+                                      # the busiest other processes (>= 5%, 5 at most)
      "disk_free_gb": 812.4}           # free space where the run directory lives
 
 ``gpus`` is empty without an NVIDIA driver; a GPU field the device does not report
@@ -136,6 +138,7 @@ def host_sample(procs: Iterable[psutil.Process], path: str | Path) -> dict[str, 
 
     CPU figures are since the previous call (the first call reads 0).
     """
+    procs = list(procs)
     vm = psutil.virtual_memory()
     rss = cpu = 0.0
     count = 0
@@ -151,11 +154,35 @@ def host_sample(procs: Iterable[psutil.Process], path: str | Path) -> dict[str, 
         disk_free = round(psutil.disk_usage(str(path)).free / 1e9, 2)
     except OSError:
         disk_free = None
-    return {"cpu_pct": psutil.cpu_percent(percpu=True),
+    return {"cpu_pct": psutil.cpu_percent(percpu=True), "others": busiest_others(procs),
             "ram_used_mb": round((vm.total - vm.available) / _MB, 1),
             "ram_total_mb": round(vm.total / _MB, 1),
             "proc_rss_mb": round(rss / _MB, 1), "proc_cpu_pct": round(cpu, 1),
             "procs": count, "disk_free_gb": disk_free}
+
+
+def busiest_others(ours: Iterable[psutil.Process], keep: int = 5,
+                   floor_pct: float = 5.0) -> list[dict[str, Any]]:
+    """The processes outside ``ours`` using the most CPU since the previous call (100 =
+    one core), busiest first: what competes with the run for the node's cores.
+
+    psutil keeps the process objects of ``process_iter`` between calls, so the CPU
+    share is measured since the previous call (the first call reads 0).
+    """
+    mine = {p.pid for p in ours} | {os.getpid()}
+    found = []
+    for p in psutil.process_iter(["name"]):
+        if p.pid in mine:
+            continue
+        try:
+            pct = p.cpu_percent()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        if pct >= floor_pct:
+            found.append({"pid": p.pid, "name": p.info.get("name") or "?",
+                          "cpu_pct": round(pct, 1)})
+    found.sort(key=lambda d: -d["cpu_pct"])
+    return found[:keep]
 
 
 def read_system(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -7,6 +7,7 @@ on callbacks that override it, so an unused hook costs nothing per step.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -61,10 +62,13 @@ class CallbackList:
         for hook in _HOOKS:
             base = getattr(Callback, hook)
             owners = [c for c in self.callbacks if getattr(type(c), hook, base) is not base]
-            setattr(self, hook, _dispatcher([
-                getattr(c, hook) if c.essential else _tolerant(c, getattr(c, hook),
-                                                               self.failures)
-                for c in owners]))
+            listeners = [getattr(c, hook) if c.essential
+                         else _tolerant(c, getattr(c, hook), self.failures) for c in owners]
+            if hook == "on_log":  # once per log interval: each callback's time is kept
+                self.log_seconds: dict[str, float] = {}
+                listeners = [_timed(type(c).__name__, fn, self.log_seconds)
+                             for c, fn in zip(owners, listeners)]
+            setattr(self, hook, _dispatcher(listeners))
             if hook == "on_phase":
                 # The loop calls these directly, with no dispatcher in between.
                 self.phase_listeners = owners
@@ -78,6 +82,20 @@ def _dispatcher(listeners: list[Any]) -> Any:
     def call(*args: Any) -> None:
         for fn in listeners:
             fn(*args)
+
+    return call
+
+
+def _timed(name: str, fn: Any, seconds: dict[str, float]) -> Any:
+    """``fn`` adding its run time to ``seconds[name]`` (what the slow-logging rule reads)."""
+    seconds[name] = 0.0
+
+    def call(*args: Any) -> None:
+        start = time.perf_counter()
+        try:
+            fn(*args)
+        finally:
+            seconds[name] += time.perf_counter() - start
 
     return call
 

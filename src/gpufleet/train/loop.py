@@ -3,7 +3,8 @@
 Read :meth:`Trainer.fit` top to bottom: one optimizer step is ``grad_accum`` micro-steps
 of data → forward/backward, then unscale → clip → step → zero_grad. Every host-device
 sync and every collective in the loop is marked with ``SYNC`` or ``COLLECTIVE``; there
-is none per step, only one per log interval (unless fp16 loss scaling is on).
+is no sync per step, only one per log interval (unless fp16 loss scaling is on or the
+optimizer is not fused; see :mod:`gpufleet.fault.nonfinite`).
 """
 
 from __future__ import annotations
@@ -179,18 +180,23 @@ class Trainer(TrainerSetup):
             for cb in phases:
                 cb.on_phase(self, "optimizer")
             precision.unscale(opt)  # true gradient sizes before clipping
+            if guard is not None:
+                # COLLECTIVE (fault.skip_nonfinite): with a fused optimizer, the ranks
+                # agree on the device whether this step's loss or gradients (as backward
+                # left them) are non-finite, and the optimizer skips by itself.
+                guard.inspect(model, step_loss, opt)
             if cfg.optim.clip_value:
                 torch.nn.utils.clip_grad_value_(model.parameters(), cfg.optim.clip_value)
             norm = None
             if cfg.optim.clip_norm:
                 # The norm stays a device tensor; it is only read at log time.
                 self.grad_norm = norm = strategy.clip_grad_norm(model, cfg.optim.clip_norm)
-            # COLLECTIVE + SYNC (fault.skip_nonfinite): all ranks agree to skip a step
-            # whose loss or gradients are not finite on any of them.
-            skip = guard is not None and guard.should_skip(model, step_loss, norm)
+            # Without the device path (fp16, ZeRO, an unfused optimizer): COLLECTIVE +
+            # SYNC, all ranks agree on the host to skip a step that is not finite.
+            skip = guard is not None and guard.should_skip(model, step_loss, norm, opt)
             if not skip:
                 precision.step(opt)  # SYNC with fp16 and a non-fused optimizer (found_inf)
-                loss_sum += step_loss
+                loss_sum += step_loss if guard is None else guard.kept(step_loss)
                 micro_steps += accum
             if not skip:
                 self.scheduler.step()
@@ -289,6 +295,10 @@ class Trainer(TrainerSetup):
         self._interval_samples, self._interval_tokens = 0, 0
         parts = [torch.stack([loss_sum.float(), self.grad_norm.float().to(self.device)]),
                  counts]
+        guard = self.nonfinite
+        skips = guard.pending() if guard is not None else None  # on the device path
+        if skips is not None:  # the same on every rank: the sum is world times it
+            parts.append(skips)
         if self.phase_timer is not None:
             # Every rank fills its own row of a [world, phases] table; the sum below
             # hands every rank the whole table (the straggler view) in the same message.
@@ -302,6 +312,13 @@ class Trainer(TrainerSetup):
         self.strategy.all_reduce(stats)
         values = stats.tolist()
         loss_total, norm_total, samples, tokens = values[:4]
+        rest = values[4:]
+        if skips is not None:
+            guard.settle([v / world for v in rest[:len(skips)]], self._last_log_step,
+                         self.env.is_main)
+            # The skipped steps' micro-batches added no loss.
+            micro_steps -= guard.interval_skipped * self.cfg.optim.grad_accum
+            rest = rest[len(skips):]
         # Pipeline stages read the same samples: count each once.
         samples, tokens = samples / self.data_copies, tokens / self.data_copies
         # Skipped steps add no loss; an interval of skipped steps only has none.
@@ -315,14 +332,14 @@ class Trainer(TrainerSetup):
             "step_time_s": seconds / max(1, self.step - self._last_log_step),
         }
         self._last_log_step = self.step
-        if self.nonfinite is not None and self.nonfinite.interval_skipped:
-            metrics["skipped_steps"] = self.nonfinite.interval_skipped  # same on all ranks
-            self.nonfinite.interval_skipped = 0
+        if guard is not None and guard.interval_skipped:
+            metrics["skipped_steps"] = guard.interval_skipped  # the same on all ranks
+            guard.interval_skipped = 0
         if tokens:
             metrics["tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
             self._tokens_seen += tokens
         if self.phase_timer is not None:
-            metrics.update(phase_metrics(values[4:], world, self.env.rank,
+            metrics.update(phase_metrics(rest, world, self.env.rank,
                                          self.phase_timer.device_times()))
         if self.device.type == "cuda":  # the allocator's own counter: no sync
             metrics["mem_peak_gb"] = torch.cuda.max_memory_reserved(self.device) / 2**30

@@ -85,15 +85,27 @@ def optimizer_spec(cfg: OptimConfig, device_type: str) -> OptimizerSpec:
                          "fill_optimizer_defaults(cfg, model) first")
     if cfg.name == "adamw":
         kwargs: dict[str, Any] = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2)}
-        # The fused kernel does the whole update in one launch per parameter group.
-        if device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters:
-            kwargs["fused"] = True
         cls: type[torch.optim.Optimizer] = torch.optim.AdamW
     else:
         kwargs = {"lr": cfg.lr, "momentum": cfg.momentum}
         cls = torch.optim.SGD
+    # The fused kernel does the whole update in one launch per parameter group, and
+    # takes the non-finite flag on the device (gpufleet.fault.nonfinite): no host sync.
+    if _has_fused(cls, device_type):
+        kwargs["fused"] = True
     return OptimizerSpec(cls, lambda m: param_groups(m, cfg.weight_decay), kwargs,
                          accumulation=cfg.grad_accum)
+
+
+def _has_fused(cls: type[torch.optim.Optimizer], device_type: str) -> bool:
+    """Whether torch has a fused ``cls`` kernel for ``device_type``."""
+    if "fused" not in inspect.signature(cls).parameters:
+        return False
+    try:
+        from torch.optim.optimizer import _get_fused_kernels_supported_devices
+    except ImportError:  # older torch: fused on CUDA only
+        return device_type == "cuda"
+    return device_type in _get_fused_kernels_supported_devices()
 
 
 def lr_factor(step: int, cfg: OptimConfig, max_steps: int) -> float:

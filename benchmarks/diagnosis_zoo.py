@@ -1,0 +1,286 @@
+"""A zoo of real slowdowns: each is built for real on this machine, trained with gpufleet,
+diagnosed, then trained again with the fix the first finding suggests, side by side.
+
+    python benchmarks/diagnosis_zoo.py            # every scenario, 2 interleaved repeats
+    python benchmarks/diagnosis_zoo.py --quick    # a fast subset, 1 repeat
+    python benchmarks/diagnosis_zoo.py --only input-bound,clean --json out.json
+
+Prints the machine, then a table: scenario | expected | first finding | correct? |
+speed-up when the fix is applied (samples per second of wall time, evaluation,
+checkpoints and logging included; the median of the repeats of each, runs alternating).
+A fix that is a setting comes from the finding itself (its ``changes``); a fix outside
+gpufleet's settings (a slow rank's extra work) is the cause removed, and the row says
+so. Runs use one torch thread unless the scenario is about threads (see BASE_ENV).
+
+The model and data factories below are what the runs train (``diagnosis_zoo:make_mlp``
+with this folder on PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+HERE = Path(__file__).resolve().parent
+
+
+# -- what the runs train -----------------------------------------------------------------
+class _Mlp(nn.Module):
+    def __init__(self, dim: int, width: int, depth: int, extra: int, slow_rank: int) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Linear(dim, width), nn.GELU()]
+        for _ in range(depth - 1):
+            layers += [nn.Linear(width, width), nn.GELU()]
+        self.body = nn.Sequential(*layers, nn.Linear(width, 1))
+        # A straggler: rank `slow_rank` does `extra` more forwards of real arithmetic.
+        self.extra, self.slow_rank = extra, slow_rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.extra and int(os.environ.get("RANK", "0")) == self.slow_rank:
+            with torch.no_grad():
+                for _ in range(self.extra):
+                    self.body(x)
+        return self.body(x)
+
+
+def make_mlp(dim: int = 256, width: int = 512, depth: int = 3, extra: int = 0,
+             slow_rank: int = -1) -> nn.Module:
+    """An MLP regressor; ``extra`` forwards more on rank ``slow_rank``."""
+    return _Mlp(dim, width, depth, extra, slow_rank)
+
+
+class _Data(Dataset):
+    def __init__(self, n: int, dim: int, delay: float) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = self.x[:, :1].tanh()
+        self.delay = delay
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.delay:
+            time.sleep(self.delay)  # a slow read (storage, decoding)
+        return self.x[i], self.y[i]
+
+
+def make_data(n: int = 16384, dim: int = 256, delay: float = 0.0) -> Dataset:
+    """Random inputs; each item takes ``delay`` seconds to read."""
+    return _Data(n, dim, delay)
+
+
+# -- the scenarios -----------------------------------------------------------------------
+BASE = ["--model=diagnosis_zoo:make_mlp", "--model.loss=torch.nn.functional:mse_loss",
+        "--data=diagnosis_zoo:make_data", "--data.num_workers=0", "--run.eval_every=0",
+        "--log.every=5", "--optim.warmup_steps=2", "--checkpoint.save_final=false",
+        "--batch-size=64", "--max-steps=40"]
+# One torch thread per run, unless a scenario says otherwise: on a machine that others
+# share, more threads than the cores left free is a slowdown of its own (the
+# thread-oversubscription and cpu-contention scenarios), which the others leave out.
+BASE_ENV = {"OMP_NUM_THREADS": "1"}
+
+
+@dataclass
+class Scenario:
+    """One slowdown. ``cause_removed``: the run without the cause (args, env, hog), used
+    when the finding's fix is not a setting."""
+
+    name: str
+    expected: str | None  # the rule that must come first (None: no finding at all)
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    hogs: int = 0  # busy processes outside the job, during the run
+    cause_removed: tuple[list[str], dict[str, str], int] | None = None
+    quick: bool = False
+    launcher: str = "train"  # or "slow-sink": a callback that takes 50 ms per log
+    needs: str | None = None  # why it cannot run here (None: it can)
+
+
+def scenarios() -> list[Scenario]:
+    cores = len(os.sched_getaffinity(0))
+    straggle = ["--nproc=2", "--batch-size=32", "--model.kwargs={slow_rank = 1, extra = 6}"]
+    return [
+        Scenario("clean", None, quick=True),
+        Scenario("input-bound loader", "input-bound",
+                 ["--data.kwargs={delay = 0.002}"], quick=True),
+        Scenario("straggler rank (7x forward work on rank 1)", "straggler", straggle,
+                 cause_removed=(["--nproc=2", "--batch-size=32"], {}, 0)),
+        Scenario("CPU taken by processes outside the job", "cpu-contention",
+                 ["--batch-size=32", "--max-steps=30"], env={"OMP_NUM_THREADS": str(cores)},
+                 hogs=cores),
+        # 2 ranks, each with as many threads as the node has cores (OMP_NUM_THREADS set
+        # to the core count by hand; torch caps it there, gpufleet then leaves it be).
+        Scenario("threads beyond the cores (2 ranks x all cores)", "thread-oversubscription",
+                 ["--nproc=2", "--batch-size=32"], env={"OMP_NUM_THREADS": str(cores)}),
+        Scenario("host-bound tiny steps", "host-bound",
+                 ["--model.kwargs={dim = 16, width = 16, depth = 2}", "--batch-size=2",
+                  "--data.kwargs={dim = 16}"], quick=True),
+        Scenario("communication-bound over a slow link", "communication-bound",
+                 needs=_netbed_missing()),
+        Scenario("checkpoint every step", "time-outside-steps",
+                 ["--checkpoint.every=1", "--model.kwargs={width = 1024}"], quick=True),
+        Scenario("slow metrics sink (50 ms per log, every step)", "slow-logging",
+                 ["--log.every=1"], launcher="slow-sink", quick=True),
+        Scenario("data-loader workers restarted every epoch", "input-bound",
+                 needs="not buildable: gpufleet keeps its workers for the whole run "
+                       "(persistent_workers) and takes no user DataLoader"),
+    ]
+
+
+def _netbed_missing() -> str | None:
+    try:
+        from gpufleet.bench.netbed import netbed_available  # type: ignore[import-not-found]
+    except ImportError:
+        return "skipped: needs the network bed (gpufleet.bench.netbed)"
+    reason = netbed_available()
+    return f"skipped: the network bed cannot run here ({reason})" if reason else \
+        "skipped: the slow-link run over the network bed is not written yet"
+
+
+# -- running them ------------------------------------------------------------------------
+@contextmanager
+def hogging(n: int) -> Iterator[None]:
+    """``n`` processes outside the job that keep a core busy each."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+
+
+def _launcher(kind: str) -> list[str] | None:
+    if kind == "slow-sink":
+        return [sys.executable, str(Path(__file__).resolve()), "_train-with-slow-sink"]
+    return None
+
+
+def _measure(scn: Scenario, args: list[str], env: dict[str, str], hogs: int,
+             run_dir: Path) -> Any:
+    from gpufleet.monitor.tune import measure
+
+    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
+    with hogging(hogs):
+        return measure(args, run_dir,
+                       {**BASE_ENV, **scn.env, **env, "PYTHONPATH": path},
+                       launcher=_launcher(scn.launcher))
+
+
+def run_scenario(scn: Scenario, out: Path, repeats: int) -> dict[str, Any]:
+    """Diagnose the slow run, apply the fix, measure both; one table row."""
+    from gpufleet.monitor.tune import apply_changes, describe_changes, long_enough
+
+    row: dict[str, Any] = {"scenario": scn.name, "expected": scn.expected or "(none)"}
+    if scn.needs:
+        return {**row, "first": "-", "correct": "-", "fix": "-", "speedup": None,
+                "note": scn.needs}
+    given = [*BASE, *scn.args]
+    slow = [_measure(scn, given, {}, scn.hogs, out / "slow-0")]
+    first = slow[0].findings[0] if slow[0].findings else None
+    row["first"] = first.rule if first else "(none)"
+    row["correct"] = row["first"] == row["expected"]
+    if scn.expected is None:
+        return {**row, "fix": "-", "speedup": None, "note": _titles(slow[0])}
+    if scn.cause_removed is not None:
+        args, env, hogs = scn.cause_removed
+        fix, what = ([*BASE, *args], env, hogs), "cause removed"
+    elif first is not None and first.changes:
+        args, env = apply_changes(given, first.changes)
+        fix = (long_enough(args, first.changes), env, scn.hogs)
+        what = describe_changes(first.changes)
+    else:
+        return {**row, "fix": "(none suggested)", "speedup": None, "note": _titles(slow[0])}
+    fixed = []
+    for r in range(repeats):  # slow, fixed, slow, fixed, ...
+        fixed.append(_measure(scn, *fix, out / f"fixed-{r}"))
+        if r + 1 < repeats:
+            slow.append(_measure(scn, given, {}, scn.hogs, out / f"slow-{r + 1}"))
+    before = statistics.median(m.samples_per_s for m in slow)
+    after = statistics.median(m.samples_per_s for m in fixed)
+    return {**row, "fix": what, "before": before, "after": after,
+            "speedup": after / before if before else None, "note": _titles(slow[0])}
+
+
+def _titles(m: Any) -> str:
+    return "; ".join(f.title for f in m.findings)
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print("| scenario | expected | first finding | correct? | fix applied | speed-up |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        speed = f"{r['speedup']:.2f}x ({r['before']:.0f} -> {r['after']:.0f} samples/s)" \
+            if r.get("speedup") else (r.get("note") or "-")
+        correct = {True: "yes", False: "NO"}.get(r["correct"], r["correct"])
+        print(f"| {r['scenario']} | {r['expected']} | {r['first']} | {correct} | "
+              f"{r['fix']} | {speed} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the fast subset, 1 repeat")
+    parser.add_argument("--repeats", type=int, default=None, help="runs of each (2)")
+    parser.add_argument("--only", default="", help="comma-separated scenario name parts")
+    parser.add_argument("--json", default="", help="also write the rows here")
+    parser.add_argument("--out", default="", help="folder for the runs (default: temp)")
+    args = parser.parse_args(argv)
+    from gpufleet.bench.machine import machine_summary
+
+    repeats = args.repeats or (1 if args.quick else 2)
+    chosen = [s for s in scenarios() if (s.quick or not args.quick) and
+              (not args.only or any(o in s.name or o == s.expected
+                                    for o in args.only.split(",")))]
+    print(f"machine: {machine_summary()}")
+    print(f"load: {os.getloadavg()[0]:.1f} (1-min average) on "
+          f"{len(os.sched_getaffinity(0))} usable core(s)")
+    out = Path(args.out or tempfile.mkdtemp(prefix="gpufleet-zoo-"))
+    rows = []
+    for i, scn in enumerate(chosen):
+        start = time.perf_counter()
+        rows.append(run_scenario(scn, out / f"s{i}", repeats))
+        print(f"  {scn.name}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    print_table(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def _train_with_slow_sink(argv: list[str]) -> int:
+    """``gpufleet train ARGV`` in this process, with a sink that takes 50 ms per log."""
+    from gpufleet.api import train
+    from gpufleet.cli import _build_parser, parse_train_config
+    from gpufleet.train.callbacks import Callback
+
+    class SlowSink(Callback):
+        essential = False
+
+        def on_log(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
+            time.sleep(0.05)  # a remote logger on a slow connection
+
+    args, rest = _build_parser().parse_known_args(["train", *argv])
+    train(parse_train_config(args, rest), callbacks=[SlowSink()])
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["_train-with-slow-sink"]:
+        sys.exit(_train_with_slow_sink(sys.argv[2:]))
+    sys.exit(main())

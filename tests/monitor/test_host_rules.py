@@ -1,0 +1,113 @@
+"""The rules about what surrounds the step: other processes, threads beyond cores, time
+between steps and slow log callbacks; and the sampler naming a real busy process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from gpufleet.monitor.diagnose import RunFacts, Summary, diagnose
+from gpufleet.monitor.host_rules import host_view
+from gpufleet.monitor.system import busiest_others
+
+_ROW = {"rank": 0, "data": 0.0, "forward": 0.004, "backward": 0.008, "optimizer": 0.002,
+        "other": 0.001}
+
+
+def _summary(**kw) -> Summary:
+    base = {"steps": 100, "step_s": 0.015, "rank_phases": [dict(_ROW)], "train_s": 1.5}
+    return Summary(**{**base, **kw})
+
+
+def _sample(busy: list[float], ours: float, others: list[tuple[str, float]]) -> dict:
+    return {"cpu_pct": busy, "proc_cpu_pct": ours, "gpus": [],
+            "others": [{"pid": 100 + i, "name": n, "cpu_pct": c}
+                       for i, (n, c) in enumerate(others)]}
+
+
+def test_other_processes_taking_the_cpu_are_named_first_with_their_share():
+    facts = RunFacts(cores=4, torch_threads=4)
+    system = _sample([100.0] * 4, 150.0, [("stress-ng", 230.0), ("ffmpeg", 20.0)])
+    found = diagnose(_summary(), facts, system)
+    assert found[0].rule == "cpu-contention"
+    assert "stress-ng (pid 100): 2.3 core(s)" in found[0].message
+    assert "2.5 of this node's 4 cores (62%)" in found[0].message
+    assert "OMP_NUM_THREADS=1" in found[0].fix  # 4 - 2.5 cores left, rounded down
+    assert found[0].severity == "warn" and found[0].changes == {"env.OMP_NUM_THREADS": 1}
+    # With no more threads than the cores left, nothing in the run is to change: info.
+    calm = diagnose(_summary(), RunFacts(cores=4, torch_threads=1), system)
+    assert [(f.rule, f.severity, f.changes) for f in calm] == [("cpu-contention", "info", {})]
+    # A node whose other processes are idle, or which is not busy, has no such finding.
+    assert not [f for f in diagnose(_summary(), facts, _sample([100.0] * 4, 390.0, []))
+                if f.rule == "cpu-contention"]
+    idle = _sample([40.0] * 4, 80.0, [("stress-ng", 90.0)])
+    assert not [f for f in diagnose(_summary(), facts, idle) if f.rule == "cpu-contention"]
+
+
+def test_host_view_averages_the_samples_after_the_first():
+    first = _sample([0.0, 0.0], 0.0, [])
+    later = [_sample([100.0, 100.0], 60.0, [("hog", 140.0)]),
+             _sample([100.0, 80.0], 40.0, [("hog", 120.0)])]
+    view = host_view([first, *later])
+    assert view == {"cores": 2, "busy": 1.9, "ours": 0.5,
+                    "others": [{"pid": 100, "name": "hog", "cores": 1.3}]}
+
+
+def test_more_threads_than_cores_is_named_with_the_thread_count_to_set():
+    found = diagnose(_summary(), RunFacts(cores=2, local_world=2, torch_threads=4))
+    assert found[0].rule == "thread-oversubscription"
+    assert "2 rank(s) x 4 torch thread(s) = 8 threads on 2 usable core(s)" in found[0].message
+    assert found[0].fix.startswith("set OMP_NUM_THREADS=1")
+    assert not diagnose(_summary(), RunFacts(cores=2, local_world=2, torch_threads=1))
+
+
+def test_frequent_checkpoints_eating_the_run_get_a_larger_interval():
+    # 0.3 s per write every 5 steps of 15 ms: 0.3 / (0.3 + 0.075) = 80% of the time.
+    s = _summary(outside={"checkpoint": (6.0, 20)})
+    found = diagnose(s, RunFacts(checkpoint_every=5))
+    assert found[0].rule == "time-outside-steps"
+    assert "checkpoint writes take 0.30 s each, 20 so far, every 5 step(s)" in found[0].message
+    assert found[0].fix.startswith("raise checkpoint.every from 5 to 500")  # 19 x 0.3 / 0.015
+    assert not diagnose(_summary(outside={"checkpoint": (0.1, 2)}), RunFacts(checkpoint_every=50))
+
+
+def test_a_slow_log_callback_is_named_with_a_log_interval_that_hides_it():
+    # 50 ms per log interval of 1 step of 15 ms: 333% of the step.
+    found = diagnose(_summary(log_callbacks={"SlowSink": 5.0, "MetricsFile": 0.01}),
+                     RunFacts(log_every=1))
+    assert found[0].rule == "slow-logging" and found[0].title.endswith("SlowSink")
+    assert found[0].fix.startswith("raise log.every from 1 to 200")
+    assert not diagnose(_summary(log_callbacks={"MetricsFile": 0.01}), RunFacts(log_every=1))
+
+
+def test_a_long_step_with_almost_no_arithmetic_is_host_bound():
+    # 200 ms steps at 2% of the matmul yardstick: host-bound, even though the step is long.
+    facts = RunFacts(device_flops=1e11, device_flops_source="measured matmul")
+    slow = _summary(step_s=0.2, tflops=2e-3)
+    assert [f.rule for f in diagnose(slow, facts)] == ["host-bound"]
+    busy = _summary(step_s=0.2, tflops=1e-2)  # 10%: a long step doing real arithmetic
+    assert diagnose(busy, facts) == []
+
+
+@pytest.fixture
+def busy_process():
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_sampler_names_a_real_busy_process(busy_process):
+    ours = [psutil.Process()]
+    busiest_others(ours)  # primes psutil's counters
+    time.sleep(1.0)
+    found = {p["pid"]: p for p in busiest_others(ours, keep=50)}
+    # In the list (>= 5% of a core; a shared machine may give it little more).
+    assert busy_process.pid in found and found[busy_process.pid]["name"].startswith("python")
+    assert psutil.Process().pid not in found

@@ -1,0 +1,159 @@
+"""The non-finite skip decided on the device: no host read per step in the default
+configuration, and a skipped step that leaves weights and optimizer state exactly as
+they were."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import gpufleet
+import toyjob
+from gpufleet.config import FaultConfig, ParallelConfig
+from gpufleet.fault.nonfinite import NonFiniteGuard
+from gpufleet.parallel import build_strategy
+from gpufleet.precision import build_precision
+from gpufleet.train.callbacks import Callback
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts reads of a tensor's value on the host: ``.item()``, ``bool()``,
+    ``float()`` (all ``_local_scalar_dense``) and ``.tolist()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _ReadsPerStep(Callback):
+    def __init__(self, reads: _HostReads) -> None:
+        self.reads, self.seen, self.per_step = reads, 0, {}
+
+    def on_step_end(self, trainer, step):
+        self.per_step[step] = self.reads.count - self.seen
+        self.seen = self.reads.count
+
+
+def _reads_per_step(tmp_path, monkeypatch, overrides: dict) -> dict[int, int]:
+    reads = _HostReads()
+    original = torch.Tensor.tolist
+
+    def counted_tolist(self):
+        reads.count += 1
+        return original(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+    counter = _ReadsPerStep(reads)
+    torch.manual_seed(0)
+    # One epoch covers the run: a new epoch's shuffle lists its indices on the host
+    # (data loading, not a device read).
+    data = toyjob.make_data_nan_on_rank(rank=0, after=6 * 16 + 1, nan=1, n=512)  # step 7
+    base = {"run.out_dir": str(tmp_path), "run.max_steps": 20, "log.every": 5,
+            "log.progress": "off", "data.batch_size": 16, "data.num_workers": 0}
+    with reads:
+        result = gpufleet.fit(toyjob.make_model(), data, loss_fn=F.mse_loss,
+                              overrides={**base, **overrides}, callbacks=[counter])
+    assert result.skipped_steps == 1  # the NaN step was found and skipped
+    return counter.per_step
+
+
+def test_the_default_configuration_reads_nothing_on_the_host_between_log_intervals(
+        tmp_path, monkeypatch):
+    per_step = _reads_per_step(tmp_path / "a", monkeypatch, {})
+    # Reads after step k's on_step_end (the log interval of step 5, 10, ...) count
+    # towards step k + 1; the first step holds start-up.
+    inside = {s: n for s, n in per_step.items() if s > 1 and (s - 1) % 5}
+    assert len(inside) == 16 and sum(inside.values()) == 0, per_step
+    assert all(per_step[s] > 0 for s in (6, 11, 16)), per_step  # the log reads count
+    # The counter does see a per-step read where the host must decide (fp16's scaler).
+    fp16 = _reads_per_step(tmp_path / "b", monkeypatch, {"precision.mode": "fp16-mixed"})
+    assert all(fp16[s] > 0 for s in range(2, 21)), fp16
+
+
+def _guarded(opt_cls, **kwargs):
+    torch.manual_seed(0)
+    model = toyjob.make_model()
+    precision = build_precision("fp32", "cpu")
+    strategy = build_strategy("single", ParallelConfig(), torch.device("cpu"), precision)
+    opt = opt_cls(model.parameters(), fused=True, **kwargs)
+    return model, opt, NonFiniteGuard(FaultConfig(), strategy, precision)
+
+
+def _step(model, opt, guard, x):
+    loss = F.mse_loss(model(x), torch.zeros(len(x), 1))
+    loss.backward()
+    guard.inspect(model, loss.detach(), opt)
+    assert guard.should_skip(model, loss.detach(), None, opt) is False  # on the device
+    opt.step()
+    opt.zero_grad()
+
+
+def _snapshot(model, opt):
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for i, s in enumerate(opt.state.values()):
+        state.update({f"{i}.{k}": v.clone() for k, v in s.items() if torch.is_tensor(v)})
+    return state
+
+
+@pytest.mark.parametrize("opt_cls,kwargs", [
+    (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "weight_decay": 0.1}),
+])
+def test_a_step_skipped_on_the_device_changes_nothing(opt_cls, kwargs):
+    model, opt, guard = _guarded(opt_cls, **kwargs)
+    x = torch.randn(4, 8)
+    bad = x.clone()
+    bad[1, 2] = float("nan")
+    _step(model, opt, guard, bad)  # the very first step skipped: state stays clean
+    _step(model, opt, guard, x)
+    before = _snapshot(model, opt)
+    _step(model, opt, guard, bad)
+    after = _snapshot(model, opt)
+    assert before.keys() == after.keys()
+    for k in before:
+        torch.testing.assert_close(after[k], before[k], rtol=0, atol=0)
+    # The two good steps equal a plain run's two steps (no skipped step in it).
+    ref, ref_opt, ref_guard = _guarded(opt_cls, **kwargs)
+    _step(ref, ref_opt, ref_guard, x)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=0)
+    skipped = [not torch.isfinite(p) for p in guard.pending()]
+    assert skipped == [True, False, True]  # the agreed probes, read at the log interval
+
+
+class _PoisonAt(Callback):
+    """Makes one parameter's gradient NaN in optimizer step ``step`` (1-based)."""
+
+    def __init__(self, param: torch.nn.Parameter, step: int) -> None:
+        self.step, self.now = step, 0
+        param.register_hook(lambda g: g * float("nan") if self.now == self.step else g)
+
+    def on_fit_start(self, trainer):
+        self.now = 1
+
+    def on_step_end(self, trainer, step):
+        self.now = step + 1
+
+
+def test_the_culprit_is_the_parameter_that_went_bad_before_clipping(tmp_path, caplog):
+    # Clipping by norm (on here) spreads a NaN norm into every gradient; the culprit is
+    # read before it, so the one bad parameter is named.
+    torch.manual_seed(0)
+    model = toyjob.make_model()
+    poison = _PoisonAt(model[3].weight, step=3)
+    with caplog.at_level("WARNING"):
+        result = gpufleet.fit(model, toyjob.make_data(), loss_fn=F.mse_loss, overrides={
+            "run.out_dir": str(tmp_path), "run.max_steps": 6, "log.every": 3,
+            "log.progress": "off", "data.batch_size": 16, "data.num_workers": 0,
+            "optim.clip_norm": 1.0}, callbacks=[poison])
+    assert result.skipped_steps == 1
+    assert ("step 3 skipped on every rank: non-finite gradients on rank 0 in 1 "
+            "parameter(s), first: 3.weight") in caplog.text
+    assert all(torch.isfinite(p).all() for p in model.parameters())
