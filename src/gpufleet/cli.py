@@ -193,6 +193,9 @@ def run_training(cfg: Config) -> Any:
     if launcher == "none":
         return run_worker(config_to_dict(cfg))
     if multi_node:
+        from gpufleet.api import setup_logging
+
+        setup_logging(cfg.log.level, env)  # the agent says which interface and store host
         # Every node must agree on the run directory without talking to each other.
         if not cfg.run.dir:
             if not dist.rdzv_id:
@@ -212,7 +215,8 @@ def run_training(cfg: Config) -> Any:
         nnodes=dist.nnodes, node_rank=dist.node_rank, master_addr=dist.master_addr,
         master_port=dist.master_port, rdzv_endpoint=dist.rdzv_endpoint,
         rdzv_backend=dist.rdzv_backend, rdzv_id=dist.rdzv_id or cfg.run.name,
-        max_restarts=dist.max_restarts)
+        max_restarts=dist.max_restarts, rdzv_timeout=dist.rdzv_timeout,
+        rdzv_last_call_s=dist.rdzv_last_call_s)
     forget_process(cfg.run.dir)
     return results.get(0)
 

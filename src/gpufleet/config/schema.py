@@ -205,6 +205,11 @@ class DistConfig(Section):
     rdzv_backend: str = opt("c10d", "Rendezvous backend.", choices=("c10d", "static", "etcd-v2"))
     rdzv_id: str = opt("", "Rendezvous id shared by all nodes (default: the run name).")
     max_restarts: int = opt(0, "Times the agent restarts the ranks after a failure.", min=0)
+    rdzv_timeout: float = opt(600.0, "Seconds the nodes have to meet at the rendezvous before "
+                              "the run fails, naming what is missing.", min=1.0)
+    rdzv_last_call_s: float = opt(30.0, "Seconds an elastic rendezvous that has its minimum "
+                                  "of nodes still waits for more (also after a node is lost).",
+                                  min=1.0)
     backend: str = opt("auto", "Process-group backend: auto (nccl on CUDA, gloo on CPU).",
                        choices=("auto", "nccl", "gloo"))
     init_method: str = opt("env://", "Process-group init: env:// or tcp://host:port.")

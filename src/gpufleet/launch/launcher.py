@@ -30,6 +30,7 @@ from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from gpufleet.errors import LaunchError, unknown_choice
+from gpufleet.launch.netif import choose_socket_ifname, owns_address, route_to, split_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +121,8 @@ def parse_nnodes(nnodes: str) -> tuple[int, int]:
 def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, launcher: str = "elastic",
            nnodes: str = "1", node_rank: int = 0, master_addr: str = "127.0.0.1",
            master_port: int = 0, rdzv_endpoint: str = "", rdzv_backend: str = "c10d",
-           rdzv_id: str = "", max_restarts: int = 0, log_dir: str | None = None
-           ) -> dict[int, Any]:
+           rdzv_id: str = "", max_restarts: int = 0, log_dir: str | None = None,
+           rdzv_timeout: float = 600.0, rdzv_last_call_s: float = 30.0) -> dict[int, Any]:
     """Run ``fn(*args)`` in ``nproc`` ranks on this node; return ``{global rank: result}``.
 
     ``fn``, ``args`` and the results must be picklable (ranks are spawned processes), so
@@ -144,6 +145,13 @@ def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, launcher: st
         max_restarts: Times the agent restarts all local ranks after a failure.
         log_dir: Directory for each rank's stdout/stderr and error files (elastic only;
             default: a temporary directory for the error files).
+        rdzv_timeout: Seconds the nodes have to meet before the run fails (elastic only).
+        rdzv_last_call_s: Seconds an elastic rendezvous that has its minimum of nodes still
+            waits for more (torch's ``last_call_timeout``).
+
+    On several nodes the ranks talk over the interface that routes to the master or
+    rendezvous address (GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME, when unset), and the node
+    that owns the rendezvous address hosts the c10d store (see :mod:`.netif`).
 
     Raises:
         LaunchError: a bad option, or a rank failed (the message names the ranks, their
@@ -166,7 +174,8 @@ def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, launcher: st
         plan = LaunchPlan.resolve(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
                                   master_port=master_port, rdzv_endpoint=rdzv_endpoint,
                                   rdzv_backend=rdzv_backend, rdzv_id=rdzv_id)
-        return _launch_elastic(fn, args, nproc, plan, max_restarts, log_dir)
+        timeouts = RendezvousTimeouts(rdzv_timeout, rdzv_last_call_s)
+        return _launch_elastic(fn, args, nproc, plan, max_restarts, log_dir, timeouts)
     if launcher == "spawn":
         if parse_nnodes(nnodes) != (1, 1):
             raise LaunchError(f"launcher 'spawn' runs on one node, but dist.nnodes = {nnodes!r}."
@@ -194,14 +203,59 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class RendezvousTimeouts:
+    """How long the agents of a run wait for each other.
+
+    Attributes:
+        join_s: Seconds the nodes have to meet before the run fails.
+        last_call_s: Seconds an elastic rendezvous with its minimum of nodes waits for more.
+    """
+
+    join_s: float = 600.0
+    last_call_s: float = 30.0
+
+    def configs(self, backend: str) -> dict[str, int]:
+        """The rendezvous settings torch's ``backend`` reads (whole seconds, at least 1)."""
+        join, last_call = max(1, round(self.join_s)), max(1, round(self.last_call_s))
+        if backend == "static":
+            return {"timeout": join}
+        return {"join_timeout": join, "last_call_timeout": last_call}
+
+
+def _multi_node_network(plan: LaunchPlan) -> tuple[str | None, dict[str, Any]]:
+    """This node's address for the others, and the rendezvous settings the route implies.
+
+    The interface that routes to the rendezvous host carries gloo/NCCL traffic; the
+    address the agent advertises (rank 0's store, MASTER_ADDR of the ranks) is this
+    node's address on that route, not whatever the host name resolves to.
+    """
+    if plan.mode == "standalone":
+        return None, {}
+    host, _ = split_endpoint(plan.rdzv_endpoint)
+    route = choose_socket_ifname(host) or route_to(host)
+    extra: dict[str, Any] = {}
+    if plan.rdzv_backend == "c10d" and "is_host" not in plan.rdzv_configs:
+        # torch would compare the endpoint with the host name; the route does not lie.
+        extra["is_host"] = owns_address(host)
+        logger.info("c10d rendezvous at %s: this node %s the store (%s)", plan.rdzv_endpoint,
+                    "hosts" if extra["is_host"] else "does not host",
+                    f"{route.ifname} holds {route.target_ip}" if extra["is_host"] else
+                    f"no interface holds {route.target_ip}")
+    return route.local_ip, extra
+
+
 def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: LaunchPlan,
-                    max_restarts: int, log_dir: str | None) -> dict[int, Any]:
+                    max_restarts: int, log_dir: str | None,
+                    timeouts: RendezvousTimeouts = RendezvousTimeouts()) -> dict[int, Any]:
     # With a log directory each rank's stdout/stderr also goes to a file there.
     logs = DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL if log_dir else Std.NONE)
+    local_addr, network_configs = _multi_node_network(plan)
+    configs = {**timeouts.configs(plan.rdzv_backend), **network_configs, **plan.rdzv_configs}
     config = LaunchConfig(
         min_nodes=plan.min_nodes, max_nodes=plan.max_nodes, nproc_per_node=nproc,
         logs_specs=logs, run_id=plan.run_id, rdzv_endpoint=plan.rdzv_endpoint,
-        rdzv_backend=plan.rdzv_backend, rdzv_configs=dict(plan.rdzv_configs),
+        rdzv_backend=plan.rdzv_backend, rdzv_configs=configs, local_addr=local_addr,
         max_restarts=max_restarts, start_method="spawn",
     )
     logger.info("launching %d rank(s) with torch's elastic agent (%s rendezvous at %s, "

@@ -1,0 +1,152 @@
+"""Which network interface a multi-node run talks over, and which node hosts its store.
+
+Left alone, gloo and NCCL bind to the address the host name resolves to, and torch's
+c10d rendezvous decides who hosts the store by comparing the endpoint with the host
+name. On machines whose host name resolves to 127.0.0.1 (many containers, pods, cloud
+images, network namespaces) both go wrong: the ranks advertise loopback to each other
+("connectFullMesh ... Connection refused, remote=[127.0.0.1]") and no node hosts the
+store ("The agents did not meet"). Here both are decided by the route instead: the
+interface that routes to the master or rendezvous address carries the traffic, and the
+node with an interface that owns the endpoint address hosts the store.
+
+Example:
+    >>> route_to("127.0.0.1").ifname
+    'lo'
+    >>> owns_address("127.0.0.1")
+    True
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+
+import psutil
+
+from gpufleet.errors import LaunchError
+
+logger = logging.getLogger(__name__)
+
+# The variables that choose the interface; the user's own setting always wins.
+IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+@dataclass(frozen=True)
+class Route:
+    """How this machine reaches an address.
+
+    Attributes:
+        target: The address asked about (as given: a name or an IP).
+        target_ip: ``target`` resolved.
+        local_ip: This machine's source address for it.
+        ifname: The interface that owns ``local_ip`` ("" when none was found).
+    """
+
+    target: str
+    target_ip: str
+    local_ip: str
+    ifname: str
+
+
+def resolve_host(host: str) -> str:
+    """``host`` as an IP address (the first one the resolver gives).
+
+    Raises:
+        LaunchError: the name does not resolve, with the fix.
+    """
+    host = host.strip("[]")
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    try:
+        return socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)[0][4][0]
+    except OSError as err:
+        raise LaunchError(f"The address {host!r} does not resolve here ({err}). Give node "
+                          "0's IP address, or a host name every node can resolve.") from None
+
+
+def route_to(host: str) -> Route:
+    """The local address and interface this machine uses to reach ``host``.
+
+    A UDP socket "connected" to the address sends nothing; the kernel only picks the
+    route, whose source address the socket then reports.
+
+    Raises:
+        LaunchError: ``host`` does not resolve, or no route leads to it.
+    """
+    target_ip = resolve_host(host)
+    family = socket.AF_INET6 if ":" in target_ip else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as sock:
+            sock.connect((target_ip, 9))  # port 9 (discard): nothing is sent
+            local_ip = sock.getsockname()[0]
+    except OSError as err:
+        raise LaunchError(f"No network route from this machine to {host} ({target_ip}): "
+                          f"{err}. Check the address (--master-addr / --rdzv-endpoint) and "
+                          "that this node's network is up.") from None
+    return Route(host, target_ip, local_ip, interface_of(local_ip))
+
+
+def interface_of(ip: str) -> str:
+    """Name of the local interface that holds address ``ip`` ("" when none does)."""
+    for name, addrs in psutil.net_if_addrs().items():
+        for addr in addrs:
+            if addr.family in (socket.AF_INET, socket.AF_INET6) and \
+                    addr.address.split("%")[0] == ip:
+                return name
+    return ""
+
+
+def owns_address(host: str) -> bool:
+    """Whether an interface of this machine holds the address ``host`` resolves to."""
+    try:
+        return bool(interface_of(resolve_host(host)))
+    except LaunchError:
+        return False
+
+
+def choose_socket_ifname(host: str, environ: MutableMapping[str, str] = os.environ
+                         ) -> Route | None:
+    """Point gloo and NCCL at the interface that routes to ``host``, unless the user chose.
+
+    Sets each of GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME that is unset (in ``environ``,
+    which ranks started later inherit) and logs which interface and why.
+
+    Returns:
+        The route, or None when both variables were already set (nothing changed).
+    """
+    missing = [name for name in IFNAME_VARIABLES if not environ.get(name)]
+    if not missing:
+        return None
+    route = route_to(host)
+    if not route.ifname:
+        logger.warning("no interface holds %s (the address that routes to %s); leaving %s "
+                       "unset", route.local_ip, host, "/".join(missing))
+        return route
+    for name in missing:
+        environ[name] = route.ifname
+    logger.info("multi-node: %s=%s (it routes to %s via %s); set %s yourself to choose "
+                "another", "/".join(missing), route.ifname, host, route.local_ip,
+                " or ".join(missing))
+    return route
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``"host:port"`` or ``"[v6]:port"`` as ``(host, port)``; port 0 when missing.
+
+    Example:
+        >>> split_endpoint("10.0.0.1:29500"), split_endpoint("[::1]:7")
+        (('10.0.0.1', 29500), ('::1', 7))
+    """
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or "]" in port or (":" in host and not host.startswith("[")):
+        return endpoint.strip("[]"), 0
+    if not port.isdigit():
+        raise LaunchError(f"The endpoint {endpoint!r} has no port number. Write HOST:PORT, "
+                          "e.g. 10.0.0.1:29500.")
+    return host.strip("[]"), int(port)
