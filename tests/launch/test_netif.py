@@ -32,7 +32,7 @@ def test_unset_variables_get_the_routing_interface_and_user_settings_win():
 
 
 def test_an_address_that_does_not_resolve_says_so():
-    with pytest.raises(LaunchError, match="does not resolve.*node 0's IP"):
+    with pytest.raises(LaunchError, match=r"does not resolve.*node 0's IP"):
         resolve_host("no-such-host.invalid")
 
 
