@@ -216,7 +216,7 @@ def run_training(cfg: Config) -> Any:
         master_port=dist.master_port, rdzv_endpoint=dist.rdzv_endpoint,
         rdzv_backend=dist.rdzv_backend, rdzv_id=dist.rdzv_id or cfg.run.name,
         max_restarts=dist.max_restarts, rdzv_timeout=dist.rdzv_timeout,
-        rdzv_last_call_s=dist.rdzv_last_call_s)
+        rdzv_last_call_s=dist.rdzv_last_call_s, rdzv_keep_alive_s=dist.rdzv_keep_alive_s)
     forget_process(cfg.run.dir)
     return results.get(0)
 

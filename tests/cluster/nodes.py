@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from dataclasses import dataclass
@@ -65,3 +66,31 @@ def _dump(nodes: list[Node]) -> str:
 def final_weights(run_dir: Path) -> dict:
     """Model weights of a run's newest checkpoint (a file or a sharded directory)."""
     return ckpt.load_checkpoint(ckpt.list_checkpoints(run_dir)[-1])["model"]
+
+
+def train_records(run_dir: Path) -> list[dict]:
+    """The train records of a run's metrics.jsonl (every restart appends to it)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line being written right now
+            continue
+        if record.get("kind") == "train":
+            records.append(record)
+    return records
+
+
+def wait_for(what, timeout: float, nodes: list[Node], poll: float = 0.2):
+    """Poll ``what()`` until it returns something truthy; fail with the logs otherwise."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = what()
+        if value:
+            return value
+        time.sleep(poll)
+    pytest.fail(f"gave up after {timeout:.0f} s waiting for {what.__doc__ or what}\n" +
+                _dump(nodes))

@@ -210,6 +210,9 @@ class DistConfig(Section):
     rdzv_last_call_s: float = opt(30.0, "Seconds an elastic rendezvous that has its minimum "
                                   "of nodes still waits for more (also after a node is lost).",
                                   min=1.0)
+    rdzv_keep_alive_s: float = opt(5.0, "Seconds between an elastic node's rendezvous "
+                                   "heartbeats; a node silent for three is dropped, and the "
+                                   "others go on without it.", min=1.0)
     backend: str = opt("auto", "Process-group backend: auto (nccl on CUDA, gloo on CPU).",
                        choices=("auto", "nccl", "gloo"))
     init_method: str = opt("env://", "Process-group init: env:// or tcp://host:port.")

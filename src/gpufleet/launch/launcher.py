@@ -122,7 +122,8 @@ def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, launcher: st
            nnodes: str = "1", node_rank: int = 0, master_addr: str = "127.0.0.1",
            master_port: int = 0, rdzv_endpoint: str = "", rdzv_backend: str = "c10d",
            rdzv_id: str = "", max_restarts: int = 0, log_dir: str | None = None,
-           rdzv_timeout: float = 600.0, rdzv_last_call_s: float = 30.0) -> dict[int, Any]:
+           rdzv_timeout: float = 600.0, rdzv_last_call_s: float = 30.0,
+           rdzv_keep_alive_s: float = 5.0) -> dict[int, Any]:
     """Run ``fn(*args)`` in ``nproc`` ranks on this node; return ``{global rank: result}``.
 
     ``fn``, ``args`` and the results must be picklable (ranks are spawned processes), so
@@ -148,6 +149,8 @@ def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, launcher: st
         rdzv_timeout: Seconds the nodes have to meet before the run fails (elastic only).
         rdzv_last_call_s: Seconds an elastic rendezvous that has its minimum of nodes still
             waits for more (torch's ``last_call_timeout``).
+        rdzv_keep_alive_s: Seconds between an elastic agent's rendezvous heartbeats; a
+            node silent for three of them is dropped from the next round.
 
     On several nodes the ranks talk over the interface that routes to the master or
     rendezvous address (GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME, when unset), and the node
@@ -174,7 +177,7 @@ def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, launcher: st
         plan = LaunchPlan.resolve(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
                                   master_port=master_port, rdzv_endpoint=rdzv_endpoint,
                                   rdzv_backend=rdzv_backend, rdzv_id=rdzv_id)
-        timeouts = RendezvousTimeouts(rdzv_timeout, rdzv_last_call_s)
+        timeouts = RendezvousTimeouts(rdzv_timeout, rdzv_last_call_s, rdzv_keep_alive_s)
         return _launch_elastic(fn, args, nproc, plan, max_restarts, log_dir, timeouts)
     if launcher == "spawn":
         if parse_nnodes(nnodes) != (1, 1):
@@ -210,17 +213,21 @@ class RendezvousTimeouts:
     Attributes:
         join_s: Seconds the nodes have to meet before the run fails.
         last_call_s: Seconds an elastic rendezvous with its minimum of nodes waits for more.
+        keep_alive_s: Seconds between rendezvous heartbeats; three missed drop a node.
     """
 
     join_s: float = 600.0
     last_call_s: float = 30.0
+    keep_alive_s: float = 5.0
 
     def configs(self, backend: str) -> dict[str, int]:
         """The rendezvous settings torch's ``backend`` reads (whole seconds, at least 1)."""
         join, last_call = max(1, round(self.join_s)), max(1, round(self.last_call_s))
         if backend == "static":
             return {"timeout": join}
-        return {"join_timeout": join, "last_call_timeout": last_call}
+        return {"join_timeout": join, "last_call_timeout": last_call,
+                "keep_alive_interval": max(1, round(self.keep_alive_s)),
+                "keep_alive_max_attempt": 3}
 
 
 def _multi_node_network(plan: LaunchPlan) -> tuple[str | None, dict[str, Any]]:
