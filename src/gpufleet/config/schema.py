@@ -250,6 +250,11 @@ class FaultConfig(Section):
                              "seconds (the only limit until a few steps are timed).",
                              min=0.1)
     watchdog_poll_s: float = opt(1.0, "Seconds between the watchdog's checks.", min=0.05)
+    heartbeat_timeout_s: float = opt(60.0, "A rank whose heartbeat has not moved for this "
+                                     "many seconds stopped answering (a node down or cut "
+                                     "off): it is named and the run ends or restarts "
+                                     "elastically, instead of waiting dist.timeout.",
+                                     min=0.5)
 
 
 @dataclass

@@ -30,6 +30,7 @@ from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from gpufleet.errors import LaunchError, unknown_choice
+from gpufleet.fault.watchdog import EXIT_RANK_LOST
 from gpufleet.launch.netif import choose_socket_ifname, owns_address, route_to, split_endpoint
 
 logger = logging.getLogger(__name__)
@@ -314,10 +315,15 @@ def _describe_failures(err: ChildFailedError, max_restarts: int, where: str) -> 
     for rank, failure in sorted(err.failures.items()):
         how = (f"killed by signal {failure.signal_name()}" if failure.exitcode < 0
                else f"exit code {failure.exitcode}")
+        if failure.exitcode == EXIT_RANK_LOST:
+            how += (" (it ended itself: another rank, or the store, stopped answering; "
+                    "its report is in the log above and under <run dir>/hangs/)")
         lines.append(f"  rank {rank} (local rank {failure.local_rank}, pid {failure.pid}): "
                      f"{how}; error file: {failure.error_file}")
     root_rank, root = err.get_first_failure()
     message = root.message
+    if root.exitcode == EXIT_RANK_LOST:
+        message = "(no traceback: the rank ended itself; its report is in the log above)"
     if isinstance(message, dict):  # an error file written by @record
         message = message.get("extraInfo", {}).get("py_callstack") or message.get("message")
     lines += [f"First failure (rank {root_rank}):", str(message).rstrip(),

@@ -24,6 +24,7 @@ import os
 import socket
 from collections.abc import MutableMapping
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 
@@ -150,3 +151,14 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
         raise LaunchError(f"The endpoint {endpoint!r} has no port number. Write HOST:PORT, "
                           "e.g. 10.0.0.1:29500.")
     return host.strip("[]"), int(port)
+
+
+def node_address(env: Any) -> str:
+    """This node's address as the others see it (the source address towards rank 0's
+    store) in a multi-node job; "" on one node or when it cannot be told."""
+    if env.world_size <= env.local_world_size:
+        return ""
+    try:
+        return route_to(env.master_addr).local_ip
+    except LaunchError:
+        return ""

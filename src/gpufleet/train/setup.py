@@ -29,6 +29,7 @@ from gpufleet.launch import (
     is_initialized,
     job_store,
 )
+from gpufleet.launch.netif import node_address
 from gpufleet.monitor.flops import device_peak_flops
 from gpufleet.monitor.phases import PhaseTimer
 from gpufleet.parallel import build_strategy
@@ -71,7 +72,8 @@ class TrainerSetup:
         self.flops_per_step: int | None = None if (mon.phases or mon.diagnose) else 0
         self.peak_flops = device_peak_flops(self.cfg, self.device)
         self.watchdog = (Watchdog(self.cfg.fault, self.run_dir, self.env.rank,
-                                  self.env.world_size, job_store(), self.env.restart_count)
+                                  self.env.world_size, job_store(), self.env.restart_count,
+                                  node=(self.env.node_rank, node_address(self.env)))
                          if self.cfg.fault.watchdog else None)
         self.result = FitResult(run_dir=str(self.run_dir))
         # Samples and tokens read since the last log line (host ints, from batch shapes).
