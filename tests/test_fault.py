@@ -317,7 +317,13 @@ def test_liveness_names_a_rank_that_stops_beating_and_the_rank_that_lost_the_sto
     one.start()
     time.sleep(0.4)
     assert not verdicts  # both beat: nobody is lost
-    one.stop()  # rank 1 goes silent (as when its node dies)
+    one.stop()  # rank 1 finished its run: it says so and is not counted as lost
+    time.sleep(1.0)
+    assert not verdicts
+    one = watch(1, client)
+    one.start()
+    time.sleep(0.3)
+    one._stop.set()  # rank 1 goes silent without a word (as when its node dies)
     deadline = time.monotonic() + 5
     while 0 not in verdicts and time.monotonic() < deadline:
         time.sleep(0.05)

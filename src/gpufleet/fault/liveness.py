@@ -77,9 +77,21 @@ class Liveness:
             thread.start()
 
     def stop(self) -> None:
+        """Stop beating, and say so: a rank that finished is not a rank that went silent."""
         self._stop.set()
-        # The heartbeat thread may sit in a store call on a dead link: do not wait for it.
+        # The heartbeat thread may sit in a store call on a dead link: do not wait for it,
+        # and give the last word a second at most.
+        done = threading.Thread(target=self._say_done, daemon=True)
+        done.start()
+        done.join(timeout=1)
         self._threads[1].join(timeout=2)
+
+    def _say_done(self) -> None:
+        try:
+            self.store.set(self._key(self.rank), json.dumps({**self.beat(), "beat": -1,
+                                                             "done": True}))
+        except Exception as e:
+            log.debug("final heartbeat failed: %s", e)
 
     # -- the heartbeat thread (store I/O) ------------------------------------------------
     def _beat_loop(self) -> None:
@@ -125,7 +137,8 @@ class Liveness:
                 beat = self._beats.get(r)
                 age = now - moved
                 beats.append({**beat, "age_s": age} if beat else None)
-                if self.rank == 0 and r != 0 and age > self.timeout_s:
+                finished = bool(beat and beat.get("done"))
+                if self.rank == 0 and r != 0 and age > self.timeout_s and not finished:
                     silent[r] = beats[-1]
             cut_off = now - self._last_ok
         return Verdict(silent, cut_off if cut_off > self.timeout_s else 0.0, beats)
