@@ -8,6 +8,7 @@ import importlib
 import sys
 import textwrap
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from gpufleet.config import Config, config_to_dict, help_rows, load_config, parse_override
@@ -160,7 +161,7 @@ def run_training(cfg: Config) -> Any:
     from gpufleet.api import run_worker
     from gpufleet.config import Machine, resolve
     from gpufleet.launch import DistEnv, launch
-    from gpufleet.procs import forget_process, record_process
+    from gpufleet.procs import RECORDS_DIR, forget_process, record_process
     from gpufleet.train.checkpoint import mark_verified
     from gpufleet.train.rundir import plan_run
 
@@ -209,16 +210,30 @@ def run_training(cfg: Config) -> Any:
         cfg, resume_from = plan_run(cfg)  # one directory for every rank and restart
         if resume_from is not None and resume_from.is_file():
             mark_verified(resume_from)  # checked just now: rank 0 need not hash it again
-    record_process(cfg.run.dir, "launcher")  # for `gpufleet cleanup RUN_DIR`
-    results = launch(
-        run_worker, (config_to_dict(cfg),), nproc=nproc, launcher=launcher,
-        nnodes=dist.nnodes, node_rank=dist.node_rank, master_addr=dist.master_addr,
-        master_port=dist.master_port, rdzv_endpoint=dist.rdzv_endpoint,
-        rdzv_backend=dist.rdzv_backend, rdzv_id=dist.rdzv_id or cfg.run.name,
-        max_restarts=dist.max_restarts, rdzv_timeout=dist.rdzv_timeout,
-        rdzv_last_call_s=dist.rdzv_last_call_s, rdzv_keep_alive_s=dist.rdzv_keep_alive_s)
-    forget_process(cfg.run.dir)
+    run_dir = Path(cfg.run.dir)
+    # Folders this launch creates: removed again if the ranks never write into them.
+    made = [d for d in (run_dir / RECORDS_DIR, run_dir, *run_dir.parents) if not d.exists()]
+    record_process(run_dir, "launcher")  # for `gpufleet cleanup RUN_DIR`
+    try:
+        results = launch(
+            run_worker, (config_to_dict(cfg),), nproc=nproc, launcher=launcher,
+            nnodes=dist.nnodes, node_rank=dist.node_rank, master_addr=dist.master_addr,
+            master_port=dist.master_port, rdzv_endpoint=dist.rdzv_endpoint,
+            rdzv_backend=dist.rdzv_backend, rdzv_id=dist.rdzv_id or cfg.run.name,
+            max_restarts=dist.max_restarts, rdzv_timeout=dist.rdzv_timeout,
+            rdzv_last_call_s=dist.rdzv_last_call_s, rdzv_keep_alive_s=dist.rdzv_keep_alive_s)
+    finally:
+        forget_process(run_dir)
+        _remove_if_empty(made)  # e.g. the ranks never met: leave nothing half-written
     return results.get(0)
+
+
+def _remove_if_empty(folders: list[Path]) -> None:
+    for folder in folders:  # deepest first
+        try:
+            folder.rmdir()  # only empty folders go
+        except OSError:
+            pass
 
 
 def _visible_gpus(cfg: Config) -> int:

@@ -31,7 +31,13 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from gpufleet.errors import LaunchError, unknown_choice
 from gpufleet.fault.watchdog import EXIT_RANK_LOST
-from gpufleet.launch.netif import choose_socket_ifname, owns_address, route_to, split_endpoint
+from gpufleet.launch.netif import (
+    check_store_port,
+    choose_socket_ifname,
+    owns_address,
+    route_to,
+    split_endpoint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -240,16 +246,34 @@ def _multi_node_network(plan: LaunchPlan) -> tuple[str | None, dict[str, Any]]:
     """
     if plan.mode == "standalone":
         return None, {}
-    host, _ = split_endpoint(plan.rdzv_endpoint)
-    route = choose_socket_ifname(host) or route_to(host)
+    host, port = split_endpoint(plan.rdzv_endpoint)
+    route = choose_socket_ifname(host) or route_to(host)  # also: a name that does not resolve
     extra: dict[str, Any] = {}
-    if plan.rdzv_backend == "c10d" and "is_host" not in plan.rdzv_configs:
-        # torch would compare the endpoint with the host name; the route does not lie.
-        extra["is_host"] = owns_address(host)
-        logger.info("c10d rendezvous at %s: this node %s the store (%s)", plan.rdzv_endpoint,
-                    "hosts" if extra["is_host"] else "does not host",
-                    f"{route.ifname} holds {route.target_ip}" if extra["is_host"] else
-                    f"no interface holds {route.target_ip}")
+    owner = owns_address(host)
+    if plan.mode == "static":
+        hosts = plan.rdzv_configs.get("rank") == 0  # node 0 listens at master_addr
+        if hosts and not owner:
+            raise LaunchError(
+                f"This is node 0 (--node-rank 0), which hosts the store at --master-addr "
+                f"{host}, but no interface of this machine has that address (its route "
+                f"leaves through {route.ifname or '?'} {route.local_ip}). Give node 0's own "
+                f"address on every node (here: --master-addr {route.local_ip}), or start "
+                "node 0 on the machine that has it.")
+        if hosts:
+            check_store_port(port, "rendezvous store")
+        return route.local_ip, extra
+    # c10d: torch would compare the endpoint with the host name; the route does not lie.
+    hosts = plan.rdzv_configs.get("is_host", owner)
+    why = f"{route.ifname} holds {route.target_ip}" if owner else \
+        f"no interface holds {route.target_ip}"
+    if hosts and "is_host" not in plan.rdzv_configs:
+        try:
+            check_store_port(port, "rendezvous store")
+        except LaunchError:  # e.g. two agents on one machine: the first one hosts it
+            hosts, why = False, f"{why}, but its port {port} is taken (another agent here?)"
+    extra["is_host"] = hosts
+    logger.info("c10d rendezvous at %s: this node %s the store (%s)", plan.rdzv_endpoint,
+                "hosts" if hosts else "does not host", why)
     return route.local_ip, extra
 
 
@@ -278,11 +302,15 @@ def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: Launc
                  if log_dir else f"Error files are under {logs.root_log_dir}.")
         raise LaunchError(_describe_failures(err, max_restarts, where)) from err
     except (RendezvousError, DistError) as err:
+        nodes = (f"{plan.min_nodes}" if plan.min_nodes == plan.max_nodes
+                 else f"{plan.min_nodes} to {plan.max_nodes}")
         raise LaunchError(
             f"The agents did not meet ({plan.mode} rendezvous at {plan.rdzv_endpoint}, "
-            f"{plan.min_nodes}-{plan.max_nodes} node(s)): {err}\nStart the same command on "
-            "every node with the same endpoint and id, and check that a firewall lets the "
-            "port through."
+            f"{nodes} node(s), waited up to {timeouts.join_s:g} s): {err}\nEither a node "
+            "never came (start the same command on every node: same endpoint and id, each "
+            "static node its own --node-rank), or the address is wrong (it must be node "
+            "0's, reachable from every node: `gpufleet doctor --rdzv-endpoint HOST:PORT` "
+            "shows the route), or a firewall blocks the port."
         ) from err
     if not log_dir:  # torch made a temporary directory for error files; none were needed
         shutil.rmtree(logs.root_log_dir, ignore_errors=True)

@@ -162,3 +162,33 @@ def node_address(env: Any) -> str:
         return route_to(env.master_addr).local_ip
     except LaunchError:
         return ""
+
+
+def port_holder(port: int) -> str:
+    """"; process PID (NAME) listens on it" for a local TCP listener on ``port``, or ""."""
+    try:
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN:
+                name = psutil.Process(conn.pid).name() if conn.pid else "?"
+                return f"; process {conn.pid} ({name}) listens on it"
+    except (psutil.Error, OSError):
+        pass  # other users' sockets need privileges
+    return ""
+
+
+def check_store_port(port: int, what: str) -> None:
+    """Raise a :class:`LaunchError` naming the holder when ``port`` cannot be bound here.
+
+    Binds the way torch's TCPStore does (all interfaces, SO_REUSEADDR), then lets go.
+    """
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError as e:
+            raise LaunchError(
+                f"Port {port} is in use on this node ({e.strerror}){port_holder(port)}, and "
+                f"this node hosts the {what} there. End that process (a leftover run? "
+                "`gpufleet cleanup RUN_DIR`) or pick another port on every node.") from None
