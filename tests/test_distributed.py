@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from conftest import final_params
@@ -142,3 +143,23 @@ def test_resume_at_other_world_sizes_reads_every_sample_of_the_epoch_once(run_cl
     assert "resumed from" in done.stderr and "at step 8" in done.stderr
     read = committed("a", 2, 4) + committed("b", 1, 4) + committed("c", 2, 2)
     assert sorted(map(int, read)) == list(range(256))
+
+
+def test_ddp_fp16_comm_hook_stays_close_and_bf16_on_gloo_names_the_fix(run_cli, tmp_path):
+    """fp16 gradient compression stays close to plain ddp; bf16, which torch implements
+    for NCCL only, is refused before any rank starts."""
+    plain = _train(run_cli, tmp_path, "plain", "--nproc", "2", "--batch-size", "16")
+    fp16 = _train(run_cli, tmp_path, "fp16", "--nproc", "2", "--batch-size", "16",
+                  "--parallel.ddp_comm_hook", "fp16")
+    _assert_same_params(plain, fp16, atol=2e-3)
+    refused = run_cli("train", *TOY, "--nproc", "2", "--parallel.ddp_comm_hook", "bf16",
+                      expect=2)
+    assert "needs NCCL" in refused.stderr and "ddp_comm_hook=fp16" in refused.stderr
+
+
+@pytest.mark.slow
+def test_ddp_powersgd_comm_hook_trains(run_cli, tmp_path):
+    psgd = _train(run_cli, tmp_path, "psgd", "--nproc", "2", "--batch-size", "16",
+                  "--parallel.ddp_comm_hook", "powersgd", "--parallel.powersgd_start_step", "4")
+    losses = [loss for _, loss in _losses(psgd)]
+    assert losses[-1] < losses[0]

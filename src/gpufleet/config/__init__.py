@@ -113,6 +113,14 @@ def resolve(cfg: Config, machine: Machine, world_size: int,
     if backend == "nccl" and device != "cuda":
         raise ConfigError("dist.backend = 'nccl' needs CUDA GPUs. Use dist.backend=gloo "
                           "(or auto) on CPU.")
+    if par.ddp_comm_hook != "none" and strategy != "ddp":
+        raise ConfigError(f"parallel.ddp_comm_hook = {par.ddp_comm_hook!r} compresses ddp's "
+                          f"gradient all-reduce, but the strategy is {strategy!r}. Use "
+                          "--strategy ddp, or parallel.ddp_comm_hook=none.")
+    if par.ddp_comm_hook == "bf16" and backend != "nccl":
+        raise ConfigError("parallel.ddp_comm_hook = 'bf16': torch's bf16 hook needs NCCL "
+                          f"(CUDA GPUs), and this run uses {backend}. Use "
+                          "parallel.ddp_comm_hook=fp16 (the same bytes) or powersgd.")
     workers = cfg.data.num_workers
     if workers < 0:
         from gpufleet.data.loaders import default_num_workers

@@ -134,6 +134,14 @@ class ParallelConfig(Section):
                                         "(saves one copy of the gradients).")
     find_unused_parameters: bool = opt(False, "DDP: allow parameters that get no gradient.")
     broadcast_buffers: bool = opt(True, "DDP: broadcast buffers from rank 0 every forward.")
+    ddp_comm_hook: str = opt("none", "DDP: compress gradients on the wire (torch's DDP "
+                             "communication hooks): none, fp16, bf16 (half the bytes), or "
+                             "powersgd (low-rank, far fewer bytes; for slow links).",
+                             choices=("none", "fp16", "bf16", "powersgd"))
+    powersgd_rank: int = opt(1, "DDP powersgd: rank of the gradient approximation (higher: "
+                             "more accurate, more bytes).", min=1)
+    powersgd_start_step: int = opt(10, "DDP powersgd: plain all-reduce for the first N "
+                                   "steps, then compress (at least 2).", min=2)
     fsdp_reshard_after_forward: bool = opt(True, "FSDP: free gathered parameters after "
                                            "forward (less memory, one more all-gather).")
     fsdp_cpu_offload: bool = opt(False, "FSDP: keep sharded parameters and gradients in CPU "
