@@ -5,7 +5,7 @@ GPT (n_embd 96, 2 layers) on both nodes as an elastic ``--nnodes 1:2 --max-resta
 run with a checkpoint every ``--every`` steps. Once both train past step ``--kill-at``
 (by default 2 steps after a checkpoint), every process of node 1 is killed (SIGKILL).
 Node 0 goes on alone from the newest checkpoint; ``--rejoin-after`` seconds after the
-kill node 1 is started again and rejoins. From node 0's
+kill node 1 is started again and rejoins; then the run is stopped. From node 0's
 metrics.jsonl:
 
 * recovery: seconds from the kill to node 0's first step trained alone;
@@ -63,7 +63,7 @@ def one_loss(bed: NetBed, run_dir: Path, args: argparse.Namespace) -> dict[str, 
            "--dist.rdzv_last_call_s", "2", "--dist.rdzv_keep_alive_s", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    node0 = bed.popen(0, job, env=env, **quiet)
+    bed.popen(0, job, env=env, **quiet)
     time.sleep(0.5)
     bed.popen(1, job, env=env, **quiet)
     wait_until(lambda: [r for r in records(run_dir)
@@ -79,7 +79,7 @@ def one_loss(bed: NetBed, run_dir: Path, args: argparse.Namespace) -> dict[str, 
     seen = len(records(run_dir))
     both = wait_until(lambda: [r for r in records(run_dir)[seen:]
                                if len(r["rank_phases"]) == 2], 300)
-    node0.wait(timeout=600)
+    # Measured: the bed's teardown ends the run (it is long so that it outlasts the rejoin).
     back = next(r for r in records(run_dir)[len(before):] if r["step"] >= at_step)
     return {"recovery_s": alone[0]["time"] - killed_at,
             "repeated": at_step - (alone[0]["step"] - 1),
@@ -90,7 +90,7 @@ def one_loss(bed: NetBed, run_dir: Path, args: argparse.Namespace) -> dict[str, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=5000)
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--rejoin-after", type=float, default=25.0)
     parser.add_argument("--kill-at", type=int, default=22)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from .nodes import TOY, start, train_records, wait, wait_for
+from .nodes import TOY, start, train_records, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -27,7 +27,8 @@ def elastic_args(addr: str, run_dir: str, steps: int, delay: float) -> list[str]
 
 def test_survivor_goes_on_alone_and_the_lost_node_rejoins(netbed, tmp_path):
     run = tmp_path / "runs" / "elastic"
-    args = elastic_args(netbed.addr(0), "runs/elastic", steps=260, delay=0.004)
+    # Long enough to outlast the rejoin on a busy machine; the bed ends it afterwards.
+    args = elastic_args(netbed.addr(0), "runs/elastic", steps=5000, delay=0.004)
     nodes = [start(netbed, 0, args, tmp_path)]
     time.sleep(0.5)  # node 0 hosts the store: let it listen first
     nodes.append(start(netbed, 1, args, tmp_path))
@@ -45,17 +46,20 @@ def test_survivor_goes_on_alone_and_the_lost_node_rejoins(netbed, tmp_path):
     alone = wait_for(alone_again, 90, nodes[:1])
     resumed_from = alone[0]["step"] - 1
     assert resumed_from % 5 == 0 and step_at_kill - 5 <= resumed_from <= step_at_kill
-    back_at = next((r["time"] for r in alone if r["step"] >= step_at_kill), math.nan)
 
     nodes.append(start(netbed, 1, args, tmp_path, tag="-rejoined"))
     def together_again():
         records = train_records(run)
         return [r for r in records[len(before) + len(alone):] if len(r["rank_phases"]) == 2]
     together = wait_for(together_again, 120, nodes)
-    codes = wait([nodes[0], nodes[2]], timeout=150)
-    assert codes == [0, 0]
+    assert nodes[0].proc.poll() is None  # node 0's agent never gave up
     records = train_records(run)
-    assert records[-1]["step"] == 260 and all(math.isfinite(r["loss"]) for r in records)
+    solo = [r for r in records[len(before):] if len(r["rank_phases"]) == 1]
+    last_solo, rejoined_from = solo[-1]["step"], together[0]["step"] - 1
+    # Both nodes start again from the newest checkpoint node 0 wrote alone.
+    assert last_solo - 5 <= rejoined_from <= last_solo
+    assert all(math.isfinite(r["loss"]) for r in records)
+    back_at = next(r["time"] for r in solo if r["step"] >= step_at_kill)
     print(f"\nnode loss: node 0 trained again {alone[0]['time'] - killed_at:.1f} s after the "
           f"kill, repeated {step_at_kill - resumed_from} step(s) (resumed from step "
           f"{resumed_from}, killed at {step_at_kill}), was back at step {step_at_kill} "
