@@ -31,13 +31,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from gpufleet.errors import LaunchError, unknown_choice
 from gpufleet.fault.watchdog import EXIT_RANK_LOST
-from gpufleet.launch.netif import (
-    check_store_port,
-    choose_socket_ifname,
-    owns_address,
-    route_to,
-    split_endpoint,
-)
+from gpufleet.launch.netif import multi_node_network
 
 logger = logging.getLogger(__name__)
 
@@ -237,52 +231,12 @@ class RendezvousTimeouts:
                 "keep_alive_max_attempt": 3}
 
 
-def _multi_node_network(plan: LaunchPlan) -> tuple[str | None, dict[str, Any]]:
-    """This node's address for the others, and the rendezvous settings the route implies.
-
-    The interface that routes to the rendezvous host carries gloo/NCCL traffic; the
-    address the agent advertises (rank 0's store, MASTER_ADDR of the ranks) is this
-    node's address on that route, not whatever the host name resolves to.
-    """
-    if plan.mode == "standalone":
-        return None, {}
-    host, port = split_endpoint(plan.rdzv_endpoint)
-    route = choose_socket_ifname(host) or route_to(host)  # also: a name that does not resolve
-    extra: dict[str, Any] = {}
-    owner = owns_address(host)
-    if plan.mode == "static":
-        hosts = plan.rdzv_configs.get("rank") == 0  # node 0 listens at master_addr
-        if hosts and not owner:
-            raise LaunchError(
-                f"This is node 0 (--node-rank 0), which hosts the store at --master-addr "
-                f"{host}, but no interface of this machine has that address (its route "
-                f"leaves through {route.ifname or '?'} {route.local_ip}). Give node 0's own "
-                f"address on every node (here: --master-addr {route.local_ip}), or start "
-                "node 0 on the machine that has it.")
-        if hosts:
-            check_store_port(port, "rendezvous store")
-        return route.local_ip, extra
-    # c10d: torch would compare the endpoint with the host name; the route does not lie.
-    hosts = plan.rdzv_configs.get("is_host", owner)
-    why = f"{route.ifname} holds {route.target_ip}" if owner else \
-        f"no interface holds {route.target_ip}"
-    if hosts and "is_host" not in plan.rdzv_configs:
-        try:
-            check_store_port(port, "rendezvous store")
-        except LaunchError:  # e.g. two agents on one machine: the first one hosts it
-            hosts, why = False, f"{why}, but its port {port} is taken (another agent here?)"
-    extra["is_host"] = hosts
-    logger.info("c10d rendezvous at %s: this node %s the store (%s)", plan.rdzv_endpoint,
-                "hosts" if hosts else "does not host", why)
-    return route.local_ip, extra
-
-
 def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: LaunchPlan,
                     max_restarts: int, log_dir: str | None,
                     timeouts: RendezvousTimeouts = RendezvousTimeouts()) -> dict[int, Any]:
     # With a log directory each rank's stdout/stderr also goes to a file there.
     logs = DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL if log_dir else Std.NONE)
-    local_addr, network_configs = _multi_node_network(plan)
+    local_addr, network_configs = multi_node_network(plan)
     configs = {**timeouts.configs(plan.rdzv_backend), **network_configs, **plan.rdzv_configs}
     config = LaunchConfig(
         min_nodes=plan.min_nodes, max_nodes=plan.max_nodes, nproc_per_node=nproc,

@@ -24,11 +24,14 @@ import os
 import socket
 from collections.abc import MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
 from gpufleet.errors import LaunchError
+
+if TYPE_CHECKING:
+    from gpufleet.launch.launcher import LaunchPlan
 
 logger = logging.getLogger(__name__)
 
@@ -192,3 +195,43 @@ def check_store_port(port: int, what: str) -> None:
                 f"Port {port} is in use on this node ({e.strerror}){port_holder(port)}, and "
                 f"this node hosts the {what} there. End that process (a leftover run? "
                 "`gpufleet cleanup RUN_DIR`) or pick another port on every node.") from None
+
+
+def multi_node_network(plan: LaunchPlan) -> tuple[str | None, dict[str, Any]]:
+    """This node's address for the others, and the rendezvous settings the route implies.
+
+    The interface that routes to the rendezvous host carries gloo/NCCL traffic; the
+    address the agent advertises (rank 0's store, MASTER_ADDR of the ranks) is this
+    node's address on that route, not whatever the host name resolves to.
+    """
+    if plan.mode == "standalone":
+        return None, {}
+    host, port = split_endpoint(plan.rdzv_endpoint)
+    route = choose_socket_ifname(host) or route_to(host)  # also: a name that does not resolve
+    extra: dict[str, Any] = {}
+    owner = owns_address(host)
+    if plan.mode == "static":
+        hosts = plan.rdzv_configs.get("rank") == 0  # node 0 listens at master_addr
+        if hosts and not owner:
+            raise LaunchError(
+                f"This is node 0 (--node-rank 0), which hosts the store at --master-addr "
+                f"{host}, but no interface of this machine has that address (its route "
+                f"leaves through {route.ifname or '?'} {route.local_ip}). Give node 0's own "
+                f"address on every node (here: --master-addr {route.local_ip}), or start "
+                "node 0 on the machine that has it.")
+        if hosts:
+            check_store_port(port, "rendezvous store")
+        return route.local_ip, extra
+    # c10d: torch would compare the endpoint with the host name; the route does not lie.
+    hosts = plan.rdzv_configs.get("is_host", owner)
+    why = f"{route.ifname} holds {route.target_ip}" if owner else \
+        f"no interface holds {route.target_ip}"
+    if hosts and "is_host" not in plan.rdzv_configs:
+        try:
+            check_store_port(port, "rendezvous store")
+        except LaunchError:  # e.g. two agents on one machine: the first one hosts it
+            hosts, why = False, f"{why}, but its port {port} is taken (another agent here?)"
+    extra["is_host"] = hosts
+    logger.info("c10d rendezvous at %s: this node %s the store (%s)", plan.rdzv_endpoint,
+                "hosts" if hosts else "does not host", why)
+    return route.local_ip, extra
