@@ -56,7 +56,10 @@ def test_a_node_that_never_comes(netbed, tmp_path):
     took = time.monotonic() - began
     error = _one_error(node)
     assert "did not meet" in error and "a node never came" in error
-    assert took < 15 + 30, f"took {took:.0f} s with a 15 s rendezvous timeout"
+    assert "waited up to 15 s" in error
+    # 15 s of rendezvous plus start-up (torch's import alone takes seconds on a busy
+    # machine): far from the 600 s default or a hang.
+    assert took < 15 + 60, f"took {took:.0f} s with a 15 s rendezvous timeout"
     assert not (tmp_path / "runs").exists()
 
 
