@@ -166,21 +166,3 @@ def make_image_data(n: int = 64) -> TensorDataset:
     x = torch.randn(n, 3, 8, 8, generator=g)
     return TensorDataset(x, x.mean(dim=(1, 2, 3)).unsqueeze(1))
 
-
-class _Slow(Dataset):
-    """Wraps a dataset; every item takes ``delay`` seconds, so a run lasts long enough to
-    break it on purpose (a node killed or cut off mid-run)."""
-
-    def __init__(self, inner: Dataset, delay: float) -> None:
-        self.inner, self.delay = inner, delay
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __getitem__(self, i: int):
-        time.sleep(self.delay)
-        return self.inner[i]
-
-
-def make_data_slow(delay: float = 0.002, n: int = 256):
-    return _Slow(make_data(n), delay)

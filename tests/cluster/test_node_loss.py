@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(300)
 def elastic_args(addr: str, run_dir: str, steps: int, delay: float) -> list[str]:
     """A 1:2-node elastic job whose steps take ~16 x ``delay`` seconds, a checkpoint
     every 5 steps, and rendezvous settings small enough for a test."""
-    return [*TOY, "--data", "toyjob:make_data_slow", f"--data.kwargs={{delay = {delay}}}",
+    return [*TOY, "--data", "toyjob:make_slow_data", f"--data.kwargs={{delay = {delay}}}",
             "--max-steps", str(steps), "--nproc", "1", "--batch-size", "16",
             "--strategy", "ddp", "--checkpoint.every", "5", "--run-dir", run_dir,
             "--nnodes", "1:2", "--rdzv-endpoint", f"{addr}:29400", "--rdzv-id", "job",

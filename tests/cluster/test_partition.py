@@ -19,7 +19,7 @@ FAST_FAULTS = ["--dist.timeout", "120", "--fault.heartbeat_timeout_s", "5",
 
 
 def _args(addr: str, run_dir: str, where: list[str], steps: int = 200) -> list[str]:
-    return [*TOY, "--data", "toyjob:make_data_slow", "--data.kwargs={delay = 0.004}",
+    return [*TOY, "--data", "toyjob:make_slow_data", "--data.kwargs={delay = 0.004}",
             "--max-steps", str(steps), "--nproc", "1", "--batch-size", "16", "--strategy", "ddp",
             "--checkpoint.every", "5", "--run-dir", run_dir, *FAST_FAULTS, *where]
 
