@@ -165,4 +165,3 @@ def make_image_data(n: int = 64) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 3, 8, 8, generator=g)
     return TensorDataset(x, x.mean(dim=(1, 2, 3)).unsqueeze(1))
-
