@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from conftest import final_params
@@ -113,3 +114,52 @@ def test_resume_mid_epoch_reads_the_same_samples_on_every_rank(run_cli, tmp_path
         resumed = (tmp_path / "resumed" / f"rank{rank}.txt").read_text().split()
         assert len(straight) == 12 * 16
         assert first[:6 * 16] + resumed == straight  # steps 1-6, then 7-12 after resume
+
+
+def test_resume_at_other_world_sizes_reads_every_sample_of_the_epoch_once(run_cli, tmp_path):
+    """2 ranks, killed; resumed at 1 rank, killed; resumed at 2 ranks to the end of the
+    epoch. The samples of the committed steps (each checkpointed) cover the 256 samples
+    of epoch 0 exactly once: the saved data position is global, not per rank."""
+    common = [*TOY, "--batch-size", "16", "--checkpoint.every", "1", "--max-steps", "10",
+              "--data.num_workers", "0", "--name", "ws", "--run-dir", "runs/ws"]
+
+    def data(out, **kill):
+        extra = "".join(f", {k} = {v}" for k, v in kill.items())
+        return ["--data", "toyjob:make_data_recording",
+                f"--data.kwargs={{out = '{tmp_path / out}'{extra}}}"]
+
+    def committed(out, ranks, steps):  # what each rank read in its first `steps` steps
+        return [i for r in range(ranks)
+                for i in (tmp_path / out / f"rank{r}.txt").read_text().split()[:steps * 16]]
+
+    # Steps 1-4 at 2 ranks (128 samples); rank 1 dies reading step 5.
+    run_cli("train", *common, "--nproc", "2", *data("a", kill_rank=1, kill_after=64),
+            expect=None)
+    # Steps 5-8 at 1 rank (64 samples); it dies reading step 9.
+    run_cli("train", *common, "--nproc", "1", "--resume", "latest",
+            *data("b", kill_rank=0, kill_after=64), expect=None)
+    # Steps 9-10 at 2 ranks: the last 64 samples of the epoch.
+    done = run_cli("train", *common, "--nproc", "2", "--resume", "latest", *data("c"))
+    assert "resumed from" in done.stderr and "at step 8" in done.stderr
+    read = committed("a", 2, 4) + committed("b", 1, 4) + committed("c", 2, 2)
+    assert sorted(map(int, read)) == list(range(256))
+
+
+def test_ddp_fp16_comm_hook_stays_close_and_bf16_on_gloo_names_the_fix(run_cli, tmp_path):
+    """fp16 gradient compression stays close to plain ddp; bf16, which torch implements
+    for NCCL only, is refused before any rank starts."""
+    plain = _train(run_cli, tmp_path, "plain", "--nproc", "2", "--batch-size", "16")
+    fp16 = _train(run_cli, tmp_path, "fp16", "--nproc", "2", "--batch-size", "16",
+                  "--parallel.ddp_comm_hook", "fp16")
+    _assert_same_params(plain, fp16, atol=2e-3)
+    refused = run_cli("train", *TOY, "--nproc", "2", "--parallel.ddp_comm_hook", "bf16",
+                      expect=2)
+    assert "needs NCCL" in refused.stderr and "ddp_comm_hook=fp16" in refused.stderr
+
+
+@pytest.mark.slow
+def test_ddp_powersgd_comm_hook_trains(run_cli, tmp_path):
+    psgd = _train(run_cli, tmp_path, "psgd", "--nproc", "2", "--batch-size", "16",
+                  "--parallel.ddp_comm_hook", "powersgd", "--parallel.powersgd_start_step", "4")
+    losses = [loss for _, loss in _losses(psgd)]
+    assert losses[-1] < losses[0]

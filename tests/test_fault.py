@@ -4,10 +4,12 @@ crash reports and failing sinks. The multi-rank versions are in test_fault_distr
 from __future__ import annotations
 
 import errno
+import gc
 import hashlib
 import json
 import logging
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -276,6 +278,69 @@ def test_stall_report_names_the_rank_that_is_behind():
 def test_stall_report_when_every_rank_is_stuck_in_the_same_place():
     beats = [{"rank": r, "step": 3, "phase": "backward", "phase_since": 0.0} for r in (0, 1)]
     assert stall_report(beats, 5.0).startswith("every rank is at the same point: step 4")
+
+
+def test_stall_report_tells_a_silent_rank_from_one_that_is_behind():
+    beats = [{"rank": 0, "step": 9, "phase": "backward", "phase_since": 90.0, "age_s": 0.4},
+             {"rank": 1, "step": 8, "phase": "optimizer", "phase_since": 80.0, "age_s": 30.0,
+              "node": 1, "addr": "10.0.0.2", "host": "b", "pid": 7}]
+    text = stall_report(beats, 100.0, silent_after=10.0)
+    assert text.splitlines()[0] == (
+        "rank 1 (node 1, 10.0.0.2, host b, pid 7) stopped answering: no heartbeat for 30 s "
+        "(last seen with 8 steps done, phase 'optimizer'); its node is down or cut off, it "
+        "is not slow")
+    assert "still answering: rank 0" in text and "behind" not in text
+    # Without the ages, the same beats read as a rank that is behind.
+    assert stall_report(beats, 100.0).startswith("rank 1 is behind")
+
+
+def test_liveness_names_a_rank_that_stops_beating_and_the_rank_that_lost_the_store():
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from gpufleet.fault.liveness import Liveness
+
+    host = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                    timeout=timedelta(seconds=5))
+    client = TCPStore("127.0.0.1", host.port, is_master=False,
+                      timeout=timedelta(seconds=1))
+    verdicts: dict[int, object] = {}
+
+    def watch(rank, store):
+        return Liveness(store, "t", rank, 2, lambda: {"rank": rank, "step": 1,
+                                                     "phase": "data"},
+                        0.05, 0.5, lambda v: verdicts.setdefault(rank, v))
+
+    zero, one = watch(0, host), watch(1, client)
+    zero.start()
+    one.start()
+    time.sleep(0.4)
+    assert not verdicts  # both beat: nobody is lost
+    one.stop()  # rank 1 finished its run: it says so and is not counted as lost
+    time.sleep(1.0)
+    assert not verdicts
+    one = watch(1, client)
+    one.start()
+    time.sleep(0.3)
+    one._stop.set()  # rank 1 goes silent without a word (as when its node dies)
+    deadline = time.monotonic() + 5
+    while 0 not in verdicts and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(verdicts[0].silent) == [1] and verdicts[0].cut_off_s == 0
+    assert verdicts[0].beats[1]["age_s"] > 0.5
+
+    lonely = watch(1, client)
+    lonely.start()
+    zero.stop()
+    zero._threads[0].join(timeout=5)
+    del zero, host  # the store goes away: rank 1 can no longer reach it
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while 1 not in verdicts and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lonely.stop()
+    assert verdicts[1].cut_off_s > 0.5 and not verdicts[1].silent
 
 
 # -- crashes and failing sinks ----------------------------------------------------------------

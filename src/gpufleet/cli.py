@@ -10,6 +10,7 @@ import signal
 import sys
 import textwrap
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from gpufleet.config import Config, config_to_dict, help_rows, load_config, parse_override
@@ -250,19 +251,34 @@ def run_training(cfg: Config, worker: Any = None, extra: tuple = (), job: Any = 
     # Before any rank starts: what the ranks are sent, and one batch through the job.
     check_picklable(extra, nproc)
     preflight_job(cfg, job)
-    run_id_before, lock = os.environ.get(runlock.RUN_ID_ENV), None
+    if multi_node:
+        from gpufleet.api import setup_logging
+
+        setup_logging(cfg.log.level, env)  # the agent says which interface and store host
+    run_id_before, lock, made = os.environ.get(runlock.RUN_ID_ENV), None, []
     try:
-        cfg, lock = _plan_and_lock(cfg, multi_node)  # its run id goes to the ranks' env
+        # Its run id goes to the ranks' env; ``made``: the folders this launch creates.
+        cfg, lock, made = _plan_and_lock(cfg, multi_node)
         record_process(cfg.run.dir, "launcher")  # for `gpufleet cleanup RUN_DIR`
         results = launch(
             worker, (config_to_dict(cfg), *extra), nproc=nproc, launcher=launcher,
             nnodes=dist.nnodes, node_rank=dist.node_rank, master_addr=dist.master_addr,
             master_port=dist.master_port, rdzv_endpoint=dist.rdzv_endpoint,
             rdzv_backend=dist.rdzv_backend, rdzv_id=dist.rdzv_id or cfg.run.name,
-            max_restarts=dist.max_restarts)
+            max_restarts=dist.max_restarts, rdzv_timeout=dist.rdzv_timeout,
+            rdzv_last_call_s=dist.rdzv_last_call_s, rdzv_keep_alive_s=dist.rdzv_keep_alive_s)
         forget_process(cfg.run.dir)
     except RunStopped as e:  # the agent got the signal: the ranks' results are lost
         raise RunStopped(_stopped(e.signal, cfg.run.dir), e.exit_code, e.signal) from None
+    except BaseException:
+        if made:  # e.g. the ranks never met: leave nothing half-written
+            forget_process(cfg.run.dir)
+            if lock is not None:
+                lock.release()
+                lock = None
+                runlock.remove_lock_file(cfg.run.dir)
+            _remove_if_empty(made)
+        raise
     finally:
         if lock is not None:
             lock.release()
@@ -274,8 +290,11 @@ def run_training(cfg: Config, worker: Any = None, extra: tuple = (), job: Any = 
     return results.get(0) or next((r for r in results.values() if r is not None), None)
 
 
-def _plan_and_lock(cfg: Config, multi_node: bool) -> tuple[Config, Any]:
-    """The launcher's run directory, locked for this run (see gpufleet.train.runlock)."""
+def _plan_and_lock(cfg: Config, multi_node: bool) -> tuple[Config, Any, list[Path]]:
+    """The launcher's run directory, locked for this run (see gpufleet.train.runlock),
+    and the folders that did not exist before (a multi-node run's directory, which a
+    launch whose ranks never met removes again)."""
+    from gpufleet.procs import RECORDS_DIR
     from gpufleet.train import runlock
     from gpufleet.train.checkpoint import check_loadable, mark_verified
     from gpufleet.train.rundir import plan_and_lock
@@ -294,7 +313,10 @@ def _plan_and_lock(cfg: Config, multi_node: bool) -> tuple[Config, Any]:
         # Every node of this run shares the lock: they agree on the rendezvous.
         where = dist.rdzv_endpoint or f"{dist.master_addr}:{dist.master_port}"
         os.environ[runlock.RUN_ID_ENV] = f"{dist.rdzv_id or cfg.run.name}@{where}"
-        return cfg, runlock.acquire(cfg.run.dir)
+        run_dir = Path(cfg.run.dir)
+        made = [d for d in (run_dir / RECORDS_DIR, run_dir, *run_dir.parents)
+                if not d.exists()]
+        return cfg, runlock.acquire(run_dir), made
     os.environ[runlock.RUN_ID_ENV] = runlock.run_id()  # the ranks share the lock
     cfg, resume_from, lock = plan_and_lock(cfg)  # one directory for every rank and restart
     try:
@@ -306,7 +328,7 @@ def _plan_and_lock(cfg: Config, multi_node: bool) -> tuple[Config, Any]:
         raise
     if resume_from is not None and resume_from.is_file():
         mark_verified(resume_from)  # checked just now: rank 0 need not hash it again
-    return cfg, lock
+    return cfg, lock, []
 
 
 def strategy_traits(cfg: Config) -> Any:
@@ -316,6 +338,14 @@ def strategy_traits(cfg: Config) -> Any:
 
     name = cfg.parallel.strategy
     return strategy_class("ddp" if name == "auto" else name).traits
+
+
+def _remove_if_empty(folders: list[Path]) -> None:
+    for folder in folders:  # deepest first
+        try:
+            folder.rmdir()  # only empty folders go
+        except OSError:
+            pass
 
 
 def _visible_gpus(cfg: Config) -> int:

@@ -91,7 +91,7 @@ def test_resume_matches_the_uninterrupted_run(k):
 def test_exhausted_pass_resumes_at_the_next_epoch():
     s = Sampler(10, seed=2)
     list(s)
-    assert s.state_dict()["epoch"] == 1 and s.state_dict()["position"] == 0
+    assert s.state_dict()["epoch"] == 1 and s.state_dict()["samples"] == 0
     resumed = Sampler(10, seed=2)
     resumed.load_state_dict(s.state_dict())
     assert list(resumed) == list(s)
@@ -107,7 +107,7 @@ def test_consumed_position_survives_prefetch_across_an_epoch_boundary():
     list(it)  # ... while a prefetcher already drained it: the sampler is in epoch 2
     assert s.state_dict()["epoch"] == 2
     state = s.state_dict(consumed=6)
-    assert (state["epoch"], state["position"]) == (1, 6)
+    assert (state["epoch"], state["samples"]) == (1, 12)
     resumed = Sampler(n, rank=0, world_size=world, seed=7)
     resumed.load_state_dict(state)
     assert reference[:10] + consumed + list(resumed) + list(resumed) == reference
@@ -127,14 +127,47 @@ def test_resume_through_a_dataloader():
     assert head + tail == reference
 
 
-def test_load_rejects_a_different_world_size_or_dataset():
+def test_load_rejects_a_different_dataset_or_a_bad_position():
     state = Sampler(10, world_size=2).state_dict()
-    with pytest.raises(ValueError, match=r"world_size = 2.*world_size = 4"):
-        Sampler(10, world_size=4).load_state_dict(state)
     with pytest.raises(ValueError, match=r"dataset_len = 10.*dataset_len = 11"):
         Sampler(11, world_size=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="samples = 11"):
+        Sampler(10, world_size=2).load_state_dict({**state, "samples": 11})
+
+
+def test_an_older_per_rank_state_still_loads_at_its_own_world_size():
+    old = {"epoch": 0, "position": 2, "seed": 7, "world_size": 3, "dataset_len": 13}
+    reference = Sampler(13, rank=1, world_size=3, seed=7).rank_indices(0)
+    resumed = Sampler(13, rank=1, world_size=3, seed=0)
+    resumed.load_state_dict(old)
+    assert list(resumed) == reference[2:]
+    with pytest.raises(ValueError, match=r"world_size = 3.*world_size = 4"):
+        Sampler(13, world_size=4).load_state_dict(old)
     with pytest.raises(ValueError, match="position"):
-        Sampler(10, world_size=2).load_state_dict({**state, "position": 6})
+        Sampler(13, world_size=3).load_state_dict({**old, "position": 6})
+
+
+@pytest.mark.parametrize("worlds", [(2, 1, 2), (3, 2, 4), (4, 3, 1)])
+def test_every_sample_is_read_once_across_world_size_changes(worlds):
+    """Each world size consumes a few samples per rank and saves; the next world size
+    resumes the global position: the union of what was consumed is the epoch, once."""
+    n, read = 60, []
+    state = None
+    for stint, world in enumerate(worlds):
+        samplers = ranks(n, world, seed=3)
+        for s in samplers:
+            if state is not None:
+                s.load_state_dict(state)
+        last = stint == len(worlds) - 1
+        per_rank = len(samplers[0].rank_indices(0)) if last else 5
+        for s in samplers:
+            read += itertools.islice(iter(s), per_rank)
+        state = samplers[0].state_dict(consumed=per_rank)
+        assert state["samples"] == min(n, sum(1 for _ in read))
+    epoch = Counter(read)
+    padding = sum(epoch.values()) - n  # only the final world size pads, at the very end
+    assert set(epoch) == set(range(n)) and padding < worlds[-1]
+    assert sum(c - 1 for c in epoch.values()) == padding
 
 
 def test_load_takes_the_saved_seed():
@@ -146,7 +179,7 @@ def test_load_takes_the_saved_seed():
 
 def test_state_dict_fields_and_bad_consumed():
     s = Sampler(9, rank=0, world_size=2, seed=4)
-    assert s.state_dict() == {"epoch": 0, "position": 0, "seed": 4, "world_size": 2,
+    assert s.state_dict() == {"epoch": 0, "samples": 0, "seed": 4, "world_size": 2,
                               "dataset_len": 9}
     with pytest.raises(ValueError, match="consumed"):
         s.state_dict(consumed=6)

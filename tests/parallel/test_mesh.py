@@ -117,9 +117,10 @@ def _step_dir(run_dir: Path, step: int) -> str:
 
 def _assert_resumes_elsewhere(run_cli, tmp_path: Path, job: list[str], single: Path,
                               step: int, global_batch: int, *args: str) -> None:
-    """Resumed at another world size (``args``, with ``--resume``), a run restarts the
-    epoch; so does the reference: the single run's own checkpoint of that step resumed
-    by 2 ddp ranks with the same global batch. Both then end with the same weights."""
+    """Resumed at another world size (``args``, with ``--resume``), a run reads the rest
+    of the epoch from the checkpoint's global sample position, split over its own ranks;
+    so does the reference: the single run's own checkpoint of that step resumed by 2 ddp
+    ranks with the same global batch. Both then end with the same weights."""
     other = _train(run_cli, tmp_path, "other", job, *args)
     ref = _train(run_cli, tmp_path, "ref", job, "--nproc", "2", "--strategy", "ddp",
                  "--batch-size", str(global_batch // 2), "--resume",

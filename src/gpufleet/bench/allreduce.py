@@ -53,6 +53,15 @@ def add_parser(benches: argparse._SubParsersAction) -> None:
                    help="process-group backend (default: nccl with GPUs, else gloo)")
     p.add_argument("--launcher", default="elastic", choices=("elastic", "spawn"),
                    help="how the ranks are started (default: torch's elastic agent)")
+    nodes = p.add_argument_group("across nodes (run the same command on every node)")
+    nodes.add_argument("--nnodes", type=int, default=1, metavar="N",
+                       help="nodes; --nproc is then the ranks per node (default 1)")
+    nodes.add_argument("--node-rank", type=int, default=0, metavar="I",
+                       help="this node's index, 0 .. N-1")
+    nodes.add_argument("--master-addr", default="127.0.0.1", metavar="HOST",
+                       help="node 0's address")
+    nodes.add_argument("--master-port", type=int, default=0, metavar="PORT",
+                       help="a free port on node 0")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,20 +88,32 @@ def run(args: argparse.Namespace) -> int:
                           "and warmup >= 0.")
     console = Console(highlight=False, soft_wrap=True)
     console.width = max(console.width, 120)  # the table's 8 columns, unwrapped in a pipe
-    rows = []
+    rows, links = [], []
+    multi = args.nnodes > 1
     for n in counts:
         results = launch(measure_rank, (backend, sizes, args.iters, args.warmup), nproc=n,
-                         launcher=args.launcher)
-        rows += [(n, *r) for r in results[0]]
+                         launcher="elastic" if multi else args.launcher,
+                         nnodes=str(args.nnodes), node_rank=args.node_rank,
+                         master_addr=args.master_addr, master_port=args.master_port)
+        if 0 not in results:  # another node's ranks: node 0 prints the tables
+            continue
+        world = n * args.nnodes
+        rows += [(world, *r) for r in results[0]["sizes"]]
+        links = results[0]["links"]
+    if not rows:
+        console.print(f"node {args.node_rank}: done; node 0 prints the results", markup=False)
+        return 0
     console.print(_table(rows, backend))
+    if multi and links:
+        console.print(_links_text(links), markup=False)
     console.print(f"machine: {machine_summary()}", markup=False)
     return 0
 
 
-def measure_rank(backend: str, sizes: list[int], iters: int,
-                 warmup: int) -> list[tuple[int, float, float]]:
-    """Run in each rank: ``(bytes, all_reduce seconds, parameter-server seconds)`` per
-    size, each the slowest rank's mean (the same list on every rank)."""
+def measure_rank(backend: str, sizes: list[int], iters: int, warmup: int) -> dict[str, Any]:
+    """Run in each rank: ``{"sizes": [(bytes, all_reduce s, parameter-server s)], "links":
+    [...]}``; times are the slowest rank's mean (the same on every rank), links are
+    :func:`probe_links` (rank 0's exchange with each other rank, on several nodes)."""
     import torch
     import torch.distributed as dist
 
@@ -111,9 +132,61 @@ def measure_rank(backend: str, sizes: list[int], iters: int,
             times = torch.tensor([ring, ps], dtype=torch.float64, device=device)
             dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
             out.append((x.numel() * 4, *times.tolist()))
-        return out
+        multi_node = env.world_size > env.local_world_size
+        links = probe_links(min(max(sizes), 4 << 20), device) if multi_node else []
+        return {"sizes": out, "links": links}
     finally:
         destroy_process_group()
+
+
+def probe_links(nbytes: int, device: Any) -> list[dict[str, Any]]:
+    """Time rank 0's exchange of ``nbytes`` with each other rank in turn (a send and a
+    receive), so one slow link stands out; every rank gets the same list.
+
+    Returns:
+        ``[{"rank", "node", "addr", "seconds", "mbit_s"}]`` for ranks 1 .. n-1, where
+        ``mbit_s`` counts both directions (2 x nbytes) per second.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from gpufleet.launch import DistEnv, gather_objects
+    from gpufleet.launch.netif import node_address
+
+    env = DistEnv.detect()
+    who = gather_objects((env.node_rank, node_address(env)))  # COLLECTIVE
+    x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    times = torch.zeros(env.world_size, dtype=torch.float64, device=device)
+    for peer in range(1, env.world_size):
+        dist.barrier()  # one pair at a time: the others wait here
+        if env.rank == 0:
+            start = time.perf_counter()
+            dist.send(x, dst=peer)
+            dist.recv(x, src=peer)
+            times[peer] = time.perf_counter() - start
+        elif env.rank == peer:
+            dist.recv(x, src=0)
+            dist.send(x, dst=0)
+    dist.broadcast(times, src=0)  # COLLECTIVE: rank 0's timings to every rank
+    return [{"rank": r, "node": who[r][0], "addr": who[r][1], "seconds": float(times[r]),
+             "mbit_s": 2 * x.numel() * 4 * 8 / float(times[r]) / 1e6}
+            for r in range(1, env.world_size)]
+
+
+def _links_text(links: list[dict[str, Any]]) -> str:
+    lines = ["links from rank 0 (node 0), each exchange alone:"]
+    for link in links:
+        lines.append(f"  rank {link['rank']} (node {link['node']}, {link['addr'] or '?'}): "
+                     f"{link['mbit_s']:,.1f} Mbit/s ({link['seconds'] * 1e3:,.1f} ms)")
+    slowest = min(links, key=lambda link: link["mbit_s"])
+    fastest = max(links, key=lambda link: link["mbit_s"])
+    if len(links) > 1 and slowest["mbit_s"] < fastest["mbit_s"] / 2:
+        lines.append(f"slowest: node {slowest['node']} ({slowest['addr'] or '?'}) at "
+                     f"{slowest['mbit_s']:,.1f} Mbit/s: every all-reduce runs at its pace")
+    elif len(links) == 1:
+        lines.append(f"the all-reduce above runs at this link's pace (node "
+                     f"{slowest['node']})")
+    return "\n".join(lines)
 
 
 def _parameter_server_reduce(x: Any, world: int) -> None:

@@ -118,6 +118,14 @@ def resolve(cfg: Config, machine: Machine, world_size: int,
     if max_steps == 0 and run.max_epochs == 0:
         raise ConfigError("run.max_steps = 0 and run.max_epochs = 0: the run would never end. "
                           "Set --max-steps N or --max-epochs N.")
+    if par.ddp_comm_hook != "none" and strategy != "ddp":
+        raise ConfigError(f"parallel.ddp_comm_hook = {par.ddp_comm_hook!r} compresses ddp's "
+                          f"gradient all-reduce, but the strategy is {strategy!r}. Use "
+                          "--strategy ddp, or parallel.ddp_comm_hook=none.")
+    if par.ddp_comm_hook == "bf16" and backend != "nccl":
+        raise ConfigError("parallel.ddp_comm_hook = 'bf16': torch's bf16 hook needs NCCL "
+                          f"(CUDA GPUs), and this run uses {backend}. Use "
+                          "parallel.ddp_comm_hook=fp16 (the same bytes) or powersgd.")
     workers = cfg.data.num_workers
     if workers < 0:
         from gpufleet.data.loaders import default_num_workers

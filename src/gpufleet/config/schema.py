@@ -192,6 +192,14 @@ class ParallelConfig(Section):
                                         "(saves one copy of the gradients).")
     find_unused_parameters: bool = opt(False, "DDP: allow parameters that get no gradient.")
     broadcast_buffers: bool = opt(True, "DDP: broadcast buffers from rank 0 every forward.")
+    ddp_comm_hook: str = opt("none", "DDP: compress gradients on the wire (torch's DDP "
+                             "communication hooks): none, fp16, bf16 (half the bytes), or "
+                             "powersgd (low-rank, far fewer bytes; for slow links).",
+                             choices=("none", "fp16", "bf16", "powersgd"))
+    powersgd_rank: int = opt(1, "DDP powersgd: rank of the gradient approximation (higher: "
+                             "more accurate, more bytes).", min=1)
+    powersgd_start_step: int = opt(10, "DDP powersgd: plain all-reduce for the first N "
+                                   "steps, then compress (at least 2).", min=2)
     fsdp_reshard_after_forward: bool = opt(True, "FSDP: free gathered parameters after "
                                            "forward (less memory, one more all-gather).")
     fsdp_cpu_offload: bool = opt(False, "FSDP: keep sharded parameters and gradients in CPU "
@@ -263,6 +271,14 @@ class DistConfig(Section):
     rdzv_backend: str = opt("c10d", "Rendezvous backend.", choices=("c10d", "static", "etcd-v2"))
     rdzv_id: str = opt("", "Rendezvous id shared by all nodes (default: the run name).")
     max_restarts: int = opt(0, "Times the agent restarts the ranks after a failure.", min=0)
+    rdzv_timeout: float = opt(600.0, "Seconds the nodes have to meet at the rendezvous before "
+                              "the run fails, naming what is missing.", min=1.0)
+    rdzv_last_call_s: float = opt(30.0, "Seconds an elastic rendezvous that has its minimum "
+                                  "of nodes still waits for more (also after a node is lost).",
+                                  min=1.0)
+    rdzv_keep_alive_s: float = opt(5.0, "Seconds between an elastic node's rendezvous "
+                                   "heartbeats; a node silent for three is dropped, and the "
+                                   "others go on without it.", min=1.0)
     backend: str = opt("auto", "Process-group backend: auto (nccl on CUDA, gloo on CPU).",
                        choices=("auto", "nccl", "gloo"))
     init_method: str = opt("env://", "Process-group init: env:// or tcp://host:port.")
@@ -306,6 +322,11 @@ class FaultConfig(Section):
                                    "checkpoint and exit 75 (requeue; 130 for Ctrl-C). Each "
                                    "check is a one-int CPU all-reduce (about 1 ms on a busy "
                                    "2-core host); 0: signals are not caught.", min=0)
+    heartbeat_timeout_s: float = opt(60.0, "A rank whose heartbeat has not moved for this "
+                                     "many seconds stopped answering (a node down or cut "
+                                     "off): it is named and the run ends or restarts "
+                                     "elastically, instead of waiting dist.timeout.",
+                                     min=0.5)
 
 
 @dataclass

@@ -4,6 +4,12 @@ Like ``torch.utils.data.DistributedSampler``, every rank draws the same permutat
 takes every ``world_size``-th index of it. Unlike it, the epoch advances when a pass is
 iterated to the end, and ``state_dict``/``load_state_dict`` restore the exact position
 inside an epoch, so a resumed run sees the samples the uninterrupted run would have seen.
+
+The saved position is global: the number of samples of the epoch's permutation that all
+ranks together have consumed. Rank ``r`` of ``w`` takes ``order[r::w]``, so after ``p``
+samples per rank exactly ``order[:p * w]`` are done, whatever ``w`` is. A run resumed at
+another world size (a node lost or back, another ``--nproc``) shards the rest,
+``order[p * w:]``, over its own ranks: every sample of the epoch is read once.
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ class ResumableDistributedSampler(EpochPasses, Sampler[int]):
     yielded (so an abandoned pass resumes, and a loaded state resumes). Change the state
     (``set_epoch``, ``load_state_dict``) only between passes.
 
+    World-size changes: ``load_state_dict`` accepts a state saved at any world size; the
+    rest of that epoch is split over this sampler's ranks (padding only at its end).
+
     Checkpoints and DataLoader prefetch: a DataLoader draws indices ahead of the batches
     training has consumed, so the sampler's own count runs ahead. Count the samples this
     rank consumed in the current epoch yourself and save ``state_dict(consumed=count)``;
@@ -73,6 +82,9 @@ class ResumableDistributedSampler(EpochPasses, Sampler[int]):
         self.seed = seed
         self.drop_last = drop_last
         self.eval_mode = eval_mode
+        # (epoch, samples): that epoch starts after its first `samples` permuted indices,
+        # which ranks of an earlier run (of any world size) already consumed.
+        self._offset = (0, 0)
         self._init_passes()
 
     def __len__(self) -> int:
@@ -81,6 +93,10 @@ class ResumableDistributedSampler(EpochPasses, Sampler[int]):
         if self.eval_mode:
             return len(range(self.rank, n, ws))
         return n // ws if self.drop_last else math.ceil(n / ws)
+
+    def _skipped(self, epoch: int) -> int:
+        """Samples of ``epoch`` that an earlier run consumed before this one took over."""
+        return self._offset[1] if self._offset[0] == epoch else 0
 
     def rank_indices(self, epoch: int) -> list[int]:
         """All indices this rank yields in ``epoch``, in order.
@@ -98,13 +114,14 @@ class ResumableDistributedSampler(EpochPasses, Sampler[int]):
             order = torch.randperm(n, generator=g).tolist()
         else:
             order = list(range(n))
+        rest = order[self._skipped(epoch):]
+        left = len(rest)
         if self.drop_last:
-            order = order[:n - n % ws]
-        elif n % ws:
-            pad = ws - n % ws  # may exceed n when n < world_size: repeat as often as needed
-            order += (order * math.ceil(pad / n))[:pad]
-        assert len(order) == len(self) * ws
-        return order[self.rank::ws]
+            rest = rest[:left - left % ws]
+        elif left % ws:
+            pad = ws - left % ws  # may exceed n when n < world_size: repeat as often as needed
+            rest += (order * math.ceil(pad / max(1, n)))[:pad]
+        return rest[self.rank::ws]
 
     def __iter__(self) -> Iterator[int]:
         if self.eval_mode:
@@ -115,7 +132,7 @@ class ResumableDistributedSampler(EpochPasses, Sampler[int]):
         return self.rank_indices(epoch)
 
     def state_dict(self, consumed: int | None = None) -> dict[str, int]:
-        """The position to resume from.
+        """The position to resume from, as samples of the epoch consumed by all ranks.
 
         Args:
             consumed: indices of this rank that training has consumed in the epoch of the
@@ -124,39 +141,67 @@ class ResumableDistributedSampler(EpochPasses, Sampler[int]):
                 prefetches; ``None`` records the sampler's own count (the next ``iter()``).
 
         Returns:
-            ``{"epoch", "position", "seed", "world_size", "dataset_len"}``.
+            ``{"epoch", "samples", "seed", "world_size", "dataset_len"}``: ``samples`` is
+            the global position (the first ``samples`` indices of the epoch's
+            permutation are done); ``world_size`` is informational.
 
         Example:
             >>> s = ResumableDistributedSampler(8, world_size=2)
-            >>> s.state_dict(consumed=3)["position"]
-            3
+            >>> s.state_dict(consumed=3)["samples"]
+            6
         """
         epoch, position = self._saved_position(consumed, "consumed")
-        return {"epoch": epoch, "position": position, "seed": self.seed,
+        samples = min(self.dataset_len, self._skipped(epoch) + position * self.world_size)
+        return {"epoch": epoch, "samples": samples, "seed": self.seed,
                 "world_size": self.world_size, "dataset_len": self.dataset_len}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next ``iter()`` continue right after ``state``'s position.
 
         The saved seed is taken over, so the permutation is the one the saved run used.
+        The state may come from another world size: the rest of its epoch is split over
+        this sampler's ranks. (A state of the older per-rank form, with ``position``
+        instead of ``samples``, needs the world size it was saved with.)
 
         Raises:
-            ValueError: the state was saved for a different dataset length or world size
-                (the shards would differ), or its position is out of range.
+            ValueError: the state was saved for a different dataset length (or, in the
+                older form, world size), or its position is out of range.
 
         Example:
             >>> a = ResumableDistributedSampler(8, world_size=2)
-            >>> b = ResumableDistributedSampler(8, world_size=2)
-            >>> b.load_state_dict(a.state_dict(consumed=1))
+            >>> b = ResumableDistributedSampler(8, world_size=3)
+            >>> b.load_state_dict(a.state_dict(consumed=1))  # 2 of 8 done; 6 left for 3
+            >>> len(list(b))
+            2
         """
-        for key in ("dataset_len", "world_size"):
+        keys = ("dataset_len",) if "samples" in state else ("dataset_len", "world_size")
+        for key in keys:
             if state[key] != getattr(self, key):
                 raise ValueError(
                     f"sampler state was saved with {key} = {state[key]}, but this sampler "
                     f"has {key} = {getattr(self, key)}. Resume with the same data and rank "
                     "count, or call set_epoch() to restart the epoch instead.")
+        samples = state["samples"] if "samples" in state else self._old_position(state)
+        epoch = state["epoch"]
+        if not isinstance(samples, int) or not 0 <= samples <= self.dataset_len:
+            raise ValueError(f"sampler state samples = {samples!r} (position): must be "
+                             f"from 0 to {self.dataset_len}, the samples of an epoch.")
         if state["seed"] != self.seed:
             log.info("sampler: using the saved seed %d instead of %d to resume the same order",
                      state["seed"], self.seed)
         self.seed = state["seed"]
-        self._restore_position(state["epoch"], state["position"])
+        self._offset = (epoch, samples)
+        self._restore_position(epoch, 0)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start the next ``iter()`` at the beginning of ``epoch`` (all of its samples)."""
+        self._offset = (0, 0)
+        super().set_epoch(epoch)
+
+    def _old_position(self, state: dict[str, Any]) -> int:
+        """Global samples of a per-rank ``position`` (states saved before ``samples``)."""
+        position = state.get("position")
+        if not isinstance(position, int) or not 0 <= position <= len(self):
+            raise ValueError(f"sampler state position = {position!r}: must be from 0 to "
+                             f"{len(self)} (this rank's items in an epoch).")
+        return min(self.dataset_len, position * self.world_size)

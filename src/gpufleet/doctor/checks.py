@@ -192,16 +192,9 @@ def _check_master_port(text: str, addr: str | None) -> CheckResult:
 
 
 def _listener(port: int) -> str:
-    import psutil
+    from gpufleet.launch.netif import port_holder
 
-    try:
-        for conn in psutil.net_connections(kind="tcp"):
-            if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN:
-                name = psutil.Process(conn.pid).name() if conn.pid else "?"
-                return f"; process {conn.pid} ({name}) listens on it"
-    except (psutil.Error, OSError):
-        pass  # other users' sockets need privileges
-    return ""
+    return port_holder(port)
 
 
 def _is_this_host(addr: str) -> bool:
@@ -287,7 +280,8 @@ def _read_conf(path: str) -> dict[str, str]:
     return settings
 
 
-def run_checks(environ: Mapping[str, str] | None = None) -> list[CheckResult]:
+def run_checks(environ: Mapping[str, str] | None = None, master_addr: str = "",
+               rdzv_endpoint: str = "") -> list[CheckResult]:
     """Run every check; a check that crashes is reported as a warning, never raised.
 
     Example:
@@ -296,13 +290,15 @@ def run_checks(environ: Mapping[str, str] | None = None) -> list[CheckResult]:
         True
     """
     from gpufleet.doctor.gpus import check_gpus
+    from gpufleet.doctor.network import check_hostname, check_route
 
     env = os.environ if environ is None else environ
     steps: list[tuple[str, Callable[[], object]]] = [
         ("versions", check_versions), ("gpus", lambda: check_gpus(_torch_cuda_count())),
         ("cpus", check_cpus), ("memory", check_memory), ("shared memory", check_shm),
         ("ports", lambda: check_ports(env)), ("MASTER_ADDR", lambda: check_master_addr(env)),
-        ("environment", lambda: check_env(env))]
+        ("environment", lambda: check_env(env)), ("host name", check_hostname),
+        ("route", lambda: check_route(env, master_addr, rdzv_endpoint))]
     results: list[CheckResult] = []
     for name, step in steps:
         try:

@@ -29,6 +29,7 @@ examples:
   gpufleet doctor --json > doctor.json
   NCCL_IB_DISABLED=1 gpufleet doctor     # flags the typo, suggests NCCL_IB_DISABLE
   gpufleet doctor --allow NCCL_MY_PLUGIN_KNOB
+  gpufleet doctor --rdzv-endpoint 10.0.0.1:29400   # interface and store host, multi-node
 """
 
 
@@ -51,6 +52,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
     p.add_argument("--allow", action="append", default=[], metavar="NAME",
                    help="a variable not to check (one a plugin of yours reads); repeatable")
+    p.add_argument("--master-addr", default="", metavar="HOST",
+                   help="node 0's address: which interface reaches it (else MASTER_ADDR)")
+    p.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT",
+                   help="an elastic run's endpoint: the interface, and whether this node "
+                        "hosts the c10d store")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from gpufleet.doctor.result import FAIL
 
     environ = {k: v for k, v in os.environ.items() if k not in set(args.allow)}
-    results = run_checks(environ)
+    results = run_checks(environ, args.master_addr, args.rdzv_endpoint)
     code = 1 if any(r.status == FAIL for r in results) else 0
     if args.json:
         print(json.dumps(report(results, code), indent=2, default=str))

@@ -13,6 +13,13 @@ dumps its Python stacks to ``<run_dir>/hangs/<id>/rank-<R>.txt``, and rank 0 wri
 ``report.txt``: which rank is behind and what the others are waiting in. An all-reduce
 makes every rank's *step* slow, so "behind" is read from how far each rank got
 (steps done, then the phase within the step), not from step times.
+
+A rank that stopped answering (its node died or was cut off) is told apart from one
+that is slow by :mod:`gpufleet.fault.liveness`: after ``fault.heartbeat_timeout_s`` of
+silence, rank 0 writes a report naming the silent rank(s) and their node, and the rank
+that lost the store says it is the one cut off. Either then ends its process (exit code
+:data:`EXIT_RANK_LOST`) instead of waiting out the collective timeout: the launcher
+fails with that report, or the elastic agent restarts without the lost node.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet.config import FaultConfig
+from gpufleet.fault.liveness import Liveness, Verdict
 from gpufleet.train.callbacks import Callback
 
 log = logging.getLogger(__name__)
@@ -56,6 +64,10 @@ DOING = {
 # (and judged) apart.
 _ACTIVITY = {"eval": "eval", "checkpoint": "checkpoint"}
 _KEY = "gpufleet/watchdog"
+# Exit code of a rank that ended itself because a peer, or the store, stopped answering:
+# sysexits.h EX_UNAVAILABLE. Not 75 (EX_TEMPFAIL), which says "preempted, checkpoint
+# written" (gpufleet.fault.preempt): the launcher tells the two apart by it.
+EXIT_RANK_LOST = 69
 
 
 class Watchdog(Callback):
@@ -68,12 +80,15 @@ class Watchdog(Callback):
         store: the job's key-value store (``gpufleet.launch.job_store()``), or None in a
             single process.
         restart: the elastic restart count (keys and folders are per restart).
+        node: this rank's node (its index, and its address when known), for reports.
     """
 
     def __init__(self, cfg: FaultConfig, run_dir: str | Path, rank: int = 0,
-                 world_size: int = 1, store: Any = None, restart: int = 0) -> None:
+                 world_size: int = 1, store: Any = None, restart: int = 0,
+                 node: tuple[int, str] = (0, "")) -> None:
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.rank, self.world_size, self.store = rank, world_size, store
+        self.node = node
         self.prefix = f"{_KEY}/{restart}"
         self.folder_prefix = f"r{restart}-" if restart else ""
         self.phase, self.step = "setup", 0
@@ -87,6 +102,10 @@ class Watchdog(Callback):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.reports: list[Path] = []  # report.txt files written (rank 0)
+        self.liveness = (Liveness(store, self.prefix, rank, world_size, self.heartbeat,
+                                  cfg.watchdog_poll_s, cfg.heartbeat_timeout_s, self._lost)
+                         if store is not None and world_size > 1 else None)
+        self.exit = os._exit  # how a rank ends itself (tests replace it)
 
     # -- called by the loop (main thread): clock reads only ---------------------------
     def on_fit_start(self, trainer: Any) -> None:
@@ -95,6 +114,8 @@ class Watchdog(Callback):
         self._thread = threading.Thread(target=self._run, name="gpufleet-watchdog",
                                         daemon=True)
         self._thread.start()
+        if self.liveness is not None:
+            self.liveness.start()
 
     def on_phase(self, trainer: Any, phase: str) -> None:
         activity = _ACTIVITY.get(phase, "step")
@@ -112,6 +133,8 @@ class Watchdog(Callback):
 
     def stop(self) -> None:
         self._stop.set()
+        if self.liveness is not None:
+            self.liveness.stop()
         if self._thread is not None:
             self._thread.join(timeout=5)
 
@@ -161,6 +184,7 @@ class Watchdog(Callback):
     # -- the store: heartbeats and the hang counter --------------------------------------
     def heartbeat(self) -> dict[str, Any]:
         return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
+                "node": self.node[0], "addr": self.node[1],
                 "step": self.step, "phase": self.phase, "phase_since": self.phase_since,
                 "activity": self._activity,
                 "activity_s": time.monotonic() - self._activity_start}
@@ -188,6 +212,9 @@ class Watchdog(Callback):
     def _heartbeats(self) -> list[dict[str, Any] | None]:
         if self.store is None:
             return [self.heartbeat()]
+        if self.liveness is not None and self.rank == 0:
+            # With their ages: a rank silent for a while is not "behind", it is gone.
+            return self.liveness.verdict().beats
         beats: list[dict[str, Any] | None] = []
         for r in range(self.world_size):
             key = f"{self.prefix}/hb/{r}"
@@ -210,8 +237,34 @@ class Watchdog(Callback):
             lines.append("")
         (folder / f"rank-{self.rank}.txt").write_text("\n".join(lines))
 
+    def _lost(self, verdict: Verdict) -> None:
+        """A peer or the store stopped answering: report it, then end this rank."""
+        folder = self.run_dir / "hangs" / f"{self.folder_prefix}lost-rank{self.rank}"
+        timeout = self.cfg.heartbeat_timeout_s
+        if verdict.silent:
+            text = stall_report(verdict.beats, time.time(), silent_after=timeout)
+        else:
+            text = (f"rank {self.rank} ({_where(self.heartbeat())}) lost contact with the "
+                    f"job: the store on rank 0's node has not answered for "
+                    f"{verdict.cut_off_s:.0f} s. This node is cut off from the others (a "
+                    "network partition) or rank 0's node is down.")
+        text += (f"\nEnding rank {self.rank} (exit code {EXIT_RANK_LOST}) rather than "
+                 f"waiting out the collective timeout; with --max-restarts and an elastic "
+                 "--nnodes MIN:MAX the agent restarts without the lost node.")
+        try:
+            self._dump_stacks(folder)
+            (folder / "report.txt").write_text(text + "\n")
+            self.reports.append(folder / "report.txt")
+        except OSError as e:
+            log.warning("could not write the report to %s: %s", folder, e)
+        log.error("%s (report in %s)", text, folder)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        self.exit(EXIT_RANK_LOST)  # the training thread sits in a collective: end here
+
     def _write_report(self, folder: Path) -> None:
-        text = stall_report(self._heartbeats(), time.time())
+        text = stall_report(self._heartbeats(), time.time(),
+                            silent_after=self.cfg.heartbeat_timeout_s / 2)
         path = folder / "report.txt"
         path.write_text(text + f"\nStacks: {folder}/rank-*.txt\n")
         self.reports.append(path)
@@ -219,10 +272,20 @@ class Watchdog(Callback):
                   folder)
 
 
-def stall_report(beats: list[dict[str, Any] | None], now: float) -> str:
-    """Name the rank(s) that are behind and what the others wait in.
+def _where(beat: dict[str, Any]) -> str:
+    addr = f", {beat['addr']}" if beat.get("addr") else ""
+    return (f"node {beat.get('node', '?')}{addr}, host {beat.get('host', '?')}, "
+            f"pid {beat.get('pid', '?')}")
 
-    The first line is the summary; one line per rank follows.
+
+def stall_report(beats: list[dict[str, Any] | None], now: float,
+                 silent_after: float | None = None) -> str:
+    """Name the rank(s) that stopped answering, those that are behind, and what the
+    others wait in.
+
+    A beat with ``age_s`` (seconds since it last changed) above ``silent_after`` is a rank
+    that stopped answering: it is named as such, and not as "behind". The first line is
+    the summary; one line per rank follows.
 
     Example:
         >>> beats = [{"rank": 0, "step": 7, "phase": "backward", "phase_since": 0.0},
@@ -230,10 +293,16 @@ def stall_report(beats: list[dict[str, Any] | None], now: float) -> str:
         >>> stall_report(beats, 9.0).splitlines()[0][:66]
         'rank 1 is behind: step 8, loading the next batch (no collective) f'
     """
-    known = [b for b in beats if b]
+    gone = [b for b in beats if b and silent_after is not None
+            and b.get("age_s", 0.0) > silent_after]
+    known = [b for b in beats if b and b not in gone]
     silent = [r for r, b in enumerate(beats) if not b]
     where = {b["rank"]: b["step"] * 10 + _OFFSET.get(b["phase"], 0) for b in known}
     lines = []
+    for b in gone:
+        lines.append(f"rank {b['rank']} ({_where(b)}) stopped answering: no heartbeat for "
+                     f"{b['age_s']:.0f} s (last seen with {b['step']} steps done, phase "
+                     f"{b['phase']!r}); its node is down or cut off, it is not slow")
     if known:
         low = min(where.values())
         behind = [b for b in known if where[b["rank"]] == low]
@@ -242,7 +311,11 @@ def stall_report(beats: list[dict[str, Any] | None], now: float) -> str:
         step = b0["step"] + (1 if _OFFSET.get(b0["phase"], 0) >= 4 else 0)
         doing = f"{DOING.get(b0['phase'], b0['phase'])} for {now - b0['phase_since']:.1f} s"
         ranks = ", ".join(str(b["rank"]) for b in behind)
-        if len(known) == 1 and not silent:
+        if gone:
+            lines.append(f"still answering: rank {', '.join(str(b['rank']) for b in known)}"
+                         f" (rank {ranks} at step {step}, {doing}), waiting for the lost "
+                         "rank(s)")
+        elif len(known) == 1 and not silent:
             lines.append(f"rank {ranks}: step {step}, {doing}")
         elif ahead:
             waits = sorted({DOING.get(b["phase"], b["phase"]) for b in ahead})

@@ -37,6 +37,8 @@ from gpufleet.fault.preempt import (
     exit_status,
     signal_name,
 )
+from gpufleet.fault.watchdog import EXIT_RANK_LOST
+from gpufleet.launch.netif import multi_node_network
 
 logger = logging.getLogger(__name__)
 
@@ -127,8 +129,9 @@ def parse_nnodes(nnodes: str) -> tuple[int, int]:
 def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, launcher: str = "elastic",
            nnodes: str = "1", node_rank: int = 0, master_addr: str = "127.0.0.1",
            master_port: int = 0, rdzv_endpoint: str = "", rdzv_backend: str = "c10d",
-           rdzv_id: str = "", max_restarts: int = 0, log_dir: str | None = None
-           ) -> dict[int, Any]:
+           rdzv_id: str = "", max_restarts: int = 0, log_dir: str | None = None,
+           rdzv_timeout: float = 600.0, rdzv_last_call_s: float = 30.0,
+           rdzv_keep_alive_s: float = 5.0) -> dict[int, Any]:
     """Run ``fn(*args)`` in ``nproc`` ranks on this node; return ``{global rank: result}``.
 
     ``fn``, ``args`` and the results must be picklable (ranks are spawned processes), so
@@ -151,6 +154,15 @@ def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, launcher: st
         max_restarts: Times the agent restarts all local ranks after a failure.
         log_dir: Directory for each rank's stdout/stderr and error files (elastic only;
             default: a temporary directory for the error files).
+        rdzv_timeout: Seconds the nodes have to meet before the run fails (elastic only).
+        rdzv_last_call_s: Seconds an elastic rendezvous that has its minimum of nodes still
+            waits for more (torch's ``last_call_timeout``).
+        rdzv_keep_alive_s: Seconds between an elastic agent's rendezvous heartbeats; a
+            node silent for three of them is dropped from the next round.
+
+    On several nodes the ranks talk over the interface that routes to the master or
+    rendezvous address (GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME, when unset), and the node
+    that owns the rendezvous address hosts the c10d store (see :mod:`.netif`).
 
     Raises:
         LaunchError: a bad option, or a rank failed (the message names the ranks, their
@@ -173,7 +185,8 @@ def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, launcher: st
         plan = LaunchPlan.resolve(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
                                   master_port=master_port, rdzv_endpoint=rdzv_endpoint,
                                   rdzv_backend=rdzv_backend, rdzv_id=rdzv_id)
-        return _launch_elastic(fn, args, nproc, plan, max_restarts, log_dir)
+        timeouts = RendezvousTimeouts(rdzv_timeout, rdzv_last_call_s, rdzv_keep_alive_s)
+        return _launch_elastic(fn, args, nproc, plan, max_restarts, log_dir, timeouts)
     if launcher == "spawn":
         if parse_nnodes(nnodes) != (1, 1):
             raise LaunchError(f"launcher 'spawn' runs on one node, but dist.nnodes = {nnodes!r}."
@@ -201,14 +214,41 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class RendezvousTimeouts:
+    """How long the agents of a run wait for each other.
+
+    Attributes:
+        join_s: Seconds the nodes have to meet before the run fails.
+        last_call_s: Seconds an elastic rendezvous with its minimum of nodes waits for more.
+        keep_alive_s: Seconds between rendezvous heartbeats; three missed drop a node.
+    """
+
+    join_s: float = 600.0
+    last_call_s: float = 30.0
+    keep_alive_s: float = 5.0
+
+    def configs(self, backend: str) -> dict[str, int]:
+        """The rendezvous settings torch's ``backend`` reads (whole seconds, at least 1)."""
+        join, last_call = max(1, round(self.join_s)), max(1, round(self.last_call_s))
+        if backend == "static":
+            return {"timeout": join}
+        return {"join_timeout": join, "last_call_timeout": last_call,
+                "keep_alive_interval": max(1, round(self.keep_alive_s)),
+                "keep_alive_max_attempt": 3}
+
+
 def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: LaunchPlan,
-                    max_restarts: int, log_dir: str | None) -> dict[int, Any]:
+                    max_restarts: int, log_dir: str | None,
+                    timeouts: RendezvousTimeouts = RendezvousTimeouts()) -> dict[int, Any]:
     # With a log directory each rank's stdout/stderr also goes to a file there.
     logs = DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL if log_dir else Std.NONE)
+    local_addr, network_configs = multi_node_network(plan)
+    configs = {**timeouts.configs(plan.rdzv_backend), **network_configs, **plan.rdzv_configs}
     config = LaunchConfig(
         min_nodes=plan.min_nodes, max_nodes=plan.max_nodes, nproc_per_node=nproc,
         logs_specs=logs, run_id=plan.run_id, rdzv_endpoint=plan.rdzv_endpoint,
-        rdzv_backend=plan.rdzv_backend, rdzv_configs=dict(plan.rdzv_configs),
+        rdzv_backend=plan.rdzv_backend, rdzv_configs=configs, local_addr=local_addr,
         max_restarts=max_restarts, start_method="spawn",
     )
     logger.info("launching %d rank(s) with torch's elastic agent (%s rendezvous at %s, "
@@ -239,11 +279,15 @@ def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: Launc
                          "finished their step and wrote a checkpoint.",
                          exit_status(err.sigval), name) from None
     except (RendezvousError, DistError) as err:
+        nodes = (f"{plan.min_nodes}" if plan.min_nodes == plan.max_nodes
+                 else f"{plan.min_nodes} to {plan.max_nodes}")
         raise LaunchError(
             f"The agents did not meet ({plan.mode} rendezvous at {plan.rdzv_endpoint}, "
-            f"{plan.min_nodes}-{plan.max_nodes} node(s)): {err}\nStart the same command on "
-            "every node with the same endpoint and id, and check that a firewall lets the "
-            "port through."
+            f"{nodes} node(s), waited up to {timeouts.join_s:g} s): {err}\nEither a node "
+            "never came (start the same command on every node: same endpoint and id, each "
+            "static node its own --node-rank), or the address is wrong (it must be node "
+            "0's, reachable from every node: `gpufleet doctor --rdzv-endpoint HOST:PORT` "
+            "shows the route), or a firewall blocks the port."
         ) from err
     finally:
         agent_log.setLevel(level)
@@ -287,10 +331,15 @@ def _describe_failures(err: ChildFailedError, max_restarts: int, where: str) -> 
     for rank, failure in sorted(err.failures.items()):
         how = (f"killed by signal {failure.signal_name()}" if failure.exitcode < 0
                else f"exit code {failure.exitcode}")
+        if failure.exitcode == EXIT_RANK_LOST:
+            how += (" (it ended itself: another rank, or the store, stopped answering; "
+                    "its report is in the log above and under <run dir>/hangs/)")
         lines.append(f"  rank {rank} (local rank {failure.local_rank}, pid {failure.pid}): "
                      f"{how}; error file: {failure.error_file}")
     root_rank, root = err.get_first_failure()
     message, stack = root.message, ""
+    if root.exitcode == EXIT_RANK_LOST:
+        message = "(no traceback: the rank ended itself; its report is in the log above)"
     if isinstance(message, dict):  # an error file written by @record
         stack = message.get("extraInfo", {}).get("py_callstack") or ""
         message = message.get("message") or ""

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from gpufleet.errors import LaunchError, unknown_choice
 from gpufleet.launch.env import DistEnv, export_for_torch
+from gpufleet.launch.netif import choose_socket_ifname
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,9 @@ def init_process_group(env: DistEnv, backend: str, init_method: str = "env://",
             "horovod", "mpi"):
         store, env = _rendezvous_through_horovod(env, timeout_s)
     export_for_torch(env)
+    if env.world_size > env.local_world_size and init_method.startswith("env://"):
+        # Several nodes (torchrun, SLURM...): talk over the interface that reaches rank 0.
+        choose_socket_ifname(env.master_addr)
     where = (f"{env.master_addr}:{env.master_port}" if init_method.startswith("env://")
              else init_method)
     logger.debug("rank %d/%d: joining %s process group at %s", env.rank, env.world_size,

@@ -69,6 +69,14 @@ class RunLock:
             self.fd = None
 
 
+def remove_lock_file(run_dir: str | Path) -> None:
+    """Remove the (released) lock file of a run directory that holds nothing else, so a
+    launch whose ranks never met leaves no folder behind."""
+    run_dir = Path(run_dir)
+    if {p.name for p in run_dir.iterdir()} <= {LOCK_FILE, RECORD_FILE}:
+        (run_dir / LOCK_FILE).unlink(missing_ok=True)
+
+
 def acquire(run_dir: str | Path, run: str | None = None) -> RunLock | None:
     """Take the lock of ``run_dir`` for run ``run`` (default: :func:`run_id`).
 

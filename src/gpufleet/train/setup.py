@@ -31,6 +31,7 @@ from gpufleet.launch import (
     is_initialized,
     job_store,
 )
+from gpufleet.launch.netif import node_address
 from gpufleet.monitor.flops import device_peak_flops
 from gpufleet.monitor.phases import PhaseTimer
 from gpufleet.parallel import build_strategy, strategy_class
@@ -78,7 +79,8 @@ class TrainerSetup:
         self.flops_per_step: int | None = None if (mon.phases or mon.diagnose) else 0
         self.peak_flops = device_peak_flops(self.cfg, self.device)
         self.watchdog = (Watchdog(self.cfg.fault, self.run_dir, self.env.rank,
-                                  self.env.world_size, job_store(), self.env.restart_count)
+                                  self.env.world_size, job_store(), self.env.restart_count,
+                                  node=(self.env.node_rank, node_address(self.env)))
                          if self.cfg.fault.watchdog else None)
         self.result = FitResult(run_dir=str(self.run_dir))
         self.preemption = (PreemptionWatch(self.cfg.fault.preempt_check_every,
@@ -341,14 +343,23 @@ class TrainerSetup:
         self.step, self.epoch = state["step"], state["epoch"]
         self._saved_step = self.step
         saved_world = state.get("world_size", 1)
-        if saved_world == self.env.world_size:
+        # A global position ("samples") resumes at any world size: the rest of the epoch
+        # is split over this run's ranks, so every sample is still read once.
+        portable = "samples" in state["sampler"]
+        if portable or saved_world == self.env.world_size:
             try:
                 self.train_sampler.load_state_dict(state["sampler"])
             except ValueError as e:
                 raise CheckpointError(f"checkpoint {str(path)!r}: the training data does "
                                       f"not match the run that wrote it ({e}).") from e
-            self.consumed = state["sampler"]["position"]
-            set_rng_state(state["rng"][self.env.rank])
+            self.consumed = self.train_sampler.position
+            if saved_world == self.env.world_size:
+                set_rng_state(state["rng"][self.env.rank])
+            elif self.env.is_main:
+                log.info("checkpoint %s was written by %d rank(s), this run has %d: the "
+                         "rest of epoch %d (after %d samples) is split over them", path,
+                         saved_world, self.env.world_size, self.epoch,
+                         state["sampler"]["samples"])
         else:
             # A different rank count splits the data differently: restart the epoch.
             self.train_sampler.set_epoch(self.epoch)
