@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -132,9 +133,9 @@ class _Recording(Dataset):
         return len(self.inner)
 
     def __getitem__(self, i: int):
-        if "RANK" not in os.environ:  # the launcher's preflight: not a rank's reading
+        if _in_preflight():  # the launcher's one batch before ranks start: not training
             return self.inner[i]
-        rank = int(os.environ["RANK"])
+        rank = int(os.environ.get("RANK", 0))
         self.seen += 1
         if rank == self.kill_rank and self.seen > self.kill_after:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -142,6 +143,18 @@ class _Recording(Dataset):
         with open(os.path.join(self.out, f"rank{rank}.txt"), "a") as f:
             f.write(f"{i}\n")
         return self.inner[i]
+
+
+def _in_preflight() -> bool:
+    """Whether gpufleet's preflight (gpufleet.train.start.preflight) is reading."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "preflight" and code.co_filename.endswith(
+                os.path.join("gpufleet", "train", "start.py")):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def make_data_recording(out: str, kill_rank: int = -1, kill_after: int = 0, n: int = 256):

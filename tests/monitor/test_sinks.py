@@ -13,6 +13,7 @@ from gpufleet.errors import ConfigError
 from gpufleet.monitor import sinks
 from gpufleet.monitor.sinks import build_sinks
 from gpufleet.train.callbacks import Callback
+from gpufleet.train.rundir import named
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 HAS_MLFLOW = importlib.util.find_spec("mlflow") is not None
@@ -114,7 +115,8 @@ def test_mlflow_logs_to_a_sqlite_store_in_the_run_dir_by_default(tmp_path, monke
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "gpufleet-test")
     run_dir = tmp_path / "run"
-    [sink] = build_sinks("mlflow", run_dir, config_to_dict(Config()))
+    # The run's name as gpufleet gives it (a bare Config() has none until then).
+    [sink] = build_sinks("mlflow", run_dir, config_to_dict(named(Config())))
     result = _fit_with(sink, run_dir)
     assert result.callback_errors == {}
     client = mlflow.MlflowClient(f"sqlite:///{run_dir / 'mlflow' / 'mlflow.db'}")

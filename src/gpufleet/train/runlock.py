@@ -73,7 +73,8 @@ def remove_lock_file(run_dir: str | Path) -> None:
     """Remove the (released) lock file of a run directory that holds nothing else, so a
     launch whose ranks never met leaves no folder behind."""
     run_dir = Path(run_dir)
-    if {p.name for p in run_dir.iterdir()} <= {LOCK_FILE, RECORD_FILE}:
+    held = {p.name for p in run_dir.iterdir() if not (p.is_dir() and not any(p.iterdir()))}
+    if held <= {LOCK_FILE, RECORD_FILE}:  # empty folders (procs/) go with the directory
         (run_dir / LOCK_FILE).unlink(missing_ok=True)
 
 
