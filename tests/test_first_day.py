@@ -203,13 +203,29 @@ def test_a_config_mistake_is_one_line_before_any_rank_starts(run_cli, tmp_path):
     assert not (tmp_path / "runs").exists()  # no run directory, no crash report
 
 
+def test_a_config_mistake_in_one_process_is_one_line_without_a_crash_report(run_cli, tmp_path):
+    """Without ranks to start there is no preflight: the first batch finds the mistake,
+    and it reads as a config error (exit 2, the fix named), not as a crash."""
+    _write_mymod(tmp_path)
+    no_loss = [a for a in TOY if a not in ("--model.loss", "torch.nn.functional:cross_entropy")]
+    proc = run_cli("train", *no_loss, "--max-steps", "2", expect=2)
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, proc.stderr
+    assert errors[0].startswith("gpufleet: error: calling the model with the batch")
+    assert "--model.loss=package.module:function" in errors[0]
+    assert "Traceback" not in proc.stderr
+    [run_dir] = (tmp_path / "runs").iterdir()
+    assert not (run_dir / "crash").exists()
+    assert not list((run_dir / "procs").glob("*.json"))  # nothing left to clean up
+
+
 def test_a_rank_failure_is_told_once_with_advice_that_fits(run_cli, tmp_path):
     _write_mymod(tmp_path)
     no_loss = [a for a in TOY if a not in ("--model.loss", "torch.nn.functional:cross_entropy")]
     proc = run_cli("train", *no_loss, "--nproc", "2", "--run.preflight=false", expect=1)
     assert "Traceback" not in proc.stderr
     assert proc.stderr.count("First failure") == 1
-    assert "This TypeError comes from the config or the code" in proc.stderr
+    assert "This BatchError comes from the config or the code" in proc.stderr
     assert "raise --dist.max_restarts" not in proc.stderr
 
 

@@ -17,6 +17,12 @@ class ConfigError(GpufleetError, ValueError):
     """A configuration key, value or combination that cannot work."""
 
 
+class BatchError(ConfigError, TypeError):
+    """The model, its batches and the loss function do not fit together (e.g. no loss
+    function for a model that does not return its loss): a mistake in the config or the
+    code, found on the first batch, not a fault of the run."""
+
+
 class LaunchError(GpufleetError, RuntimeError):
     """The processes of a run could not be started or did not finish."""
 

@@ -319,7 +319,7 @@ def _fresh_store_per_restart(rdzv_backend: str) -> Iterator[None]:
 
 # Exceptions that come from the config or the code: a restart fails the same way.
 _USER_ERRORS = frozenset({
-    "ConfigError", "CheckpointError", "TypeError", "ValueError", "AttributeError",
+    "ConfigError", "BatchError", "CheckpointError", "TypeError", "ValueError", "AttributeError",
     "ImportError", "ModuleNotFoundError", "KeyError", "IndexError", "NameError",
     "AssertionError", "NotImplementedError", "ZeroDivisionError", "FileNotFoundError"})
 _COMM_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")

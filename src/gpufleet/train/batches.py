@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpufleet.errors import BatchError
+
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
@@ -139,7 +141,7 @@ def _call_with_batch(model: nn.Module, batch: Any) -> Any:
         shape = f"dict with keys {list(batch)}" if isinstance(batch, Mapping) else (
             f"{type(batch).__name__} of {len(batch)} items"
             if isinstance(batch, (tuple, list)) else type(batch).__name__)
-        raise TypeError(
+        raise BatchError(
             f"calling the model with the batch ({shape}) failed: {e}. With no loss function "
             "the model gets the whole batch and must return its loss. If it takes only the "
             "inputs, pass a loss function (loss_fn=... in Python, "

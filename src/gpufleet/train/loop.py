@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from gpufleet.config import Config
+from gpufleet.errors import ConfigError
 from gpufleet.fault.crash import write_crash_report
 from gpufleet.monitor.metrics import flops_metrics, phase_metrics
 from gpufleet.procs import forget_process
@@ -118,6 +119,11 @@ class Trainer(TrainerSetup):
             result = self._fit()
             forget_process(self.run_dir)  # a clean end leaves nothing to clean up
             return result
+        except ConfigError:
+            # A config or code mistake (its message names the fix), not a crash: no
+            # report, and nothing is left running to clean up.
+            forget_process(self.run_dir)
+            raise
         except Exception as e:
             # Fatal (OOM, a failed collective, a bug): leave a report in the run
             # directory that says where and why, then fail as before.
