@@ -258,8 +258,16 @@ def _communication_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None
     fix = (f"raise optim.grad_accum from {facts.grad_accum} to {2 * facts.grad_accum} (one "
            f"all-reduce per {2 * facts.grad_accum} micro-batches) or data.batch_size, raise "
            f"parallel.bucket_cap_mb from {facts.bucket_cap_mb:g} to "
-           f"{max(50.0, 2 * facts.bucket_cap_mb):g} (fewer, larger messages), and measure "
-           "the link with `gpufleet bench allreduce`.")
+           f"{max(50.0, 2 * facts.bucket_cap_mb):g} (fewer, larger messages)")
+    if facts.strategy == "ddp":  # the hooks are ddp's (resolve refuses them elsewhere)
+        fix += (", send fewer bytes with parallel.ddp_comm_hook=powersgd (low-rank) or "
+                "fp16 (half the bytes), or average less often with --strategy local_sgd")
+    if facts.world > facts.local_world:  # several nodes: one link may be the slow one
+        fix += (". Find the node behind the slowest link with `gpufleet bench allreduce` "
+                "run on every node with the run's --nnodes/--node-rank/--master-addr")
+    else:
+        fix += ", and measure the link with `gpufleet bench allreduce`"
+    fix += ". README 'Across nodes' lists what each fix gained on a 20 Mbit/s link."
     return Finding("communication-bound", "warn", "communication-bound", message, fix,
                    changes={"optim.grad_accum": 2 * facts.grad_accum})
 
