@@ -53,6 +53,9 @@ def test_static_run_names_the_silent_node_and_ends_instead_of_hanging(netbed, tm
           "(heartbeat timeout 5 s, collective timeout 120 s)")
 
 
+# Slow: the static partition test (named, no hang) and node loss (elastic goes on)
+# run by default.
+@pytest.mark.slow
 def test_elastic_run_goes_on_without_the_cut_off_node(netbed, tmp_path):
     run = tmp_path / "runs" / "elastic"
     where = ["--nnodes", "1:2", "--rdzv-endpoint", f"{netbed.addr(0)}:29400", "--rdzv-id",

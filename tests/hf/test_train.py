@@ -105,6 +105,9 @@ def _run_example(run_cli, tmp_path, *extra):
     return losses
 
 
+# Slow: the example end to end; the single-process Transformers tests stay in the
+# default run.
+@pytest.mark.slow
 def test_example_fine_tunes_minilm_on_two_gloo_ranks_and_the_loss_falls(run_cli, tmp_path):
     losses = _run_example(run_cli, tmp_path)
     assert len(losses) == 10

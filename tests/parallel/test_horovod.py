@@ -104,7 +104,9 @@ def _records(run_dir: Path, kind: str) -> list[dict]:
 @needs_horovod
 @pytest.mark.parametrize("extra", [
     [],  # gradient clipping on (the default): synchronize() before the norm
-    ["--optim.clip_norm", "0", "--optim.grad_accum", "2"],  # accumulation, no clipping
+    # accumulation, no clipping (slow: the clip case proves the strategy by default)
+    pytest.param(["--optim.clip_norm", "0", "--optim.grad_accum", "2"],
+                 marks=pytest.mark.slow),
 ], ids=["clip", "accum"])
 def test_horovodrun_two_ranks_equal_single_on_the_same_global_batch(run_cli, tmp_path, extra):
     accum = 2 if "--optim.grad_accum" in extra else 1
@@ -138,6 +140,7 @@ def test_horovodrun_two_ranks_equal_single_on_the_same_global_batch(run_cli, tmp
 
 
 @needs_horovod
+@pytest.mark.slow  # ddp under horovodrun; the horovod strategy itself is proven in the default run
 def test_horovodrun_can_launch_ddp_and_the_ranks_meet_through_horovod(run_cli, tmp_path):
     # horovodrun sets no MASTER_ADDR/PORT: the store address travels through Horovod.
     ddp = _horovodrun(tmp_path, "ddp", "--strategy", "ddp", "--batch-size", "16")

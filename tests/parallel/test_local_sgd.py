@@ -26,6 +26,7 @@ TOY = ["--model", "toyjob:make_model", "--data", "toyjob:make_data",
        "--optim.name", "sgd", "--optim.lr", "0.05", "--optim.clip_norm", "0"]
 
 
+@pytest.mark.slow  # the resume-at-an-averaging-step test below proves local_sgd in the default run
 def test_local_sgd_with_period_one_equals_ddp(run_cli, tmp_path):
     run_cli("train", *TOY, "--strategy", "ddp", "--run-dir", "runs/ddp")
     run_cli("train", *TOY, "--strategy", "local_sgd", "--parallel.local_sgd_period", "1",
