@@ -131,8 +131,8 @@ def scenarios() -> list[Scenario]:
         Scenario("host-bound tiny steps", "host-bound",
                  ["--model.kwargs={dim = 16, width = 16, depth = 2}", "--batch-size=2",
                   "--data.kwargs={dim = 16}"], quick=True),
-        Scenario("communication-bound over a slow link", "communication-bound",
-                 needs=_netbed_missing()),
+        Scenario("communication-bound over a slow link (2 nodes, one at 20 Mbit/s)",
+                 "communication-bound", launcher="two-nodes", needs=_netbed_missing()),
         Scenario("checkpoint every step", "time-outside-steps",
                  ["--checkpoint.every=1", "--model.kwargs={width = 1024}"], quick=True),
         Scenario("slow metrics sink (50 ms per log, every step)", "slow-logging",
@@ -149,8 +149,7 @@ def _netbed_missing() -> str | None:
     except ImportError:
         return "skipped: needs the network bed (gpufleet.bench.netbed)"
     reason = netbed_available()
-    return f"skipped: the network bed cannot run here ({reason})" if reason else \
-        "skipped: the slow-link run over the network bed is not written yet"
+    return f"skipped: the network bed cannot run here ({reason})" if reason else None
 
 
 # -- running them ------------------------------------------------------------------------
@@ -192,6 +191,8 @@ def run_scenario(scn: Scenario, out: Path, repeats: int) -> dict[str, Any]:
     if scn.needs:
         return {**row, "first": "-", "correct": "-", "fix": "-", "speedup": None,
                 "note": scn.needs}
+    if scn.launcher == "two-nodes":
+        return {**row, **_slow_link(out, repeats)}
     given = [*BASE, *scn.args]
     slow = [_measure(scn, given, {}, scn.hogs, out / "slow-0")]
     first = slow[0].findings[0] if slow[0].findings else None
@@ -217,6 +218,45 @@ def run_scenario(scn: Scenario, out: Path, repeats: int) -> dict[str, Any]:
     after = statistics.median(m.samples_per_s for m in fixed)
     return {**row, "fix": what, "before": before, "after": after,
             "speedup": after / before if before else None, "note": _titles(slow[0])}
+
+
+def _slow_link(out: Path, repeats: int, mbit: float = 20.0) -> dict[str, Any]:
+    """The slow-link row: ddp across two bed nodes, node 1's link at ``mbit``; the first
+    finding's own change applied, both measured on the same limited link."""
+    from slow_link import run_two_nodes, throughput  # benchmarks/slow_link.py
+
+    from gpufleet.bench.netbed import NetBed
+    from gpufleet.bench.runs import small_gpt_job
+    from gpufleet.monitor.diagnose import findings_for_run
+    from gpufleet.monitor.tune import apply_changes, describe_changes
+
+    batch = 8
+    given = [*small_gpt_job(30, batch_size=batch, n_embd=96, n_layer=2), "--strategy", "ddp"]
+    env = {**os.environ, **BASE_ENV}
+    slow: list[float] = []
+    fixed: list[float] = []
+    with NetBed(2) as bed:
+        bed.rate_limit(1, mbit)
+        run_two_nodes(bed, given, out / "slow-0", env)
+        slow.append(throughput(out / "slow-0", batch))
+        findings = findings_for_run(out / "slow-0")
+        first = findings[0] if findings else None
+        row: dict[str, Any] = {"first": first.rule if first else "(none)",
+                               "note": "; ".join(f.title for f in findings)}
+        row["correct"] = row["first"] == "communication-bound"
+        if first is None or not first.changes:
+            return {**row, "fix": "(none suggested)", "speedup": None}
+        args, _ = apply_changes(given, first.changes)
+        accum = int(first.changes.get("optim.grad_accum", 1))
+        for r in range(repeats):  # slow, fixed, slow, fixed, ...
+            run_two_nodes(bed, args, out / f"fixed-{r}", env)
+            fixed.append(throughput(out / f"fixed-{r}", batch * accum))
+            if r + 1 < repeats:
+                run_two_nodes(bed, given, out / f"slow-{r + 1}", env)
+                slow.append(throughput(out / f"slow-{r + 1}", batch))
+    before, after = statistics.median(slow), statistics.median(fixed)
+    return {**row, "fix": describe_changes(first.changes), "before": before, "after": after,
+            "speedup": after / before if before else None}
 
 
 def _titles(m: Any) -> str:
