@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from gpufleet.config import Config, config_from_dict, load_config
-from gpufleet.train.callbacks import Callback
+from gpufleet.core.callbacks import Callback
 from gpufleet.train.loop import FitResult, Trainer
 from gpufleet.train.seed import seed_everything
 

@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet.config import FaultConfig
+from gpufleet.core.callbacks import Callback
 from gpufleet.fault.liveness import Liveness, Verdict
-from gpufleet.train.callbacks import Callback
 
 log = logging.getLogger(__name__)
 

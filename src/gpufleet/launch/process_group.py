@@ -24,6 +24,11 @@ from gpufleet.launch.netif import choose_socket_ifname
 
 logger = logging.getLogger(__name__)
 
+# How to install Horovod (a plain pip install does not build for this torch).
+HOROVOD_INSTALL = ("bash scripts/install-horovod.sh from gpufleet's source tree, which builds "
+                   "Horovod against this torch (plain `pip install horovod` fails to compile "
+                   "for torch >= 2.1); set HOROVOD_GPU_OPERATIONS=NCCL first on GPU machines")
+
 T = TypeVar("T")
 
 
@@ -113,12 +118,10 @@ def _rendezvous_through_horovod(env: DistEnv, timeout_s: float) -> tuple[Any, Di
     try:
         import horovod.torch as hvd  # optional dependency
     except ImportError as err:
-        from gpufleet.parallel.horovod import INSTALL
-
         raise LaunchError(
             f"This process is rank {env.rank} of {env.world_size} started by {launcher}, "
             f"which sets no address for torch.distributed to meet at. {set_address}, or "
-            f"install Horovod ({INSTALL}) so the ranks agree on one through it.") from err
+            f"install Horovod ({HOROVOD_INSTALL}) so the ranks agree on one through it.") from err
     hvd.init()
     if (hvd.rank(), hvd.size()) != (env.rank, env.world_size):
         raise LaunchError(

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from gpufleet.bench.machine import cores_per_rank, usable_cores
+from gpufleet.core.callbacks import Callback
+from gpufleet.core.machine import cores_per_rank, usable_cores
 from gpufleet.monitor.diagnose import (
     DIAGNOSIS_FILE,
     Finding,
@@ -28,7 +29,6 @@ from gpufleet.monitor.diagnose import (
 )
 from gpufleet.monitor.host_rules import host_view
 from gpufleet.monitor.phases import PHASES
-from gpufleet.train.callbacks import Callback
 
 log = logging.getLogger(__name__)
 

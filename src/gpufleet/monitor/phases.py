@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from gpufleet.train.callbacks import Callback
+from gpufleet.core.callbacks import Callback
 
 PHASES = ("data", "forward", "backward", "optimizer", "other")
 # What the loop's phase names count as.

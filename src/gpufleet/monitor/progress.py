@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from gpufleet.train.callbacks import Callback
+from gpufleet.core.callbacks import Callback
 
 log = logging.getLogger("gpufleet.progress")
 

@@ -42,8 +42,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from gpufleet.core.callbacks import Callback
 from gpufleet.errors import ConfigError, unknown_choice
-from gpufleet.train.callbacks import Callback
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,11 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from gpufleet.config import Config
+from gpufleet.core.callbacks import Callback
+from gpufleet.core.tree import batch_size_of, to_device, tokens_of
 from gpufleet.fault.crash import write_crash_report
 from gpufleet.monitor.metrics import flops_metrics, phase_metrics
 from gpufleet.procs import forget_process
-from gpufleet.train.batches import batch_size_of, to_device, tokens_of
-from gpufleet.train.callbacks import Callback
 from gpufleet.train.evalmetrics import EvalMetric, batch_totals, final_values
 from gpufleet.train.perf import to_channels_last
 from gpufleet.train.setup import TrainerSetup

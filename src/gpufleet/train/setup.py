@@ -16,6 +16,8 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
 from gpufleet.config import Config, Machine, config_to_dict, resolve, write_config
+from gpufleet.core.callbacks import Callback, CallbackList
+from gpufleet.core.tree import to_device
 from gpufleet.data.loaders import build_eval_loader, build_train_loader
 from gpufleet.data.prefetch import DevicePrefetcher
 from gpufleet.errors import CheckpointError, ConfigError, GpufleetError
@@ -41,8 +43,7 @@ from gpufleet.procs import record_process
 from gpufleet.train import checkpoint as ckpt
 from gpufleet.train import runlock
 from gpufleet.train import sharded as sharded_ckpt
-from gpufleet.train.batches import make_loss_fn, to_device
-from gpufleet.train.callbacks import Callback, CallbackList
+from gpufleet.train.batches import make_loss_fn
 from gpufleet.train.evalmetrics import build_metrics
 from gpufleet.train.optim import build_scheduler, fill_optimizer_defaults, optimizer_spec
 from gpufleet.train.perf import apply_backend_flags, prepare_model, share_cores
