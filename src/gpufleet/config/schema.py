@@ -89,6 +89,12 @@ def check_names(spec: str) -> list[str]:
     return names
 
 
+# The strategy presets; gpufleet.parallel registers one class under each name (its
+# tests check the two agree), and the config checks names without importing it.
+STRATEGY_NAMES = ("single", "dp", "ddp", "pipeline", "local_sgd", "model_parallel", "horovod",
+                  "fsdp", "zero1", "hsdp")
+
+
 @dataclass
 class EvalConfig(Section):
     metrics: str = opt("", "Evaluation metrics besides the loss, comma-separated: accuracy, "
@@ -399,11 +405,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
-        # The strategy registry lives in gpufleet.parallel; importing it here would be
-        # circular at module import time, so it is looked up when a Config is made.
-        from gpufleet.parallel import strategy_names
-
-        names = ("auto", *strategy_names())
+        names = ("auto", *STRATEGY_NAMES)
         if self.parallel.strategy not in names:
             raise ConfigError(unknown_choice("parallel.strategy", self.parallel.strategy, names))
 

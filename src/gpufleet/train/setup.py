@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
-from gpufleet.config import Config, Machine, config_to_dict, resolve, write_config
+from gpufleet.config import Config, config_to_dict, write_config
 from gpufleet.core.callbacks import Callback, CallbackList
 from gpufleet.core.tree import to_device
 from gpufleet.data.loaders import build_eval_loader, build_train_loader
@@ -40,6 +40,7 @@ from gpufleet.parallel import build_strategy, strategy_class
 from gpufleet.parallel.dims import plan_for
 from gpufleet.precision import build_precision
 from gpufleet.procs import record_process
+from gpufleet.resolve import Machine, resolve
 from gpufleet.train import checkpoint as ckpt
 from gpufleet.train import runlock
 from gpufleet.train import sharded as sharded_ckpt
