@@ -10,6 +10,8 @@ import logging
 import time
 from typing import Any, ClassVar
 
+from gpufleet.core.phases import Phase
+
 log = logging.getLogger(__name__)
 
 
@@ -26,10 +28,11 @@ class Callback:
     def on_fit_start(self, trainer: Any) -> None:
         """After setup (and resume), before the first step."""
 
-    def on_phase(self, trainer: Any, phase: str) -> None:
-        """A phase begins: 'data', 'forward', 'backward', 'optimizer', 'end' (of the
-        step), then 'log', 'eval' or 'checkpoint' when those run. Called several times
-        per micro-step; keep it to a clock read."""
+    def on_phase(self, trainer: Any, phase: Phase) -> None:
+        """A phase begins (:class:`~gpufleet.core.phases.Phase`, equal to its name):
+        data, forward, backward, optimizer, end (of the step), then log, eval or
+        checkpoint when those run. Called several times per micro-step; keep it to a
+        clock read."""
 
     def on_step_end(self, trainer: Any, step: int) -> None:
         """After optimizer step ``step`` (1-based count of steps done). No metrics here:

@@ -24,6 +24,7 @@ from torch.utils.data import Dataset
 
 from gpufleet.config import Config
 from gpufleet.core.callbacks import Callback
+from gpufleet.core.phases import Phase, PhaseAnnouncer
 from gpufleet.core.tree import batch_size_of, to_device, tokens_of
 from gpufleet.fault.crash import write_crash_report
 from gpufleet.monitor.metrics import flops_metrics, phase_metrics
@@ -137,13 +138,9 @@ class Trainer(TrainerSetup):
         guard = self.nonfinite  # None when fault.skip_nonfinite is off
         accum, max_steps = cfg.optim.grad_accum, self.max_steps  # steps or epochs
         loss_scale = 1.0 / accum
-        phases = cbs.phase_listeners
-
-        def mark_backward() -> None:  # called by the strategy where backward begins
-            for cb in phases:
-                cb.on_phase(self, "backward")
-
-        mark = mark_backward if phases else None
+        phase = self._phases = PhaseAnnouncer(cbs.phase_listeners, self)
+        # The strategy calls this where backward begins (None: nobody listens).
+        mark = phase.marker(Phase.BACKWARD) if phase else None
         cbs.on_fit_start(self)
         # Running sum of micro-batch losses, kept on the device: adding to it does not
         # wait for the GPU. It is read once per log interval.
@@ -158,27 +155,25 @@ class Trainer(TrainerSetup):
             counting = self._flop_counter() if self.flops_per_step is None else _NO_COUNT
             with counting:
                 for micro in range(accum):
-                    for cb in phases:
-                        cb.on_phase(self, "data")
-                    batch = self.next_batch()
-                    for cb in phases:
-                        cb.on_phase(self, "forward")
-                    args = (model, batch, self.loss_fn, precision, loss_scale, mark)
-                    # Gradients are all-reduced on the last micro-step only (DDP no_sync);
-                    # the loss is scaled by 1/accum so the sum equals one big batch's mean.
-                    if micro == accum - 1:
-                        # COLLECTIVE (ddp): the gradient all-reduce runs in buckets during
-                        # this backward.
-                        loss = strategy.forward_backward(*args)
-                    else:
-                        with strategy.no_sync(model):
+                    with phase(Phase.DATA):
+                        batch = self.next_batch()
+                    with phase(Phase.FORWARD):  # backward is announced by `mark`
+                        args = (model, batch, self.loss_fn, precision, loss_scale, mark)
+                        # Gradients are all-reduced on the last micro-step only (DDP
+                        # no_sync); the loss is scaled by 1/accum so the sum equals one
+                        # big batch's mean.
+                        if micro == accum - 1:
+                            # COLLECTIVE (ddp): the gradient all-reduce runs in buckets
+                            # during this backward.
                             loss = strategy.forward_backward(*args)
+                        else:
+                            with strategy.no_sync(model):
+                                loss = strategy.forward_backward(*args)
                     step_loss = loss if step_loss is None else step_loss + loss
             if counting is not _NO_COUNT:
                 self.flops_per_step = counting.get_total_flops()
             # ---- optimizer step ------------------------------------------------------
-            for cb in phases:
-                cb.on_phase(self, "optimizer")
+            phase.announce(Phase.OPTIMIZER)
             precision.unscale(opt)  # true gradient sizes before clipping
             if guard is not None:
                 # COLLECTIVE (fault.skip_nonfinite): with a fused optimizer, the ranks
@@ -212,13 +207,11 @@ class Trainer(TrainerSetup):
             self.step += 1
             if skip:
                 guard.report(self.step, self.env.is_main)  # stops after too many in a row
-            for cb in phases:
-                cb.on_phase(self, "end")
+            phase.announce(Phase.END)
             cbs.on_step_end(self, self.step)
             # ---- once per log interval: reduce and report -----------------------------
             if self.step % cfg.log.every == 0 or self.step == max_steps:
-                for cb in phases:
-                    cb.on_phase(self, "log")
+                phase.announce(Phase.LOG)
                 now = time.perf_counter()
                 self._log_interval(loss_sum, micro_steps, now - interval_start)
                 loss_sum.zero_()
@@ -227,14 +220,12 @@ class Trainer(TrainerSetup):
             # Evaluation and checkpoints are timed apart from training throughput.
             if cfg.run.eval_every and self.step % cfg.run.eval_every == 0 \
                     and self.step < max_steps and self.eval_loader is not None:
-                for cb in phases:
-                    cb.on_phase(self, "eval")
-                self.evaluate()
+                with phase(Phase.EVAL):
+                    self.evaluate()
                 interval_start = time.perf_counter()
             if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
-                for cb in phases:
-                    cb.on_phase(self, "checkpoint")
-                self.save_checkpoint()
+                with phase(Phase.CHECKPOINT):
+                    self.save_checkpoint()
                 interval_start = time.perf_counter()
             # COLLECTIVE (one int on the CPU, every fault.preempt_check_every steps): a
             # SIGTERM/SIGUSR1/SIGINT on any rank stops every rank after this same step.
@@ -421,16 +412,14 @@ class Trainer(TrainerSetup):
             yield filler, False
 
     def _finish(self) -> FitResult:
-        result, phases = self.result, self.callbacks.phase_listeners
+        result, phase = self.result, self._phases
         if self.eval_loader is not None and not result.preempted and (
                 not result.eval_losses or result.eval_losses[-1][0] != self.step):
-            for cb in phases:
-                cb.on_phase(self, "eval")
-            self.evaluate()
+            with phase(Phase.EVAL):
+                self.evaluate()
         if self.cfg.checkpoint.save_final and self._saved_step != self.step:
-            for cb in phases:
-                cb.on_phase(self, "checkpoint")
-            self.save_checkpoint()
+            with phase(Phase.CHECKPOINT):
+                self.save_checkpoint()
         result.steps = self.step
         result.epochs = self.epochs_done
         result.skipped_steps = self.nonfinite.skipped if self.nonfinite is not None else 0
