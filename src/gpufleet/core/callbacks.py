@@ -17,7 +17,11 @@ log = logging.getLogger(__name__)
 
 class Callback:
     """Subclass and override what you need. Runs on every rank; check
-    ``trainer.env.is_main`` for things that should happen once.
+    ``view.env.is_main`` for things that should happen once.
+
+    Every hook's first argument is the run's read-only view
+    (:class:`gpufleet.train.view.RunView`: step, epoch, config, env, run_dir, result,
+    phase, ...), named ``trainer`` here as it was before there was a view.
 
     A callback with ``essential = False`` (a metrics sink, a remote logger) may fail
     without stopping training: its error is reported, counted, and the run goes on.

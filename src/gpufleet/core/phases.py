@@ -68,6 +68,8 @@ class PhaseAnnouncer:
     def __init__(self, listeners: Sequence[Any], view: Any) -> None:
         self._calls = [cb.on_phase for cb in listeners]
         self._view = view
+        #: the phase announced last (None before the first)
+        self.current: Phase | None = None
         self._scopes = {phase: _Scope(self.announce, phase) for phase in Phase}
 
     def __bool__(self) -> bool:
@@ -78,6 +80,7 @@ class PhaseAnnouncer:
 
     def announce(self, phase: Phase) -> None:
         """Phase ``phase`` begins (the ``with`` form calls this on entry)."""
+        self.current = phase
         for call in self._calls:
             call(self._view, phase)
 

@@ -71,7 +71,7 @@ class Advisor(Callback):
     def on_log(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
         self.intervals += 1
         steps, self._last_step = max(1, step - self._last_step), step
-        logged = getattr(trainer.callbacks, "log_seconds", {})
+        logged = trainer.log_seconds
         if self.intervals <= self.skip or "rank_phases" not in metrics:
             self._log_base = dict(logged)  # start-up is left out here too
             return

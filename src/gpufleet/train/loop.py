@@ -122,7 +122,7 @@ class Trainer(TrainerSetup):
         except Exception as e:
             # Fatal (OOM, a failed collective, a bug): leave a report in the run
             # directory that says where and why, then fail as before.
-            write_crash_report(self, e)
+            write_crash_report(self.view, e)
             raise
         finally:
             if self.watchdog is not None:
@@ -138,10 +138,10 @@ class Trainer(TrainerSetup):
         guard = self.nonfinite  # None when fault.skip_nonfinite is off
         accum, max_steps = cfg.optim.grad_accum, self.max_steps  # steps or epochs
         loss_scale = 1.0 / accum
-        phase = self._phases = PhaseAnnouncer(cbs.phase_listeners, self)
+        phase = self._phases = PhaseAnnouncer(cbs.phase_listeners, self.view)
         # The strategy calls this where backward begins (None: nobody listens).
         mark = phase.marker(Phase.BACKWARD) if phase else None
-        cbs.on_fit_start(self)
+        cbs.on_fit_start(self.view)
         # Running sum of micro-batch losses, kept on the device: adding to it does not
         # wait for the GPU. It is read once per log interval.
         loss_sum = torch.zeros((), device=self.device)
@@ -208,7 +208,7 @@ class Trainer(TrainerSetup):
             if skip:
                 guard.report(self.step, self.env.is_main)  # stops after too many in a row
             phase.announce(Phase.END)
-            cbs.on_step_end(self, self.step)
+            cbs.on_step_end(self.view, self.step)
             # ---- once per log interval: reduce and report -----------------------------
             if self.step % cfg.log.every == 0 or self.step == max_steps:
                 phase.announce(Phase.LOG)
@@ -338,7 +338,7 @@ class Trainer(TrainerSetup):
             metrics.update(flops_metrics(self.flops_per_step, metrics["step_time_s"],
                                          self.peak_flops))
         self.result.losses.append((self.step, loss))
-        self.callbacks.on_log(self, self.step, metrics)
+        self.callbacks.on_log(self.view, self.step, metrics)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -383,7 +383,7 @@ class Trainer(TrainerSetup):
         self.result.eval_losses.append((self.step, value))
         if metrics:
             self.result.eval_metrics.append((self.step, metrics))
-        self.callbacks.on_eval(self, self.step, {"step": self.step, "eval_loss": value,
+        self.callbacks.on_eval(self.view, self.step, {"step": self.step, "eval_loss": value,
                                                  "eval_samples": int(count),
                                                  "eval_metrics": metrics})
         return value
@@ -428,7 +428,7 @@ class Trainer(TrainerSetup):
             result.samples_per_s = self._samples_seen / self._train_time
             if self._tokens_seen:
                 result.tokens_per_s = self._tokens_seen / self._train_time
-        self.callbacks.on_fit_end(self, result)
+        self.callbacks.on_fit_end(self.view, result)
         result.callback_errors = dict(self.callbacks.failures)
         if self.env.is_main and self.cfg.monitor.report:
             self._write_report()

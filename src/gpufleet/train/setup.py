@@ -50,6 +50,7 @@ from gpufleet.train.optim import build_scheduler, fill_optimizer_defaults, optim
 from gpufleet.train.perf import apply_backend_flags, prepare_model, share_cores
 from gpufleet.train.rundir import named, plan_and_lock
 from gpufleet.train.seed import rng_state, seed_everything, set_deterministic, set_rng_state
+from gpufleet.train.view import RunView
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class TrainerSetup:
         from gpufleet.train.loop import FitResult
 
         self.env = DistEnv.detect()
+        self.view = RunView(self)  # what callbacks get: read-only, reads live values
         # Resolving needs no process group; the resolved backend then needs no second look.
         # A run without a name is named after the model (gpufleet.fit(MLP(), ...): mlp).
         self.cfg = resolve(named(cfg, model), Machine.detect(), self.env.world_size,
@@ -98,6 +100,11 @@ class TrainerSetup:
         self._last_log_step = self.step
         self._batches = self._epoch_iterator()
         self.callbacks = CallbackList(self._default_callbacks() + callbacks)
+        if self.system_sampler is None:  # one the caller added (its own interval)
+            from gpufleet.monitor.system import SystemSampler
+
+            self.system_sampler = next(
+                (cb for cb in callbacks if isinstance(cb, SystemSampler)), None)
 
     # -- builders --------------------------------------------------------------------
     def _build_device(self) -> None:
@@ -252,10 +259,11 @@ class TrainerSetup:
         if cfg.profile.steps:  # every rank writes its own trace
             own.append(ProfilerCallback(cfg.profile.steps, self.run_dir, env.rank,
                                         env.world_size))
-        self.sampler = None
+        self.system_sampler = None
         if env.local_rank == 0 and mon.system_interval_s > 0:  # one sampler per node
-            self.sampler = SystemSampler(self.run_dir, interval_s=mon.system_interval_s)
-            own.append(self.sampler)
+            self.system_sampler = SystemSampler(self.run_dir,
+                                                interval_s=mon.system_interval_s)
+            own.append(self.system_sampler)
         if not env.is_main:
             return own
         metrics = MetricsFile(self.run_dir / "metrics.jsonl")
@@ -263,7 +271,8 @@ class TrainerSetup:
         own.extend(build_sinks(mon.sinks, self.run_dir, config_to_dict(cfg)))
         self.advisor = None
         if mon.diagnose and mon.phases:
-            self.advisor = Advisor(run_facts(self), self.run_dir, metrics, self.sampler)
+            self.advisor = Advisor(run_facts(self.view), self.run_dir, metrics,
+                                   self.system_sampler)
             own.append(self.advisor)
             if mon.sync_probe_steps and self.device.type == "cuda":
                 own.append(SyncProbe(self.advisor, mon.sync_probe_steps))
@@ -317,7 +326,7 @@ class TrainerSetup:
             return None
         if self.env.is_main:
             log.info("checkpoint saved: %s", path)
-            self.callbacks.on_checkpoint(self, self.step, str(path))
+            self.callbacks.on_checkpoint(self.view, self.step, str(path))
         self.result.checkpoint = str(path)
         self._saved_step = self.step
         return path
