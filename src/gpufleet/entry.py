@@ -52,8 +52,8 @@ def run_training(cfg: Config, worker: Any = None, extra: tuple = (), job: Any = 
     from gpufleet.procs import forget_process, record_process
     from gpufleet.resolve import Machine, resolve
     from gpufleet.train import runlock
+    from gpufleet.train.preflight import check_picklable, preflight_job
     from gpufleet.train.rundir import named
-    from gpufleet.train.start import check_picklable, preflight_job
 
     worker = worker or run_worker
     cfg = named(cfg)  # e.g. gpt-stdlib: every rank and node then agrees on it

@@ -133,7 +133,7 @@ class TrainerSetup:
                 "this process was started alone. Use --nproc N (or torchrun), or "
                 "parallel.strategy=single for one process."
             )
-        from gpufleet.parallel.checkpointing import apply_layer_options
+        from gpufleet.parallel.activation_checkpointing import apply_layer_options
 
         # SyncBatchNorm and activation checkpointing change layers in place (same
         # state-dict names), before compilation and before the strategy wraps the model.
