@@ -101,6 +101,29 @@ def test_no_import_cycles_between_packages() -> None:
     assert in_cycles == [], f"imports that close a cycle between packages: {in_cycles}"
 
 
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> the gpufleet modules it imports (``from pkg import name`` counts as
+    importing ``pkg``, or ``pkg.name`` when that is a module)."""
+    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    edges: dict[str, set[str]] = defaultdict(set)
+    for module, path in modules.items():
+        for target in _imports(path):
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != module:
+                edges[module].add(target)
+    return edges
+
+
+def test_no_import_cycles_between_modules() -> None:
+    """Also inside a package (train.checkpoint and train.sharded, serve.export and
+    serve.model once imported each other from inside functions)."""
+    edges = _module_graph()
+    in_cycles = sorted((a, b) for a, targets in edges.items() for b in targets
+                       if _reaches(edges, b, a))
+    assert in_cycles == [], f"imports that close a cycle between modules: {in_cycles}"
+
+
 def test_the_graph_sees_known_imports() -> None:
     """The walker itself: it finds a module-level and a function-level import."""
     edges = _graph()

@@ -21,7 +21,7 @@ _EXPORTS = {
     "fit": "gpufleet.api", "train": "gpufleet.api",
     "Config": "gpufleet.config", "load_config": "gpufleet.config",
     "Callback": "gpufleet.core.callbacks",
-    "FitResult": "gpufleet.train.loop", "Trainer": "gpufleet.train.loop",
+    "FitResult": "gpufleet.train.result", "Trainer": "gpufleet.train.loop",
     "CheckpointError": "gpufleet.errors", "ConfigError": "gpufleet.errors",
     "GpufleetError": "gpufleet.errors", "LaunchError": "gpufleet.errors",
     "launch": "gpufleet.launch", "DistEnv": "gpufleet.launch",

@@ -48,6 +48,7 @@ from gpufleet.train.batches import make_loss_fn
 from gpufleet.train.evalmetrics import build_metrics
 from gpufleet.train.optim import build_scheduler, fill_optimizer_defaults, optimizer_spec
 from gpufleet.train.perf import apply_backend_flags, prepare_model, share_cores
+from gpufleet.train.result import FitResult
 from gpufleet.train.rundir import named, plan_and_lock
 from gpufleet.train.seed import rng_state, seed_everything, set_deterministic, set_rng_state
 from gpufleet.train.view import RunView
@@ -60,8 +61,6 @@ class TrainerSetup:
 
     def __init__(self, cfg: Config, model: nn.Module, train_data: Dataset,
                  eval_data: Dataset | None, loss_fn: Any, callbacks: list[Callback]) -> None:
-        from gpufleet.train.loop import FitResult
-
         self.env = DistEnv.detect()
         self.view = RunView(self)  # what callbacks get: read-only, reads live values
         # Resolving needs no process group; the resolved backend then needs no second look.

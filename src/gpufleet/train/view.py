@@ -28,7 +28,7 @@ class RunView:
         env: this rank's :class:`~gpufleet.launch.DistEnv` (``env.is_main``, ...).
         run_dir / device / pin_memory: where the run writes, this rank's device, and
             whether batches are pinned.
-        result: the :class:`~gpufleet.train.loop.FitResult` so far.
+        result: the :class:`~gpufleet.train.result.FitResult` so far.
         model / optimizer / scheduler / strategy / precision: the run's components
             (read them; the loop owns them).
         flops_per_step: counted on the first step (None before; 0 when not counted).
