@@ -83,13 +83,13 @@ def run_training(cfg: Config, worker: Any = None, extra: tuple = (), job: Any = 
         raise ConfigError(f"dist.launcher = 'none' runs one process, but {nproc} rank(s) "
                           f"on {dist.nnodes} node(s) were asked for. Use "
                           "--launcher elastic (or spawn), or --nproc 1.")
+    cfg = dataclasses.replace(cfg, dist=dataclasses.replace(dist, nproc=nproc,
+                                                            launcher=launcher))
+    if launcher == "none":  # this process is the one rank: it resolves the config itself
+        return worker(config_to_dict(cfg), *extra)  # rank 0 locks the run directory
     # Check the whole config here, once, before any rank starts: a mistake then reads as
     # one message instead of a traceback per rank (and per restart).
     resolve(cfg, Machine.detect(), world_size=nproc * max_nodes, local_world_size=nproc)
-    cfg = dataclasses.replace(cfg, dist=dataclasses.replace(dist, nproc=nproc,
-                                                            launcher=launcher))
-    if launcher == "none":
-        return worker(config_to_dict(cfg), *extra)  # rank 0 locks the run directory
     # Before any rank starts: what the ranks are sent, and one batch through the job.
     check_picklable(extra, nproc)
     preflight_job(cfg, job)
@@ -211,8 +211,9 @@ def train(cfg: Config, callbacks: Sequence[Callback] = ()) -> FitResult:
     from gpufleet.train.setup import join_process_group
 
     cfg = named(cfg)  # from the factories' names, before the job builds the model
-    # Join first, so the job can build its data with rank_zero_first.
-    join_process_group(cfg, DistEnv.detect())
+    # Resolve (the one time on this rank) and join first, so the job can build its data
+    # with rank_zero_first; the trainer gets the resolved config.
+    cfg = join_process_group(cfg, DistEnv.detect())
     # The same seed on every rank, so every rank builds the same initial weights.
     seed_everything(cfg.run.seed)
     job = build_job(cfg)

@@ -16,7 +16,11 @@ from gpufleet.errors import ConfigError
 from gpufleet.parallel import strategy_class
 from gpufleet.parallel.dims import plan_for
 
-__all__ = ["Machine", "resolve"]
+__all__ = ["Machine", "resolve", "resolve_once"]
+
+# Marks a config resolve_once returned, with the world it was resolved for. Not a config
+# field: it is never written to config.toml nor sent to the ranks.
+_RESOLVED_FOR = "_gpufleet_resolved_for"
 
 
 @dataclass(frozen=True)
@@ -111,3 +115,24 @@ def resolve(cfg: Config, machine: Machine, world_size: int,
         parallel=dataclasses.replace(par, strategy=strategy),
         dist=dataclasses.replace(dist, backend=backend),
     )
+
+
+def resolve_once(cfg: Config, world_size: int, local_world_size: int = 1) -> Config:
+    """:func:`resolve` for this machine, done once per process and world: a config this
+    function returned already comes back as it is.
+
+    Each rank resolves the config it was sent here (joining the process group needs the
+    backend); the trainer then gets the resolved config and does not resolve it again.
+
+    Example:
+        >>> from gpufleet.config import Config
+        >>> cfg = resolve_once(Config(), world_size=1)
+        >>> resolve_once(cfg, world_size=1) is cfg
+        True
+    """
+    world = (world_size, local_world_size)
+    if getattr(cfg, _RESOLVED_FOR, None) == world:
+        return cfg
+    resolved = resolve(cfg, Machine.detect(), world_size, local_world_size)
+    object.__setattr__(resolved, _RESOLVED_FOR, world)
+    return resolved

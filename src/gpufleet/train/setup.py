@@ -40,7 +40,7 @@ from gpufleet.parallel import build_strategy, strategy_class
 from gpufleet.parallel.dims import plan_for
 from gpufleet.precision import build_precision
 from gpufleet.procs import record_process
-from gpufleet.resolve import Machine, resolve
+from gpufleet.resolve import resolve_once
 from gpufleet.train import checkpoint as ckpt
 from gpufleet.train import runlock
 from gpufleet.train import sharded as sharded_ckpt
@@ -63,11 +63,9 @@ class TrainerSetup:
                  eval_data: Dataset | None, loss_fn: Any, callbacks: list[Callback]) -> None:
         self.env = DistEnv.detect()
         self.view = RunView(self)  # what callbacks get: read-only, reads live values
-        # Resolving needs no process group; the resolved backend then needs no second look.
         # A run without a name is named after the model (gpufleet.fit(MLP(), ...): mlp).
-        self.cfg = resolve(named(cfg, model), Machine.detect(), self.env.world_size,
-                           local_world_size=self.env.local_world_size)
-        join_process_group(self.cfg, self.env)
+        # Resolved once per rank: a config the rank's entry resolved comes back as it is.
+        self.cfg = join_process_group(named(cfg, model), self.env)
         share_cores(self.env.local_world_size, self.env.is_main)
         self._build_device()
         self._build_model(model, loss_fn)
@@ -380,22 +378,25 @@ class TrainerSetup:
             log.info("resumed from %s at step %d", path, self.step)
 
 
-def join_process_group(cfg: Config, env: DistEnv) -> None:
-    """Join the job's process group if this process is one of several ranks.
+def join_process_group(cfg: Config, env: DistEnv) -> Config:
+    """Resolve ``cfg`` for this rank (once: see :func:`gpufleet.resolve.resolve_once`)
+    and join the job's process group if this process is one of several ranks.
 
     Done before anything else (also before the job builds its data), so that
     ``rank_zero_first`` and every collective work from the start.
+
+    Returns:
+        The resolved config (its backend is the one joined with).
     """
+    cfg = resolve_once(cfg, env.world_size, env.local_world_size)
     if not env.is_distributed or is_initialized():
-        return
+        return cfg
+    # resolve() chose it: nccl on CUDA, gloo on CPU and under Horovod.
     backend = cfg.dist.backend
-    if backend == "auto" or cfg.parallel.strategy == "horovod":
-        # The rule lives in resolve(): nccl on CUDA, gloo on CPU and under Horovod.
-        backend = resolve(cfg, Machine.detect(), env.world_size,
-                          env.local_world_size).dist.backend
     if "nccl" in backend:
         apply_nccl_defaults(cfg.run.dir or None)  # flight recorder, dump on timeout
     init_process_group(env, backend, cfg.dist.init_method, cfg.dist.timeout)
+    return cfg
 
 
 def local_gpu_index(env: DistEnv) -> int:
