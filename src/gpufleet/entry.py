@@ -207,8 +207,8 @@ def train(cfg: Config, callbacks: Sequence[Callback] = ()) -> FitResult:
     from gpufleet.job import build_job
     from gpufleet.launch import DistEnv
     from gpufleet.monitor.progress import Progress
+    from gpufleet.train.rank import join_process_group
     from gpufleet.train.rundir import named
-    from gpufleet.train.setup import join_process_group
 
     cfg = named(cfg)  # from the factories' names, before the job builds the model
     # Resolve (the one time on this rank) and join first, so the job can build its data

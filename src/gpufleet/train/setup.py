@@ -21,7 +21,6 @@ from gpufleet.core.tree import to_device
 from gpufleet.data.loaders import build_eval_loader, build_train_loader
 from gpufleet.data.prefetch import DevicePrefetcher
 from gpufleet.errors import CheckpointError, ConfigError, GpufleetError
-from gpufleet.fault.ncclenv import apply_nccl_defaults
 from gpufleet.fault.nonfinite import NonFiniteGuard
 from gpufleet.fault.preempt import PreemptionWatch
 from gpufleet.fault.watchdog import Watchdog
@@ -29,7 +28,6 @@ from gpufleet.launch import (
     DistEnv,
     broadcast_object,
     gather_objects,
-    init_process_group,
     is_initialized,
     job_store,
 )
@@ -40,7 +38,6 @@ from gpufleet.parallel import build_strategy, strategy_class
 from gpufleet.parallel.dims import plan_for
 from gpufleet.precision import build_precision
 from gpufleet.procs import record_process
-from gpufleet.resolve import resolve_once
 from gpufleet.train import checkpoint as ckpt
 from gpufleet.train import runlock
 from gpufleet.train import sharded as sharded_ckpt
@@ -48,6 +45,7 @@ from gpufleet.train.batches import make_loss_fn
 from gpufleet.train.evalmetrics import build_metrics
 from gpufleet.train.optim import build_scheduler, fill_optimizer_defaults, optimizer_spec
 from gpufleet.train.perf import apply_backend_flags, prepare_model, share_cores
+from gpufleet.train.rank import join_process_group, local_gpu_index
 from gpufleet.train.result import FitResult
 from gpufleet.train.rundir import named, plan_and_lock
 from gpufleet.train.seed import rng_state, seed_everything, set_deterministic, set_rng_state
@@ -376,38 +374,3 @@ class TrainerSetup:
                         self.env.world_size, self.epoch)
         if self.env.is_main:
             log.info("resumed from %s at step %d", path, self.step)
-
-
-def join_process_group(cfg: Config, env: DistEnv) -> Config:
-    """Resolve ``cfg`` for this rank (once: see :func:`gpufleet.resolve.resolve_once`)
-    and join the job's process group if this process is one of several ranks.
-
-    Done before anything else (also before the job builds its data), so that
-    ``rank_zero_first`` and every collective work from the start.
-
-    Returns:
-        The resolved config (its backend is the one joined with).
-    """
-    cfg = resolve_once(cfg, env.world_size, env.local_world_size)
-    if not env.is_distributed or is_initialized():
-        return cfg
-    # resolve() chose it: nccl on CUDA, gloo on CPU and under Horovod.
-    backend = cfg.dist.backend
-    if "nccl" in backend:
-        apply_nccl_defaults(cfg.run.dir or None)  # flight recorder, dump on timeout
-    init_process_group(env, backend, cfg.dist.init_method, cfg.dist.timeout)
-    return cfg
-
-
-def local_gpu_index(env: DistEnv) -> int:
-    """This rank's GPU: its local rank, or 0 when the launcher gave it a single GPU
-    (SLURM's --gpus-per-task=1 shows each task one device, whatever its local rank)."""
-    count = torch.cuda.device_count()
-    if count == 1:
-        return 0
-    if env.local_rank >= count:
-        raise ConfigError(
-            f"local rank {env.local_rank} has no GPU: only {count} visible. Start at most "
-            "that many ranks per node (--nproc), or check CUDA_VISIBLE_DEVICES."
-        )
-    return env.local_rank
