@@ -10,11 +10,10 @@ optimizer is not fused; see :mod:`gpufleet.fault.nonfinite`).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -24,11 +23,12 @@ from torch.utils.data import Dataset
 from gpufleet.config import Config
 from gpufleet.core.callbacks import Callback
 from gpufleet.core.phases import Phase, PhaseAnnouncer
-from gpufleet.core.tree import batch_size_of, to_device, tokens_of
+from gpufleet.core.tree import batch_size_of, tokens_of
 from gpufleet.fault.crash import write_crash_report
 from gpufleet.monitor.metrics import flops_metrics, phase_metrics
 from gpufleet.procs import forget_process
-from gpufleet.train.evalmetrics import EvalMetric, batch_totals, final_values
+from gpufleet.train.evalmetrics import EvalMetric
+from gpufleet.train.evaluator import Evaluator
 from gpufleet.train.perf import to_channels_last
 from gpufleet.train.result import FitResult
 from gpufleet.train.setup import TrainerSetup
@@ -64,6 +64,11 @@ class Trainer(TrainerSetup):
                  eval_metrics: Mapping[str, Any] | None = None) -> None:
         super().__init__(cfg, model, train_data, eval_data, loss_fn, list(callbacks))
         self.eval_metrics += [EvalMetric(name, fn) for name, fn in (eval_metrics or {}).items()]
+        self.evaluator = None if self.eval_loader is None else Evaluator(
+            self.eval_loader, self.model, self.strategy, self.precision, self.loss_fn,
+            self.eval_metrics, device=self.device, pin_memory=self.pin_memory,
+            channels_last=self.cfg.perf.channels_last, max_batches=self.cfg.run.eval_batches,
+            data_copies=self.data_copies)
 
     # -- the loop --------------------------------------------------------------------
     def fit(self) -> FitResult:
@@ -292,76 +297,19 @@ class Trainer(TrainerSetup):
         self.result.losses.append((self.step, loss))
         self.callbacks.on_log(self.view, self.step, metrics)
 
-    @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean loss (and ``eval.metrics``) over the evaluation set, summed exactly across
-        ranks.
-
-        The evaluation sampler gives every sample to exactly one rank (no padding), so
-        the all-reduced sums count each sample once.
-        """
-        if self.eval_loader is None:
+        """Evaluate now (:class:`~gpufleet.train.evaluator.Evaluator`), record the result
+        and tell the callbacks; the loss, or None without evaluation data."""
+        if self.evaluator is None:
             return None
-        model = self.strategy.eval_model(self.model)
-        model.eval()
-        batched = [m for m in self.eval_metrics if m.update is not None]
-        # [Σ loss·n, Σ n, then Σ metric, Σ count for each batched metric]
-        totals = torch.zeros(2 + 2 * len(batched), dtype=torch.float64, device=self.device)
-        for batch, counted in self._eval_batches():
-            n = batch_size_of(batch) if counted else 0
-            batch = to_device(batch, self.device, non_blocking=self.pin_memory)
-            if self.cfg.perf.channels_last:
-                batch = to_channels_last(batch)
-            with self.precision.autocast():
-                if batched:
-                    loss, output, target = self.loss_fn.with_output(model, batch)
-                else:
-                    loss = self.loss_fn(model, batch)
-            if counted:
-                totals[0] += loss.double() * n
-                totals[1] += n
-                for i, metric in enumerate(batched):
-                    total, count = batch_totals(metric, output, target, n)
-                    totals[2 + 2 * i] += total
-                    totals[3 + 2 * i] += count
-        self.model.train()
-        self.strategy.all_reduce(totals)  # COLLECTIVE + SYNC (below): once per evaluation
-        loss_total, count, *metric_totals = totals.tolist()
-        # Pipeline stages saw the same samples: the ratios stay, the count is divided.
-        count /= self.data_copies
-        loss_total /= self.data_copies
-        value = loss_total / count if count else float("nan")
-        metrics = final_values(self.eval_metrics, metric_totals, value)
+        value, metrics, count = self.evaluator.run()  # COLLECTIVE + SYNC
         self.result.eval_losses.append((self.step, value))
         if metrics:
             self.result.eval_metrics.append((self.step, metrics))
         self.callbacks.on_eval(self.view, self.step, {"step": self.step, "eval_loss": value,
-                                                 "eval_samples": int(count),
-                                                 "eval_metrics": metrics})
+                                                      "eval_samples": count,
+                                                      "eval_metrics": metrics})
         return value
-
-    def _eval_batches(self) -> Iterator[tuple[Any, bool]]:
-        """This rank's evaluation batches, each with whether its loss counts.
-
-        With a strategy whose forward is a collective (``eval_in_lockstep``), ranks with
-        fewer batches than the others repeat one, uncounted, until all ran as many.
-        """
-        limit = self.cfg.run.eval_batches or len(self.eval_loader)
-        own = min(limit, len(self.eval_loader))
-        batches = itertools.islice(self.eval_loader, own)
-        if not self.strategy.eval_in_lockstep:
-            yield from ((batch, True) for batch in batches)
-            return
-        most = torch.tensor([float(own)], device=self.device)
-        self.strategy.all_reduce(most, op="max")  # COLLECTIVE + SYNC: once per evaluation
-        filler = None
-        for filler in batches:
-            yield filler, True
-        for _ in range(int(most.item()) - own):
-            if filler is None:  # this rank's share is empty: any sample will do
-                loader = self.eval_loader
-                filler = loader.collate_fn([loader.dataset[0]])
-            yield filler, False
 
     def _finish(self) -> FitResult:
         result, phase = self.result, self._phases
