@@ -87,3 +87,26 @@ def test_a_crash_report_names_the_phase_without_a_watchdog(tmp_path):
         _fit(tmp_path, [Boom()], **{"fault.watchdog": False})
     report = next((tmp_path / "runs").rglob("rank-0.txt")).read_text()
     assert "step: 2 (steps done)" in report and "phase: end" in report
+
+
+def test_the_advisor_gets_time_outside_steps_from_the_phase_timer_it_is_given(tmp_path):
+    """Not from the trainer: the advisor is handed the phase timer when it is built."""
+    import time
+    from types import SimpleNamespace
+
+    from gpufleet.monitor.advisor import Advisor
+    from gpufleet.monitor.diagnose import RunFacts
+    from gpufleet.monitor.phases import PHASES, PhaseTimer
+
+    timer = PhaseTimer(torch.device("cpu"))
+    advisor = Advisor(RunFacts(), tmp_path, skip_intervals=0, phase_timer=timer)
+    view = SimpleNamespace(step=0, log_seconds={})
+    timer.on_fit_start(view)
+    advisor.on_fit_start(view)
+    timer.on_phase(view, Phase.EVAL)
+    time.sleep(0.02)
+    timer.on_phase(view, Phase.DATA)  # evaluation over: its time is kept apart
+    row = {"rank": 0, **{name: 0.001 for name in PHASES}}
+    advisor.on_log(view, 1, {"rank_phases": [row], "step_time_s": 0.005})
+    seconds, count = advisor.summary().outside["eval"]
+    assert seconds >= 0.02 and count == 1

@@ -134,7 +134,7 @@ class _Sink(Callback):
 
     def on_fit_start(self, trainer: Any) -> None:
         if getattr(getattr(trainer, "env", None), "is_main", True):
-            self.sampler = getattr(trainer, "sampler", None)  # this node's SystemSampler
+            self.sampler = getattr(trainer, "system_sampler", None)  # this node's sampler
             self.open()
             self.active = True
 

@@ -268,7 +268,7 @@ class TrainerSetup:
         self.advisor = None
         if mon.diagnose and mon.phases:
             self.advisor = Advisor(run_facts(self.view), self.run_dir, metrics,
-                                   self.system_sampler)
+                                   self.system_sampler, phase_timer=self.phase_timer)
             own.append(self.advisor)
             if mon.sync_probe_steps and self.device.type == "cuda":
                 own.append(SyncProbe(self.advisor, mon.sync_probe_steps))
