@@ -1,5 +1,5 @@
 """What the preflight adds before ranks start: building the job the config names and one
-batch of 2 samples through model and loss on the CPU (``gpufleet.train.start``).
+batch of 2 samples through model and loss on the CPU (``gpufleet.train.preflight``).
 
 Run: ``python benchmarks/preflight.py [--repeats 3]``. Prints, per repeat, the seconds
 spent building the job and running the batch, for the default job (GPT on the stdlib
@@ -15,7 +15,7 @@ import time
 from gpufleet.bench.machine import machine_summary
 from gpufleet.config import load_config
 from gpufleet.job import build_job
-from gpufleet.train.start import preflight
+from gpufleet.train.preflight import preflight
 
 JOBS = {
     "default gpt (4x128)": {},

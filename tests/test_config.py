@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpufleet.config import Config, Machine, load_config, resolve, write_config
+from gpufleet.config import Config, load_config, write_config
 from gpufleet.errors import ConfigError, closest_first
+from gpufleet.resolve import Machine, resolve
 
 CPU = Machine(cuda=False, gpus=0, bf16=False)
 GPU4 = Machine(cuda=True, gpus=4, bf16=True)

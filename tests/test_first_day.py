@@ -176,8 +176,9 @@ def test_max_epochs_ends_the_run_and_shapes_the_schedule(run_cli, tmp_path):
 
 
 def test_step_limit_defaults_to_600_unless_epochs_are_given():
-    from gpufleet.config import Machine, load_config, resolve
+    from gpufleet.config import load_config
     from gpufleet.errors import ConfigError
+    from gpufleet.resolve import Machine, resolve
 
     cpu = Machine(cuda=False, gpus=0, bf16=False)
 

@@ -9,7 +9,8 @@ from torch.nn import functional as F
 
 import gpufleet
 import toyjob
-from gpufleet.config import Machine, load_config, resolve
+from gpufleet.config import load_config
+from gpufleet.resolve import Machine, resolve
 from gpufleet.train.callbacks import Callback
 from gpufleet.train.perf import apply_backend_flags
 

@@ -146,12 +146,12 @@ class _Recording(Dataset):
 
 
 def _in_preflight() -> bool:
-    """Whether gpufleet's preflight (gpufleet.train.start.preflight) is reading."""
+    """Whether gpufleet's preflight (gpufleet.train.preflight.preflight) is reading."""
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if code.co_name == "preflight" and code.co_filename.endswith(
-                os.path.join("gpufleet", "train", "start.py")):
+                os.path.join("gpufleet", "train", "preflight.py")):
             return True
         frame = frame.f_back
     return False

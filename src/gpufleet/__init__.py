@@ -20,8 +20,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "fit": "gpufleet.api", "train": "gpufleet.api",
     "Config": "gpufleet.config", "load_config": "gpufleet.config",
-    "Callback": "gpufleet.train.callbacks",
-    "FitResult": "gpufleet.train.loop", "Trainer": "gpufleet.train.loop",
+    "Callback": "gpufleet.core.callbacks",
+    "FitResult": "gpufleet.train.result", "Trainer": "gpufleet.train.loop",
     "CheckpointError": "gpufleet.errors", "ConfigError": "gpufleet.errors",
     "GpufleetError": "gpufleet.errors", "LaunchError": "gpufleet.errors",
     "launch": "gpufleet.launch", "DistEnv": "gpufleet.launch",

@@ -14,7 +14,6 @@ Under ``torchrun`` (or ``gpufleet.launch``) the same call trains on every rank.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,9 +21,13 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from gpufleet.config import Config, config_from_dict, load_config
-from gpufleet.train.callbacks import Callback
+from gpufleet.core.callbacks import Callback
+from gpufleet.entry import run_training, run_worker, setup_logging, train
 from gpufleet.train.loop import FitResult, Trainer
-from gpufleet.train.seed import seed_everything
+
+# train and run_worker live in gpufleet.entry (the launcher calls them); this is where
+# user code has always found them.
+__all__ = ["fit", "run_training", "run_worker", "setup_logging", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +67,6 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
         log.info("%s", note)
     if not env.is_distributed and (cfg.dist.nproc > 1 or cfg.dist.nnodes != "1"):
         # Asked for several ranks from plain Python: start them, each trains a copy.
-        from gpufleet.cli import run_training
         from gpufleet.job import Job
         from gpufleet.train.rundir import named
 
@@ -75,25 +77,6 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
     trainer = Trainer(cfg, model, train_data, eval_data, loss_fn=loss_fn,
                       callbacks=[Progress(cfg.log.progress), *callbacks],
                       eval_metrics=eval_metrics)
-    return trainer.fit()
-
-
-def train(cfg: Config, callbacks: Sequence[Callback] = ()) -> FitResult:
-    """Run the job a config describes (model and data named in it); what the CLI runs."""
-    from gpufleet.job import build_job
-    from gpufleet.launch import DistEnv
-    from gpufleet.monitor.progress import Progress
-    from gpufleet.train.rundir import named
-    from gpufleet.train.setup import join_process_group
-
-    cfg = named(cfg)  # from the factories' names, before the job builds the model
-    # Join first, so the job can build its data with rank_zero_first.
-    join_process_group(cfg, DistEnv.detect())
-    # The same seed on every rank, so every rank builds the same initial weights.
-    seed_everything(cfg.run.seed)
-    job = build_job(cfg)
-    trainer = Trainer(cfg, job.model, job.train_data, job.eval_data, loss_fn=job.loss_fn,
-                      callbacks=[Progress(cfg.log.progress), *callbacks])
     return trainer.fit()
 
 
@@ -113,55 +96,6 @@ def _fit_worker(cfg_dict: dict[str, Any], model: nn.Module, train_data: Dataset,
                        eval_metrics=eval_metrics).fit()
     finally:
         destroy_process_group()
-
-
-def run_worker(cfg_dict: dict[str, Any]) -> FitResult:
-    """Entry point of each launched rank: rebuild the config, set up logging, train."""
-    from gpufleet.launch import DistEnv, destroy_process_group
-
-    cfg = config_from_dict(cfg_dict)
-    setup_logging(cfg.log.level, DistEnv.detect())
-    try:
-        result = train(cfg)
-    finally:
-        destroy_process_group()
-    if result.preempted and "TORCHELASTIC_RUN_ID" in os.environ:
-        _exit_unless_collected(result.preempted)
-    return result
-
-
-# Seconds a preempted rank waits for torch's elastic agent to collect its result.
-COLLECT_GRACE_S = 5.0
-
-
-def _exit_unless_collected(signal_name: str) -> None:
-    """A rank of torch's elastic agent that stopped on a signal hands back its result and
-    waits for the agent to read it. An agent that got the signal itself is shutting down
-    and never reads it: the rank would sit there until the agent kills it 30 s later. So
-    a daemon thread ends the process with the requeue status after a grace period
-    (the checkpoint is written already); when the agent does read, the process ends
-    first and the thread with it."""
-    import signal
-    import threading
-
-    from gpufleet.fault.preempt import exit_status
-
-    def leave() -> None:
-        logging.shutdown()  # flush the log lines first: os._exit skips that
-        os._exit(exit_status(getattr(signal, signal_name)))
-
-    timer = threading.Timer(COLLECT_GRACE_S, leave)
-    timer.daemon = True
-    timer.start()
-
-
-def setup_logging(level: str, env: Any) -> None:
-    """Log lines with a rank prefix in multi-rank runs; ranks other than 0 show warnings
-    and errors only, so a message meant once is printed once."""
-    prefix = f"[rank {env.rank}] " if env.world_size > 1 else ""
-    logging.basicConfig(format=f"{prefix}%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S", force=True)
-    logging.getLogger("gpufleet").setLevel(level if env.rank == 0 else "WARNING")
 
 
 def _config(config: Config | str | None, overrides: Any) -> tuple[Config, str]:

@@ -3,50 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
-import os
 import signal
 import sys
 import textwrap
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from gpufleet.config import Config, config_to_dict, help_rows, load_config, parse_override
+from gpufleet.config import Config, help_rows, load_config, parse_override
+from gpufleet.config.flags import SHORTCUTS
+from gpufleet.entry import run_training, stopped_message
 from gpufleet.errors import ConfigError, GpufleetError, LaunchError, RunStopped, unknown_choice
 from gpufleet.fault.preempt import INTERRUPT_EXIT, exit_status
-
-# Short flags for the options people type most; every config key also works as
-# --section.key=value (see `gpufleet train --help`).
-SHORTCUTS: dict[str, tuple[str, str]] = {
-    "--nproc": ("dist.nproc", "ranks on this node (default: one per GPU, 1 on CPU)"),
-    "--nnodes": ("dist.nnodes", "nodes: N or MIN:MAX (elastic)"),
-    "--node-rank": ("dist.node_rank", "this node's rank (static multi-node)"),
-    "--master-addr": ("dist.master_addr", "address of node 0 (static multi-node)"),
-    "--master-port": ("dist.master_port", "port on node 0 (static multi-node)"),
-    "--rdzv-endpoint": ("dist.rdzv_endpoint", "rendezvous host:port (elastic multi-node)"),
-    "--rdzv-id": ("dist.rdzv_id", "rendezvous id shared by all nodes"),
-    "--launcher": ("dist.launcher", "auto, elastic, spawn or none"),
-    "--max-restarts": ("dist.max_restarts", "restarts of the ranks after a failure"),
-    "--resume": ("checkpoint.resume", "'latest' or a checkpoint / run directory path"),
-    "--model": ("model.name", "'gpt' or your factory package.module:function"),
-    "--data": ("data.name", "'stdlib' or your factory package.module:function"),
-    "--strategy": ("parallel.strategy", "auto, single, dp, ddp, fsdp, hsdp, zero1, pipeline, "
-                                        "local_sgd, model_parallel or horovod"),
-    "--precision": ("precision.mode", "auto, fp32, bf16-mixed or fp16-mixed"),
-    "--max-steps": ("run.max_steps", "optimizer steps (with --max-epochs: whichever ends "
-                                     "first)"),
-    "--max-epochs": ("run.max_epochs", "passes over the training set"),
-    "--batch-size": ("data.batch_size", "samples per rank per micro-step"),
-    "--lr": ("optim.lr", "peak learning rate"),
-    "--grad-accum": ("optim.grad_accum", "micro-steps per optimizer step"),
-    "--device": ("run.device", "auto, cpu or cuda"),
-    "--seed": ("run.seed", "random seed"),
-    "--name": ("run.name", "run name (run directory prefix)"),
-    "--run-dir": ("run.dir", "use this run directory"),
-}
-
 
 # Subcommands other than `train`: name -> module. Each module has
 # ``add_parser(subparsers)`` and ``run(args) -> int`` and imports only the standard
@@ -178,188 +146,9 @@ def _cmd_train(args: argparse.Namespace, rest: Sequence[str]) -> int:
     if result is not None:
         _print_summary(result)
         if result.preempted:
-            raise RunStopped(_stopped(result.preempted, result.run_dir),
+            raise RunStopped(stopped_message(result.preempted, result.run_dir),
                              exit_status(getattr(signal, result.preempted)))
     return 0
-
-
-def _stopped(signal_name: str, run_dir: str) -> str:
-    """What a run stopped by a signal says: where it can continue from, and how."""
-    from gpufleet.train.checkpoint import list_checkpoints
-
-    found = list_checkpoints(run_dir)
-    newest = f"the newest checkpoint is {found[-1]}" if found else "no checkpoint was written"
-    return (f"stopped by {signal_name} after finishing the current step; {newest}. "
-            f"Continue with the same command plus --resume latest (or --run-dir {run_dir} "
-            "--resume latest).")
-
-
-def run_training(cfg: Config, worker: Any = None, extra: tuple = (), job: Any = None) -> Any:
-    """Train here, or start the ranks and train there; returns rank 0's FitResult.
-
-    Args:
-        cfg: the run's config.
-        worker: what each rank runs, ``worker(cfg_dict, *extra)`` (default: the job the
-            config names, :func:`gpufleet.api.run_worker`).
-        extra: further arguments for ``worker``, sent to every rank (picklable).
-        job: the model, data and loss the preflight checks (a
-            :class:`gpufleet.job.Job`); None builds the job the config names.
-    """
-    from gpufleet.api import run_worker
-    from gpufleet.config import Machine, resolve
-    from gpufleet.launch import DistEnv, launch
-    from gpufleet.procs import forget_process, record_process
-    from gpufleet.train import runlock
-    from gpufleet.train.rundir import named
-    from gpufleet.train.start import check_picklable, preflight_job
-
-    worker = worker or run_worker
-    cfg = named(cfg)  # e.g. gpt-stdlib: every rank and node then agrees on it
-    env = DistEnv.detect()
-    if env.is_distributed:  # torchrun, SLURM, horovodrun, mpirun or our launcher
-        result = worker(config_to_dict(cfg), *extra)
-        if result.preempted and not env.is_main:  # every rank exits "requeue"
-            raise RunStopped(f"rank {env.rank} stopped by {result.preempted}.",
-                             exit_status(getattr(signal, result.preempted)))
-        return result if env.is_main else None  # one summary per job, from rank 0
-    dist = cfg.dist
-    traits = strategy_traits(cfg)
-    if traits.ranks_started_elsewhere and dist.nproc > 1:
-        name = cfg.parallel.strategy
-        raise ConfigError(
-            f"--nproc {dist.nproc} with --strategy {name}: its ranks are started by "
-            f"horovodrun, not by gpufleet. Run: horovodrun -np {dist.nproc} gpufleet train "
-            f"--strategy {name} ... (without --nproc).")
-    nproc = dist.nproc or _visible_gpus(cfg)
-    max_nodes = int(dist.nnodes.split(":")[-1])
-    multi_node = max_nodes > 1
-    launcher = dist.launcher
-    if launcher == "auto":
-        needs_agent = nproc > 1 or multi_node or dist.max_restarts > 0
-        launcher = "elastic" if needs_agent else "none"
-    if launcher == "none" and (nproc > 1 or multi_node):
-        raise ConfigError(f"dist.launcher = 'none' runs one process, but {nproc} rank(s) "
-                          f"on {dist.nnodes} node(s) were asked for. Use "
-                          "--launcher elastic (or spawn), or --nproc 1.")
-    # Check the whole config here, once, before any rank starts: a mistake then reads as
-    # one message instead of a traceback per rank (and per restart).
-    resolve(cfg, Machine.detect(), world_size=nproc * max_nodes, local_world_size=nproc)
-    cfg = dataclasses.replace(cfg, dist=dataclasses.replace(dist, nproc=nproc,
-                                                            launcher=launcher))
-    if launcher == "none":
-        return worker(config_to_dict(cfg), *extra)  # rank 0 locks the run directory
-    # Before any rank starts: what the ranks are sent, and one batch through the job.
-    check_picklable(extra, nproc)
-    preflight_job(cfg, job)
-    if multi_node:
-        from gpufleet.api import setup_logging
-
-        setup_logging(cfg.log.level, env)  # the agent says which interface and store host
-    run_id_before, lock, made = os.environ.get(runlock.RUN_ID_ENV), None, []
-    try:
-        # Its run id goes to the ranks' env; ``made``: the folders this launch creates.
-        cfg, lock, made = _plan_and_lock(cfg, multi_node)
-        record_process(cfg.run.dir, "launcher")  # for `gpufleet cleanup RUN_DIR`
-        results = launch(
-            worker, (config_to_dict(cfg), *extra), nproc=nproc, launcher=launcher,
-            nnodes=dist.nnodes, node_rank=dist.node_rank, master_addr=dist.master_addr,
-            master_port=dist.master_port, rdzv_endpoint=dist.rdzv_endpoint,
-            rdzv_backend=dist.rdzv_backend, rdzv_id=dist.rdzv_id or cfg.run.name,
-            max_restarts=dist.max_restarts, rdzv_timeout=dist.rdzv_timeout,
-            rdzv_last_call_s=dist.rdzv_last_call_s, rdzv_keep_alive_s=dist.rdzv_keep_alive_s)
-        forget_process(cfg.run.dir)
-    except RunStopped as e:  # the agent got the signal: the ranks' results are lost
-        raise RunStopped(_stopped(e.signal, cfg.run.dir), e.exit_code, e.signal) from None
-    except BaseException:
-        if made:  # e.g. the ranks never met: leave nothing half-written
-            forget_process(cfg.run.dir)
-            if lock is not None:
-                lock.release()
-                lock = None
-                runlock.remove_lock_file(cfg.run.dir)
-            _remove_if_empty(made)
-        raise
-    finally:
-        if lock is not None:
-            lock.release()
-        if run_id_before is None:  # this process may start other runs later
-            os.environ.pop(runlock.RUN_ID_ENV, None)
-        else:
-            os.environ[runlock.RUN_ID_ENV] = run_id_before
-    # On a node without global rank 0, a rank of this node says how the run ended.
-    return results.get(0) or next((r for r in results.values() if r is not None), None)
-
-
-def _plan_and_lock(cfg: Config, multi_node: bool) -> tuple[Config, Any, list[Path]]:
-    """The launcher's run directory, locked for this run (see gpufleet.train.runlock),
-    and the folders that did not exist before (a multi-node run's directory, which a
-    launch whose ranks never met removes again)."""
-    from gpufleet.procs import RECORDS_DIR
-    from gpufleet.train import runlock
-    from gpufleet.train.checkpoint import check_loadable, mark_verified
-    from gpufleet.train.rundir import plan_and_lock
-
-    dist = cfg.dist
-    if multi_node:
-        # Every node must agree on the run directory without talking to each other.
-        if not cfg.run.dir:
-            if not dist.rdzv_id:
-                raise ConfigError(
-                    "a multi-node run needs a run directory that every node agrees on. "
-                    "Pass --rdzv-id NAME (the run writes to <out_dir>/<name>-NAME) or "
-                    "--run-dir PATH, on a file system all nodes share.")
-            run_dir = f"{cfg.run.out_dir}/{cfg.run.name}-{dist.rdzv_id}"
-            cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir))
-        # Every node of this run shares the lock: they agree on the rendezvous.
-        where = dist.rdzv_endpoint or f"{dist.master_addr}:{dist.master_port}"
-        os.environ[runlock.RUN_ID_ENV] = f"{dist.rdzv_id or cfg.run.name}@{where}"
-        run_dir = Path(cfg.run.dir)
-        made = [d for d in (run_dir / RECORDS_DIR, run_dir, *run_dir.parents)
-                if not d.exists()]
-        return cfg, runlock.acquire(run_dir), made
-    os.environ[runlock.RUN_ID_ENV] = runlock.run_id()  # the ranks share the lock
-    cfg, resume_from, lock = plan_and_lock(cfg)  # one directory for every rank and restart
-    try:
-        if resume_from is not None:
-            check_loadable(resume_from)  # refused here, once, not in a traceback per rank
-    except BaseException:
-        if lock is not None:
-            lock.release()
-        raise
-    if resume_from is not None and resume_from.is_file():
-        mark_verified(resume_from)  # checked just now: rank 0 need not hash it again
-    return cfg, lock, []
-
-
-def strategy_traits(cfg: Config) -> Any:
-    """What the config's strategy asks of the run (``auto`` is ``ddp`` here: it asks for
-    every visible GPU)."""
-    from gpufleet.parallel import strategy_class
-
-    name = cfg.parallel.strategy
-    return strategy_class("ddp" if name == "auto" else name).traits
-
-
-def _remove_if_empty(folders: list[Path]) -> None:
-    for folder in folders:  # deepest first
-        try:
-            folder.rmdir()  # only empty folders go
-        except OSError:
-            pass
-
-
-def _visible_gpus(cfg: Config) -> int:
-    traits = strategy_traits(cfg)
-    if traits.ranks_started_elsewhere:
-        return 1  # one process here; horovodrun -np N starts more
-    if cfg.run.device == "cpu":
-        return 1
-    import torch
-
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if traits.one_process:
-        return 1  # dp: one process drives every GPU; single: one process, one GPU
-    return max(1, count)
 
 
 def _print_summary(result: Any) -> None:

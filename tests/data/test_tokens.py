@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from gpufleet.core import machine as machine_module
 from gpufleet.data import TokenWindowDataset, default_num_workers, seed_worker, split_train_eval
-from gpufleet.data import loaders as loader_module
 
 
 @pytest.fixture
@@ -149,12 +149,12 @@ def test_seed_worker_gives_each_worker_its_own_reproducible_numpy_stream():
 
 
 def test_default_num_workers(monkeypatch):
-    monkeypatch.setattr(loader_module.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(machine_module.os, "cpu_count", lambda: 16)
     assert default_num_workers("cpu", 1) == 0
     assert default_num_workers("cuda", 1) == 4
     assert default_num_workers("cuda", 4) == 3
     assert default_num_workers("cuda", 16) == 1
-    monkeypatch.setattr(loader_module.os, "cpu_count", lambda: None)
+    monkeypatch.setattr(machine_module.os, "cpu_count", lambda: None)
     assert default_num_workers("cuda", 2) == 1
     with pytest.raises(ValueError, match="local_world_size"):
         default_num_workers("cuda", 0)

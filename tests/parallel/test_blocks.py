@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from gpufleet.models import build_gpt
+from gpufleet.parallel.activation_checkpointing import apply_activation_checkpointing
 from gpufleet.parallel.blocks import find_blocks
-from gpufleet.parallel.checkpointing import apply_activation_checkpointing
 from gpufleet.parallel.fsdp import blocks_to_shard
 
 

@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpufleet.config import Machine, load_config, resolve
+from gpufleet.config import load_config
 from gpufleet.errors import ConfigError
 from gpufleet.parallel import strategy_class
 from gpufleet.parallel.dims import ParallelDims, plan_for
 from gpufleet.parallel.grad_norm import clip_grads_, grad_norm, spreads_gradients
+from gpufleet.resolve import Machine, resolve
 from gpufleet.train import checkpoint as ckpt
 
 CPU = Machine(cuda=False, gpus=0, bf16=False)

@@ -1,41 +1,9 @@
-"""What machine a measurement ran on: every benchmark prints it beside its numbers."""
+"""What machine a measurement ran on: every benchmark prints it beside its numbers.
 
-from __future__ import annotations
+The facts live in the bottom layer (:mod:`gpufleet.core.machine`); benchmarks import
+them from here.
+"""
 
-import os
-import platform
-from pathlib import Path
+from gpufleet.core.machine import cores_per_rank, cpu_model, machine_summary, usable_cores
 
-
-def cpu_model() -> str:
-    """The CPU's model name (from /proc/cpuinfo on Linux), e.g. "AMD EPYC 7B13"."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith(("model name", "hardware", "cpu model")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (its affinity), else all of them."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def cores_per_rank(local_world_size: int) -> int:
-    """This node's usable cores shared among its ``local_world_size`` ranks (at least 1)."""
-    return max(1, usable_cores() // max(1, local_world_size))
-
-
-def machine_summary() -> str:
-    """One line: CPU model, cores, torch version and the GPU (or that there is none)."""
-    import torch
-
-    gpu = (f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} x "
-           f"{torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no CUDA")
-    return (f"{cpu_model()}, {usable_cores()} usable core(s) of {os.cpu_count()}, "
-            f"torch {torch.__version__}, Python {platform.python_version()}, {gpu}")
+__all__ = ["cores_per_rank", "cpu_model", "machine_summary", "usable_cores"]

@@ -73,6 +73,28 @@ class RunConfig(Section):
     eval_batches: int = opt(50, "Batches per rank in an evaluation (0: the whole set).", min=0)
 
 
+# Evaluation metrics built in (gpufleet.train.evalmetrics implements them).
+BUILTIN_METRICS = ("accuracy", "top5_accuracy", "perplexity")
+
+
+def check_names(spec: str) -> list[str]:
+    """The names in ``spec``, checked without importing anything (a config is checked
+    where its functions must not run, e.g. when a run is exported)."""
+    names = list(dict.fromkeys(n.strip() for n in spec.split(",") if n.strip()))
+    for name in names:
+        if name not in BUILTIN_METRICS and ":" not in name:
+            raise ConfigError(unknown_choice(
+                "eval.metrics", name, BUILTIN_METRICS,
+                "Or name your own as package.module:function(output, target)."))
+    return names
+
+
+# The strategy presets; gpufleet.parallel registers one class under each name (its
+# tests check the two agree), and the config checks names without importing it.
+STRATEGY_NAMES = ("single", "dp", "ddp", "pipeline", "local_sgd", "model_parallel", "horovod",
+                  "fsdp", "zero1", "hsdp")
+
+
 @dataclass
 class EvalConfig(Section):
     metrics: str = opt("", "Evaluation metrics besides the loss, comma-separated: accuracy, "
@@ -81,8 +103,6 @@ class EvalConfig(Section):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        from gpufleet.train.evalmetrics import check_names
-
         check_names(self.metrics)
 
 
@@ -385,11 +405,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
-        # The strategy registry lives in gpufleet.parallel; importing it here would be
-        # circular at module import time, so it is looked up when a Config is made.
-        from gpufleet.parallel import strategy_names
-
-        names = ("auto", *strategy_names())
+        names = ("auto", *STRATEGY_NAMES)
         if self.parallel.strategy not in names:
             raise ConfigError(unknown_choice("parallel.strategy", self.parallel.strategy, names))
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from gpufleet.train.batches import map_tensors, to_device
+from gpufleet.core.tree import map_tensors, to_device
 
 _END = object()  # marks an exhausted loader in the one-batch look-ahead
 

@@ -51,7 +51,7 @@ def write_crash_report(trainer: Any, error: BaseException) -> Path | None:
         f"host {socket.gethostname()}, pid {os.getpid()}",
         f"time: {time.strftime('%Y-%m-%d %H:%M:%S')}",
         f"step: {trainer.step} (steps done), epoch {trainer.epoch}, "
-        f"phase: {trainer.watchdog.phase if trainer.watchdog else 'unknown (no watchdog)'}",
+        f"phase: {trainer.phase}",
         f"error: {type(error).__name__}: {error}",
         "",
         "likely cause: " + explain(error),

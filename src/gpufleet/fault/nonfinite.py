@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from gpufleet.config import FaultConfig
+from gpufleet.core.collectives import gather_objects
 from gpufleet.errors import TrainingStopped
-from gpufleet.launch import gather_objects
 
 log = logging.getLogger(__name__)
 

@@ -38,31 +38,32 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet.config import FaultConfig
+from gpufleet.core.callbacks import Callback
+from gpufleet.core.phases import Phase
 from gpufleet.fault.liveness import Liveness, Verdict
-from gpufleet.train.callbacks import Callback
 
 log = logging.getLogger(__name__)
 
 # Where a phase sits in the progress of a rank: steps done × 10 + this offset. Phases
 # after "end" belong to the step just done; data/forward/backward/optimizer to the next.
-_OFFSET = {"end": 0, "log": 1, "eval": 2, "checkpoint": 3, "data": 4, "forward": 5,
-           "backward": 6, "optimizer": 7}
+_OFFSET = {Phase.END: 0, Phase.LOG: 1, Phase.EVAL: 2, Phase.CHECKPOINT: 3, Phase.DATA: 4,
+           Phase.FORWARD: 5, Phase.BACKWARD: 6, Phase.OPTIMIZER: 7}
 # What a rank in each phase is doing, for the report.
 DOING = {
     "setup": "setting up",
-    "data": "loading the next batch (no collective)",
-    "forward": "the forward pass",
-    "backward": "backward (with ddp: the gradient all-reduce that ends it)",
-    "optimizer": "the optimizer step (with fault.skip_nonfinite: the non-finite flag "
-                 "all-reduce)",
-    "end": "finishing the step",
-    "log": "the metrics all-reduce of the log interval",
-    "eval": "evaluation (its loss all-reduce at the end)",
-    "checkpoint": "saving a checkpoint (the gather of every rank's RNG state)",
+    Phase.DATA: "loading the next batch (no collective)",
+    Phase.FORWARD: "the forward pass",
+    Phase.BACKWARD: "backward (with ddp: the gradient all-reduce that ends it)",
+    Phase.OPTIMIZER: "the optimizer step (with fault.skip_nonfinite: the non-finite flag "
+                     "all-reduce)",
+    Phase.END: "finishing the step",
+    Phase.LOG: "the metrics all-reduce of the log interval",
+    Phase.EVAL: "evaluation (its loss all-reduce at the end)",
+    Phase.CHECKPOINT: "saving a checkpoint (the gather of every rank's RNG state)",
 }
 # Which clock a phase runs on: training steps, evaluations and checkpoints are timed
 # (and judged) apart.
-_ACTIVITY = {"eval": "eval", "checkpoint": "checkpoint"}
+_ACTIVITY = {Phase.EVAL: "eval", Phase.CHECKPOINT: "checkpoint"}
 _KEY = "gpufleet/watchdog"
 # Exit code of a rank that ended itself because a peer, or the store, stopped answering:
 # sysexits.h EX_UNAVAILABLE. Not 75 (EX_TEMPFAIL), which says "preempted, checkpoint
@@ -119,14 +120,15 @@ class Watchdog(Callback):
 
     def on_phase(self, trainer: Any, phase: str) -> None:
         activity = _ACTIVITY.get(phase, "step")
-        if phase == "end":  # a training step is done: time it, start the next one
+        if phase == Phase.END:  # a training step is done: time it, start the next one
             self.step = trainer.step
             self._close_activity()
             self._restart_clock("step")
         elif activity != self._activity:  # into or out of evaluation / checkpointing
             self._close_activity()
             self._restart_clock(activity)
-        self.phase, self.phase_since = phase, time.time()
+        # A plain name: heartbeats and reports show it as the name.
+        self.phase, self.phase_since = str(phase), time.time()
 
     def on_fit_end(self, trainer: Any, result: Any) -> None:
         self.stop()

@@ -6,16 +6,14 @@ Example:
     1
 """
 
+from gpufleet.core.collectives import broadcast_object, gather_objects, is_initialized
 from gpufleet.errors import LaunchError
 from gpufleet.launch.env import DistEnv, export_for_torch
 from gpufleet.launch.launcher import LaunchPlan, free_port, launch
 from gpufleet.launch.process_group import (
     barrier,
-    broadcast_object,
     destroy_process_group,
-    gather_objects,
     init_process_group,
-    is_initialized,
     job_store,
     rank,
     rank_zero_first,

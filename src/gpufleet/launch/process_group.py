@@ -13,24 +13,22 @@ import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from gpufleet.core.collectives import is_initialized
 from gpufleet.errors import LaunchError, unknown_choice
 from gpufleet.launch.env import DistEnv, export_for_torch
 from gpufleet.launch.netif import choose_socket_ifname
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-
-def is_initialized() -> bool:
-    """Whether this process has joined a process group."""
-    return dist.is_available() and dist.is_initialized()
-
+# How to install Horovod (a plain pip install does not build for this torch).
+HOROVOD_INSTALL = ("bash scripts/install-horovod.sh from gpufleet's source tree, which builds "
+                   "Horovod against this torch (plain `pip install horovod` fails to compile "
+                   "for torch >= 2.1); set HOROVOD_GPU_OPERATIONS=NCCL first on GPU machines")
 
 def init_process_group(env: DistEnv, backend: str, init_method: str = "env://",
                        timeout_s: float = 600.0) -> None:
@@ -113,12 +111,10 @@ def _rendezvous_through_horovod(env: DistEnv, timeout_s: float) -> tuple[Any, Di
     try:
         import horovod.torch as hvd  # optional dependency
     except ImportError as err:
-        from gpufleet.parallel.horovod import INSTALL
-
         raise LaunchError(
             f"This process is rank {env.rank} of {env.world_size} started by {launcher}, "
             f"which sets no address for torch.distributed to meet at. {set_address}, or "
-            f"install Horovod ({INSTALL}) so the ranks agree on one through it.") from err
+            f"install Horovod ({HOROVOD_INSTALL}) so the ranks agree on one through it.") from err
     hvd.init()
     if (hvd.rank(), hvd.size()) != (env.rank, env.world_size):
         raise LaunchError(
@@ -183,39 +179,6 @@ def barrier() -> None:
     """
     if is_initialized():
         dist.barrier()  # collective: every rank must call it
-
-
-def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
-    """Return rank ``src``'s ``obj`` on every rank of ``group`` (default: all; picklable
-    objects only; ``src`` is a global rank).
-
-    Without a process group ``obj`` comes back as it is.
-
-    Example:
-        >>> broadcast_object({"run_dir": "runs/a"})
-        {'run_dir': 'runs/a'}
-    """
-    if not is_initialized():
-        return obj
-    box: list[Any] = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)  # collective; pickles
-    return box[0]
-
-
-def gather_objects(obj: T) -> list[T]:
-    """Every rank's ``obj``, in rank order, on every rank (picklable objects only).
-
-    Without a process group the list holds ``obj`` alone.
-
-    Example:
-        >>> gather_objects(3)
-        [3]
-    """
-    if not is_initialized():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)  # collective; pickles through the backend
-    return out
 
 
 def world_size() -> int:

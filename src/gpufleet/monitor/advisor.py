@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from gpufleet.bench.machine import cores_per_rank, usable_cores
+from gpufleet.core.callbacks import Callback
+from gpufleet.core.machine import cores_per_rank, usable_cores
 from gpufleet.monitor.diagnose import (
     DIAGNOSIS_FILE,
     Finding,
@@ -28,7 +29,6 @@ from gpufleet.monitor.diagnose import (
 )
 from gpufleet.monitor.host_rules import host_view
 from gpufleet.monitor.phases import PHASES
-from gpufleet.train.callbacks import Callback
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +42,17 @@ class Advisor(Callback):
         metrics_file: the run's ``MetricsFile`` (diagnosis records go there), or None.
         system: the system sampler (its newest sample feeds the GPU rules), or None.
         skip_intervals: log intervals left out at the start (start-up, compilation).
+        phase_timer: the run's :class:`~gpufleet.monitor.phases.PhaseTimer` (its time
+            outside steps: evaluation, checkpoints), or None.
     """
 
     essential = False
 
     def __init__(self, facts: RunFacts, run_dir: str | Path, metrics_file: Any = None,
-                 system: Any = None, skip_intervals: int = 1) -> None:
+                 system: Any = None, skip_intervals: int = 1, phase_timer: Any = None) -> None:
         self.facts, self.run_dir = facts, Path(run_dir)
         self.metrics_file, self.system = metrics_file, system
+        self.phase_timer = phase_timer  # its time outside steps (eval, checkpoint)
         self.skip = skip_intervals
         self.intervals = 0
         self.steps = 0
@@ -71,7 +74,7 @@ class Advisor(Callback):
     def on_log(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
         self.intervals += 1
         steps, self._last_step = max(1, step - self._last_step), step
-        logged = getattr(trainer.callbacks, "log_seconds", {})
+        logged = trainer.log_seconds
         if self.intervals <= self.skip or "rank_phases" not in metrics:
             self._log_base = dict(logged)  # start-up is left out here too
             return
@@ -84,7 +87,7 @@ class Advisor(Callback):
         if "tflops" in metrics:
             self._flop_s += metrics["tflops"] * steps
         self._mem_peak = max(self._mem_peak, metrics.get("mem_peak_gb", 0.0))
-        timer = getattr(trainer, "phase_timer", None)
+        timer = self.phase_timer
         self._outside = {k: (v[0], int(v[1])) for k, v in timer.outside.items()} \
             if timer is not None else {}
         self._log_callbacks = {k: v - self._log_base.get(k, 0.0) for k, v in logged.items()

@@ -7,118 +7,23 @@ for ``gpufleet report``.
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-DIAGNOSIS_FILE = "diagnosis.json"
+from gpufleet.monitor.findings import (
+    DIAGNOSIS_FILE,
+    Finding,
+    RunFacts,
+    Summary,
+    findings_for_run,
+    format_findings,
+)
+from gpufleet.monitor.host_rules import HOST_RULES
 
-
-@dataclass(frozen=True)
-class Finding:
-    """One thing that limits the run.
-
-    Attributes:
-        rule: a stable name, e.g. ``input-bound``, ``straggler``, ``host-bound``.
-        severity: ``warn`` (costs speed now) or ``info`` (room to go faster).
-        title: one short line, e.g. "input-bound on rank 3".
-        message: what was measured, with the numbers.
-        fix: what to change, with config keys and values.
-        step: the optimizer step at which it was found.
-        changes: the fix as settings to try (config keys, and ``env.NAME`` for an
-            environment variable), when it is one; ``gpufleet tune`` measures them.
-    """
-
-    rule: str
-    severity: str
-    title: str
-    message: str
-    fix: str
-    step: int = 0
-    changes: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Finding:
-        return cls(**{k: data[k] for k in ("rule", "severity", "title", "message", "fix")},
-                   step=int(data.get("step", 0)), changes=dict(data.get("changes") or {}))
-
-
-def findings_for_run(run_dir: str | Path) -> list[Finding]:
-    """The findings recorded for a run (empty when it recorded none)."""
-    path = Path(run_dir) / DIAGNOSIS_FILE
-    if not path.is_file():
-        return []
-    return [Finding.from_dict(d) for d in json.loads(path.read_text())["findings"]]
-
-
-def format_findings(findings: list[Finding]) -> str:
-    """Plain text for a terminal or a log: one paragraph per finding."""
-    if not findings:
-        return "No limit found: the measured phases look balanced."
-    return "\n".join(f"[{f.severity}] {f.title}: {f.message} Fix: {f.fix}" for f in findings)
-
-
-# -- what the rules know about the run -------------------------------------------------
-@dataclass
-class RunFacts:
-    """The run's setup, as the rules need it (filled by the trainer once).
-
-    Attributes:
-        device: ``cpu`` or ``cuda``; device_name: e.g. "NVIDIA H100 80GB HBM3".
-        world / local_world: ranks in the job / on this node.
-        cpus_per_rank: CPU cores this node has per rank (caps data-loader workers).
-        device_flops: FLOP/s one device can do (the GPU's peak for the run's precision,
-            or on a CPU a measured matmul rate); None when unknown.
-        device_flops_source: "peak" or "measured matmul".
-        tensor_cores: a GPU with bf16 tensor cores (compute capability 8.0 or newer).
-        mem_total_gb: device memory (CUDA), else 0.
-        cores: CPU cores this node's ranks may use; torch_threads: each rank's torch
-            intra-op threads.
-        log_every / eval_every / checkpoint_every: the run's intervals, in steps.
-    """
-
-    device: str = "cpu"
-    device_name: str = ""
-    world: int = 1
-    local_world: int = 1
-    cpus_per_rank: int = 1
-    num_workers: int = 0
-    pin_memory: bool = False
-    batch_size: int = 1
-    grad_accum: int = 1
-    precision: str = "fp32"
-    strategy: str = "single"
-    bucket_cap_mb: float = 25.0
-    compile: bool = False
-    device_flops: float | None = None
-    device_flops_source: str = "peak"
-    tensor_cores: bool = False
-    mem_total_gb: float = 0.0
-    cores: int = 1
-    torch_threads: int = 1
-    log_every: int = 10
-    eval_every: int = 0
-    checkpoint_every: int = 0
-
-
-@dataclass
-class Summary:
-    """Mean per-step numbers over the part of the run seen so far (first interval left
-    out: it holds start-up and compilation)."""
-
-    steps: int
-    step_s: float
-    rank_phases: list[dict[str, float]]  # per rank: data, forward, backward, optimizer, other
-    tflops: float | None = None  # achieved by one rank
-    mem_peak_gb: float | None = None
-    train_s: float = 0.0  # seconds in training steps
-    outside: dict[str, tuple[float, int]] = field(default_factory=dict)  # eval, checkpoint
-    log_callbacks: dict[str, float] = field(default_factory=dict)  # seconds in on_log
+# The findings' types live in gpufleet.monitor.findings (the host rules use them too);
+# they are named here as well, where the rules' callers have always found them.
+__all__ = ["DIAGNOSIS_FILE", "Finding", "RunFacts", "Summary", "diagnose", "findings_for_run",
+           "format_findings"]
 
 
 def diagnose(s: Summary, facts: RunFacts, system: dict[str, Any] | None = None,
@@ -330,7 +235,5 @@ def _dp_imbalance(s: Summary, facts: RunFacts, system: dict[str, Any] | None,
 def _rules() -> tuple[Any, ...]:
     """Every rule, in the order their findings are given (warnings before infos): what
     slows the node from outside the step first, then the step's own limits."""
-    from gpufleet.monitor.host_rules import HOST_RULES
-
     return (*HOST_RULES, _input_bound, _straggler, _communication_bound, _host_bound,
             _memory_headroom, _fp32_on_tensor_cores, _host_syncs, _dp_imbalance)

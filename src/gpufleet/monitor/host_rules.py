@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from gpufleet.monitor.diagnose import Finding, RunFacts, Summary
+from gpufleet.monitor.findings import Finding, RunFacts, Summary
 
 #: share of the node's cores other processes must use, and how busy the node must be
 CONTENTION_OTHERS = 0.2

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpufleet.train.callbacks import Callback
+from gpufleet.core.callbacks import Callback
 
 
 class MetricsFile(Callback):

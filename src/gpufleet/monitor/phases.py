@@ -20,11 +20,13 @@ from typing import Any
 
 import torch
 
-from gpufleet.train.callbacks import Callback
+from gpufleet.core.callbacks import Callback
+from gpufleet.core.phases import Phase
 
 PHASES = ("data", "forward", "backward", "optimizer", "other")
 # What the loop's phase names count as.
-_BUCKET = {"data": 0, "forward": 1, "backward": 2, "optimizer": 3, "end": 4, "log": 4}
+_BUCKET = {Phase.DATA: 0, Phase.FORWARD: 1, Phase.BACKWARD: 2, Phase.OPTIMIZER: 3,
+           Phase.END: 4, Phase.LOG: 4}
 
 
 class PhaseTimer(Callback):
@@ -59,8 +61,8 @@ class PhaseTimer(Callback):
             kept[0] += now - self._since
             kept[1] += 1
         bucket = _BUCKET.get(phase)  # None: eval / checkpoint, outside the step
-        self._outside_kind = phase if bucket is None else None
-        if phase == "end":
+        self._outside_kind = str(phase) if bucket is None else None
+        if phase == Phase.END:
             self._steps += 1
         self._current, self._since = bucket, now
         if self.cuda:

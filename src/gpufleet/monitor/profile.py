@@ -21,8 +21,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from gpufleet.core.callbacks import Callback
 from gpufleet.errors import ConfigError
-from gpufleet.train.callbacks import Callback
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from gpufleet.train.callbacks import Callback
+from gpufleet.core.callbacks import Callback
 
 log = logging.getLogger("gpufleet.progress")
 
@@ -96,14 +96,6 @@ def gpu_table(sample: dict[str, Any] | None) -> Any:
     return table
 
 
-def _find_sampler(trainer: Any) -> Any:
-    """The SystemSampler among the trainer's callbacks, or None."""
-    from gpufleet.monitor.system import SystemSampler
-
-    callbacks = getattr(getattr(trainer, "callbacks", None), "callbacks", [])
-    return next((c for c in callbacks if isinstance(c, SystemSampler)), None)
-
-
 class _Dashboard:
     """What the live view shows under the bar; rich renders it afresh at each refresh."""
 
@@ -159,7 +151,7 @@ class Progress(Callback):
         self._total = trainer.max_steps
         self._epochs = trainer.cfg.run.max_epochs
         if self.sampler is None:
-            self.sampler = _find_sampler(trainer)
+            self.sampler = trainer.system_sampler
         if self.mode == "bar":
             self._start_live(trainer.step)
 

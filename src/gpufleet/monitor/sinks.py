@@ -42,8 +42,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from gpufleet.core.callbacks import Callback
 from gpufleet.errors import ConfigError, unknown_choice
-from gpufleet.train.callbacks import Callback
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class _Sink(Callback):
 
     def on_fit_start(self, trainer: Any) -> None:
         if getattr(getattr(trainer, "env", None), "is_main", True):
-            self.sampler = getattr(trainer, "sampler", None)  # this node's SystemSampler
+            self.sampler = getattr(trainer, "system_sampler", None)  # this node's sampler
             self.open()
             self.active = True
 

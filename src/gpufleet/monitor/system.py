@@ -50,7 +50,7 @@ from typing import Any
 
 import psutil
 
-from gpufleet.train.callbacks import Callback
+from gpufleet.core.callbacks import Callback
 
 log = logging.getLogger(__name__)
 

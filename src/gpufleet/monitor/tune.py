@@ -43,7 +43,7 @@ def apply_changes(args: list[str], changes: dict[str, Any]) -> tuple[list[str], 
         ...               {"data.batch_size": 8, "env.OMP_NUM_THREADS": 1})
         (['--log.every=1', '--data.batch_size=8'], {'OMP_NUM_THREADS': '1'})
     """
-    from gpufleet.cli import SHORTCUTS
+    from gpufleet.config.flags import SHORTCUTS
 
     env = {k[4:]: str(v) for k, v in changes.items() if k.startswith("env.")}
     keys = {k: v for k, v in changes.items() if not k.startswith("env.")}

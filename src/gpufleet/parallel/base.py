@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gpufleet.config import ParallelConfig
-from gpufleet.launch.process_group import is_initialized
+from gpufleet.core.collectives import is_initialized
 from gpufleet.parallel.dims import ParallelDims, StrategyTraits, plan_for
 from gpufleet.parallel.grad_norm import clip_grads_, grad_norm, spreads_gradients
 

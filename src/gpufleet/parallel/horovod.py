@@ -40,15 +40,11 @@ from torch import nn
 
 from gpufleet.errors import ConfigError, GpufleetError
 from gpufleet.launch.env import DistEnv
+from gpufleet.launch.process_group import HOROVOD_INSTALL as INSTALL
 from gpufleet.parallel.base import OptimizerSpec, Strategy
 from gpufleet.parallel.dims import StrategyTraits
 
 log = logging.getLogger(__name__)
-
-INSTALL = ("bash scripts/install-horovod.sh from gpufleet's source tree, which builds Horovod "
-           "against this torch (plain `pip install horovod` fails to compile for torch >= "
-           "2.1); set HOROVOD_GPU_OPERATIONS=NCCL first on GPU machines")
-
 
 def horovod_available() -> bool:
     """Whether ``horovod.torch`` can be imported here (without importing it)."""

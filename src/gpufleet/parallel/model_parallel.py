@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpufleet.core.tree import map_tensors
 from gpufleet.errors import ConfigError, did_you_mean
 from gpufleet.parallel.base import Strategy
-from gpufleet.train.batches import map_tensors
 
 log = logging.getLogger(__name__)
 

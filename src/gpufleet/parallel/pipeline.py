@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gpufleet.core.tree import map_tensors
 from gpufleet.errors import ConfigError, GpufleetError
 from gpufleet.launch import broadcast_object, gather_objects
 from gpufleet.parallel.base import OptimizerSpec, Strategy
@@ -63,7 +64,6 @@ from gpufleet.parallel.pipeline_split import (
     sequential_units,
     stage_module,
 )
-from gpufleet.train.batches import map_tensors
 
 log = logging.getLogger(__name__)
 

@@ -112,7 +112,7 @@ def without_strided(tree: Any) -> Any:
     """``tree`` (a state dict) with every head-split DTensor made whole over its tensor
     parallel ranks: ``torch.distributed.checkpoint`` cannot describe strided shards.
     The other shardings (FSDP's) stay, so each rank still writes only its part."""
-    from gpufleet.train.batches import map_tensors
+    from gpufleet.core.tree import map_tensors
 
     return map_tensors(tree, _unstrided)
 

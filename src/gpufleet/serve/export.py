@@ -21,7 +21,14 @@ from typing import Any
 import numpy as np
 
 from gpufleet.errors import ConfigError
-from gpufleet.serve.model import ServedModel, TensorSpec, _resize, to_numpy, to_torch
+from gpufleet.serve.model import (
+    ServedModel,
+    TensorSpec,
+    _config_schema,
+    _resize,
+    to_numpy,
+    to_torch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -77,17 +84,6 @@ def to_pbtxt(config: dict[str, Any]) -> str:
 
     message = json_format.ParseDict(config, _config_schema().ModelConfig())
     return text_format.MessageToString(message)
-
-
-def _config_schema() -> Any:
-    """Triton's ModelConfig protobuf module (shipped with tritonclient's gRPC client)."""
-    try:
-        from tritonclient.grpc import model_config_pb2
-    except ImportError as e:
-        raise ConfigError("reading or writing config.pbtxt needs Triton's model-config "
-                          "schema: pip install 'gpufleet[serve]' (or "
-                          "'tritonclient[grpc]').") from e
-    return model_config_pb2
 
 
 def export_triton(model: ServedModel, out_dir: str | Path, max_batch_size: int = 8,
@@ -150,43 +146,6 @@ def _check_same(module: Any, traced: Any, arrays: list[np.ndarray]) -> None:
         raise ConfigError(f"the TorchScript trace differs from the model on inputs of shape "
                           f"{shapes} (the trace froze a shape or a branch). Make forward "
                           "free of Python branches on tensor values, or script it yourself.")
-
-
-def load_triton_model_dir(folder: Path, device: str = "cpu") -> ServedModel:
-    """Serve a Triton model directory with a TorchScript model (what export writes)."""
-    from google.protobuf import text_format
-
-    model_config_pb2 = _config_schema()
-    from gpufleet.serve.model import from_module, jit_load
-
-    try:
-        config = text_format.Parse((folder / "config.pbtxt").read_text(),
-                                   model_config_pb2.ModelConfig())
-    except text_format.ParseError as e:
-        raise ConfigError(f"{folder / 'config.pbtxt'} is not a valid model config: {e}") from e
-    versions = sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit())
-    filename = config.default_model_filename or "model.pt"
-    if not versions or not (folder / str(versions[-1]) / filename).is_file():
-        raise ConfigError(f"{folder} has no <version>/{filename}. Export the model again.")
-    type_names = model_config_pb2.DataType.Name
-    specs = [TensorSpec(t.name, type_names(t.data_type).removeprefix("TYPE_")
-                        .replace("STRING", "BYTES"), _dims(t)) for t in config.input]
-    module = jit_load(folder / str(versions[-1]) / filename, device)
-    model = from_module(config.name or folder.name, module, specs, device)
-    if len(model.outputs) != len(config.output):
-        raise ConfigError(f"{folder / 'config.pbtxt'} lists {len(config.output)} outputs but "
-                          f"the model returns {len(model.outputs)}.")
-    model.outputs = [TensorSpec(c.name, o.datatype, _dims(c))
-                     for c, o in zip(config.output, model.outputs)]
-    model.version = str(versions[-1])
-    return model
-
-
-def _dims(tensor: Any) -> tuple[int, ...]:
-    """Per-sample dims of a config input/output; ``reshape { shape: [] }`` is a scalar."""
-    if tensor.HasField("reshape") and not tensor.reshape.shape:
-        return ()
-    return tuple(tensor.dims)
 
 
 def load_for_export(source: str, name: str | None = None,

@@ -105,8 +105,6 @@ def load_model(source: str, *, name: str | None = None, inputs: Sequence[str] = 
     if (path / "config.toml").is_file():
         model = _load_run(path, specs, dev, trust_code)
     elif (path / "config.pbtxt").is_file():
-        from gpufleet.serve.export import load_triton_model_dir
-
         model = load_triton_model_dir(path, dev)
     elif path.is_file():
         model = from_module(path.stem, jit_load(path, dev), _need(specs, source), dev)
@@ -333,3 +331,50 @@ def _run_probe(call: Callable, arrays: list[np.ndarray], rows: int,
             raise ConfigError(f"output {name!r} has shape {list(a.shape)} for a batch of "
                               f"{rows}; a served model must keep the batch dim first.")
     return out
+
+
+# -- Triton model directories (what `gpufleet export triton` writes) --------------
+def _config_schema() -> Any:
+    """Triton's ModelConfig protobuf module (shipped with tritonclient's gRPC client)."""
+    try:
+        from tritonclient.grpc import model_config_pb2
+    except ImportError as e:
+        raise ConfigError("reading or writing config.pbtxt needs Triton's model-config "
+                          "schema: pip install 'gpufleet[serve]' (or "
+                          "'tritonclient[grpc]').") from e
+    return model_config_pb2
+
+
+def load_triton_model_dir(folder: Path, device: str = "cpu") -> ServedModel:
+    """Serve a Triton model directory with a TorchScript model (what export writes)."""
+    from google.protobuf import text_format
+
+    model_config_pb2 = _config_schema()
+    try:
+        config = text_format.Parse((folder / "config.pbtxt").read_text(),
+                                   model_config_pb2.ModelConfig())
+    except text_format.ParseError as e:
+        raise ConfigError(f"{folder / 'config.pbtxt'} is not a valid model config: {e}") from e
+    versions = sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit())
+    filename = config.default_model_filename or "model.pt"
+    if not versions or not (folder / str(versions[-1]) / filename).is_file():
+        raise ConfigError(f"{folder} has no <version>/{filename}. Export the model again.")
+    type_names = model_config_pb2.DataType.Name
+    specs = [TensorSpec(t.name, type_names(t.data_type).removeprefix("TYPE_")
+                        .replace("STRING", "BYTES"), _dims(t)) for t in config.input]
+    module = jit_load(folder / str(versions[-1]) / filename, device)
+    model = from_module(config.name or folder.name, module, specs, device)
+    if len(model.outputs) != len(config.output):
+        raise ConfigError(f"{folder / 'config.pbtxt'} lists {len(config.output)} outputs but "
+                          f"the model returns {len(model.outputs)}.")
+    model.outputs = [TensorSpec(c.name, o.datatype, _dims(c))
+                     for c, o in zip(config.output, model.outputs)]
+    model.version = str(versions[-1])
+    return model
+
+
+def _dims(tensor: Any) -> tuple[int, ...]:
+    """Per-sample dims of a config input/output; ``reshape { shape: [] }`` is a scalar."""
+    if tensor.HasField("reshape") and not tensor.reshape.shape:
+        return ()
+    return tuple(tensor.dims)

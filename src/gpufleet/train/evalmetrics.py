@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from gpufleet.errors import ConfigError, unknown_choice
+from gpufleet.config.schema import BUILTIN_METRICS, check_names
 
 IGNORE_INDEX = -100
 MetricFn = Callable[[Any, Any], Any]
@@ -75,11 +75,13 @@ def _perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else float("inf")
 
 
-BUILTINS: dict[str, EvalMetric] = {
+_IMPLEMENTED: dict[str, EvalMetric] = {
     "accuracy": EvalMetric("accuracy", accuracy),
     "top5_accuracy": EvalMetric("top5_accuracy", top5_accuracy),
     "perplexity": EvalMetric("perplexity", from_loss=_perplexity),
 }
+# The config names the built-ins (it checks names without importing this module).
+BUILTINS: dict[str, EvalMetric] = {name: _IMPLEMENTED[name] for name in BUILTIN_METRICS}
 
 
 def build_metrics(spec: str) -> list[EvalMetric]:
@@ -102,18 +104,6 @@ package.module:function(output, target).
     return [BUILTINS[name] if name in BUILTINS else
             EvalMetric(name.rsplit(":", 1)[1], import_object(name, "eval.metrics"))
             for name in check_names(spec)]
-
-
-def check_names(spec: str) -> list[str]:
-    """The names in ``spec``, checked without importing anything (a config is checked
-    where its functions must not run, e.g. when a run is exported)."""
-    names = list(dict.fromkeys(n.strip() for n in spec.split(",") if n.strip()))
-    for name in names:
-        if name not in BUILTINS and ":" not in name:
-            raise ConfigError(unknown_choice(
-                "eval.metrics", name, BUILTINS,
-                "Or name your own as package.module:function(output, target)."))
-    return names
 
 
 def batch_totals(metric: EvalMetric, output: Any, target: Any, n: int) -> tuple[Any, Any]:

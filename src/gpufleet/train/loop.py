@@ -10,12 +10,10 @@ optimizer is not fused; see :mod:`gpufleet.fault.nonfinite`).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import time
 import warnings
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -23,67 +21,22 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from gpufleet.config import Config
+from gpufleet.core.callbacks import Callback
+from gpufleet.core.phases import Phase, PhaseAnnouncer
+from gpufleet.core.tree import batch_size_of, tokens_of
 from gpufleet.errors import ConfigError
 from gpufleet.fault.crash import write_crash_report
 from gpufleet.monitor.metrics import flops_metrics, phase_metrics
 from gpufleet.procs import forget_process
-from gpufleet.train.batches import batch_size_of, to_device, tokens_of
-from gpufleet.train.callbacks import Callback
-from gpufleet.train.evalmetrics import EvalMetric, batch_totals, final_values
+from gpufleet.train.evalmetrics import EvalMetric
+from gpufleet.train.evaluator import Evaluator
 from gpufleet.train.perf import to_channels_last
+from gpufleet.train.result import FitResult
 from gpufleet.train.setup import TrainerSetup
 
 log = logging.getLogger(__name__)
 
 _NO_COUNT = contextlib.nullcontext()  # reusable: stands for "FLOPs already counted"
-
-
-@dataclass
-class FitResult:
-    """What a finished run reports (the same on every rank).
-
-    Attributes:
-        steps: optimizer steps done in total (resumed runs count the earlier ones).
-        losses: ``(step, mean training loss over the log interval)`` pairs.
-        eval_losses: ``(step, evaluation loss)`` pairs.
-        samples_per_s / tokens_per_s: global throughput over training time (evaluation
-            and checkpoint time excluded); tokens only for integer-id inputs.
-        train_time_s: seconds spent in training steps this session.
-        run_dir / checkpoint: where the run and its last written checkpoint are.
-        epochs: passes over the training set (1.5: halfway through the second).
-        skipped_steps: optimizer steps skipped for non-finite loss or gradients.
-        checkpoint_errors: checkpoint writes that failed (training went on).
-        callback_errors: non-essential callbacks (metric sinks) that failed, by name,
-            with their first error (training went on without them).
-        eval_metrics: ``(step, {metric: value})`` of each evaluation (``eval.metrics``).
-        findings: what limits the run (:class:`gpufleet.monitor.diagnose.Finding`).
-        preempted: the signal that stopped the run early ("SIGTERM", ...), after a
-            checkpoint of its last step; None when it ran to the end.
-    """
-
-    steps: int = 0
-    losses: list[tuple[int, float]] = field(default_factory=list)
-    eval_losses: list[tuple[int, float]] = field(default_factory=list)
-    samples_per_s: float = 0.0
-    tokens_per_s: float | None = None
-    train_time_s: float = 0.0
-    run_dir: str = ""
-    checkpoint: str | None = None
-    skipped_steps: int = 0
-    epochs: float = 0.0
-    checkpoint_errors: list[str] = field(default_factory=list)
-    callback_errors: dict[str, str] = field(default_factory=dict)
-    eval_metrics: list[tuple[int, dict[str, float]]] = field(default_factory=list)
-    findings: list[Any] = field(default_factory=list)
-    preempted: str | None = None
-
-    @property
-    def final_loss(self) -> float | None:
-        return self.losses[-1][1] if self.losses else None
-
-    @property
-    def eval_loss(self) -> float | None:
-        return self.eval_losses[-1][1] if self.eval_losses else None
 
 
 class Trainer(TrainerSetup):
@@ -112,6 +65,11 @@ class Trainer(TrainerSetup):
                  eval_metrics: Mapping[str, Any] | None = None) -> None:
         super().__init__(cfg, model, train_data, eval_data, loss_fn, list(callbacks))
         self.eval_metrics += [EvalMetric(name, fn) for name, fn in (eval_metrics or {}).items()]
+        self.evaluator = None if self.eval_loader is None else Evaluator(
+            self.eval_loader, self.model, self.strategy, self.precision, self.loss_fn,
+            self.eval_metrics, device=self.device, pin_memory=self.pin_memory,
+            channels_last=self.cfg.perf.channels_last, max_batches=self.cfg.run.eval_batches,
+            data_copies=self.data_copies)
 
     # -- the loop --------------------------------------------------------------------
     def fit(self) -> FitResult:
@@ -127,7 +85,7 @@ class Trainer(TrainerSetup):
         except Exception as e:
             # Fatal (OOM, a failed collective, a bug): leave a report in the run
             # directory that says where and why, then fail as before.
-            write_crash_report(self, e)
+            write_crash_report(self.view, e)
             raise
         finally:
             if self.watchdog is not None:
@@ -143,14 +101,10 @@ class Trainer(TrainerSetup):
         guard = self.nonfinite  # None when fault.skip_nonfinite is off
         accum, max_steps = cfg.optim.grad_accum, self.max_steps  # steps or epochs
         loss_scale = 1.0 / accum
-        phases = cbs.phase_listeners
-
-        def mark_backward() -> None:  # called by the strategy where backward begins
-            for cb in phases:
-                cb.on_phase(self, "backward")
-
-        mark = mark_backward if phases else None
-        cbs.on_fit_start(self)
+        phase = self._phases = PhaseAnnouncer(cbs.phase_listeners, self.view)
+        # The strategy calls this where backward begins (None: nobody listens).
+        mark = phase.marker(Phase.BACKWARD) if phase else None
+        cbs.on_fit_start(self.view)
         # Running sum of micro-batch losses, kept on the device: adding to it does not
         # wait for the GPU. It is read once per log interval.
         loss_sum = torch.zeros((), device=self.device)
@@ -164,27 +118,25 @@ class Trainer(TrainerSetup):
             counting = self._flop_counter() if self.flops_per_step is None else _NO_COUNT
             with counting:
                 for micro in range(accum):
-                    for cb in phases:
-                        cb.on_phase(self, "data")
-                    batch = self.next_batch()
-                    for cb in phases:
-                        cb.on_phase(self, "forward")
-                    args = (model, batch, self.loss_fn, precision, loss_scale, mark)
-                    # Gradients are all-reduced on the last micro-step only (DDP no_sync);
-                    # the loss is scaled by 1/accum so the sum equals one big batch's mean.
-                    if micro == accum - 1:
-                        # COLLECTIVE (ddp): the gradient all-reduce runs in buckets during
-                        # this backward.
-                        loss = strategy.forward_backward(*args)
-                    else:
-                        with strategy.no_sync(model):
+                    with phase(Phase.DATA):
+                        batch = self.next_batch()
+                    with phase(Phase.FORWARD):  # backward is announced by `mark`
+                        args = (model, batch, self.loss_fn, precision, loss_scale, mark)
+                        # Gradients are all-reduced on the last micro-step only (DDP
+                        # no_sync); the loss is scaled by 1/accum so the sum equals one
+                        # big batch's mean.
+                        if micro == accum - 1:
+                            # COLLECTIVE (ddp): the gradient all-reduce runs in buckets
+                            # during this backward.
                             loss = strategy.forward_backward(*args)
+                        else:
+                            with strategy.no_sync(model):
+                                loss = strategy.forward_backward(*args)
                     step_loss = loss if step_loss is None else step_loss + loss
             if counting is not _NO_COUNT:
                 self.flops_per_step = counting.get_total_flops()
             # ---- optimizer step ------------------------------------------------------
-            for cb in phases:
-                cb.on_phase(self, "optimizer")
+            phase.announce(Phase.OPTIMIZER)
             precision.unscale(opt)  # true gradient sizes before clipping
             if guard is not None:
                 # COLLECTIVE (fault.skip_nonfinite): with a fused optimizer, the ranks
@@ -218,13 +170,11 @@ class Trainer(TrainerSetup):
             self.step += 1
             if skip:
                 guard.report(self.step, self.env.is_main)  # stops after too many in a row
-            for cb in phases:
-                cb.on_phase(self, "end")
-            cbs.on_step_end(self, self.step)
+            phase.announce(Phase.END)
+            cbs.on_step_end(self.view, self.step)
             # ---- once per log interval: reduce and report -----------------------------
             if self.step % cfg.log.every == 0 or self.step == max_steps:
-                for cb in phases:
-                    cb.on_phase(self, "log")
+                phase.announce(Phase.LOG)
                 now = time.perf_counter()
                 self._log_interval(loss_sum, micro_steps, now - interval_start)
                 loss_sum.zero_()
@@ -233,14 +183,12 @@ class Trainer(TrainerSetup):
             # Evaluation and checkpoints are timed apart from training throughput.
             if cfg.run.eval_every and self.step % cfg.run.eval_every == 0 \
                     and self.step < max_steps and self.eval_loader is not None:
-                for cb in phases:
-                    cb.on_phase(self, "eval")
-                self.evaluate()
+                with phase(Phase.EVAL):
+                    self.evaluate()
                 interval_start = time.perf_counter()
             if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
-                for cb in phases:
-                    cb.on_phase(self, "checkpoint")
-                self.save_checkpoint()
+                with phase(Phase.CHECKPOINT):
+                    self.save_checkpoint()
                 interval_start = time.perf_counter()
             # COLLECTIVE (one int on the CPU, every fault.preempt_check_every steps): a
             # SIGTERM/SIGUSR1/SIGINT on any rank stops every rank after this same step.
@@ -353,90 +301,31 @@ class Trainer(TrainerSetup):
             metrics.update(flops_metrics(self.flops_per_step, metrics["step_time_s"],
                                          self.peak_flops))
         self.result.losses.append((self.step, loss))
-        self.callbacks.on_log(self, self.step, metrics)
+        self.callbacks.on_log(self.view, self.step, metrics)
 
-    @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean loss (and ``eval.metrics``) over the evaluation set, summed exactly across
-        ranks.
-
-        The evaluation sampler gives every sample to exactly one rank (no padding), so
-        the all-reduced sums count each sample once.
-        """
-        if self.eval_loader is None:
+        """Evaluate now (:class:`~gpufleet.train.evaluator.Evaluator`), record the result
+        and tell the callbacks; the loss, or None without evaluation data."""
+        if self.evaluator is None:
             return None
-        model = self.strategy.eval_model(self.model)
-        model.eval()
-        batched = [m for m in self.eval_metrics if m.update is not None]
-        # [Σ loss·n, Σ n, then Σ metric, Σ count for each batched metric]
-        totals = torch.zeros(2 + 2 * len(batched), dtype=torch.float64, device=self.device)
-        for batch, counted in self._eval_batches():
-            n = batch_size_of(batch) if counted else 0
-            batch = to_device(batch, self.device, non_blocking=self.pin_memory)
-            if self.cfg.perf.channels_last:
-                batch = to_channels_last(batch)
-            with self.precision.autocast():
-                if batched:
-                    loss, output, target = self.loss_fn.with_output(model, batch)
-                else:
-                    loss = self.loss_fn(model, batch)
-            if counted:
-                totals[0] += loss.double() * n
-                totals[1] += n
-                for i, metric in enumerate(batched):
-                    total, count = batch_totals(metric, output, target, n)
-                    totals[2 + 2 * i] += total
-                    totals[3 + 2 * i] += count
-        self.model.train()
-        self.strategy.all_reduce(totals)  # COLLECTIVE + SYNC (below): once per evaluation
-        loss_total, count, *metric_totals = totals.tolist()
-        # Pipeline stages saw the same samples: the ratios stay, the count is divided.
-        count /= self.data_copies
-        loss_total /= self.data_copies
-        value = loss_total / count if count else float("nan")
-        metrics = final_values(self.eval_metrics, metric_totals, value)
+        value, metrics, count = self.evaluator.run()  # COLLECTIVE + SYNC
         self.result.eval_losses.append((self.step, value))
         if metrics:
             self.result.eval_metrics.append((self.step, metrics))
-        self.callbacks.on_eval(self, self.step, {"step": self.step, "eval_loss": value,
-                                                 "eval_samples": int(count),
-                                                 "eval_metrics": metrics})
+        self.callbacks.on_eval(self.view, self.step, {"step": self.step, "eval_loss": value,
+                                                      "eval_samples": count,
+                                                      "eval_metrics": metrics})
         return value
 
-    def _eval_batches(self) -> Iterator[tuple[Any, bool]]:
-        """This rank's evaluation batches, each with whether its loss counts.
-
-        With a strategy whose forward is a collective (``eval_in_lockstep``), ranks with
-        fewer batches than the others repeat one, uncounted, until all ran as many.
-        """
-        limit = self.cfg.run.eval_batches or len(self.eval_loader)
-        own = min(limit, len(self.eval_loader))
-        batches = itertools.islice(self.eval_loader, own)
-        if not self.strategy.eval_in_lockstep:
-            yield from ((batch, True) for batch in batches)
-            return
-        most = torch.tensor([float(own)], device=self.device)
-        self.strategy.all_reduce(most, op="max")  # COLLECTIVE + SYNC: once per evaluation
-        filler = None
-        for filler in batches:
-            yield filler, True
-        for _ in range(int(most.item()) - own):
-            if filler is None:  # this rank's share is empty: any sample will do
-                loader = self.eval_loader
-                filler = loader.collate_fn([loader.dataset[0]])
-            yield filler, False
-
     def _finish(self) -> FitResult:
-        result, phases = self.result, self.callbacks.phase_listeners
+        result, phase = self.result, self._phases
         if self.eval_loader is not None and not result.preempted and (
                 not result.eval_losses or result.eval_losses[-1][0] != self.step):
-            for cb in phases:
-                cb.on_phase(self, "eval")
-            self.evaluate()
+            with phase(Phase.EVAL):
+                self.evaluate()
         if self.cfg.checkpoint.save_final and self._saved_step != self.step:
-            for cb in phases:
-                cb.on_phase(self, "checkpoint")
-            self.save_checkpoint()
+            with phase(Phase.CHECKPOINT):
+                self.save_checkpoint()
         result.steps = self.step
         result.epochs = self.epochs_done
         result.skipped_steps = self.nonfinite.skipped if self.nonfinite is not None else 0
@@ -445,7 +334,7 @@ class Trainer(TrainerSetup):
             result.samples_per_s = self._samples_seen / self._train_time
             if self._tokens_seen:
                 result.tokens_per_s = self._tokens_seen / self._train_time
-        self.callbacks.on_fit_end(self, result)
+        self.callbacks.on_fit_end(self.view, result)
         result.callback_errors = dict(self.callbacks.failures)
         if self.env.is_main and self.cfg.monitor.report:
             self._write_report()

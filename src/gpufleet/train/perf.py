@@ -8,9 +8,9 @@ import os
 import torch
 from torch import nn
 
-from gpufleet.bench.machine import cores_per_rank, usable_cores
 from gpufleet.config import PerfConfig
-from gpufleet.train.batches import map_tensors
+from gpufleet.core.machine import cores_per_rank, usable_cores
+from gpufleet.core.tree import map_tensors
 
 log = logging.getLogger(__name__)
 

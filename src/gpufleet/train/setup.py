@@ -15,19 +15,18 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
-from gpufleet.config import Config, Machine, config_to_dict, resolve, write_config
+from gpufleet.config import Config, config_to_dict, write_config
+from gpufleet.core.callbacks import Callback, CallbackList
+from gpufleet.core.tree import to_device
 from gpufleet.data.loaders import build_eval_loader, build_train_loader
 from gpufleet.data.prefetch import DevicePrefetcher
-from gpufleet.errors import CheckpointError, ConfigError, GpufleetError
-from gpufleet.fault.ncclenv import apply_nccl_defaults
+from gpufleet.errors import ConfigError, GpufleetError
 from gpufleet.fault.nonfinite import NonFiniteGuard
 from gpufleet.fault.preempt import PreemptionWatch
 from gpufleet.fault.watchdog import Watchdog
 from gpufleet.launch import (
     DistEnv,
     broadcast_object,
-    gather_objects,
-    init_process_group,
     is_initialized,
     job_store,
 )
@@ -38,16 +37,17 @@ from gpufleet.parallel import build_strategy, strategy_class
 from gpufleet.parallel.dims import plan_for
 from gpufleet.precision import build_precision
 from gpufleet.procs import record_process
-from gpufleet.train import checkpoint as ckpt
 from gpufleet.train import runlock
-from gpufleet.train import sharded as sharded_ckpt
-from gpufleet.train.batches import make_loss_fn, to_device
-from gpufleet.train.callbacks import Callback, CallbackList
+from gpufleet.train.batches import make_loss_fn
+from gpufleet.train.checkpointer import Checkpointer, Position
 from gpufleet.train.evalmetrics import build_metrics
 from gpufleet.train.optim import build_scheduler, fill_optimizer_defaults, optimizer_spec
 from gpufleet.train.perf import apply_backend_flags, prepare_model, share_cores
+from gpufleet.train.rank import join_process_group, local_gpu_index
+from gpufleet.train.result import FitResult
 from gpufleet.train.rundir import named, plan_and_lock
-from gpufleet.train.seed import rng_state, seed_everything, set_deterministic, set_rng_state
+from gpufleet.train.seed import seed_everything, set_deterministic
+from gpufleet.train.view import RunView
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +57,11 @@ class TrainerSetup:
 
     def __init__(self, cfg: Config, model: nn.Module, train_data: Dataset,
                  eval_data: Dataset | None, loss_fn: Any, callbacks: list[Callback]) -> None:
-        from gpufleet.train.loop import FitResult
-
         self.env = DistEnv.detect()
-        # Resolving needs no process group; the resolved backend then needs no second look.
+        self.view = RunView(self)  # what callbacks get: read-only, reads live values
         # A run without a name is named after the model (gpufleet.fit(MLP(), ...): mlp).
-        self.cfg = resolve(named(cfg, model), Machine.detect(), self.env.world_size,
-                           local_world_size=self.env.local_world_size)
-        join_process_group(self.cfg, self.env)
+        # Resolved once per rank: a config the rank's entry resolved comes back as it is.
+        self.cfg = join_process_group(named(cfg, model), self.env)
         share_cores(self.env.local_world_size, self.env.is_main)
         self._build_device()
         self._build_model(model, loss_fn)
@@ -91,11 +88,19 @@ class TrainerSetup:
         self._fixed_tokens: int | None = None  # tokens per batch when batches are fixed
         self._train_time, self._samples_seen, self._tokens_seen = 0.0, 0, 0
         self.grad_norm = torch.zeros((), device=self.device)
+        self.checkpointer = Checkpointer(
+            self.run_dir, self.env, self.cfg, self.model, self.optimizer, self.scheduler,
+            self.strategy, self.precision, self.train_sampler)
         if self.resume_from is not None:
-            self.load_checkpoint(self.resume_from)
+            self.load_checkpoint(self.resume_from)  # COLLECTIVE with sharded checkpoints
         self._last_log_step = self.step
         self._batches = self._epoch_iterator()
         self.callbacks = CallbackList(self._default_callbacks() + callbacks)
+        if self.system_sampler is None:  # one the caller added (its own interval)
+            from gpufleet.monitor.system import SystemSampler
+
+            self.system_sampler = next(
+                (cb for cb in callbacks if isinstance(cb, SystemSampler)), None)
 
     # -- builders --------------------------------------------------------------------
     def _build_device(self) -> None:
@@ -124,7 +129,7 @@ class TrainerSetup:
                 "this process was started alone. Use --nproc N (or torchrun), or "
                 "parallel.strategy=single for one process."
             )
-        from gpufleet.parallel.checkpointing import apply_layer_options
+        from gpufleet.parallel.activation_checkpointing import apply_layer_options
 
         # SyncBatchNorm and activation checkpointing change layers in place (same
         # state-dict names), before compilation and before the strategy wraps the model.
@@ -250,10 +255,11 @@ class TrainerSetup:
         if cfg.profile.steps:  # every rank writes its own trace
             own.append(ProfilerCallback(cfg.profile.steps, self.run_dir, env.rank,
                                         env.world_size))
-        self.sampler = None
+        self.system_sampler = None
         if env.local_rank == 0 and mon.system_interval_s > 0:  # one sampler per node
-            self.sampler = SystemSampler(self.run_dir, interval_s=mon.system_interval_s)
-            own.append(self.sampler)
+            self.system_sampler = SystemSampler(self.run_dir,
+                                                interval_s=mon.system_interval_s)
+            own.append(self.system_sampler)
         if not env.is_main:
             return own
         metrics = MetricsFile(self.run_dir / "metrics.jsonl")
@@ -261,7 +267,8 @@ class TrainerSetup:
         own.extend(build_sinks(mon.sinks, self.run_dir, config_to_dict(cfg)))
         self.advisor = None
         if mon.diagnose and mon.phases:
-            self.advisor = Advisor(run_facts(self), self.run_dir, metrics, self.sampler)
+            self.advisor = Advisor(run_facts(self.view), self.run_dir, metrics,
+                                   self.system_sampler, phase_timer=self.phase_timer)
             own.append(self.advisor)
             if mon.sync_probe_steps and self.device.type == "cuda":
                 own.append(SyncProbe(self.advisor, mon.sync_probe_steps))
@@ -269,134 +276,22 @@ class TrainerSetup:
 
     # -- checkpoints -----------------------------------------------------------------
     def save_checkpoint(self) -> Path | None:
-        """Save the full training state (rank 0 writes; every rank's RNG is included).
-        Sharded strategies (fsdp) write a directory: every rank its shards, rank 0 the rest.
-
-        A failed write (a full disk, a lost mount) is reported and training goes on:
-        nothing is left under the new checkpoint's name and the older ones stay intact.
-        Returns the path, or None when the write failed.
-        """
-        rngs = gather_objects(rng_state())  # COLLECTIVE: every rank's RNG states
-        sharded = self.strategy.saves_on_every_rank  # fsdp: a directory, a shard per rank
-        path = (sharded_ckpt.sharded_checkpoint_path if sharded else ckpt.checkpoint_path)(
-            self.run_dir, self.step)
-        # COLLECTIVE for some strategies (zero1 gathers the optimizer state on rank 0;
-        # fsdp returns each rank's shards): every rank calls it.
-        model_state = self.strategy.state_dict(self.model, self.optimizer)
-        error, state = None, None
-        if self.env.is_main:
-            state = {
-                "scheduler": self.scheduler.state_dict(),
-                "precision": self.precision.state_dict(),
-                "step": self.step, "epoch": self.epoch,
-                "sampler": self.train_sampler.state_dict(self.consumed),
-                "rng": rngs, "world_size": self.env.world_size,
-                "config": config_to_dict(self.cfg),
-            }
-        if sharded or self.env.is_main:
-            try:
-                if sharded:  # COLLECTIVE: every rank writes its shards, rank 0 the rest
-                    sharded_ckpt.save_sharded_checkpoint(
-                        self.run_dir, self.step, model_state, state,
-                        self.cfg.checkpoint.keep_last)
-                else:
-                    ckpt.save_checkpoint(self.run_dir, self.step, {**model_state, **state},
-                                         self.cfg.checkpoint.keep_last)
-            except OSError as e:
-                error = (f"checkpoint {path.name} could not be written: {e}. Training goes "
-                         f"on; the last good checkpoint is {self.result.checkpoint or 'none'}."
-                         " Free space in (or fix) the run directory's file system.")
-        # COLLECTIVE: every rank learns whether rank 0's write succeeded (a few bytes).
-        error = broadcast_object(error)
+        """Save the full training state (:class:`~gpufleet.train.checkpointer.Checkpointer`,
+        COLLECTIVE). A failed write is recorded in the result and training goes on.
+        Returns the path, or None when the write failed."""
+        path, error = self.checkpointer.save(Position(self.step, self.epoch, self.consumed),
+                                             self.result.checkpoint)
         if error is not None:
-            if self.env.is_main:
-                log.error("%s", error)
             self.result.checkpoint_errors.append(error)
             return None
         if self.env.is_main:
-            log.info("checkpoint saved: %s", path)
-            self.callbacks.on_checkpoint(self, self.step, str(path))
+            self.callbacks.on_checkpoint(self.view, self.step, str(path))
         self.result.checkpoint = str(path)
         self._saved_step = self.step
         return path
 
     def load_checkpoint(self, path: Path) -> None:
         """Restore model, optimizer, scheduler, scaler, step, data position and RNG."""
-        # Rank 0 checked the checksum when it chose this file (plan_run): no rank
-        # hashes it again.
-        sharded = path.is_dir()  # written by a sharded strategy (fsdp) at any world size
-        state = sharded_ckpt.read_trainer_state(path) if sharded else ckpt.load_checkpoint(
-            path, verify=False)
-        try:
-            if sharded:  # COLLECTIVE: each rank reads what makes up its own shards
-                sharded_ckpt.load_sharded_into(path, self.model, self.optimizer)
-            else:
-                self.strategy.load_state_dict(self.model, self.optimizer, state)
-            self.scheduler.load_state_dict(state["scheduler"])
-            self.precision.load_state_dict(state["precision"])
-        except (RuntimeError, ValueError, KeyError) as e:
-            raise CheckpointError(
-                f"checkpoint {str(path)!r} does not fit this run: {e}. It was written by "
-                "a different model, optimizer or config; resume with the config saved in "
-                "its run directory (config.toml), or start a new run."
-            ) from e
-        self.step, self.epoch = state["step"], state["epoch"]
+        at = self.checkpointer.load(path)
+        self.step, self.epoch, self.consumed = at.step, at.epoch, at.consumed
         self._saved_step = self.step
-        saved_world = state.get("world_size", 1)
-        # A global position ("samples") resumes at any world size: the rest of the epoch
-        # is split over this run's ranks, so every sample is still read once.
-        portable = "samples" in state["sampler"]
-        if portable or saved_world == self.env.world_size:
-            try:
-                self.train_sampler.load_state_dict(state["sampler"])
-            except ValueError as e:
-                raise CheckpointError(f"checkpoint {str(path)!r}: the training data does "
-                                      f"not match the run that wrote it ({e}).") from e
-            self.consumed = self.train_sampler.position
-            if saved_world == self.env.world_size:
-                set_rng_state(state["rng"][self.env.rank])
-            elif self.env.is_main:
-                log.info("checkpoint %s was written by %d rank(s), this run has %d: the "
-                         "rest of epoch %d (after %d samples) is split over them", path,
-                         saved_world, self.env.world_size, self.epoch,
-                         state["sampler"]["samples"])
-        else:
-            # A different rank count splits the data differently: restart the epoch.
-            self.train_sampler.set_epoch(self.epoch)
-            log.warning("checkpoint %s was written by %d rank(s), this run has %d: the data "
-                        "position restarts at the beginning of epoch %d", path, saved_world,
-                        self.env.world_size, self.epoch)
-        if self.env.is_main:
-            log.info("resumed from %s at step %d", path, self.step)
-
-
-def join_process_group(cfg: Config, env: DistEnv) -> None:
-    """Join the job's process group if this process is one of several ranks.
-
-    Done before anything else (also before the job builds its data), so that
-    ``rank_zero_first`` and every collective work from the start.
-    """
-    if not env.is_distributed or is_initialized():
-        return
-    backend = cfg.dist.backend
-    if backend == "auto" or cfg.parallel.strategy == "horovod":
-        # The rule lives in resolve(): nccl on CUDA, gloo on CPU and under Horovod.
-        backend = resolve(cfg, Machine.detect(), env.world_size,
-                          env.local_world_size).dist.backend
-    if "nccl" in backend:
-        apply_nccl_defaults(cfg.run.dir or None)  # flight recorder, dump on timeout
-    init_process_group(env, backend, cfg.dist.init_method, cfg.dist.timeout)
-
-
-def local_gpu_index(env: DistEnv) -> int:
-    """This rank's GPU: its local rank, or 0 when the launcher gave it a single GPU
-    (SLURM's --gpus-per-task=1 shows each task one device, whatever its local rank)."""
-    count = torch.cuda.device_count()
-    if count == 1:
-        return 0
-    if env.local_rank >= count:
-        raise ConfigError(
-            f"local rank {env.local_rank} has no GPU: only {count} visible. Start at most "
-            "that many ranks per node (--nproc), or check CUDA_VISIBLE_DEVICES."
-        )
-    return env.local_rank

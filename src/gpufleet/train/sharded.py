@@ -27,7 +27,7 @@ import torch
 from gpufleet.errors import CheckpointError
 from gpufleet.files import fsync_dir
 from gpufleet.launch import broadcast_object, gather_objects, is_initialized
-from gpufleet.train.checkpoint import (
+from gpufleet.train.checkpoint_files import (
     _CHUNK,
     FORMAT_VERSION,
     MANIFEST,

@@ -1,4 +1,4 @@
-"""Checks the launching process makes before ranks start (``gpufleet.cli.run_training``).
+"""Checks the launching process makes before ranks start (``gpufleet.entry.run_training``).
 
 Before any rank starts, the launching process checks the whole config and runs a
 preflight: one small batch through the model and the loss, forward only, on the CPU.

@@ -11,7 +11,7 @@ from torch import nn
 
 from gpufleet.config import ParallelConfig
 from gpufleet.errors import ConfigError
-from gpufleet.parallel.checkpointing import (
+from gpufleet.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
     apply_layer_options,
     convert_sync_batchnorm,

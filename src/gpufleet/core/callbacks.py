@@ -1,0 +1,125 @@
+"""Hooks where monitoring, checkpointing and displays attach to the loop.
+
+Every method is a no-op by default. The hot path only calls :meth:`Callback.on_phase`
+on callbacks that override it, so an unused hook costs nothing per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, ClassVar
+
+from gpufleet.core.phases import Phase
+
+log = logging.getLogger(__name__)
+
+
+class Callback:
+    """Subclass and override what you need. Runs on every rank; check
+    ``view.env.is_main`` for things that should happen once.
+
+    Every hook's first argument is the run's read-only view
+    (:class:`gpufleet.train.view.RunView`: step, epoch, config, env, run_dir, result,
+    phase, ...), named ``trainer`` here as it was before there was a view.
+
+    A callback with ``essential = False`` (a metrics sink, a remote logger) may fail
+    without stopping training: its error is reported, counted, and the run goes on.
+    """
+
+    essential: ClassVar[bool] = True
+
+    def on_fit_start(self, trainer: Any) -> None:
+        """After setup (and resume), before the first step."""
+
+    def on_phase(self, trainer: Any, phase: Phase) -> None:
+        """A phase begins (:class:`~gpufleet.core.phases.Phase`, equal to its name):
+        data, forward, backward, optimizer, end (of the step), then log, eval or
+        checkpoint when those run. Called several times per micro-step; keep it to a
+        clock read."""
+
+    def on_step_end(self, trainer: Any, step: int) -> None:
+        """After optimizer step ``step`` (1-based count of steps done). No metrics here:
+        reading them would force a host-device sync."""
+
+    def on_log(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
+        """Every ``log.every`` steps, with metrics already reduced across ranks."""
+
+    def on_eval(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
+        """After an evaluation, with exact cross-rank metrics."""
+
+    def on_checkpoint(self, trainer: Any, step: int, path: str) -> None:
+        """After a checkpoint was written."""
+
+    def on_fit_end(self, trainer: Any, result: Any) -> None:
+        """After the last step, the final evaluation and the final checkpoint."""
+
+
+class CallbackList:
+    """Dispatches each hook to the callbacks that override it, looked up once."""
+
+    def __init__(self, callbacks: list[Callback]) -> None:
+        self.callbacks = list(callbacks)
+        # name -> first error, for each non-essential callback that failed (the summary
+        # names them: a sink that logged nothing must not go unnoticed).
+        self.failures: dict[str, str] = {}
+        for hook in _HOOKS:
+            base = getattr(Callback, hook)
+            owners = [c for c in self.callbacks if getattr(type(c), hook, base) is not base]
+            listeners = [getattr(c, hook) if c.essential
+                         else _tolerant(c, getattr(c, hook), self.failures) for c in owners]
+            if hook == "on_log":  # once per log interval: each callback's time is kept
+                self.log_seconds: dict[str, float] = {}
+                listeners = [_timed(type(c).__name__, fn, self.log_seconds)
+                             for c, fn in zip(owners, listeners)]
+            setattr(self, hook, _dispatcher(listeners))
+            if hook == "on_phase":
+                # The loop calls these directly, with no dispatcher in between.
+                self.phase_listeners = owners
+
+
+_HOOKS = ("on_fit_start", "on_phase", "on_step_end", "on_log", "on_eval", "on_checkpoint",
+          "on_fit_end")
+
+
+def _dispatcher(listeners: list[Any]) -> Any:
+    def call(*args: Any) -> None:
+        for fn in listeners:
+            fn(*args)
+
+    return call
+
+
+def _timed(name: str, fn: Any, seconds: dict[str, float]) -> Any:
+    """``fn`` adding its run time to ``seconds[name]`` (what the slow-logging rule reads)."""
+    seconds[name] = 0.0
+
+    def call(*args: Any) -> None:
+        start = time.perf_counter()
+        try:
+            fn(*args)
+        finally:
+            seconds[name] += time.perf_counter() - start
+
+    return call
+
+
+def _tolerant(callback: Callback, fn: Any, record: dict[str, str]) -> Any:
+    """``fn`` with its errors reported instead of raised (the 1st, then every 100th) and
+    the first one kept in ``record`` under the callback's name."""
+    name = type(callback).__name__
+    failures = 0
+
+    def call(*args: Any) -> None:
+        nonlocal failures
+        try:
+            fn(*args)
+        except Exception as e:
+            failures += 1
+            record.setdefault(getattr(callback, "name", name),
+                              f"{fn.__name__}: {type(e).__name__}: {e}"[:300])
+            if failures == 1 or failures % 100 == 0:
+                log.error("%s failed in %s (%d time(s) so far): %s: %s. Training goes on "
+                          "without it.", name, fn.__name__, failures, type(e).__name__, e)
+
+    return call

@@ -1,0 +1,51 @@
+"""Object collectives over the default process group that also work without one.
+
+A single process (no process group) gets its own object back, so code calling these
+runs unchanged in one process and in many.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+def is_initialized() -> bool:
+    """Whether this process has joined a process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
+    """Return rank ``src``'s ``obj`` on every rank of ``group`` (default: all; picklable
+    objects only; ``src`` is a global rank).
+
+    Without a process group ``obj`` comes back as it is.
+
+    Example:
+        >>> broadcast_object({"run_dir": "runs/a"})
+        {'run_dir': 'runs/a'}
+    """
+    if not is_initialized():
+        return obj
+    box: list[Any] = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)  # collective; pickles
+    return box[0]
+
+
+def gather_objects(obj: T) -> list[T]:
+    """Every rank's ``obj``, in rank order, on every rank (picklable objects only).
+
+    Without a process group the list holds ``obj`` alone.
+
+    Example:
+        >>> gather_objects(3)
+        [3]
+    """
+    if not is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)  # collective; pickles through the backend
+    return out

@@ -1,0 +1,138 @@
+"""A config resolved for this machine and world: every ``auto`` replaced, every
+combination checked.
+
+The launcher resolves once (``gpufleet train``, :func:`gpufleet.api.fit`) and sends the
+resolved config to the ranks; the result is what a run writes to its directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from gpufleet.config import Config
+from gpufleet.core.machine import default_num_workers
+from gpufleet.errors import ConfigError
+from gpufleet.parallel import strategy_class
+from gpufleet.parallel.dims import plan_for
+
+__all__ = ["Machine", "resolve", "resolve_once"]
+
+# Marks a config resolve_once returned, with the world it was resolved for. Not a config
+# field: it is never written to config.toml nor sent to the ranks.
+_RESOLVED_FOR = "_gpufleet_resolved_for"
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the config is checked against: the devices this process can see."""
+
+    cuda: bool
+    gpus: int
+    bf16: bool
+
+    @classmethod
+    def detect(cls) -> Machine:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        bf16 = False
+        if cuda:
+            try:  # native bf16 only: V100/T4 merely emulate it, slowly
+                bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+            except TypeError:  # torch without the keyword
+                bf16 = torch.cuda.is_bf16_supported()
+        return cls(cuda=cuda, gpus=torch.cuda.device_count() if cuda else 0, bf16=bf16)
+
+
+def resolve(cfg: Config, machine: Machine, world_size: int,
+            local_world_size: int = 1) -> Config:
+    """Replace every ``auto`` by its value on this machine and check the combinations.
+
+    The result is what a run writes to its directory, so a rerun from that file does
+    not depend on which machine it lands on.
+    """
+    run, prec, par, dist = cfg.run, cfg.precision, cfg.parallel, cfg.dist
+    device = run.device if run.device != "auto" else ("cuda" if machine.cuda else "cpu")
+    if device == "cuda" and not machine.cuda:
+        raise ConfigError("run.device = 'cuda' but no CUDA GPU is visible. "
+                          "Use run.device=cpu, or check CUDA_VISIBLE_DEVICES and the driver "
+                          "(`nvidia-smi`).")
+    mode = prec.mode
+    if mode == "auto":
+        mode = "bf16-mixed" if device == "cuda" and machine.bf16 else "fp32"
+    if mode == "bf16-mixed" and device == "cuda" and not machine.bf16:
+        raise ConfigError("precision.mode = 'bf16-mixed' but this GPU has no bf16 support. "
+                          "Use precision.mode=fp16-mixed (with loss scaling) or fp32.")
+    strategy = par.strategy
+    if strategy == "auto":
+        strategy = "ddp" if world_size > 1 else "single"
+    # The strategy's traits answer how many processes, which device and backend, and
+    # which mesh degrees (gpufleet.parallel.dims).
+    traits = strategy_class(strategy).traits
+    if traits.needs_cuda and device != "cuda":
+        wraps = f" ({traits.wraps})" if traits.wraps else ""
+        raise ConfigError(f"parallel.strategy = {strategy!r}{wraps} needs CUDA GPUs, and none "
+                          "is in use. Use parallel.strategy=ddp with --nproc N (runs on CPU with "
+                          "gloo), or single.")
+    plan_for(dataclasses.replace(par, strategy=strategy), traits, world_size,
+             local_world_size)
+    if strategy == "dp" and cfg.perf.compile:
+        raise ConfigError("perf.compile with parallel.strategy = 'dp': nn.DataParallel "
+                          "copies the module to every GPU each step, which a compiled module "
+                          "does not survive. Use parallel.strategy=ddp (one process per GPU).")
+    if run.deterministic and cfg.perf.cudnn_benchmark:
+        raise ConfigError("run.deterministic and perf.cudnn_benchmark contradict each other: "
+                          "benchmarking picks algorithms by timing. Turn one of them off.")
+    backend = traits.backend or dist.backend
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" else "gloo"
+    if backend == "nccl" and device != "cuda":
+        raise ConfigError("dist.backend = 'nccl' needs CUDA GPUs. Use dist.backend=gloo "
+                          "(or auto) on CPU.")
+    max_steps = run.max_steps
+    if max_steps == -1:  # the default: 600 steps, unless epochs say when to stop
+        max_steps = 600 if run.max_epochs == 0 else 0
+    if max_steps == 0 and run.max_epochs == 0:
+        raise ConfigError("run.max_steps = 0 and run.max_epochs = 0: the run would never end. "
+                          "Set --max-steps N or --max-epochs N.")
+    if par.ddp_comm_hook != "none" and strategy != "ddp":
+        raise ConfigError(f"parallel.ddp_comm_hook = {par.ddp_comm_hook!r} compresses ddp's "
+                          f"gradient all-reduce, but the strategy is {strategy!r}. Use "
+                          "--strategy ddp, or parallel.ddp_comm_hook=none.")
+    if par.ddp_comm_hook == "bf16" and backend != "nccl":
+        raise ConfigError("parallel.ddp_comm_hook = 'bf16': torch's bf16 hook needs NCCL "
+                          f"(CUDA GPUs), and this run uses {backend}. Use "
+                          "parallel.ddp_comm_hook=fp16 (the same bytes) or powersgd.")
+    workers = cfg.data.num_workers
+    if workers < 0:
+        workers = default_num_workers(device, local_world_size)
+    return dataclasses.replace(
+        cfg,
+        run=dataclasses.replace(run, device=device, max_steps=max_steps),
+        data=dataclasses.replace(cfg.data, num_workers=workers),
+        precision=dataclasses.replace(prec, mode=mode),
+        parallel=dataclasses.replace(par, strategy=strategy),
+        dist=dataclasses.replace(dist, backend=backend),
+    )
+
+
+def resolve_once(cfg: Config, world_size: int, local_world_size: int = 1) -> Config:
+    """:func:`resolve` for this machine, done once per process and world: a config this
+    function returned already comes back as it is.
+
+    Each rank resolves the config it was sent here (joining the process group needs the
+    backend); the trainer then gets the resolved config and does not resolve it again.
+
+    Example:
+        >>> from gpufleet.config import Config
+        >>> cfg = resolve_once(Config(), world_size=1)
+        >>> resolve_once(cfg, world_size=1) is cfg
+        True
+    """
+    world = (world_size, local_world_size)
+    if getattr(cfg, _RESOLVED_FOR, None) == world:
+        return cfg
+    resolved = resolve(cfg, Machine.detect(), world_size, local_world_size)
+    object.__setattr__(resolved, _RESOLVED_FOR, world)
+    return resolved

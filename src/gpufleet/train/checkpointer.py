@@ -1,0 +1,153 @@
+"""Checkpointing as a component: the full training state written and read back.
+
+Rank 0 writes a single file (``train/checkpoint.py``); sharded strategies (fsdp) write a
+directory, every rank its shards and rank 0 the rest (``train/sharded.py``). Every
+rank's RNG states and the sampler's position go in, so a resumed run continues the
+uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpufleet.config import Config, config_to_dict
+from gpufleet.errors import CheckpointError
+from gpufleet.launch import DistEnv, broadcast_object, gather_objects
+from gpufleet.train import checkpoint as ckpt
+from gpufleet.train import sharded as sharded_ckpt
+from gpufleet.train.seed import rng_state, set_rng_state
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Position:
+    """Where training is: optimizer steps done, the epoch, and what of it was consumed
+    (samples, or batches with token budgets)."""
+
+    step: int
+    epoch: int
+    consumed: int
+
+
+class Checkpointer:
+    """Saves and restores a run's state; built once per run, after the components.
+
+    Args:
+        run_dir / env / cfg: the run's directory, this rank, the config saved along.
+        model / optimizer / scheduler / strategy / precision: what is saved.
+        sampler: the training sampler (its position is saved).
+    """
+
+    def __init__(self, run_dir: Path, env: DistEnv, cfg: Config, model: Any, optimizer: Any,
+                 scheduler: Any, strategy: Any, precision: Any, sampler: Any) -> None:
+        self.run_dir, self.env, self.cfg = run_dir, env, cfg
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.strategy, self.precision, self.sampler = strategy, precision, sampler
+
+    def save(self, at: Position, last_good: str | None) -> tuple[Path | None, str | None]:
+        """Write the state at ``at`` (COLLECTIVE: every rank calls it).
+
+        A failed write (a full disk, a lost mount) is reported, not raised: nothing is
+        left under the new checkpoint's name and the older ones stay intact.
+
+        Returns:
+            ``(path, None)``, or ``(None, error)`` on every rank when the write failed.
+        """
+        rngs = gather_objects(rng_state())  # COLLECTIVE: every rank's RNG states
+        sharded = self.strategy.saves_on_every_rank  # fsdp: a directory, a shard per rank
+        path = (sharded_ckpt.sharded_checkpoint_path if sharded else ckpt.checkpoint_path)(
+            self.run_dir, at.step)
+        # COLLECTIVE for some strategies (zero1 gathers the optimizer state on rank 0;
+        # fsdp returns each rank's shards): every rank calls it.
+        model_state = self.strategy.state_dict(self.model, self.optimizer)
+        error, state = None, None
+        if self.env.is_main:
+            state = {
+                "scheduler": self.scheduler.state_dict(),
+                "precision": self.precision.state_dict(),
+                "step": at.step, "epoch": at.epoch,
+                "sampler": self.sampler.state_dict(at.consumed),
+                "rng": rngs, "world_size": self.env.world_size,
+                "config": config_to_dict(self.cfg),
+            }
+        if sharded or self.env.is_main:
+            try:
+                if sharded:  # COLLECTIVE: every rank writes its shards, rank 0 the rest
+                    sharded_ckpt.save_sharded_checkpoint(
+                        self.run_dir, at.step, model_state, state,
+                        self.cfg.checkpoint.keep_last)
+                else:
+                    ckpt.save_checkpoint(self.run_dir, at.step, {**model_state, **state},
+                                         self.cfg.checkpoint.keep_last)
+            except OSError as e:
+                error = (f"checkpoint {path.name} could not be written: {e}. Training goes "
+                         f"on; the last good checkpoint is {last_good or 'none'}."
+                         " Free space in (or fix) the run directory's file system.")
+        # COLLECTIVE: every rank learns whether rank 0's write succeeded (a few bytes).
+        error = broadcast_object(error)
+        if error is not None:
+            if self.env.is_main:
+                log.error("%s", error)
+            return None, error
+        if self.env.is_main:
+            log.info("checkpoint saved: %s", path)
+        return path, None
+
+    def load(self, path: Path) -> Position:
+        """Restore model, optimizer, scheduler, scaler, data position and RNG; returns
+        where the checkpoint was written."""
+        # Rank 0 checked the checksum when it chose this file (plan_run): no rank
+        # hashes it again.
+        sharded = path.is_dir()  # written by a sharded strategy (fsdp) at any world size
+        state = sharded_ckpt.read_trainer_state(path) if sharded else ckpt.load_checkpoint(
+            path, verify=False)
+        try:
+            if sharded:  # COLLECTIVE: each rank reads what makes up its own shards
+                sharded_ckpt.load_sharded_into(path, self.model, self.optimizer)
+            else:
+                self.strategy.load_state_dict(self.model, self.optimizer, state)
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.precision.load_state_dict(state["precision"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} does not fit this run: {e}. It was written by "
+                "a different model, optimizer or config; resume with the config saved in "
+                "its run directory (config.toml), or start a new run."
+            ) from e
+        at = Position(state["step"], state["epoch"], 0)
+        at.consumed = self._restore_position(path, state, at.epoch)
+        if self.env.is_main:
+            log.info("resumed from %s at step %d", path, at.step)
+        return at
+
+    def _restore_position(self, path: Path, state: dict[str, Any], epoch: int) -> int:
+        """Put the sampler (and, at the same world size, the RNG) where the checkpoint
+        left them; returns what of the epoch was consumed."""
+        saved_world = state.get("world_size", 1)
+        # A global position ("samples") resumes at any world size: the rest of the epoch
+        # is split over this run's ranks, so every sample is still read once.
+        portable = "samples" in state["sampler"]
+        if portable or saved_world == self.env.world_size:
+            try:
+                self.sampler.load_state_dict(state["sampler"])
+            except ValueError as e:
+                raise CheckpointError(f"checkpoint {str(path)!r}: the training data does "
+                                      f"not match the run that wrote it ({e}).") from e
+            if saved_world == self.env.world_size:
+                set_rng_state(state["rng"][self.env.rank])
+            elif self.env.is_main:
+                log.info("checkpoint %s was written by %d rank(s), this run has %d: the "
+                         "rest of epoch %d (after %d samples) is split over them", path,
+                         saved_world, self.env.world_size, epoch,
+                         state["sampler"]["samples"])
+            return self.sampler.position
+        # A different rank count splits the data differently: restart the epoch.
+        self.sampler.set_epoch(epoch)
+        log.warning("checkpoint %s was written by %d rank(s), this run has %d: the data "
+                    "position restarts at the beginning of epoch %d", path, saved_world,
+                    self.env.world_size, epoch)
+        return 0

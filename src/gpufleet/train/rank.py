@@ -1,0 +1,46 @@
+"""This process as a rank of the job: its resolved config, its process group, its GPU."""
+
+from __future__ import annotations
+
+import torch
+
+from gpufleet.config import Config
+from gpufleet.errors import ConfigError
+from gpufleet.fault.ncclenv import apply_nccl_defaults
+from gpufleet.launch import DistEnv, init_process_group, is_initialized
+from gpufleet.resolve import resolve_once
+
+
+def join_process_group(cfg: Config, env: DistEnv) -> Config:
+    """Resolve ``cfg`` for this rank (once: see :func:`gpufleet.resolve.resolve_once`)
+    and join the job's process group if this process is one of several ranks.
+
+    Done before anything else (also before the job builds its data), so that
+    ``rank_zero_first`` and every collective work from the start.
+
+    Returns:
+        The resolved config (its backend is the one joined with).
+    """
+    cfg = resolve_once(cfg, env.world_size, env.local_world_size)
+    if not env.is_distributed or is_initialized():
+        return cfg
+    # resolve() chose it: nccl on CUDA, gloo on CPU and under Horovod.
+    backend = cfg.dist.backend
+    if "nccl" in backend:
+        apply_nccl_defaults(cfg.run.dir or None)  # flight recorder, dump on timeout
+    init_process_group(env, backend, cfg.dist.init_method, cfg.dist.timeout)
+    return cfg
+
+
+def local_gpu_index(env: DistEnv) -> int:
+    """This rank's GPU: its local rank, or 0 when the launcher gave it a single GPU
+    (SLURM's --gpus-per-task=1 shows each task one device, whatever its local rank)."""
+    count = torch.cuda.device_count()
+    if count == 1:
+        return 0
+    if env.local_rank >= count:
+        raise ConfigError(
+            f"local rank {env.local_rank} has no GPU: only {count} visible. Start at most "
+            "that many ranks per node (--nproc), or check CUDA_VISIBLE_DEVICES."
+        )
+    return env.local_rank
