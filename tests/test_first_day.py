@@ -192,29 +192,30 @@ def test_step_limit_defaults_to_600_unless_epochs_are_given():
         steps(**{"run.max_steps": 0})
 
 
-def test_a_config_mistake_is_one_line_before_any_rank_starts(run_cli, tmp_path):
+def _train_without_loss(run_cli, tmp_path, *args: str) -> str:
+    """`gpufleet train` of the toy classifier with --model.loss left out: exit 2, no
+    traceback, one error line naming the fix; returns that line."""
     _write_mymod(tmp_path)
     no_loss = [a for a in TOY if a not in ("--model.loss", "torch.nn.functional:cross_entropy")]
-    proc = run_cli("train", *no_loss, "--nproc", "2", expect=2)
+    proc = run_cli("train", *no_loss, *args, expect=2)
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1, proc.stderr
-    assert errors[0].startswith("gpufleet: error: preflight: a batch of 2 sample(s)")
     assert "--model.loss=package.module:function" in errors[0]
     assert "Traceback" not in proc.stderr
+    return errors[0]
+
+
+def test_a_config_mistake_is_one_line_before_any_rank_starts(run_cli, tmp_path):
+    error = _train_without_loss(run_cli, tmp_path, "--nproc", "2")
+    assert error.startswith("gpufleet: error: preflight: a batch of 2 sample(s)")
     assert not (tmp_path / "runs").exists()  # no run directory, no crash report
 
 
 def test_a_config_mistake_in_one_process_is_one_line_without_a_crash_report(run_cli, tmp_path):
     """Without ranks to start there is no preflight: the first batch finds the mistake,
     and it reads as a config error (exit 2, the fix named), not as a crash."""
-    _write_mymod(tmp_path)
-    no_loss = [a for a in TOY if a not in ("--model.loss", "torch.nn.functional:cross_entropy")]
-    proc = run_cli("train", *no_loss, "--max-steps", "2", expect=2)
-    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
-    assert len(errors) == 1, proc.stderr
-    assert errors[0].startswith("gpufleet: error: calling the model with the batch")
-    assert "--model.loss=package.module:function" in errors[0]
-    assert "Traceback" not in proc.stderr
+    error = _train_without_loss(run_cli, tmp_path, "--max-steps", "2")
+    assert error.startswith("gpufleet: error: calling the model with the batch")
     [run_dir] = (tmp_path / "runs").iterdir()
     assert not (run_dir / "crash").exists()
     assert not list((run_dir / "procs").glob("*.json"))  # nothing left to clean up
