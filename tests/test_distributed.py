@@ -92,6 +92,9 @@ def test_resume_latest_continues_steps_and_loss_curve(run_cli, tmp_path):
     _assert_same_params(straight, resumed, atol=0)
 
 
+# Slow: the killed-rank test (bit-equal weights after a restart mid-run) and the
+# world-size test below prove the data position in the default run.
+@pytest.mark.slow
 def test_resume_mid_epoch_reads_the_same_samples_on_every_rank(run_cli, tmp_path):
     """A 2-rank run killed mid-epoch (no restarts), then resumed with --resume latest,
     reads exactly the sample indices the uninterrupted run reads, rank by rank."""

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from conftest import _env, final_params
@@ -58,6 +59,8 @@ def test_a_stalled_rank_is_named_with_every_stack_saved(run_cli, tmp_path):
     assert "in phase 'backward'" in rank0 and "backward" in rank0
 
 
+# Slow: tests/test_procs.py ends real recorded process trees in the default run.
+@pytest.mark.slow
 def test_cleanup_ends_a_hung_run_by_its_recorded_pids(run_cli, tmp_path):
     """A 2-rank run hangs (rank 1 sleeps 120 s in its data); `gpufleet cleanup RUN_DIR`
     ends the launcher and both ranks from the pids they recorded."""

@@ -19,7 +19,7 @@ def _static(netbed, addr: str, rank: int, port: int = 29500) -> list[str]:
     return [*TOY, "--data", "toyjob:make_data", "--max-steps", "4", "--nproc", "1",
             "--batch-size", "16", "--nnodes", "2", "--node-rank", str(rank),
             "--master-addr", addr, "--master-port", str(port), "--rdzv-id", "bad",
-            "--run.out_dir", "runs", "--dist.rdzv_timeout", "15"]
+            "--run.out_dir", "runs", "--dist.rdzv_timeout", "6"]
 
 
 def _one_error(node) -> str:
@@ -56,10 +56,10 @@ def test_a_node_that_never_comes(netbed, tmp_path):
     took = time.monotonic() - began
     error = _one_error(node)
     assert "did not meet" in error and "a node never came" in error
-    assert "waited up to 15 s" in error
-    # 15 s of rendezvous plus start-up (torch's import alone takes seconds on a busy
+    assert "waited up to 6 s" in error
+    # 6 s of rendezvous plus start-up (torch's import alone takes seconds on a busy
     # machine): far from the 600 s default or a hang.
-    assert took < 15 + 60, f"took {took:.0f} s with a 15 s rendezvous timeout"
+    assert took < 6 + 60, f"took {took:.0f} s with a 6 s rendezvous timeout"
     assert not (tmp_path / "runs").exists()
 
 
