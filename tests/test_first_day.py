@@ -232,7 +232,7 @@ def test_a_rank_failure_is_told_once_with_advice_that_fits(run_cli, tmp_path):
 
 
 def test_failure_advice_follows_the_cause():
-    from gpufleet.launch.launcher import _advice
+    from gpufleet.launch.failures import advice as _advice
 
     assert "dmesg" in _advice("", "", -9, "SIGKILL", 0)
     assert "batch_size" in _advice("OutOfMemoryError", "CUDA out of memory", 1, "", 0)
