@@ -110,3 +110,36 @@ def test_the_advisor_gets_time_outside_steps_from_the_phase_timer_it_is_given(tm
     advisor.on_log(view, 1, {"rank_phases": [row], "step_time_s": 0.005})
     seconds, count = advisor.summary().outside["eval"]
     assert seconds >= 0.02 and count == 1
+
+
+def test_a_run_built_by_hand_trains_like_fit(tmp_path):
+    """build_run makes the parts once; Trainer(run) only changes the run's state and
+    ends with the weights gpufleet.fit gives for the same config."""
+    from gpufleet import Trainer, build_run, load_config
+
+    overrides = {"run.out_dir": str(tmp_path / "runs"), "run.max_steps": 4,
+                 "log.progress": "off", "log.every": 2, "data.batch_size": 32,
+                 "data.num_workers": 0, "run.eval_every": 0}
+    torch.manual_seed(0)
+    model = toyjob.make_model()
+    run = build_run(load_config(overrides=overrides), model, toyjob.make_data(),
+                    loss_fn=F.mse_loss)
+    assert (run.max_steps, run.state.step, run.data.epoch) == (4, 0, 0)
+    assert run.view.strategy is run.strategy and run.view.model is run.model
+    assert not Path(run.run_dir, "checkpoints").exists()  # built, not trained yet
+    result = Trainer(run).fit()
+    assert (result.steps, run.state.step, run.state.saved_step) == (4, 4, 4)
+
+    torch.manual_seed(0)
+    reference = toyjob.make_model()
+    _fit_into(tmp_path / "fit", reference)
+    for mine, theirs in zip(run.strategy.unwrap(run.model).parameters(),
+                            reference.parameters()):
+        assert torch.equal(mine, theirs)
+
+
+def _fit_into(out_dir, model):
+    gpufleet.fit(model, toyjob.make_data(), loss_fn=F.mse_loss,
+                 overrides={"run.out_dir": str(out_dir), "run.max_steps": 4,
+                            "log.progress": "off", "log.every": 2, "data.batch_size": 32,
+                            "data.num_workers": 0, "run.eval_every": 0})

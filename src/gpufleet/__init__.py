@@ -22,6 +22,7 @@ _EXPORTS = {
     "Config": "gpufleet.config", "load_config": "gpufleet.config",
     "Callback": "gpufleet.core.callbacks",
     "FitResult": "gpufleet.train.result", "Trainer": "gpufleet.train.loop",
+    "build_run": "gpufleet.train.build", "Run": "gpufleet.train.run",
     "CheckpointError": "gpufleet.errors", "ConfigError": "gpufleet.errors",
     "GpufleetError": "gpufleet.errors", "LaunchError": "gpufleet.errors",
     "launch": "gpufleet.launch", "DistEnv": "gpufleet.launch",

@@ -23,6 +23,7 @@ from torch.utils.data import Dataset
 from gpufleet.config import Config, config_from_dict, load_config
 from gpufleet.core.callbacks import Callback
 from gpufleet.entry import run_training, run_worker, setup_logging, train
+from gpufleet.train.build import build_run
 from gpufleet.train.loop import FitResult, Trainer
 
 # train and run_worker live in gpufleet.entry (the launcher calls them); this is where
@@ -74,10 +75,10 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
                             (model, train_data, eval_data, loss_fn, list(callbacks),
                              eval_metrics),
                             job=Job(model, train_data, eval_data, loss_fn))
-    trainer = Trainer(cfg, model, train_data, eval_data, loss_fn=loss_fn,
-                      callbacks=[Progress(cfg.log.progress), *callbacks],
-                      eval_metrics=eval_metrics)
-    return trainer.fit()
+    run = build_run(cfg, model, train_data, eval_data, loss_fn=loss_fn,
+                    callbacks=[Progress(cfg.log.progress), *callbacks],
+                    eval_metrics=eval_metrics)
+    return Trainer(run).fit()
 
 
 def _fit_worker(cfg_dict: dict[str, Any], model: nn.Module, train_data: Dataset,
@@ -91,9 +92,10 @@ def _fit_worker(cfg_dict: dict[str, Any], model: nn.Module, train_data: Dataset,
     cfg = config_from_dict(cfg_dict)
     setup_logging(cfg.log.level, DistEnv.detect())
     try:
-        return Trainer(cfg, model, train_data, eval_data, loss_fn=loss_fn,
-                       callbacks=[Progress(cfg.log.progress), *callbacks],
-                       eval_metrics=eval_metrics).fit()
+        run = build_run(cfg, model, train_data, eval_data, loss_fn=loss_fn,
+                        callbacks=[Progress(cfg.log.progress), *callbacks],
+                        eval_metrics=eval_metrics)
+        return Trainer(run).fit()
     finally:
         destroy_process_group()
 

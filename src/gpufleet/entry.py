@@ -20,6 +20,7 @@ from gpufleet.config import Config, config_from_dict, config_to_dict
 from gpufleet.core.callbacks import Callback
 from gpufleet.errors import ConfigError, RunStopped
 from gpufleet.fault.preempt import exit_status
+from gpufleet.train.build import build_run
 from gpufleet.train.loop import FitResult, Trainer
 from gpufleet.train.seed import seed_everything
 
@@ -217,9 +218,9 @@ def train(cfg: Config, callbacks: Sequence[Callback] = ()) -> FitResult:
     # The same seed on every rank, so every rank builds the same initial weights.
     seed_everything(cfg.run.seed)
     job = build_job(cfg)
-    trainer = Trainer(cfg, job.model, job.train_data, job.eval_data, loss_fn=job.loss_fn,
-                      callbacks=[Progress(cfg.log.progress), *callbacks])
-    return trainer.fit()
+    run = build_run(cfg, job.model, job.train_data, job.eval_data, loss_fn=job.loss_fn,
+                    callbacks=[Progress(cfg.log.progress), *callbacks])
+    return Trainer(run).fit()
 
 
 def run_worker(cfg_dict: dict[str, Any]) -> FitResult:

@@ -54,6 +54,21 @@ def raise_on_rank_one() -> str:
     return "ok"
 
 
+def raise_on_rank_one_after_zero(tmp: str) -> str:
+    """Rank 1 raises once rank 0 has started (and so has its log files); rank 0 returns."""
+    import time
+    from pathlib import Path
+
+    started = Path(tmp) / "rank-0-started"
+    if DistEnv.detect().rank == 0:
+        started.touch()
+        return "ok"
+    deadline = time.monotonic() + 60
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    raise ValueError("boom from rank 1")
+
+
 def zero_first(tmp: str) -> bool:
     """Rank 0 writes a file slowly in the body; the others must find it in theirs."""
     env = DistEnv.detect()

@@ -100,12 +100,16 @@ def test_elastic_failure_names_rank_traceback_and_restarts():
 
 
 def test_elastic_writes_rank_logs_to_log_dir(tmp_path):
-    with pytest.raises(LaunchError, match=str(tmp_path)):
-        launch(workers.raise_on_rank_one, nproc=2, log_dir=str(tmp_path))
+    logs = tmp_path / "logs"
+    with pytest.raises(LaunchError, match=str(logs)):
+        # Rank 1 fails only after rank 0 started: on a loaded machine the agent could
+        # otherwise stop rank 0 before it opened its log files.
+        launch(workers.raise_on_rank_one_after_zero, (str(tmp_path),), nproc=2,
+               log_dir=str(logs))
     # Per rank and attempt: stdout.log / stderr.log (what the rank printed) and, for a
     # rank that raised, error.json with its traceback.
-    assert len(list(tmp_path.rglob("stderr.log"))) == 2
-    assert "boom from rank 1" in next(tmp_path.rglob("1/error.json")).read_text()
+    assert len(list(logs.rglob("stderr.log"))) == 2
+    assert "boom from rank 1" in next(logs.rglob("1/error.json")).read_text()
 
 
 def test_spawn_failure_names_rank():

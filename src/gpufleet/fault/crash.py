@@ -13,10 +13,15 @@ import os
 import socket
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from gpufleet.errors import ConfigError
+from gpufleet.procs import forget_process
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +74,27 @@ def write_crash_report(trainer: Any, error: BaseException) -> Path | None:
     log.error("rank %d failed at step %d: %s: %s. Crash report: %s", rank, trainer.step,
               type(error).__name__, error, path)
     return path
+
+
+@contextmanager
+def crash_reported(view: Any) -> Iterator[None]:
+    """Training inside this block leaves a crash report if it fails, and its process
+    record is removed when it ends well.
+
+    A config or code mistake (:class:`~gpufleet.errors.ConfigError`, whose message names
+    the fix) is not a crash: no report, and nothing is left running to clean up. Any
+    other error (OOM, a failed collective, a bug) leaves a report in the run directory
+    that says where and why; the error is raised as before.
+    """
+    try:
+        yield
+    except ConfigError:
+        forget_process(view.run_dir)
+        raise
+    except Exception as e:
+        write_crash_report(view, e)
+        raise
+    forget_process(view.run_dir)  # a clean end leaves nothing to clean up
 
 
 def _memory_state(device: torch.device) -> str:

@@ -10,12 +10,15 @@ from __future__ import annotations
 from operator import attrgetter
 from typing import Any
 
-# The run's values a view reads, each the trainer's attribute of the same name.
-_FIELDS = (
-    "step", "epoch", "epochs_done", "max_steps", "cfg", "env", "run_dir", "device",
-    "pin_memory", "result", "model", "optimizer", "scheduler", "strategy", "precision",
-    "flops_per_step", "system_sampler",
-)
+# What a view reads, as paths into the run (gpufleet.train.run.Run).
+_FIELDS = {
+    "step": "state.step", "flops_per_step": "state.flops_per_step",
+    "epoch": "data.epoch", "epochs_done": "data.epochs_done",
+    "pin_memory": "data.pin_memory", "system_sampler": "monitors.system_sampler",
+    **{name: name for name in ("max_steps", "cfg", "env", "run_dir", "device", "result",
+                               "model", "optimizer", "scheduler", "strategy",
+                               "precision")},
+}
 
 
 class RunView:
@@ -53,18 +56,16 @@ class RunView:
 
     @property
     def phase(self) -> str:
-        phases = getattr(self._run, "_phases", None)
-        current = phases.current if phases is not None else None
+        current = self._run.phases.current
         return "setup" if current is None else str(current)
 
     @property
     def log_seconds(self) -> dict[str, float]:
-        callbacks = getattr(self._run, "callbacks", None)
-        return dict(getattr(callbacks, "log_seconds", {}))
+        return dict(self._run.callbacks.log_seconds)
 
     def __repr__(self) -> str:
         return f"RunView(step={self.step}, phase={self.phase!r}, run_dir={self.run_dir!r})"
 
 
-for _name in _FIELDS:
-    setattr(RunView, _name, property(attrgetter(f"_run.{_name}")))
+for _name, _path in _FIELDS.items():
+    setattr(RunView, _name, property(attrgetter(f"_run.{_path}")))

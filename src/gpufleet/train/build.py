@@ -1,0 +1,288 @@
+"""Build a training run from its config, once: :func:`build_run`.
+
+The order is fixed here and each step is one function: resolved config and process
+group → device and backend flags → precision, parallel plan, model, optimizer → run
+directory → data → schedule → checkpointer and evaluator → monitors → callbacks. What
+comes out is a :class:`~gpufleet.train.run.Run` whose parts the loop only uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, IterableDataset
+
+from gpufleet.config import Config, config_to_dict, write_config
+from gpufleet.core.callbacks import Callback, CallbackList
+from gpufleet.core.phases import PhaseAnnouncer
+from gpufleet.data.loaders import TrainLoader, build_eval_loader, build_train_loader
+from gpufleet.errors import ConfigError, GpufleetError
+from gpufleet.launch import DistEnv, broadcast_object, is_initialized, job_store
+from gpufleet.launch.netif import node_address
+from gpufleet.monitor.flops import device_peak_flops
+from gpufleet.parallel import build_strategy, strategy_class
+from gpufleet.parallel.dims import plan_for
+from gpufleet.precision import build_precision
+from gpufleet.procs import record_process
+from gpufleet.train import runlock
+from gpufleet.train.batches import make_loss_fn
+from gpufleet.train.checkpointer import Checkpointer
+from gpufleet.train.evalmetrics import EvalMetric, build_metrics
+from gpufleet.train.evaluator import Evaluator
+from gpufleet.train.optim import build_scheduler, fill_optimizer_defaults, optimizer_spec
+from gpufleet.train.perf import apply_backend_flags, prepare_model, share_cores
+from gpufleet.train.rank import join_process_group, local_gpu_index
+from gpufleet.train.run import Monitors, Run, TrainState
+from gpufleet.train.rundir import named, plan_and_lock
+from gpufleet.train.seed import seed_everything, set_deterministic
+from gpufleet.train.stream import TrainStream
+from gpufleet.train.view import RunView
+
+log = logging.getLogger(__name__)
+
+
+def build_run(cfg: Config, model: nn.Module, train_data: Dataset,
+              eval_data: Dataset | None = None, *, loss_fn: Any = None,
+              callbacks: Sequence[Callback] = (),
+              eval_metrics: Mapping[str, Any] | None = None) -> Run:
+    """Build every part of a training run on this rank (COLLECTIVE: every rank calls it).
+
+    Args:
+        cfg: the run configuration (resolved here if it is not yet).
+        model: your ``nn.Module``, built identically on every rank.
+        train_data: a map-style ``Dataset`` of ``(inputs, target)``, argument tuples or
+            dicts.
+        eval_data: optional evaluation ``Dataset``.
+        loss_fn: ``loss(model_output, target)``; omit when the model returns its loss.
+        callbacks: yours, after the run's own.
+        eval_metrics: ``{name: fn(output, target)}`` besides ``eval.metrics``.
+
+    Returns:
+        The :class:`~gpufleet.train.run.Run`; train it with
+        ``Trainer(run).fit()``.
+    """
+    env = DistEnv.detect()
+    # A run without a name is named after the model (gpufleet.fit(MLP(), ...): mlp).
+    # Resolved once per rank: a config the rank's entry resolved comes back as it is.
+    cfg = join_process_group(named(cfg, model), env)
+    share_cores(env.local_world_size, env.is_main)
+    device = _device(cfg, env)
+    precision, strategy = _precision_and_strategy(cfg, env, device)
+    cfg, model, optimizer = _model_and_optimizer(cfg, env, device, strategy, model)
+    metrics = _eval_metrics(cfg, eval_metrics)  # before the run directory: may fail
+    from gpufleet.fault.nonfinite import NonFiniteGuard
+
+    nonfinite = (NonFiniteGuard(cfg.fault, strategy, precision)
+                 if cfg.fault.skip_nonfinite else None)
+    # Every rank now draws different dropout masks; data order comes from the sampler's
+    # own generator and is independent of this.
+    seed_everything(cfg.run.seed + env.rank)
+    cfg, resume_from, run_lock = _run_dir(cfg, env)  # COLLECTIVE
+    run_dir = Path(cfg.run.dir)
+    train, eval_loader, data = _data(cfg, env, device, strategy, train_data, eval_data)
+    max_steps = _max_steps(cfg, env, train)
+    scheduler = build_scheduler(optimizer, cfg.optim, max_steps)
+    loss = make_loss_fn(loss_fn)
+    evaluator = None if eval_loader is None else Evaluator(
+        eval_loader, model, strategy, precision, loss, metrics,
+        device=device, pin_memory=data.pin_memory, channels_last=cfg.perf.channels_last,
+        max_batches=cfg.run.eval_batches, data_copies=data.data_copies)
+    mon = cfg.monitor
+    run = Run(
+        cfg=cfg, env=env, device=device, run_dir=run_dir, precision=precision,
+        strategy=strategy, model=model, optimizer=optimizer, scheduler=scheduler,
+        loss_fn=loss, data=data, evaluator=evaluator,
+        checkpointer=Checkpointer(run_dir, env, cfg, model, optimizer, scheduler, strategy,
+                                  precision, train.sampler),
+        nonfinite=nonfinite, max_steps=max_steps,
+        peak_flops=device_peak_flops(cfg, device), resume_from=resume_from,
+        run_lock=run_lock, monitors=_monitors(cfg, env, device, run_dir),
+        # FLOPs per step: counted on the first step (None: not yet; 0: not counted).
+        state=TrainState(flops_per_step=None if (mon.phases or mon.diagnose) else 0))
+    run.result.run_dir = str(run_dir)
+    run.view = RunView(run)  # what callbacks get: read-only, reads live values
+    run.callbacks = CallbackList(_own_callbacks(run) + list(callbacks))
+    if run.monitors.system_sampler is None:  # one the caller added (its own interval)
+        from gpufleet.monitor.system import SystemSampler
+
+        run.monitors.system_sampler = next(
+            (cb for cb in callbacks if isinstance(cb, SystemSampler)), None)
+    run.phases = PhaseAnnouncer(run.callbacks.phase_listeners, run.view)
+    return run
+
+
+def _device(cfg: Config, env: DistEnv) -> torch.device:
+    """This rank's device, with the determinism and backend flags the config asks for."""
+    if cfg.run.device == "cuda":
+        # A one-process strategy (dp drives every GPU from it) starts on GPU 0.
+        one_process = strategy_class(cfg.parallel.strategy).traits.one_process
+        device = torch.device("cuda", 0 if one_process else local_gpu_index(env))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    set_deterministic(cfg.run.deterministic)
+    apply_backend_flags(cfg.perf, cfg.run.deterministic)
+    return device
+
+
+def _precision_and_strategy(cfg: Config, env: DistEnv, device: torch.device
+                            ) -> tuple[Any, Any]:
+    """Mixed precision, and the strategy that applies the config's parallel plan (its
+    dims over one DeviceMesh) to the model."""
+    precision = build_precision(cfg.precision.mode, device.type, cfg.precision)
+    dims = plan_for(cfg.parallel, strategy_class(cfg.parallel.strategy).traits,
+                    env.world_size, env.local_world_size)
+    strategy = build_strategy(cfg.parallel.strategy, cfg.parallel, device, precision, dims)
+    if strategy.needs_process_group and not is_initialized():
+        raise ConfigError(
+            f"parallel.strategy = {cfg.parallel.strategy!r} needs a process group, and "
+            "this process was started alone. Use --nproc N (or torchrun), or "
+            "parallel.strategy=single for one process.")
+    return precision, strategy
+
+
+def _eval_metrics(cfg: Config, extra: Mapping[str, Any] | None) -> list[EvalMetric]:
+    """``eval.metrics`` (importing the user's functions it names), then ``extra``."""
+    metrics = build_metrics(cfg.eval.metrics)
+    return metrics + [EvalMetric(name, fn) for name, fn in (extra or {}).items()]
+
+
+def _model_and_optimizer(cfg: Config, env: DistEnv, device: torch.device, strategy: Any,
+                         model: nn.Module) -> tuple[Config, nn.Module, Any]:
+    """The model as the strategy places it, and its optimizer; the config gains the
+    optimizer settings it left to the model (-1: the model's defaults)."""
+    from gpufleet.parallel.activation_checkpointing import apply_layer_options
+
+    # SyncBatchNorm and activation checkpointing change layers in place (same
+    # state-dict names), before compilation and before the strategy wraps the model.
+    model = apply_layer_options(model, cfg.parallel, device, env.world_size)
+    # The run directory's config.toml then records the values used.
+    cfg = dataclasses.replace(cfg, optim=fill_optimizer_defaults(cfg.optim, model))
+    model = strategy.setup_model(prepare_model(model, cfg.perf))
+    optimizer = strategy.setup_optimizer(model, optimizer_spec(cfg.optim, device.type))
+    return cfg, model, optimizer
+
+
+def _run_dir(cfg: Config, env: DistEnv) -> tuple[Config, Path | None, runlock.RunLock | None]:
+    """Rank 0 plans the run directory (new, or the one to resume) and locks it; every
+    rank takes its plan (COLLECTIVE). Returns the config as written there, the
+    checkpoint to resume from, and the lock (rank 0's, when its launcher holds none)."""
+    plan: Any = None
+    lock: runlock.RunLock | None = None
+    if env.is_main:
+        try:
+            # The lock is None when this run's launcher holds it (train.runlock).
+            cfg_main, resume_from, lock = plan_and_lock(cfg, env.restart_count)
+            plan = (cfg_main, resume_from)
+            write_config(cfg_main, Path(cfg_main.run.dir) / "config.toml")
+        except (GpufleetError, OSError) as e:
+            plan = e
+    # COLLECTIVE: a rank 0 that failed here must not leave the others waiting in the
+    # next collective: they all raise its error.
+    plan = broadcast_object(plan)
+    if isinstance(plan, Exception):
+        raise plan
+    cfg, resume_from = plan
+    # By pid, so `gpufleet cleanup RUN_DIR` can end this rank (and its data-loader
+    # workers) if the run is left hanging; removed again when training ends well.
+    record_process(Path(cfg.run.dir), "rank", env.rank)
+    return cfg, resume_from, lock
+
+
+def _data(cfg: Config, env: DistEnv, device: torch.device, strategy: Any,
+          train_data: Dataset, eval_data: Dataset | None
+          ) -> tuple[TrainLoader, Any, TrainStream]:
+    """This rank's share of the training and evaluation data."""
+    if isinstance(train_data, IterableDataset):
+        raise ConfigError("train_data is an IterableDataset; gpufleet needs a map-style "
+                          "Dataset (__len__ and __getitem__) to shard it across ranks "
+                          "and resume mid-epoch.")
+    pin_memory = cfg.data.pin_memory and device.type == "cuda"
+    # Data-parallel shard of this rank: every rank for ddp; ranks that hold different
+    # stages of one model replica (pipeline) read the same data.
+    shard, shards = strategy.data_shard(env.rank, env.world_size)
+    train = build_train_loader(train_data, cfg.data, rank=shard, world_size=shards,
+                               seed=cfg.run.seed, pin_memory=pin_memory)
+    eval_loader = build_eval_loader(eval_data, cfg.data, rank=shard, world_size=shards,
+                                    pin_memory=pin_memory)
+    stream = TrainStream(train, device, seed=cfg.run.seed, rank=env.rank,
+                         pin_memory=pin_memory, device_prefetch=cfg.data.device_prefetch,
+                         channels_last=cfg.perf.channels_last,
+                         data_copies=env.world_size // shards)
+    return train, eval_loader, stream
+
+
+def _max_steps(cfg: Config, env: DistEnv, train: TrainLoader) -> int:
+    """The step the run ends at: run.max_steps or the steps of run.max_epochs, whichever
+    comes first (resolve() makes sure there is a limit)."""
+    run, accum = cfg.run, cfg.optim.grad_accum
+    limits = [run.max_steps] if run.max_steps else []
+    if run.max_epochs:
+        batches = sum(train.batches_in_epoch(e) for e in range(run.max_epochs))
+        if batches < accum:
+            raise ConfigError(
+                f"run.max_epochs = {run.max_epochs} gives {batches} batch(es) per rank, "
+                f"fewer than optim.grad_accum = {accum} per optimizer step. Train more "
+                "epochs, lower optim.grad_accum or data.batch_size.")
+        # An optimizer step takes grad_accum batches; a remainder is left out.
+        limits.append(batches // accum)
+        if env.is_main:
+            log.info("%d epoch(s) = %d optimizer steps (%d batches per rank)%s",
+                     run.max_epochs, batches // accum, batches,
+                     f"; run.max_steps = {run.max_steps} ends the run first"
+                     if run.max_steps and run.max_steps < batches // accum else "")
+    return min(limits)
+
+
+def _monitors(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path) -> Monitors:
+    """The phase timer, the stall watchdog and the preemption watch, as configured."""
+    from gpufleet.fault.preempt import PreemptionWatch
+    from gpufleet.fault.watchdog import Watchdog
+    from gpufleet.monitor.phases import PhaseTimer
+
+    fault = cfg.fault
+    return Monitors(
+        phase_timer=PhaseTimer(device) if cfg.monitor.phases else None,
+        watchdog=(Watchdog(fault, run_dir, env.rank, env.world_size, job_store(),
+                           env.restart_count, node=(env.node_rank, node_address(env)))
+                  if fault.watchdog else None),
+        preemption=(PreemptionWatch(fault.preempt_check_every, is_initialized())
+                    if fault.preempt_check_every else None))
+
+
+def _own_callbacks(run: Run) -> list[Callback]:
+    """The run's own callbacks, in the order they hear each hook: phase timing first
+    (its clock reads bracket the others' work least), the file sinks before the advisor
+    that reads what they were given. Fills in the monitors built here."""
+    from gpufleet.monitor.advisor import Advisor, SyncProbe, run_facts
+    from gpufleet.monitor.jsonl import MetricsFile
+    from gpufleet.monitor.profile import ProfilerCallback
+    from gpufleet.monitor.sinks import build_sinks
+    from gpufleet.monitor.system import SystemSampler
+
+    cfg, env, mon, monitors = run.cfg, run.env, run.cfg.monitor, run.monitors
+    own: list[Callback] = [cb for cb in (monitors.phase_timer, monitors.watchdog) if cb]
+    if cfg.profile.steps:  # every rank writes its own trace
+        own.append(ProfilerCallback(cfg.profile.steps, run.run_dir, env.rank,
+                                    env.world_size))
+    if env.local_rank == 0 and mon.system_interval_s > 0:  # one sampler per node
+        monitors.system_sampler = SystemSampler(run.run_dir, interval_s=mon.system_interval_s)
+        own.append(monitors.system_sampler)
+    if not env.is_main:
+        return own
+    metrics = MetricsFile(run.run_dir / "metrics.jsonl")
+    own.append(metrics)
+    own.extend(build_sinks(mon.sinks, run.run_dir, config_to_dict(cfg)))
+    if mon.diagnose and mon.phases:
+        monitors.advisor = Advisor(run_facts(run.view), run.run_dir, metrics,
+                                   monitors.system_sampler, phase_timer=monitors.phase_timer)
+        own.append(monitors.advisor)
+        if mon.sync_probe_steps and run.device.type == "cuda":
+            own.append(SyncProbe(monitors.advisor, mon.sync_probe_steps))
+    return own

@@ -1,0 +1,105 @@
+"""One log interval: what the loop adds up between log lines, reduced across ranks once
+at its end (:class:`LogInterval`).
+
+Losses are summed on the device (adding to the sum does not wait for the GPU); samples
+and tokens are host counts from batch shapes. At the end of the interval one
+all-reduce carries the loss, the gradient norm, the counts, the non-finite guard's
+pending probes and every rank's phase times: the loop's only host-device sync.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from gpufleet.monitor.metrics import flops_metrics, phase_metrics
+from gpufleet.train.run import Run
+
+
+class LogInterval:
+    """The running sums of the current log interval.
+
+    Args:
+        run: the run whose loop adds to it.
+    """
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.loss_sum = torch.zeros((), device=run.device)  # of kept micro-batch losses
+        self.micro_steps = 0  # micro-batches whose loss is in loss_sum
+        self.grad_norm = torch.zeros((), device=run.device)  # the last step's, on device
+        self.first_step = run.state.step  # the step done when the interval began
+        self.start = time.perf_counter()
+
+    def add(self, loss: torch.Tensor, micro_steps: int) -> None:
+        """A kept optimizer step's summed loss over its ``micro_steps`` micro-batches."""
+        self.loss_sum += loss
+        self.micro_steps += micro_steps
+
+    def restart_clock(self) -> None:
+        """Time from now on (evaluation and checkpoints are not training time)."""
+        self.start = time.perf_counter()
+
+    def close(self) -> dict[str, Any]:
+        """End the interval: reduce across ranks (COLLECTIVE + SYNC), add to the run's
+        totals, start the next interval, and return the metrics of the log line."""
+        run, state = self.run, self.run.state
+        seconds = time.perf_counter() - self.start
+        world, guard, timer = run.env.world_size, run.nonfinite, run.monitors.phase_timer
+        samples, tokens = run.data.take_counts()
+        parts = [torch.stack([self.loss_sum.float(), self.grad_norm.float().to(run.device)]),
+                 torch.tensor([samples, tokens], dtype=torch.float32, device=run.device)]
+        skips = guard.pending() if guard is not None else None  # on the device path
+        if skips is not None:  # the same on every rank: the sum is world times it
+            parts.append(skips)
+        if timer is not None:
+            # Every rank fills its own row of a [world, phases] table; the sum hands
+            # every rank the whole table (the straggler view) in the same message.
+            host, _ = timer.take()
+            table = torch.zeros(world, len(host), dtype=torch.float32)
+            table[run.env.rank] = torch.tensor(host)
+            parts.append(table.flatten().to(run.device))
+        stats = torch.cat(parts)
+        # COLLECTIVE + SYNC, once per log interval: mean loss over ranks and micro-steps,
+        # the exact global sample and token counts, and every rank's phase times.
+        run.strategy.all_reduce(stats)
+        loss_total, norm_total, samples, tokens, *rest = stats.tolist()
+        micro_steps = self.micro_steps
+        if skips is not None:
+            guard.settle([v / world for v in rest[:len(skips)]], self.first_step,
+                         run.env.is_main)
+            # The skipped steps' micro-batches added no loss.
+            micro_steps -= guard.interval_skipped * run.cfg.optim.grad_accum
+            rest = rest[len(skips):]
+        # Pipeline stages read the same samples: count each once.
+        samples, tokens = samples / run.data.data_copies, tokens / run.data.data_copies
+        state.train_time_s += seconds
+        state.samples += samples
+        state.tokens += tokens
+        # Skipped steps add no loss; an interval of skipped steps only has none.
+        loss = loss_total / (micro_steps * world) if micro_steps else float("nan")
+        metrics: dict[str, Any] = {
+            "step": state.step, "epoch": run.data.epoch, "loss": loss,
+            "lr": run.scheduler.get_last_lr()[0], "grad_norm": norm_total / world,
+            "samples_per_s": samples / seconds if seconds > 0 else 0.0,
+            "step_time_s": seconds / max(1, state.step - self.first_step),
+        }
+        if guard is not None and guard.interval_skipped:
+            metrics["skipped_steps"] = guard.interval_skipped  # the same on all ranks
+            guard.interval_skipped = 0
+        if tokens:
+            metrics["tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
+        if timer is not None:
+            metrics.update(phase_metrics(rest, world, run.env.rank, timer.device_times()))
+        if run.device.type == "cuda":  # the allocator's own counter: no sync
+            metrics["mem_peak_gb"] = torch.cuda.max_memory_reserved(run.device) / 2**30
+        if state.flops_per_step and seconds > 0:
+            metrics.update(flops_metrics(state.flops_per_step, metrics["step_time_s"],
+                                         run.peak_flops))
+        self.loss_sum.zero_()
+        self.micro_steps = 0
+        self.first_step = state.step
+        self.restart_clock()
+        return metrics

@@ -1,0 +1,133 @@
+"""A training run as explicit parts: :class:`Run` (what :func:`~gpufleet.train.build.
+build_run` made from the config) and :class:`TrainState` (what the loop changes).
+
+Everything a step touches is a field here, named for what it holds; nothing is found by
+scanning lists or reaching into another component. The loop
+(:class:`~gpufleet.train.loop.Trainer`) reads these parts and changes only the state;
+callbacks see both through a read-only :class:`~gpufleet.train.view.RunView`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from gpufleet.config import Config
+from gpufleet.core.callbacks import CallbackList
+from gpufleet.core.phases import PhaseAnnouncer
+from gpufleet.launch import DistEnv
+from gpufleet.train.checkpointer import Checkpointer
+from gpufleet.train.evaluator import Evaluator
+from gpufleet.train.result import FitResult
+from gpufleet.train.stream import TrainStream
+
+if TYPE_CHECKING:
+    from gpufleet.fault.nonfinite import NonFiniteGuard
+    from gpufleet.fault.preempt import PreemptionWatch
+    from gpufleet.fault.watchdog import Watchdog
+    from gpufleet.monitor.advisor import Advisor
+    from gpufleet.monitor.phases import PhaseTimer
+    from gpufleet.monitor.system import SystemSampler
+    from gpufleet.parallel.base import Strategy
+    from gpufleet.precision import Precision
+    from gpufleet.train.runlock import RunLock
+    from gpufleet.train.view import RunView
+
+
+@dataclass
+class TrainState:
+    """What training changes as it goes (the data position lives in the stream).
+
+    Attributes:
+        step: optimizer steps done (a resumed run counts the earlier ones).
+        saved_step: the step of the newest checkpoint written or resumed from (-1: none).
+        flops_per_step: counted on the first step (None before; 0 when not counted).
+        train_time_s / samples / tokens: training time and the global samples and tokens
+            read in it this session (evaluation and checkpoints excluded).
+    """
+
+    step: int = 0
+    saved_step: int = -1
+    flops_per_step: int | None = None
+    train_time_s: float = 0.0
+    samples: float = 0.0
+    tokens: float = 0.0
+
+
+@dataclass
+class Monitors:
+    """What watches the run. Each is None when the config turns it off or when it does
+    not run on this rank (one system sampler per node, the advisor on rank 0)."""
+
+    phase_timer: PhaseTimer | None = None
+    watchdog: Watchdog | None = None
+    preemption: PreemptionWatch | None = None
+    system_sampler: SystemSampler | None = None
+    advisor: Advisor | None = None
+
+
+@dataclass(eq=False)
+class Run:
+    """The parts of one training run on this rank, built once by ``build_run``.
+
+    Attributes:
+        cfg: the resolved config, as written to the run directory's config.toml.
+        env: this rank (rank, world size, node).
+        device / run_dir: where it computes and where it writes.
+        precision / strategy: mixed precision, and the parallel plan applied to the model.
+        model / optimizer / scheduler / loss_fn: what is trained and how.
+        data: the training batches and the data position (:class:`TrainStream`).
+        evaluator: evaluation on the held-out data (None without eval data).
+        checkpointer: saves and restores the whole training state.
+        nonfinite: skips steps whose loss or gradients are not finite (None when off).
+        max_steps: the step the run ends at (run.max_steps or run.max_epochs' steps).
+        peak_flops: the device's peak FLOP/s for MFU (None when unknown).
+        resume_from: the checkpoint to resume from, or None for a fresh start.
+        run_lock: this run directory's lock, when this process holds it.
+        monitors: phase timer, watchdog, preemption watch, system sampler, advisor.
+        callbacks: every callback, the run's own first.
+        phases: tells the callbacks which phase of a step begins.
+        view: the read-only view callbacks are given.
+        state / result: what the loop changes, and what it reports.
+    """
+
+    cfg: Config
+    env: DistEnv
+    device: torch.device
+    run_dir: Path
+    precision: Precision
+    strategy: Strategy
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    loss_fn: Any
+    data: TrainStream
+    evaluator: Evaluator | None
+    checkpointer: Checkpointer
+    nonfinite: NonFiniteGuard | None
+    max_steps: int
+    peak_flops: float | None
+    resume_from: Path | None
+    run_lock: RunLock | None
+    monitors: Monitors
+    state: TrainState = field(default_factory=TrainState)
+    result: FitResult = field(default_factory=FitResult)
+    # Set last by build_run: the callbacks are built with the view, which reads the run.
+    callbacks: CallbackList = field(default_factory=lambda: CallbackList([]))
+    phases: PhaseAnnouncer = field(default_factory=lambda: PhaseAnnouncer([], None))
+    view: RunView | None = None
+
+    def close(self) -> None:
+        """Stop the watchdog's thread, let go of the run directory and the signal
+        handlers; called once when training ends, however it ends."""
+        mon = self.monitors
+        if mon.watchdog is not None:
+            mon.watchdog.stop()
+        if self.run_lock is not None:
+            self.run_lock.release()
+        if mon.preemption is not None:
+            mon.preemption.close()

@@ -1,0 +1,114 @@
+"""The training batches, epoch after epoch, on the device: :class:`TrainStream`.
+
+The stream owns the training loader and its resumable sampler. The loop asks it for the
+next batch; epochs roll over by themselves, and the stream counts the samples and
+tokens it handed out (from tensor shapes on the host: no device sync) for the next log
+line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gpufleet.core.tree import batch_size_of, to_device, tokens_of
+from gpufleet.data.loaders import TrainLoader
+from gpufleet.data.prefetch import DevicePrefetcher
+from gpufleet.train.perf import to_channels_last
+
+
+class TrainStream:
+    """Batches of the training set for this rank, and where in the data the run is.
+
+    Args:
+        train: the training loader and its sampler (:func:`~gpufleet.data.loaders.
+            build_train_loader`).
+        device: where batches go.
+        seed / rank: seed the loader's worker seeds per (seed, rank, epoch).
+        pin_memory: batches are pinned (CUDA copies may then overlap compute).
+        device_prefetch: copy the next batch to the GPU on a side stream.
+        channels_last: hand image batches over in channels-last memory format.
+        data_copies: ranks that read each sample (pipeline stages read the same data).
+
+    Attributes:
+        epoch: the epoch being read.
+        consumed: what of it was taken: samples ("fixed" batches) or batches ("tokens").
+        samples / tokens: handed out since :meth:`take_counts` last emptied them.
+    """
+
+    def __init__(self, train: TrainLoader, device: torch.device, *, seed: int, rank: int,
+                 pin_memory: bool, device_prefetch: bool, channels_last: bool,
+                 data_copies: int) -> None:
+        self.loader, self.sampler = train.loader, train.sampler
+        self._train = train
+        self.device, self.pin_memory = device, pin_memory
+        self._seed, self._rank = seed, rank
+        self._device_prefetch, self._channels_last = device_prefetch, channels_last
+        self.data_copies = data_copies
+        self.unit = train.unit  # one "consumed" count per batch
+        self._variable = train.variable
+        self._fixed_tokens: int | None = None  # tokens per batch when batches are fixed
+        self.epoch, self.consumed = 0, 0
+        self.samples, self.tokens = 0, 0
+        self._batches: Any = None
+
+    def start(self, epoch: int, consumed: int = 0) -> None:
+        """Read from ``epoch`` on (the sampler already knows where in it: a resumed
+        run's sampler skips what ``consumed`` counts)."""
+        self.epoch, self.consumed = epoch, consumed
+        self._batches = self._epoch_iterator()
+
+    def next(self) -> Any:
+        """The next training batch on the device."""
+        batch = next(self._batches, None)
+        if batch is None:  # end of epoch: the sampler has moved on to the next one
+            self.start(self.epoch + 1)
+            batch = next(self._batches)
+        self.consumed += self.unit
+        if self._variable:
+            self.samples += batch_size_of(batch)
+            self.tokens += tokens_of(batch) or 0  # padding included
+        else:  # drop_last=True: every batch holds exactly data.batch_size samples
+            if self._fixed_tokens is None:
+                self._fixed_tokens = tokens_of(batch) or 0
+            self.samples += self.unit
+            self.tokens += self._fixed_tokens
+        if self._channels_last:
+            return to_channels_last(batch)
+        return batch
+
+    def take_counts(self) -> tuple[int, int]:
+        """Samples and tokens handed out since the last call (this rank's)."""
+        counts = (self.samples, self.tokens)
+        self.samples, self.tokens = 0, 0
+        return counts
+
+    def batches_in_epoch(self, epoch: int) -> int:
+        """Batches this rank reads in ``epoch``."""
+        return self._train.batches_in_epoch(epoch)
+
+    @property
+    def epochs_done(self) -> float:
+        """Passes over the training set so far, e.g. 1.5 halfway through the second."""
+        per_epoch = self.batches_in_epoch(self.epoch) * self.unit
+        return self.epoch + (self.consumed / per_epoch if per_epoch else 0.0)
+
+    def _epoch_iterator(self) -> Any:
+        """A fresh pass over the training loader for ``self.epoch``.
+
+        The loader draws its workers' base seed from its own generator, seeded from
+        (seed, rank, epoch), not from the global RNG: a resumed run then restores the
+        global RNG exactly and its workers get the seeds the uninterrupted run's got.
+        """
+        self.loader.generator.manual_seed(
+            self._seed * 1_000_003 + self._rank * 7919 + self.epoch)
+        batches = iter(self.loader)
+        if self.device.type != "cuda":  # the loader already made the tensors
+            return batches
+        if self._device_prefetch:
+            # Copy the next batch to the GPU on a side stream while this step computes.
+            return iter(DevicePrefetcher(batches, self.device))
+        # The copy runs on the compute stream when the batch is taken (data.device_prefetch
+        # off: for comparison, or to rule the prefetcher out when hunting a bug).
+        return (to_device(b, self.device, non_blocking=self.pin_memory) for b in batches)
