@@ -19,6 +19,7 @@ from gpufleet.monitor.findings import (
     format_findings,
 )
 from gpufleet.monitor.host_rules import HOST_RULES
+from gpufleet.monitor.links import link_sentence, slow_node_fix
 
 # The findings' types live in gpufleet.monitor.findings (the host rules use them too);
 # they are named here as well, where the rules' callers have always found them.
@@ -160,6 +161,8 @@ def _communication_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None
                f"{_ms(min(p['backward'] for p in s.rank_phases))} against "
                f"{_ms(min(p['forward'] for p in s.rank_phases))} of forward; backward "
                "usually computes about twice the forward).")
+    if facts.links:  # the link probe ran (several nodes): what it measured
+        message += " " + link_sentence(facts.links)
     fix = (f"raise optim.grad_accum from {facts.grad_accum} to {2 * facts.grad_accum} (one "
            f"all-reduce per {2 * facts.grad_accum} micro-batches) or data.batch_size, raise "
            f"parallel.bucket_cap_mb from {facts.bucket_cap_mb:g} to "
@@ -167,7 +170,9 @@ def _communication_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None
     if facts.strategy == "ddp":  # the hooks are ddp's (resolve refuses them elsewhere)
         fix += (", send fewer bytes with parallel.ddp_comm_hook=powersgd (low-rank) or "
                 "fp16 (half the bytes), or average less often with --strategy local_sgd")
-    if facts.world > facts.local_world:  # several nodes: one link may be the slow one
+    if slow_node_fix(facts.links):  # the probe named the node behind the slow link
+        fix += ". Or " + slow_node_fix(facts.links)
+    elif facts.world > facts.local_world:  # several nodes: one link may be the slow one
         fix += (". Find the node behind the slowest link with `gpufleet bench allreduce` "
                 "run on every node with the run's --nnodes/--node-rank/--master-addr")
     else:

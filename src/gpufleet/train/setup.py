@@ -246,6 +246,7 @@ class TrainerSetup:
         advisor that reads what they were given."""
         from gpufleet.monitor.advisor import Advisor, SyncProbe, run_facts
         from gpufleet.monitor.jsonl import MetricsFile
+        from gpufleet.monitor.links import probe_node_links
         from gpufleet.monitor.profile import ProfilerCallback
         from gpufleet.monitor.sinks import build_sinks
         from gpufleet.monitor.system import SystemSampler
@@ -260,6 +261,10 @@ class TrainerSetup:
             self.system_sampler = SystemSampler(self.run_dir,
                                                 interval_s=mon.system_interval_s)
             own.append(self.system_sampler)
+        # COLLECTIVE on several nodes: every rank runs it or none (the config is rank 0's,
+        # from _build_run_dir). How fast each node reaches the others, for the advisor.
+        links = probe_node_links(env, mon.link_probe and mon.diagnose and mon.phases,
+                                 self.device)
         if not env.is_main:
             return own
         metrics = MetricsFile(self.run_dir / "metrics.jsonl")
@@ -267,7 +272,7 @@ class TrainerSetup:
         own.extend(build_sinks(mon.sinks, self.run_dir, config_to_dict(cfg)))
         self.advisor = None
         if mon.diagnose and mon.phases:
-            self.advisor = Advisor(run_facts(self.view), self.run_dir, metrics,
+            self.advisor = Advisor(run_facts(self.view, links), self.run_dir, metrics,
                                    self.system_sampler, phase_timer=self.phase_timer)
             own.append(self.advisor)
             if mon.sync_probe_steps and self.device.type == "cuda":
