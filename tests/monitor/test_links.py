@@ -59,6 +59,22 @@ def test_without_a_probe_the_finding_says_how_to_find_the_node():
     assert "Find the node behind the slowest link" in f.fix
 
 
+def test_a_slow_node_is_its_own_finding_while_communication_is_not_the_limit():
+    facts = RunFacts(world=3, local_world=1, strategy="ddp", links=_links(9400.0, 19.5, 9800.0))
+    row = dict(data=0.001, forward=0.005, backward=0.011, optimizer=0.002, other=0.001)
+    s = Summary(steps=100, step_s=0.02, rank_phases=[{"rank": r, **row} for r in range(3)])
+    (f,) = diagnose(s, facts)
+    assert (f.rule, f.severity, f.title) == ("slow-link", "info", "slow link: node 1")
+    assert "node 1 (10.0.0.2) reaches the others at 19.5 Mbit/s" in f.message
+    assert f.fix.startswith("check node 1 (10.0.0.2)")
+    alike = RunFacts(world=3, local_world=1, strategy="ddp", links=_links(19.0, 21.0, 20.0))
+    assert diagnose(s, alike) == []  # alike links: nothing to say
+    # Once communication is the limit, that finding names the node; no second one.
+    waiting = Summary(steps=100, step_s=0.02, rank_phases=[
+        {"rank": r, **row, "forward": 0.002, "backward": 0.014} for r in range(3)])
+    assert [f.rule for f in diagnose(waiting, facts)] == ["communication-bound"]
+
+
 def test_many_nodes_pair_each_with_the_first_three_only():
     pairs = probe_pairs(list(range(6)))
     assert len(pairs) == 12 and (3, 4) not in pairs and (2, 5) in pairs

@@ -19,7 +19,7 @@ from gpufleet.monitor.findings import (
     format_findings,
 )
 from gpufleet.monitor.host_rules import HOST_RULES
-from gpufleet.monitor.links import link_sentence, slow_node_fix
+from gpufleet.monitor.links import link_sentence, slow_node_fix, slow_nodes
 
 # The findings' types live in gpufleet.monitor.findings (the host rules use them too);
 # they are named here as well, where the rules' callers have always found them.
@@ -182,6 +182,19 @@ def _communication_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None
                    changes={"optim.grad_accum": 2 * facts.grad_accum})
 
 
+def _slow_link(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
+    """A node's link far slower than the others' while communication is not yet the
+    limit (when it is, the communication-bound finding names the node)."""
+    if not slow_node_fix(facts.links) or _communication_bound(s, facts) is not None:
+        return None
+    names = ", ".join(f"node {n['node']}" for n in slow_nodes(facts.links))
+    return Finding(
+        "slow-link", "info", f"slow link: {names}",
+        link_sentence(facts.links) + " The gradient all-reduce does not hold the steps "
+        "back yet; a larger model, more nodes or shorter steps will make it the limit.",
+        slow_node_fix(facts.links) + ".")
+
+
 def _memory_headroom(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
     if facts.device != "cuda" or not s.mem_peak_gb or not facts.mem_total_gb:
         return None
@@ -241,4 +254,4 @@ def _rules() -> tuple[Any, ...]:
     """Every rule, in the order their findings are given (warnings before infos): what
     slows the node from outside the step first, then the step's own limits."""
     return (*HOST_RULES, _input_bound, _straggler, _communication_bound, _host_bound,
-            _memory_headroom, _fp32_on_tensor_cores, _host_syncs, _dp_imbalance)
+            _slow_link, _memory_headroom, _fp32_on_tensor_cores, _host_syncs, _dp_imbalance)

@@ -4,9 +4,10 @@ and the words the diagnosis uses to name the node behind a slow link.
 :func:`probe_node_links` runs on every rank (it is collective) when the run spans more
 than one node. The first rank of each node (its leader) swaps a message with the leaders
 of other nodes, one pair at a time while everybody else waits: first a few bytes (the
-round trip), then 64 KB, 256 KB, 1 MB and 4 MB until one swap takes
-:data:`ENOUGH_S` (a slow link stops after its first sizes, a fast one sends at most
-about 10 MB). Pairs: every pair of nodes up to 4 nodes; beyond that each node with the
+round trip), then 64 KB, 256 KB and 1 MB until one swap takes :data:`ENOUGH_S` (a
+slow link stops after its first size or two; a fast pair swaps about 1.3 MB each way in
+all: fast links are told apart only roughly, which is enough to single out a slow
+node). Pairs: every pair of nodes up to 4 nodes; beyond that each node with the
 first three (about 3 pairs a node). A node's *reach* is its fastest link to any other:
 a node whose own link is slow is slow towards every peer, so even its best link is slow,
 while every other node has at least one pair without it (three nodes or more).
@@ -33,7 +34,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20)  # bytes per swap, smallest first
+SIZES = (64 << 10, 256 << 10, 1 << 20)  # bytes per swap, smallest first
 ENOUGH_S = 0.1  # a swap this long measures the rate well enough; larger sizes are skipped
 SLOW_SHARE = 0.25  # a node is slow when its reach is under this share of the others'
 _HUBS = 3  # beyond this many nodes, each node is paired with the first _HUBS only
