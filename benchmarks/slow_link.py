@@ -50,10 +50,13 @@ def throughput(run_dir: Path, batch: int) -> float:
     return batch / step
 
 
-def run_two_nodes(bed: NetBed, args: list[str], run_dir: Path, env: dict) -> None:
+def run_two_nodes(bed: NetBed, args: list[str], run_dir: Path, env: dict,
+                  nodes: int = 2) -> None:
+    """Run ``args`` (a `gpufleet train` command) as one job on nodes 0 .. ``nodes`` - 1
+    of ``bed`` (two unless told), one rank each; exits with the error of a failed one."""
     procs = []
-    for i in range(2):
-        procs.append(bed.popen(i, [*args, "--run-dir", str(run_dir), "--nnodes", "2",
+    for i in range(nodes):
+        procs.append(bed.popen(i, [*args, "--run-dir", str(run_dir), "--nnodes", str(nodes),
                                    "--nproc", "1", "--node-rank", str(i), "--master-addr",
                                    bed.addr(0), "--master-port", "29500"],
                                env=env, stdout=subprocess.DEVNULL,

@@ -152,21 +152,14 @@ def probe_links(nbytes: int, device: Any) -> list[dict[str, Any]]:
 
     from gpufleet.launch import DistEnv, gather_objects
     from gpufleet.launch.netif import node_address
+    from gpufleet.monitor.links import timed_swap
 
     env = DistEnv.detect()
     who = gather_objects((env.node_rank, node_address(env)))  # COLLECTIVE
     x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
     times = torch.zeros(env.world_size, dtype=torch.float64, device=device)
     for peer in range(1, env.world_size):
-        dist.barrier()  # one pair at a time: the others wait here
-        if env.rank == 0:
-            start = time.perf_counter()
-            dist.send(x, dst=peer)
-            dist.recv(x, src=peer)
-            times[peer] = time.perf_counter() - start
-        elif env.rank == peer:
-            dist.recv(x, src=0)
-            dist.send(x, dst=0)
+        times[peer] = timed_swap(x, 0, peer)  # COLLECTIVE: one pair at a time
     dist.broadcast(times, src=0)  # COLLECTIVE: rank 0's timings to every rank
     return [{"rank": r, "node": who[r][0], "addr": who[r][1], "seconds": float(times[r]),
              "mbit_s": 2 * x.numel() * 4 * 8 / float(times[r]) / 1e6}

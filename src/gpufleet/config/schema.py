@@ -267,6 +267,10 @@ class MonitorConfig(Section):
                          "the fix.")
     sync_probe_steps: int = opt(5, "Steps run under torch's CUDA sync-debug mode to find "
                                 "host-device syncs in your step (CUDA only; 0: off).", min=0)
+    link_probe: bool = opt(True, "On several nodes, time how fast each node reaches the "
+                           "others at the start (a few MB; well under a second on a "
+                           "healthy link), so the diagnosis names the node behind a slow "
+                           "link.")
     report: bool = opt(True, "Write report.html (self-contained) into the run directory.")
     sinks: str = opt("", "Extra metric sinks, comma-separated: tensorboard, mlflow, wandb.")
     peak_tflops: float = opt(0.0, "Peak TFLOPS of one device for MFU (0: from the table of "

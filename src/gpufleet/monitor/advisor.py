@@ -157,8 +157,9 @@ def measured_cpu_flops(seconds: float = 0.1, n: int = 512) -> float:
     return 2 * n ** 3 * runs / (time.perf_counter() - start)
 
 
-def run_facts(trainer: Any) -> RunFacts:
-    """What the rules need to know about ``trainer``'s setup."""
+def run_facts(trainer: Any, links: dict[str, Any] | None = None) -> RunFacts:
+    """What the rules need to know about ``trainer``'s setup; ``links``: the link
+    probe's result (:func:`gpufleet.monitor.links.probe_node_links`), if one ran."""
     from gpufleet.monitor.flops import device_peak_flops
 
     cfg, device = trainer.cfg, trainer.device
@@ -172,7 +173,7 @@ def run_facts(trainer: Any) -> RunFacts:
         bucket_cap_mb=cfg.parallel.bucket_cap_mb, compile=cfg.perf.compile,
         cores=usable_cores(), torch_threads=torch.get_num_threads(),
         log_every=cfg.log.every, eval_every=cfg.run.eval_every,
-        checkpoint_every=cfg.checkpoint.every)
+        checkpoint_every=cfg.checkpoint.every, links=dict(links or {}))
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         facts.device_name = props.name

@@ -19,6 +19,7 @@ from gpufleet.monitor.findings import (
     format_findings,
 )
 from gpufleet.monitor.host_rules import HOST_RULES
+from gpufleet.monitor.links import link_sentence, slow_node_fix, slow_nodes
 
 # The findings' types live in gpufleet.monitor.findings (the host rules use them too);
 # they are named here as well, where the rules' callers have always found them.
@@ -160,6 +161,8 @@ def _communication_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None
                f"{_ms(min(p['backward'] for p in s.rank_phases))} against "
                f"{_ms(min(p['forward'] for p in s.rank_phases))} of forward; backward "
                "usually computes about twice the forward).")
+    if facts.links:  # the link probe ran (several nodes): what it measured
+        message += " " + link_sentence(facts.links)
     fix = (f"raise optim.grad_accum from {facts.grad_accum} to {2 * facts.grad_accum} (one "
            f"all-reduce per {2 * facts.grad_accum} micro-batches) or data.batch_size, raise "
            f"parallel.bucket_cap_mb from {facts.bucket_cap_mb:g} to "
@@ -167,7 +170,9 @@ def _communication_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None
     if facts.strategy == "ddp":  # the hooks are ddp's (resolve refuses them elsewhere)
         fix += (", send fewer bytes with parallel.ddp_comm_hook=powersgd (low-rank) or "
                 "fp16 (half the bytes), or average less often with --strategy local_sgd")
-    if facts.world > facts.local_world:  # several nodes: one link may be the slow one
+    if slow_node_fix(facts.links):  # the probe named the node behind the slow link
+        fix += ". Or " + slow_node_fix(facts.links)
+    elif facts.world > facts.local_world:  # several nodes: one link may be the slow one
         fix += (". Find the node behind the slowest link with `gpufleet bench allreduce` "
                 "run on every node with the run's --nnodes/--node-rank/--master-addr")
     else:
@@ -175,6 +180,19 @@ def _communication_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None
     fix += ". README 'Across nodes' lists what each fix gained on a 20 Mbit/s link."
     return Finding("communication-bound", "warn", "communication-bound", message, fix,
                    changes={"optim.grad_accum": 2 * facts.grad_accum})
+
+
+def _slow_link(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
+    """A node's link far slower than the others' while communication is not yet the
+    limit (when it is, the communication-bound finding names the node)."""
+    if not slow_node_fix(facts.links) or _communication_bound(s, facts) is not None:
+        return None
+    names = ", ".join(f"node {n['node']}" for n in slow_nodes(facts.links))
+    return Finding(
+        "slow-link", "info", f"slow link: {names}",
+        link_sentence(facts.links) + " The gradient all-reduce does not hold the steps "
+        "back yet; a larger model, more nodes or shorter steps will make it the limit.",
+        slow_node_fix(facts.links) + ".")
 
 
 def _memory_headroom(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
@@ -236,4 +254,4 @@ def _rules() -> tuple[Any, ...]:
     """Every rule, in the order their findings are given (warnings before infos): what
     slows the node from outside the step first, then the step's own limits."""
     return (*HOST_RULES, _input_bound, _straggler, _communication_bound, _host_bound,
-            _memory_headroom, _fp32_on_tensor_cores, _host_syncs, _dp_imbalance)
+            _slow_link, _memory_headroom, _fp32_on_tensor_cores, _host_syncs, _dp_imbalance)

@@ -76,6 +76,8 @@ class RunFacts:
         cores: CPU cores this node's ranks may use; torch_threads: each rank's torch
             intra-op threads.
         log_every / eval_every / checkpoint_every: the run's intervals, in steps.
+        links: the link probe's result on several nodes
+            (:func:`gpufleet.monitor.links.probe_node_links`); empty otherwise.
     """
 
     device: str = "cpu"
@@ -100,6 +102,7 @@ class RunFacts:
     log_every: int = 10
     eval_every: int = 0
     checkpoint_every: int = 0
+    links: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -262,6 +262,7 @@ def _own_callbacks(run: Run) -> list[Callback]:
     that reads what they were given. Fills in the monitors built here."""
     from gpufleet.monitor.advisor import Advisor, SyncProbe, run_facts
     from gpufleet.monitor.jsonl import MetricsFile
+    from gpufleet.monitor.links import probe_node_links
     from gpufleet.monitor.profile import ProfilerCallback
     from gpufleet.monitor.sinks import build_sinks
     from gpufleet.monitor.system import SystemSampler
@@ -274,13 +275,17 @@ def _own_callbacks(run: Run) -> list[Callback]:
     if env.local_rank == 0 and mon.system_interval_s > 0:  # one sampler per node
         monitors.system_sampler = SystemSampler(run.run_dir, interval_s=mon.system_interval_s)
         own.append(monitors.system_sampler)
+    # COLLECTIVE on several nodes: every rank runs it or none (the config is rank 0's,
+    # from _run_dir). How fast each node reaches the others, for the advisor.
+    links = probe_node_links(env, mon.link_probe and mon.diagnose and mon.phases,
+                             run.device)
     if not env.is_main:
         return own
     metrics = MetricsFile(run.run_dir / "metrics.jsonl")
     own.append(metrics)
     own.extend(build_sinks(mon.sinks, run.run_dir, config_to_dict(cfg)))
     if mon.diagnose and mon.phases:
-        monitors.advisor = Advisor(run_facts(run.view), run.run_dir, metrics,
+        monitors.advisor = Advisor(run_facts(run.view, links), run.run_dir, metrics,
                                    monitors.system_sampler, phase_timer=monitors.phase_timer)
         own.append(monitors.advisor)
         if mon.sync_probe_steps and run.device.type == "cuda":
