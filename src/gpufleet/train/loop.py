@@ -154,7 +154,9 @@ class Trainer(TrainerSetup):
             skip = guard is not None and guard.should_skip(model, step_loss, norm, opt)
             if not skip:
                 precision.step(opt)  # SYNC with fp16 and a non-fused optimizer (found_inf)
-                loss_sum += step_loss if guard is None else guard.kept(step_loss)
+                # On the device path a skipped step's loss is added too (no host read
+                # here); the guard takes it out again at the log interval.
+                loss_sum += step_loss
                 micro_steps += accum
             if not skip:
                 self.scheduler.step()
@@ -268,9 +270,9 @@ class Trainer(TrainerSetup):
         loss_total, norm_total, samples, tokens = values[:4]
         rest = values[4:]
         if skips is not None:
-            guard.settle([v / world for v in rest[:len(skips)]], self._last_log_step,
-                         self.env.is_main)
-            # The skipped steps' micro-batches added no loss.
+            loss_total = guard.settle([v / world for v in rest[:len(skips)]],
+                                      self._last_log_step, self.env.is_main, loss_total)
+            # The skipped steps' losses are out of loss_total: out of the count too.
             micro_steps -= guard.interval_skipped * self.cfg.optim.grad_accum
             rest = rest[len(skips):]
         # Pipeline stages read the same samples: count each once.

@@ -143,7 +143,9 @@ class TrainerSetup:
             self.model, optimizer_spec(cfg.optim, self.device.type))
         self.loss_fn = make_loss_fn(loss_fn)
         self.eval_metrics = build_metrics(cfg.eval.metrics)  # imports the user's functions
-        self.nonfinite = (NonFiniteGuard(cfg.fault, self.strategy, self.precision)
+        self.nonfinite = (NonFiniteGuard(cfg.fault, self.strategy, self.precision,
+                                         clip_by_norm=bool(cfg.optim.clip_norm
+                                                           and not cfg.optim.clip_value))
                           if cfg.fault.skip_nonfinite else None)
         # Every rank now draws different dropout masks; data order comes from the
         # sampler's own generator and is independent of this.
