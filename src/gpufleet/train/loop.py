@@ -149,8 +149,10 @@ class Trainer(TrainerSetup):
             if cfg.optim.clip_norm:
                 # The norm stays a device tensor; it is only read at log time.
                 self.grad_norm = norm = strategy.clip_grad_norm(model, cfg.optim.clip_norm)
-            # Without the device path (fp16, ZeRO, an unfused optimizer): COLLECTIVE +
-            # SYNC, all ranks agree on the host to skip a step that is not finite.
+            # Device path with clipping by norm only: the same COLLECTIVE happens here,
+            # on the norms the clip measured before clipping. Without the device path
+            # (fp16, ZeRO, an unfused optimizer): COLLECTIVE + SYNC, all ranks agree on
+            # the host to skip a step that is not finite.
             skip = guard is not None and guard.should_skip(model, step_loss, norm, opt)
             if not skip:
                 precision.step(opt)  # SYNC with fp16 and a non-fused optimizer (found_inf)
