@@ -4,6 +4,8 @@ they were."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -124,8 +126,8 @@ def test_a_step_skipped_on_the_device_changes_nothing(opt_cls, kwargs):
     _step(ref, ref_opt, ref_guard, x)
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=0)
-    skipped = [not torch.isfinite(p) for p in guard.pending()]
-    assert skipped == [True, False, True]  # the agreed probes, read at the log interval
+    skipped = [bool(flag) for flag in guard.pending()]
+    assert skipped == [True, False, True]  # the agreed flags, read at the log interval
 
 
 class _PoisonAt(Callback):
@@ -157,3 +159,23 @@ def test_the_culprit_is_the_parameter_that_went_bad_before_clipping(tmp_path, ca
     assert ("step 3 skipped on every rank: non-finite gradients on rank 0 in 1 "
             "parameter(s), first: 3.weight") in caplog.text
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("clip_norm", [1.0, 0.0])  # the clip's norms reused, or its own
+def test_an_interval_with_a_skipped_step_logs_the_mean_loss_of_the_others(tmp_path,
+                                                                          clip_norm):
+    def run(every: int) -> dict[int, float]:
+        torch.manual_seed(0)
+        data = toyjob.make_data_nan_on_rank(rank=0, after=2 * 16 + 1, nan=1)  # step 3
+        result = gpufleet.fit(toyjob.make_model(), data, loss_fn=F.mse_loss, overrides={
+            "run.out_dir": str(tmp_path / str(every)), "run.max_steps": 8,
+            "log.every": every, "log.progress": "off", "data.batch_size": 16,
+            "data.num_workers": 0, "optim.clip_norm": clip_norm})
+        assert result.skipped_steps == 1
+        return dict(result.losses)
+
+    each, grouped = run(1), run(4)
+    assert math.isnan(each[3])  # the skipped step alone: no finite loss
+    # The first interval's mean leaves step 3 out; the second holds no skipped step.
+    assert grouped[4] == pytest.approx((each[1] + each[2] + each[4]) / 3, rel=1e-6)
+    assert grouped[8] == pytest.approx(sum(each[s] for s in range(5, 9)) / 4, rel=1e-6)

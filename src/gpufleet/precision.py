@@ -24,6 +24,8 @@ import torch
 from gpufleet.config import PrecisionConfig
 from gpufleet.errors import ConfigError, unknown_choice
 
+_NO_AUTOCAST = contextlib.nullcontext()  # reusable: fp32 enters it every micro-step
+
 
 class Precision:
     """fp32: every hook is a plain pass-through."""
@@ -36,7 +38,7 @@ class Precision:
         self.device_type = device_type
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+        return _NO_AUTOCAST
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

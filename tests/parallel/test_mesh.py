@@ -13,7 +13,12 @@ from gpufleet.config import load_config
 from gpufleet.errors import ConfigError
 from gpufleet.parallel import strategy_class
 from gpufleet.parallel.dims import ParallelDims, plan_for
-from gpufleet.parallel.grad_norm import clip_grads_, grad_norm, spreads_gradients
+from gpufleet.parallel.grad_norm import (
+    clip_grads_,
+    clip_whole_,
+    grad_norm,
+    spreads_gradients,
+)
 from gpufleet.resolve import Machine, resolve
 from gpufleet.train import checkpoint as ckpt
 
@@ -81,6 +86,29 @@ def test_grad_norm_without_spread_pieces_is_torchs_and_clip_scales_to_max_norm()
     assert float(torch.cat([g.flatten() for g in grads]).norm()) == pytest.approx(1.0, 1e-5)
     assert spreads_gradients(ParallelDims(dp_shard=2))
     assert spreads_gradients(ParallelDims(pp=2)) and spreads_gradients(ParallelDims(tp=2))
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1e9])  # clipped, and left as it was
+def test_the_whole_clip_is_torchs_clip_bit_for_bit_and_keeps_each_norm(max_norm):
+    torch.manual_seed(0)
+    ours, theirs = (torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1))
+                    for _ in range(2))
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(32, 8)
+    for model in (ours, theirs):
+        model(x).square().mean().backward()
+    ours[0].bias.grad = None  # a parameter without a gradient this step
+    theirs[0].bias.grad = None
+    params = list(ours.parameters())
+    norm, each = clip_whole_(params, max_norm, torch.device("cpu"))
+    expected = torch.nn.utils.clip_grad_norm_(theirs.parameters(), max_norm, foreach=True)
+    assert torch.equal(norm, expected)
+    for mine, reference in zip(ours.parameters(), theirs.parameters()):
+        assert (mine.grad is None and reference.grad is None) or \
+            torch.equal(mine.grad, reference.grad)
+    # The norms measured on the way: one per gradient present, before clipping.
+    assert each.present == [0, 2, 3] and each.params is params
+    assert torch.equal(torch.linalg.vector_norm(each.values), norm)
 
 
 # -- through the CLI: gloo ranks --------------------------------------------------------

@@ -2,17 +2,23 @@
 
 One rank whose loss turns NaN must not step while the others skip (their replicas would
 drift apart), nor skip a collective the others enter (they would wait forever). So each
-rank adds its loss and its gradients' norms into one number, the ranks all-reduce it (a
-sum is finite only if every term is), and every rank acts on the same answer.
+rank flags a step whose loss or gradient norms are not finite, the ranks all-reduce the
+flag (the maximum: flagged if any rank flagged it; no collective in a single process),
+and every rank acts on the same answer.
 
 The answer stays on the device. A fused optimizer (AdamW and SGD are built fused where
 torch has the kernel) takes it as its ``found_inf`` flag, the way a loss scaler hands it
 over: a flagged step leaves the weights, the moments and the step counter exactly as
-they were. The skip count, the longest run of skips and the step and culprit (rank,
-first bad parameter) of the first skip are kept on the device too and read once per log
-interval, folded into the loop's own log-interval all-reduce. So the default
-configuration has no host sync per step; ``fault.max_skips_in_row`` is checked at the
-log interval.
+they were. The flag costs two small operations per step: with clipping by norm (on by
+default) the clip's global norm, which is not finite exactly when some gradient is not,
+is checked together with the loss in one fused kernel, and the norm of each gradient
+the clip measured on the way is kept by reference for the culprit; without it, the
+norms are measured here (one fused kernel). The flags, and on an interval with a skip
+the norms and losses, are read once per log interval, folded into the loop's own
+log-interval all-reduce: the skip count, the longest run of skips, the step and culprit
+(rank, first bad parameter) of the first skip, and the loss sum without the skipped
+steps. So the default configuration has no host sync per step;
+``fault.max_skips_in_row`` is checked at the log interval.
 
 Where the optimizer cannot take the flag (ZeRO, Horovod, an unfused optimizer) or the
 loss scaler decides (fp16), the flag is read on the host every step, as the step depends
@@ -35,6 +41,7 @@ from torch import nn
 from gpufleet.config import FaultConfig
 from gpufleet.core.collectives import gather_objects
 from gpufleet.errors import TrainingStopped
+from gpufleet.parallel.grad_norm import EachNorm, each_norm, spreads_gradients
 
 log = logging.getLogger(__name__)
 
@@ -78,34 +85,36 @@ def _prime_momentum(optimizer: torch.optim.Optimizer) -> None:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-class _DeviceState:
-    """Per step of the log interval, kept on the device: the agreed probe (not finite:
-    the step was skipped), and this rank's gradient norm of each parameter with its loss
-    (the culprit of a skip). Rows are written at the host's step count and read at the
-    log interval: a few small copies per step, no host read."""
+class _Interval:
+    """What the device path keeps for each step of the log interval: the agreed flag
+    (1.0: skipped) in a row of one device buffer zeroed once per interval, and by
+    reference (no copies) the norm of each gradient and the loss. Read on the host at
+    the log interval; the norms and losses only when a step was skipped."""
 
-    def __init__(self, device: torch.device, width: int, rows: int = 16) -> None:
-        self.probes = torch.zeros(rows, device=device)
-        self.local = torch.zeros(rows, width, device=device)
+    def __init__(self, device: torch.device, rows: int = 16) -> None:
         self.rows = 0
+        self.norms: list[EachNorm] = []
+        self.losses: list[torch.Tensor] = []
+        self._buffer = torch.zeros(rows, device=device)
+        self._flags = self._buffer.unbind()  # one view per row, made once
 
-    def add(self, probe: torch.Tensor, local: torch.Tensor) -> None:
-        if self.rows == len(self.probes):  # a longer interval than so far: double
-            self.probes = torch.cat([self.probes, torch.zeros_like(self.probes)])
-            self.local = torch.cat([self.local, torch.zeros_like(self.local)])
-        self.probes[self.rows] = probe
-        self.local[self.rows] = local
+    def next_flag(self, each: EachNorm, loss: torch.Tensor) -> torch.Tensor:
+        """The zeroed flag of the next step, whose norms and loss are these."""
+        if self.rows == len(self._flags):  # a longer interval than so far: double
+            grown = torch.cat([self._buffer, torch.zeros_like(self._buffer)])
+            self._buffer, self._flags = grown, grown.unbind()
+        flag = self._flags[self.rows]
         self.rows += 1
+        self.norms.append(each)
+        self.losses.append(loss)
+        return flag
 
-    def pending(self) -> torch.Tensor:
-        return self.probes[:self.rows]
+    def flags(self) -> torch.Tensor:
+        return self._buffer[:self.rows]
 
-    def culprit(self, row: int, names: list[str]) -> tuple[bool, str | None, int]:
-        """This rank's view of step ``row`` of the interval: its loss was not finite,
-        the first parameter whose gradient was not, how many were not."""
-        values = self.local[row].tolist()
-        bad = [n for n, v in zip(names, values[:-1]) if not math.isfinite(v)]
-        return not math.isfinite(values[-1]), bad[0] if bad else None, len(bad)
+    def clear(self) -> None:
+        self._buffer.zero_()
+        self.rows, self.norms, self.losses = 0, [], []
 
 
 @dataclass
@@ -116,36 +125,53 @@ class NonFiniteGuard:
         cfg: the ``[fault]`` section.
         strategy: the run's strategy (its ``all_reduce`` and gradient norm).
         precision: the run's precision object (fp16 backs off its loss scale on a skip).
+        clip_by_norm: the loop clips by global norm, and not by value, between
+            :meth:`inspect` and :meth:`should_skip`: the clip's own measurement of every
+            gradient (``strategy.measured``) is then the check, where the strategy
+            measures it (every rank holds every gradient).
     """
 
     cfg: FaultConfig
     strategy: Any
     precision: Any
+    clip_by_norm: bool = False
     skipped: int = 0
     in_row: int = 0
     interval_skipped: int = 0
     records: list[SkipRecord] = field(default_factory=list)
     on_device: bool | None = None  # decided at the first step (see takes_found_inf)
-    _state: _DeviceState | None = None
-    _names: list[str] = field(default_factory=list)
+    _interval: _Interval | None = None
+    _reuse_clip: bool = False
+    _names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> name
     _params: list[nn.Parameter] = field(default_factory=list)
-    _bad: torch.Tensor | None = None
+    _one: torch.Tensor | None = None
 
     def inspect(self, model: nn.Module, step_loss: torch.Tensor,
                 optimizer: torch.optim.Optimizer | None = None) -> None:
         """Right after backward (and unscaling), before any clipping changes the
         gradients: on the device path, flag the step and hand the flag to ``optimizer``
-        (no host read); on the host path nothing happens here (see :meth:`should_skip`)."""
+        (no host read), unless the clip measures the gradients next (see
+        ``clip_by_norm``); on the host path nothing happens here (see
+        :meth:`should_skip`)."""
         if self.on_device is None:
-            self.on_device = takes_found_inf(optimizer, self.precision)
-            named = [(n, p) for n, p in self.strategy.unwrap(model).named_parameters()
-                     if p.requires_grad]
-            self._names, self._params = [n for n, _ in named], [p for _, p in named]
-            if self.on_device:
-                _prime_momentum(optimizer)
-                self._state = _DeviceState(step_loss.device, len(named) + 1)
+            self._start(model, step_loss, optimizer)
+        if self.on_device and not self._reuse_clip:
+            # This rank's part of each gradient (FSDP and tensor parallel shard them).
+            local = each_norm(self._params, step_loss.device, local=True)[0]
+            self._flag_on_device(local, None,
+                                 step_loss, optimizer)
+
+    def _start(self, model: nn.Module, step_loss: torch.Tensor, optimizer: Any) -> None:
+        self.on_device = takes_found_inf(optimizer, self.precision)
+        named = list(self.strategy.unwrap(model).named_parameters())
+        self._names = {id(p): n for n, p in named}
+        self._params = [p for _, p in named if p.requires_grad]
         if self.on_device:
-            self._flag_on_device(step_loss, optimizer)
+            _prime_momentum(optimizer)
+            self._one = torch.ones((), device=step_loss.device)
+            self._interval = _Interval(step_loss.device)
+            self._reuse_clip = self.clip_by_norm and \
+                not spreads_gradients(self.strategy.dims)
 
     def should_skip(self, model: nn.Module, step_loss: torch.Tensor,
                     grad_norm: torch.Tensor | None,
@@ -161,6 +187,11 @@ class NonFiniteGuard:
         if self.on_device is None:
             self.inspect(model, step_loss, optimizer)
         if self.on_device:
+            if self._reuse_clip:
+                measured = self.strategy.measured if grad_norm is not None else None
+                if measured is None:  # no clip ran: the gradients are as backward left them
+                    measured = each_norm(self._params, step_loss.device)[0]
+                self._flag_on_device(measured, grad_norm, step_loss, optimizer)
             return False
         if grad_norm is None:
             grad_norm = self.strategy.grad_norm(model)
@@ -174,41 +205,32 @@ class NonFiniteGuard:
         self._record(model, step_loss)
         return True
 
-    def _flag_on_device(self, step_loss: torch.Tensor, optimizer: Any) -> None:
-        local = self._norms_and_loss(step_loss.detach().float())
-        probe = local.sum()  # finite only if every norm and the loss are
-        self.strategy.all_reduce(probe)  # COLLECTIVE: every rank, every step; no SYNC
-        # 1.0 where the agreed probe is not finite (inf - inf and NaN - NaN are NaN).
-        flag = (probe - probe).ne_(0)
-        optimizer.found_inf = self._bad = flag  # the fused kernel then changes nothing
-        self._state.add(probe, local)
-
-    def _norms_and_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The norm of each parameter's local gradient (0 without one), then the loss."""
-        grads = [p.grad for p in self._params]
-        present = [_local(g) for g in grads if g is not None]
-        norms = torch._foreach_norm(present) if present else []
-        if len(present) < len(grads):
-            it, zero = iter(norms), torch.zeros((), device=loss.device)
-            norms = [next(it) if g is not None else zero for g in grads]
-        return torch.stack([*norms, loss]).float()
-
-    def kept(self, step_loss: torch.Tensor) -> torch.Tensor:
-        """``step_loss``, or 0 when the step is skipped on the device (for loss sums)."""
-        if not self.on_device:
-            return step_loss
-        return torch.where(self._bad.bool(), 0.0, step_loss)
+    def _flag_on_device(self, each: EachNorm, total: torch.Tensor | None,
+                        step_loss: torch.Tensor, optimizer: Any) -> None:
+        """Flag the step (1.0) where the loss or a gradient norm is not finite (the
+        global ``total`` when given, else every norm), agreed over the ranks; the fused
+        optimizer then changes nothing. A few operations, no host read."""
+        found = self._interval.next_flag(each, step_loss)
+        # One fused kernel sets ``found`` where a value is not finite (it also multiplies
+        # them by one, in place: no change).
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            [each.values if total is None else total, step_loss], found, self._one)
+        self.strategy.all_reduce(found, "max")  # COLLECTIVE: every rank, every step; no SYNC
+        optimizer.found_inf = found
 
     def pending(self) -> torch.Tensor | None:
-        """The interval's agreed probes, to fold into the log-interval all-reduce (None
-        off the device path); every rank holds the same values."""
-        return self._state.pending() if self.on_device else None
+        """The interval's agreed flags (1.0: the step was skipped), to fold into the
+        log-interval all-reduce (None off the device path); every rank holds the same
+        values."""
+        return self._interval.flags() if self.on_device else None
 
-    def settle(self, probes: list[float], first_step: int, is_main: bool) -> None:
-        """Take the probes of the interval that began after optimizer step
-        ``first_step`` (:meth:`pending` as read on the host); report the first skip and
-        stop the run after ``max_skips_in_row`` in a row."""
-        skipped = [not math.isfinite(v) for v in probes]
+    def settle(self, flags: list[float], first_step: int, is_main: bool,
+               loss_total: float) -> float:
+        """Take the flags of the interval that began after optimizer step ``first_step``
+        (:meth:`pending` as read on the host); report the first skip and stop the run
+        after ``max_skips_in_row`` in a row. Returns ``loss_total`` (the loop's sum of
+        every step's loss over the ranks) without the skipped steps' losses."""
+        skipped = [v >= 0.5 for v in flags]
         run = longest = self.in_row  # a run of skips goes on across intervals
         for bad in skipped:
             run = run + 1 if bad else 0
@@ -217,15 +239,29 @@ class NonFiniteGuard:
         self.in_row = longest
         if count:
             first = skipped.index(True)
-            mine = self._state.culprit(first, self._names)
+            losses = torch.stack(self._interval.losses).float().tolist()  # SYNC (skips only)
+            kept = math.fsum(v for v, bad in zip(losses, skipped) if not bad)
+            mine = (*self._culprit(first, losses[first]), kept)
             seen = gather_objects(mine)  # COLLECTIVE: intervals with a skip only, all ranks
+            loss_total = math.fsum(s[3] for s in seen)
             self.records.append(_record_of(seen, None))
             self.skipped += count
             self.interval_skipped += count
             self.report(first_step + first + 1, is_main,
                         f" ({count} in this log interval)" if count > 1 else "")
         self.in_row = run
-        self._state.rows = 0
+        self._interval.clear()
+        return loss_total
+
+    def _culprit(self, row: int, loss: float) -> tuple[bool, str | None, int]:
+        """This rank's view of step ``row`` of the interval: its loss was not finite,
+        the first parameter whose gradient was not, how many were not."""
+        each = self._interval.norms[row]
+        params = each.params if each.present is None else \
+            [each.params[i] for i in each.present]
+        bad = [self._names.get(id(p), "?") for p, v in zip(params, each.values.tolist())
+               if not math.isfinite(v)]
+        return not math.isfinite(loss), bad[0] if bad else None, len(bad)
 
     def _record(self, model: nn.Module, step_loss: torch.Tensor) -> None:
         names = [n for n, p in self.strategy.unwrap(model).named_parameters()
@@ -264,11 +300,6 @@ class NonFiniteGuard:
             else:
                 log.warning("step %d skipped on every rank: %s%s (%d skipped so far)",
                             step, what, more, self.skipped)
-
-
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a (possibly sharded) gradient."""
-    return grad.to_local() if hasattr(grad, "to_local") else grad
 
 
 def _record_of(seen: list[tuple[bool, str | None, int]], scale: float | None) -> SkipRecord:

@@ -41,7 +41,13 @@ from torch import nn
 from gpufleet.config import ParallelConfig
 from gpufleet.core.collectives import is_initialized
 from gpufleet.parallel.dims import ParallelDims, StrategyTraits, plan_for
-from gpufleet.parallel.grad_norm import clip_grads_, grad_norm, spreads_gradients
+from gpufleet.parallel.grad_norm import (
+    EachNorm,
+    clip_grads_,
+    clip_whole_,
+    grad_norm,
+    spreads_gradients,
+)
 
 
 @dataclass
@@ -102,6 +108,11 @@ class Strategy:
         #: ranks of the process group.
         self.dims = dims or plan_for(cfg, self.traits,
                                      dist.get_world_size() if is_initialized() else 1)
+        #: The norm of each gradient the last :meth:`clip_grad_norm` measured before
+        #: clipping (the non-finite check reads it); None when not measured.
+        self.measured: EachNorm | None = None
+        self._clip_model: nn.Module | None = None
+        self._clip_params: list[nn.Parameter] = []
 
     # -- building ------------------------------------------------------------------
     def setup_model(self, model: nn.Module) -> nn.Module:
@@ -149,9 +160,17 @@ class Strategy:
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm; returns the norm before clipping (on device).
         COLLECTIVE when the mesh spreads the gradients over ranks (see
-        :mod:`gpufleet.parallel.grad_norm`)."""
+        :mod:`gpufleet.parallel.grad_norm`).
+
+        Where every rank holds every gradient, the norm of each one, measured on the
+        way, stays in :attr:`measured` until the next call (None otherwise).
+        """
         if not spreads_gradients(self.dims):
-            return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+            if model is not self._clip_model:  # the parameter list, built once
+                self._clip_model, self._clip_params = model, list(model.parameters())
+            norm, self.measured = clip_whole_(self._clip_params, max_norm, self.device)
+            return norm
+        self.measured = None
         norm = self.grad_norm(model)
         clip_grads_(grads_of(model), max_norm, norm)
         return norm

@@ -51,11 +51,11 @@ def _forward(model: nn.Module, batch: Any,
     """``(loss, output, target)`` of a batch; ``output`` is None when the model computed
     its own loss and returned nothing else."""
     if loss is not None:
-        if isinstance(batch, Mapping) and "labels" in batch:  # logits + labels
+        if type(batch) in (tuple, list) and len(batch) == 2:  # the common (x, y), first
+            out, target = model(batch[0]), batch[1]
+        elif isinstance(batch, Mapping) and "labels" in batch:  # logits + labels
             out = _logits(model(**{k: v for k, v in batch.items() if k != "labels"}))
             target = batch["labels"]
-        elif type(batch) in (tuple, list) and len(batch) == 2:  # the common (x, y)
-            out, target = model(batch[0]), batch[1]
         elif not isinstance(batch, (tuple, list)) or len(batch) < 2:
             raise TypeError(f"with a loss function the batch must be (inputs, target); "
                             f"got {type(batch).__name__}. Return (x, y) from your dataset.")

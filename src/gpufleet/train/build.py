@@ -78,7 +78,9 @@ def build_run(cfg: Config, model: nn.Module, train_data: Dataset,
     metrics = _eval_metrics(cfg, eval_metrics)  # before the run directory: may fail
     from gpufleet.fault.nonfinite import NonFiniteGuard
 
-    nonfinite = (NonFiniteGuard(cfg.fault, strategy, precision)
+    nonfinite = (NonFiniteGuard(cfg.fault, strategy, precision,
+                                clip_by_norm=bool(cfg.optim.clip_norm
+                                                  and not cfg.optim.clip_value))
                  if cfg.fault.skip_nonfinite else None)
     # Every rank now draws different dropout masks; data order comes from the sampler's
     # own generator and is independent of this.

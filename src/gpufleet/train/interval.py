@@ -27,14 +27,15 @@ class LogInterval:
 
     def __init__(self, run: Run) -> None:
         self.run = run
-        self.loss_sum = torch.zeros((), device=run.device)  # of kept micro-batch losses
+        self.loss_sum = torch.zeros((), device=run.device)  # of the steps' summed losses
         self.micro_steps = 0  # micro-batches whose loss is in loss_sum
         self.grad_norm = torch.zeros((), device=run.device)  # the last step's, on device
         self.first_step = run.state.step  # the step done when the interval began
         self.start = time.perf_counter()
 
     def add(self, loss: torch.Tensor, micro_steps: int) -> None:
-        """A kept optimizer step's summed loss over its ``micro_steps`` micro-batches."""
+        """An optimizer step's summed loss over its ``micro_steps`` micro-batches (one
+        the guard skipped on the device is taken out again in :meth:`close`)."""
         self.loss_sum += loss
         self.micro_steps += micro_steps
 
@@ -68,9 +69,9 @@ class LogInterval:
         loss_total, norm_total, samples, tokens, *rest = stats.tolist()
         micro_steps = self.micro_steps
         if skips is not None:
-            guard.settle([v / world for v in rest[:len(skips)]], self.first_step,
-                         run.env.is_main)
-            # The skipped steps' micro-batches added no loss.
+            loss_total = guard.settle([v / world for v in rest[:len(skips)]],
+                                      self.first_step, run.env.is_main, loss_total)
+            # The skipped steps' losses are out of loss_total: out of the count too.
             micro_steps -= guard.interval_skipped * run.cfg.optim.grad_accum
             rest = rest[len(skips):]
         # Pipeline stages read the same samples: count each once.

@@ -133,8 +133,10 @@ class Trainer:
             # The norm stays a device tensor; it is only read at log time.
             self.interval.grad_norm = norm = run.strategy.clip_grad_norm(
                 model, cfg.optim.clip_norm)
-        # Without the device path (fp16, ZeRO, an unfused optimizer): COLLECTIVE + SYNC,
-        # all ranks agree on the host to skip a step that is not finite.
+        # Device path with clipping by norm only: the same COLLECTIVE happens here, on
+        # the norms the clip measured before clipping. Without the device path (fp16,
+        # ZeRO, an unfused optimizer): COLLECTIVE + SYNC, all ranks agree on the host to
+        # skip a step that is not finite.
         skip = guard is not None and guard.should_skip(model, step_loss, norm, opt)
         if skip:
             with warnings.catch_warnings():
@@ -145,8 +147,9 @@ class Trainer:
                 run.scheduler.step()
         else:
             run.precision.step(opt)  # SYNC with fp16 and a non-fused optimizer (found_inf)
-            self.interval.add(step_loss if guard is None else guard.kept(step_loss),
-                              cfg.optim.grad_accum)
+            # On the device path a skipped step's loss is added too (no host read here);
+            # the guard takes it out again at the log interval.
+            self.interval.add(step_loss, cfg.optim.grad_accum)
             run.scheduler.step()
         opt.zero_grad()  # frees the gradients (set_to_none is the default)
         run.strategy.after_optimizer_step(model, run.state.step)
