@@ -14,10 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import gpufleet
 import toyjob
 from gpufleet.config import FaultConfig, ParallelConfig
-from gpufleet.fault.nonfinite import NonFiniteGuard
 from gpufleet.parallel import build_strategy
 from gpufleet.precision import build_precision
 from gpufleet.train.callbacks import Callback
+from gpufleet.train.nonfinite import NonFiniteGuard
 
 
 class _HostReads(TorchDispatchMode):

@@ -76,7 +76,7 @@ def build_run(cfg: Config, model: nn.Module, train_data: Dataset,
     precision, strategy = _precision_and_strategy(cfg, env, device)
     cfg, model, optimizer = _model_and_optimizer(cfg, env, device, strategy, model)
     metrics = _eval_metrics(cfg, eval_metrics)  # before the run directory: may fail
-    from gpufleet.fault.nonfinite import NonFiniteGuard
+    from gpufleet.train.nonfinite import NonFiniteGuard
 
     nonfinite = (NonFiniteGuard(cfg.fault, strategy, precision,
                                 clip_by_norm=bool(cfg.optim.clip_norm

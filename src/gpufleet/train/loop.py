@@ -5,7 +5,7 @@ micro-steps of data → forward/backward, then unscale → non-finite guard → 
 zero_grad, then what runs between steps (log line, evaluation, checkpoint, preemption).
 Every host-device sync and every collective in the loop is marked with ``SYNC`` or
 ``COLLECTIVE``; there is no sync per step, only one per log interval (unless fp16 loss
-scaling is on or the optimizer is not fused; see :mod:`gpufleet.fault.nonfinite`).
+scaling is on or the optimizer is not fused; see :mod:`gpufleet.train.nonfinite`).
 
 Example:
     >>> run = build_run(Config(), model, dataset, loss_fn=F.mse_loss)  # doctest: +SKIP

@@ -26,7 +26,6 @@ from gpufleet.train.result import FitResult
 from gpufleet.train.stream import TrainStream
 
 if TYPE_CHECKING:
-    from gpufleet.fault.nonfinite import NonFiniteGuard
     from gpufleet.fault.preempt import PreemptionWatch
     from gpufleet.fault.watchdog import Watchdog
     from gpufleet.monitor.advisor import Advisor
@@ -34,6 +33,7 @@ if TYPE_CHECKING:
     from gpufleet.monitor.system import SystemSampler
     from gpufleet.parallel.base import Strategy
     from gpufleet.precision import Precision
+    from gpufleet.train.nonfinite import NonFiniteGuard
     from gpufleet.train.runlock import RunLock
     from gpufleet.train.view import RunView
 
