@@ -144,19 +144,22 @@ class _PoisonAt(Callback):
         self.now = step + 1
 
 
-def test_the_culprit_is_the_parameter_that_went_bad_before_clipping(tmp_path, caplog):
+@pytest.mark.parametrize("mode", ["fp32", "fp16-mixed"])  # the device and the host path
+def test_the_culprit_is_the_parameter_that_went_bad_before_clipping(tmp_path, caplog, mode):
     # Clipping by norm (on here) spreads a NaN norm into every gradient; the culprit is
-    # read before it, so the one bad parameter is named.
+    # read before it, so the one bad parameter is named. fp16's loss scaler decides on
+    # the host, after the clip: its culprit comes from the norms kept before.
     torch.manual_seed(0)
     model = toyjob.make_model()
     poison = _PoisonAt(model[3].weight, step=3)
-    with caplog.at_level("WARNING"):
+    with caplog.at_level("INFO"):
         result = gpufleet.fit(model, toyjob.make_data(), loss_fn=F.mse_loss, overrides={
             "run.out_dir": str(tmp_path), "run.max_steps": 6, "log.every": 3,
             "log.progress": "off", "data.batch_size": 16, "data.num_workers": 0,
-            "optim.clip_norm": 1.0}, callbacks=[poison])
+            "optim.clip_norm": 1.0, "precision.mode": mode}, callbacks=[poison])
     assert result.skipped_steps == 1
-    assert ("step 3 skipped on every rank: non-finite gradients on rank 0 in 1 "
+    skipped = "skipped on every rank" if mode == "fp32" else "skipped by the fp16 loss scaler"
+    assert (f"step 3 {skipped}: non-finite gradients on rank 0 in 1 "
             "parameter(s), first: 3.weight") in caplog.text
     assert all(torch.isfinite(p).all() for p in model.parameters())
 

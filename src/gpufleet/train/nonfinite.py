@@ -145,6 +145,7 @@ class NonFiniteGuard:
     _names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> name
     _params: list[nn.Parameter] = field(default_factory=list)
     _one: torch.Tensor | None = None
+    _before_clip: EachNorm | None = None  # the host path's norms of this step
 
     def inspect(self, model: nn.Module, step_loss: torch.Tensor,
                 optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -160,6 +161,11 @@ class NonFiniteGuard:
             local = each_norm(self._params, step_loss.device, local=True)[0]
             self._flag_on_device(local, None,
                                  step_loss, optimizer)
+        elif not self.on_device:
+            # The host path reads the culprit after the clip, which spreads a NaN norm
+            # into every gradient (and clamps an inf by value): keep each gradient's norm
+            # as backward left it (one fused kernel; this path syncs every step anyway).
+            self._before_clip = each_norm(self._params, step_loss.device, local=True)[0]
 
     def _start(self, model: nn.Module, step_loss: torch.Tensor, optimizer: Any) -> None:
         self.on_device = takes_found_inf(optimizer, self.precision)
@@ -256,16 +262,21 @@ class NonFiniteGuard:
     def _culprit(self, row: int, loss: float) -> tuple[bool, str | None, int]:
         """This rank's view of step ``row`` of the interval: its loss was not finite,
         the first parameter whose gradient was not, how many were not."""
-        each = self._interval.norms[row]
-        params = each.params if each.present is None else \
-            [each.params[i] for i in each.present]
-        bad = [self._names.get(id(p), "?") for p, v in zip(params, each.values.tolist())
-               if not math.isfinite(v)]
+        bad = self._bad_names(self._interval.norms[row])
         return not math.isfinite(loss), bad[0] if bad else None, len(bad)
 
+    def _bad_names(self, each: EachNorm) -> list[str]:
+        """The names of the parameters whose gradient norm in ``each`` is not finite."""
+        params = each.params if each.present is None else \
+            [each.params[i] for i in each.present]
+        return [self._names.get(id(p), "?") for p, v in zip(params, each.values.tolist())
+                if not math.isfinite(v)]
+
     def _record(self, model: nn.Module, step_loss: torch.Tensor) -> None:
-        names = [n for n, p in self.strategy.unwrap(model).named_parameters()
-                 if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+        each = self._before_clip  # None: inspect was not called, nothing clipped since
+        if each is None:
+            each = each_norm(self._params, step_loss.device, local=True)[0]
+        names = self._bad_names(each)  # SYNC: skipped steps only
         mine = (not bool(torch.isfinite(step_loss).all()), names[0] if names else None,
                 len(names))
         # COLLECTIVE, on skipped steps only (every rank is here: the flags agreed).
