@@ -96,7 +96,7 @@ def resolve(cfg: Config, machine: Machine, world_size: int,
     if max_steps == 0 and run.max_epochs == 0:
         raise ConfigError("run.max_steps = 0 and run.max_epochs = 0: the run would never end. "
                           "Set --max-steps N or --max-epochs N.")
-    if par.ddp_comm_hook != "none" and strategy != "ddp":
+    if par.ddp_comm_hook != "none" and not traits.comm_hooks:
         raise ConfigError(f"parallel.ddp_comm_hook = {par.ddp_comm_hook!r} compresses ddp's "
                           f"gradient all-reduce, but the strategy is {strategy!r}. Use "
                           "--strategy ddp, or parallel.ddp_comm_hook=none.")

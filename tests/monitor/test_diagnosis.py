@@ -62,8 +62,8 @@ def _summary(*rows, step=0.02, tflops=None, mem=None):
 
 
 def test_communication_bound_when_backward_is_mostly_waiting():
-    facts = RunFacts(world=2, local_world=2, cores=2, strategy="ddp", grad_accum=1,
-                     bucket_cap_mb=25)
+    facts = RunFacts(world=2, local_world=2, cores=2, strategy="ddp", comm_hooks=True,
+                     grad_accum=1, bucket_cap_mb=25)
     s = _summary((0.001, 0.002, 0.014, 0.002, 0.001), (0.001, 0.002, 0.014, 0.002, 0.001))
     (f,) = diagnose(s, facts)
     assert f.rule == "communication-bound" and "10.0 ms of each 20.0 ms step" in f.message

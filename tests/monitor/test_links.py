@@ -23,7 +23,7 @@ def _links(*rates: float) -> dict:
 def _comm_bound(links: dict):
     """The communication-bound finding of a 3-node ddp run that waits 10 of 20 ms."""
     facts = RunFacts(world=len(links.get("nodes", [])) or 3, local_world=1, strategy="ddp",
-                     links=links)
+                     comm_hooks=True, links=links)
     row = dict(data=0.001, forward=0.002, backward=0.014, optimizer=0.002, other=0.001)
     s = Summary(steps=100, step_s=0.02,
                 rank_phases=[{"rank": r, **row} for r in range(facts.world)])

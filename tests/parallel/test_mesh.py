@@ -11,7 +11,7 @@ import torch
 
 from gpufleet.config import load_config
 from gpufleet.errors import ConfigError
-from gpufleet.parallel import strategy_class
+from gpufleet.parallel import strategy_class, strategy_names
 from gpufleet.parallel.dims import ParallelDims, plan_for
 from gpufleet.parallel.grad_norm import (
     clip_grads_,
@@ -58,6 +58,9 @@ def test_presets_give_the_rest_of_the_ranks_to_their_own_dimension():
     (4, ["parallel.strategy=ddp", "parallel.tp=2"], ["parallel.tp = 2 cannot", "fsdp"]),
     (4, ["parallel.strategy=pipeline", "parallel.tp=2"], ["parallel.tp = 2 cannot"]),
     (2, ["parallel.strategy=single"], ["independent copies", "ddp"]),
+    # The communication hooks are a trait of ddp alone.
+    (2, ["parallel.strategy=fsdp", "parallel.ddp_comm_hook=powersgd"],
+     ["compresses ddp's", "'fsdp'", "--strategy ddp"]),
 ])
 def test_impossible_degrees_are_refused_by_resolve_with_the_product(world, overrides, words):
     with pytest.raises(ConfigError) as e:
@@ -73,6 +76,7 @@ def test_the_traits_answer_backend_and_processes():
     assert strategy_class("dp").traits.one_process
     assert strategy_class("hsdp").traits.reduces_in_backward
     assert not strategy_class("local_sgd").traits.reduces_in_backward
+    assert [n for n in strategy_names() if strategy_class(n).traits.comm_hooks] == ["ddp"]
 
 
 # -- the gradient norm ------------------------------------------------------------------

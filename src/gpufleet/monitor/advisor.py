@@ -170,6 +170,7 @@ def run_facts(trainer: Any, links: dict[str, Any] | None = None) -> RunFacts:
         num_workers=cfg.data.num_workers, pin_memory=trainer.pin_memory,
         batch_size=cfg.data.batch_size, grad_accum=cfg.optim.grad_accum,
         precision=cfg.precision.mode, strategy=cfg.parallel.strategy,
+        comm_hooks=trainer.strategy.traits.comm_hooks,
         bucket_cap_mb=cfg.parallel.bucket_cap_mb, compile=cfg.perf.compile,
         cores=usable_cores(), torch_threads=torch.get_num_threads(),
         log_every=cfg.log.every, eval_every=cfg.run.eval_every,

@@ -91,6 +91,7 @@ class RunFacts:
     grad_accum: int = 1
     precision: str = "fp32"
     strategy: str = "single"
+    comm_hooks: bool = False  # the strategy takes parallel.ddp_comm_hook (its traits)
     bucket_cap_mb: float = 25.0
     compile: bool = False
     device_flops: float | None = None

@@ -27,7 +27,7 @@ class DistributedDataParallel(Strategy):
     """Wrap the model in DDP with the ``[parallel]`` bucket and graph options."""
 
     name = "ddp"
-    traits = StrategyTraits(reduces_in_backward=True)
+    traits = StrategyTraits(reduces_in_backward=True, comm_hooks=True)
     needs_process_group = True
 
     def setup_model(self, model: nn.Module) -> nn.Module:

@@ -104,6 +104,8 @@ class StrategyTraits:
         wraps: the torch class it is built on, named in errors (``nn.DataParallel``).
         reduces_in_backward: every step's backward ends waiting for a gradient
             all-reduce or reduce-scatter (what a communication-bound run waits on).
+        comm_hooks: takes torch's DDP communication hooks (``parallel.ddp_comm_hook``:
+            fp16, bf16, powersgd compress its gradient all-reduce).
     """
 
     rest: str = "dp_replicate"
@@ -114,6 +116,7 @@ class StrategyTraits:
     ranks_started_elsewhere: bool = False
     shard_default_per_node: bool = False
     reduces_in_backward: bool = False
+    comm_hooks: bool = False
     wraps: str = ""
 
 
