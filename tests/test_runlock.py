@@ -103,3 +103,22 @@ def test_two_train_commands_on_one_run_dir(tmp_path):
             first.kill()
             first.wait()
     assert not os.path.exists(run_dir / runlock.RECORD_FILE)
+
+
+def test_a_node_of_the_same_run_waits_for_the_holders_record(tmp_path):
+    """Two nodes of one run start together: the second finds the lock taken before the
+    holder wrote its record, and waits for the record instead of refusing the run."""
+    import fcntl
+    import threading
+
+    fd = os.open(tmp_path / runlock.LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # the other node has the lock, no record yet
+    try:
+        late = threading.Timer(0.3, runlock._write_record, (tmp_path, "job@10.0.0.1:29500"))
+        late.start()
+        assert runlock.acquire(tmp_path, "job@10.0.0.1:29500") is None  # shared, not refused
+        late.join()
+        with pytest.raises(runlock.RunDirInUse, match=f"pid {os.getpid()}"):
+            runlock.acquire(tmp_path, "another-run")  # a different run still is
+    finally:
+        os.close(fd)

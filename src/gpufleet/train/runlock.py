@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import socket
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 LOCK_FILE = "run.lock"
 RECORD_FILE = "run.lock.json"
 RUN_ID_ENV = "GPUFLEET_RUN_ID"
+_RECORD_WAIT_S = 5.0  # how long a held lock's record may take to appear
 
 
 class RunDirInUse(ConfigError):
@@ -98,8 +100,9 @@ def acquire(run_dir: str | Path, run: str | None = None) -> RunLock | None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
         os.close(fd)
-        record = _read_record(run_dir)
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        held = e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+        record = _holder_record(run_dir, run) if held else _read_record(run_dir)
+        if held:
             if record.get("run_id") == run:
                 return None  # the same run: its launcher or another of its nodes
             raise RunDirInUse(_in_use(run_dir, record)) from None
@@ -141,6 +144,19 @@ def _alive(record: dict[str, Any]) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _holder_record(run_dir: Path, run: str) -> dict[str, Any]:
+    """The record of the process holding the lock. It writes it right after taking the
+    lock: until then the file is missing or names an ended holder, so another node of
+    the same run starting at the same moment waits for it rather than refuse."""
+    deadline = time.monotonic() + _RECORD_WAIT_S
+    while True:
+        record = _read_record(run_dir)
+        if (record and (record.get("run_id") == run or _alive(record))) \
+                or time.monotonic() >= deadline:
+            return record
+        time.sleep(0.02)
 
 
 def _read_record(run_dir: Path) -> dict[str, Any]:
