@@ -145,6 +145,7 @@ class NonFiniteGuard:
     _names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> name
     _params: list[nn.Parameter] = field(default_factory=list)
     _one: torch.Tensor | None = None
+    _agree: Any = None  # the strategy's all_reduce; None in a single process
 
     def inspect(self, model: nn.Module, step_loss: torch.Tensor,
                 optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -170,6 +171,7 @@ class NonFiniteGuard:
             _prime_momentum(optimizer)
             self._one = torch.ones((), device=step_loss.device)
             self._interval = _Interval(step_loss.device)
+            self._agree = self.strategy.all_reduce if self.strategy.reduces() else None
             self._reuse_clip = self.clip_by_norm and \
                 not spreads_gradients(self.strategy.dims)
 
@@ -215,7 +217,8 @@ class NonFiniteGuard:
         # them by one, in place: no change).
         torch._amp_foreach_non_finite_check_and_unscale_(
             [each.values if total is None else total, step_loss], found, self._one)
-        self.strategy.all_reduce(found, "max")  # COLLECTIVE: every rank, every step; no SYNC
+        if self._agree is not None:
+            self._agree(found, "max")  # COLLECTIVE: every rank, every step; no SYNC
         optimizer.found_inf = found
 
     def pending(self) -> torch.Tensor | None:
