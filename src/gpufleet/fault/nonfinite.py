@@ -146,6 +146,7 @@ class NonFiniteGuard:
     _params: list[nn.Parameter] = field(default_factory=list)
     _one: torch.Tensor | None = None
     _agree: Any = None  # the strategy's all_reduce; None in a single process
+    inspects: bool = False  #: set by start(): whether inspect() has work to do
 
     def inspect(self, model: nn.Module, step_loss: torch.Tensor,
                 optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -153,27 +154,32 @@ class NonFiniteGuard:
         gradients: on the device path, flag the step and hand the flag to ``optimizer``
         (no host read), unless the clip measures the gradients next (see
         ``clip_by_norm``); on the host path nothing happens here (see
-        :meth:`should_skip`)."""
+        :meth:`should_skip`). After :meth:`start`, :attr:`inspects` says whether there
+        is anything to do here."""
         if self.on_device is None:
-            self._start(model, step_loss, optimizer)
-        if self.on_device and not self._reuse_clip:
+            self.start(model, optimizer, step_loss.device)
+        if self.inspects:
             # This rank's part of each gradient (FSDP and tensor parallel shard them).
             local = each_norm(self._params, step_loss.device, local=True)[0]
             self._flag_on_device(local, None,
                                  step_loss, optimizer)
 
-    def _start(self, model: nn.Module, step_loss: torch.Tensor, optimizer: Any) -> None:
+    def start(self, model: nn.Module, optimizer: Any, device: torch.device) -> None:
+        """Choose the path for this run (the device path where ``optimizer`` takes the
+        flag); the first :meth:`inspect` or :meth:`should_skip` calls it if the loop
+        did not."""
         self.on_device = takes_found_inf(optimizer, self.precision)
         named = list(self.strategy.unwrap(model).named_parameters())
         self._names = {id(p): n for n, p in named}
         self._params = [p for _, p in named if p.requires_grad]
         if self.on_device:
             _prime_momentum(optimizer)
-            self._one = torch.ones((), device=step_loss.device)
-            self._interval = _Interval(step_loss.device)
+            self._one = torch.ones((), device=device)
+            self._interval = _Interval(device)
             self._agree = self.strategy.all_reduce if self.strategy.reduces() else None
             self._reuse_clip = self.clip_by_norm and \
                 not spreads_gradients(self.strategy.dims)
+        self.inspects = self.on_device and not self._reuse_clip
 
     def should_skip(self, model: nn.Module, step_loss: torch.Tensor,
                     grad_norm: torch.Tensor | None,
@@ -187,7 +193,7 @@ class NonFiniteGuard:
         and it is computed here.
         """
         if self.on_device is None:
-            self.inspect(model, step_loss, optimizer)
+            self.start(model, optimizer, step_loss.device)
         if self.on_device:
             if self._reuse_clip:
                 measured = self.strategy.measured if grad_norm is not None else None

@@ -71,6 +71,8 @@ class Trainer:
         # Nothing runs between steps before this step (log, eval, checkpoint, the
         # preemption check): one comparison per step instead of each interval's test.
         next_due = self._next_due(state.step)
+        if run.nonfinite is not None:  # decides whether it inspects before the clip
+            run.nonfinite.start(run.model, run.optimizer, run.device)
         run.callbacks.on_fit_start(run.view)
         run.model.train()
         while state.step < run.max_steps:
@@ -119,10 +121,11 @@ class Trainer:
         model, opt, guard = run.model, run.optimizer, run.nonfinite
         run.phases.announce(Phase.OPTIMIZER)
         run.precision.unscale(opt)  # true gradient sizes before clipping
-        if guard is not None:
+        if guard is not None and guard.inspects:
             # COLLECTIVE (fault.skip_nonfinite): with a fused optimizer, the ranks agree
             # on the device whether this step's loss or gradients (as backward left them)
-            # are non-finite, and the optimizer skips by itself.
+            # are non-finite, and the optimizer skips by itself (when the clip by norm
+            # measures the gradients, this happens on its norms, below).
             guard.inspect(model, step_loss, opt)
         if cfg.optim.clip_value:
             torch.nn.utils.clip_grad_value_(model.parameters(), cfg.optim.clip_value)
