@@ -150,8 +150,11 @@ class Strategy:
         micro-batches add up to the gradient of one N-times batch. ``mark``, when given,
         is called where backward begins (phase timing).
         """
-        with precision.autocast():
+        if precision.autocast_dtype is None:  # fp32: no autocast to enter
             loss = loss_fn(model, batch)
+        else:
+            with precision.autocast():
+                loss = loss_fn(model, batch)
         if mark is not None:
             mark()
         precision.backward(loss * loss_scale if loss_scale != 1.0 else loss)
