@@ -146,7 +146,7 @@ class NonFiniteGuard:
     _params: list[nn.Parameter] = field(default_factory=list)
     _one: torch.Tensor | None = None
     _agree: Any = None  # the strategy's all_reduce; None in a single process
-    inspects: bool = False  #: set by start(): whether inspect() has work to do
+    inspects: bool = True  #: set by start(): False where inspect() has nothing to do
 
     def inspect(self, model: nn.Module, step_loss: torch.Tensor,
                 optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -154,11 +154,11 @@ class NonFiniteGuard:
         gradients: on the device path, flag the step and hand the flag to ``optimizer``
         (no host read), unless the clip measures the gradients next (see
         ``clip_by_norm``); on the host path nothing happens here (see
-        :meth:`should_skip`). After :meth:`start`, :attr:`inspects` says whether there
-        is anything to do here."""
+        :meth:`should_skip`). After :meth:`start`, :attr:`inspects` says whether the
+        loop calls this (not where the clip's norms are the check)."""
         if self.on_device is None:
             self.start(model, optimizer, step_loss.device)
-        if self.inspects:
+        if self.on_device and not self._reuse_clip:
             # This rank's part of each gradient (FSDP and tensor parallel shard them).
             local = each_norm(self._params, step_loss.device, local=True)[0]
             self._flag_on_device(local, None,
@@ -179,7 +179,8 @@ class NonFiniteGuard:
             self._agree = self.strategy.all_reduce if self.strategy.reduces() else None
             self._reuse_clip = self.clip_by_norm and \
                 not spreads_gradients(self.strategy.dims)
-        self.inspects = self.on_device and not self._reuse_clip
+        # Only where the clip's norms are the check is there nothing to do before it.
+        self.inspects = not (self.on_device and self._reuse_clip)
 
     def should_skip(self, model: nn.Module, step_loss: torch.Tensor,
                     grad_norm: torch.Tensor | None,
