@@ -186,6 +186,25 @@ def test_evaluation_counts_every_sample_once(tmp_path):
     assert result.eval_loss == pytest.approx(expected, rel=1e-5)
 
 
+def test_log_eval_and_checkpoints_run_at_their_own_steps_and_at_the_end(tmp_path):
+    # Intervals that do not line up (the loop tests only the next step any of them is
+    # due): log every 3, evaluate every 4, checkpoint every 5, in a run of 11 steps.
+    train, held_out = toyjob.make_data(n=256, n_eval=16)
+    saved = []
+
+    class Saved(Callback):
+        def on_checkpoint(self, trainer, step, path):
+            saved.append(step)
+
+    _, result = _fit(tmp_path, {"run.max_steps": 11, "log.every": 3, "run.eval_every": 4,
+                                "checkpoint.every": 5, "run.eval_batches": 0},
+                     data=train, eval_data=held_out, callbacks=[Saved()])
+    assert [s for s, _ in result.losses] == [3, 6, 9, 11]  # and the last step's
+    assert [s for s, _ in result.eval_losses] == [4, 8, 11]  # the final evaluation
+    assert saved == [5, 10, 11]  # the final checkpoint
+    assert result.steps == 11
+
+
 def test_model_without_loss_gets_a_clear_error(tmp_path):
     with pytest.raises(TypeError, match="pass a loss function"):
         gpufleet.fit(toyjob.make_model(), toyjob.make_data(),

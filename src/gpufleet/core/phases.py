@@ -1,9 +1,10 @@
 """The phases of a training step, and how the loop announces them.
 
-The loop wraps each part of a step in ``with phases(Phase.FORWARD): ...``; entering
-tells every callback that overrides :meth:`~gpufleet.core.callbacks.Callback.on_phase`
-(the phase timer, the watchdog) that the phase begins. A phase lasts until the next one
-is announced, so leaving the block announces nothing.
+The loop announces each part of a step (``phases.announce(Phase.FORWARD)``; for what
+runs between steps, ``with phases(Phase.EVAL): ...`` announces on entry): every callback
+that overrides :meth:`~gpufleet.core.callbacks.Callback.on_phase` (the phase timer, the
+watchdog) hears that the phase begins. A phase lasts until the next one is announced,
+so leaving a block announces nothing.
 
 Example:
     >>> seen = []
@@ -20,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from enum import StrEnum
 from typing import Any
@@ -87,4 +89,4 @@ class PhaseAnnouncer:
     def marker(self, phase: Phase) -> Callable[[], None]:
         """A no-argument function announcing ``phase``, for code that learns where a
         phase begins only from inside (a strategy's backward)."""
-        return lambda: self.announce(phase)
+        return functools.partial(self.announce, phase)  # no Python frame of its own

@@ -119,16 +119,16 @@ class Watchdog(Callback):
             self.liveness.start()
 
     def on_phase(self, trainer: Any, phase: str) -> None:
-        activity = _ACTIVITY.get(phase, "step")
         if phase == Phase.END:  # a training step is done: time it, start the next one
             self.step = trainer.step
+            now = time.monotonic()
+            self._durations[self._activity].append(now - self._activity_start)
+            self._activity, self._activity_start, self._flagged = "step", now, False
+        elif self._activity != _ACTIVITY.get(phase, "step"):  # into or out of eval / ckpt
             self._close_activity()
-            self._restart_clock("step")
-        elif activity != self._activity:  # into or out of evaluation / checkpointing
-            self._close_activity()
-            self._restart_clock(activity)
-        # A plain name: heartbeats and reports show it as the name.
-        self.phase, self.phase_since = str(phase), time.time()
+            self._restart_clock(_ACTIVITY.get(phase, "step"))
+        # Kept as given (a Phase is its name); heartbeats and reports write the name.
+        self.phase, self.phase_since = phase, time.time()
 
     def on_fit_end(self, trainer: Any, result: Any) -> None:
         self.stop()
@@ -187,7 +187,7 @@ class Watchdog(Callback):
     def heartbeat(self) -> dict[str, Any]:
         return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
                 "node": self.node[0], "addr": self.node[1],
-                "step": self.step, "phase": self.phase, "phase_since": self.phase_since,
+                "step": self.step, "phase": str(self.phase), "phase_since": self.phase_since,
                 "activity": self._activity,
                 "activity_s": time.monotonic() - self._activity_start}
 
@@ -228,7 +228,7 @@ class Watchdog(Callback):
         folder.mkdir(parents=True, exist_ok=True)
         beat = self.heartbeat()
         lines = [f"rank {self.rank} (host {beat['host']}, pid {beat['pid']}): step "
-                 f"{self.step} done, in phase {self.phase!r} for "
+                 f"{self.step} done, in phase {str(self.phase)!r} for "
                  f"{time.time() - self.phase_since:.1f} s", ""]
         names = {t.ident: t.name for t in threading.enumerate()}
         for ident, frame in sys._current_frames().items():

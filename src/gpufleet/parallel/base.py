@@ -112,7 +112,7 @@ class Strategy:
         #: clipping (the non-finite check reads it); None when not measured.
         self.measured: EachNorm | None = None
         self._clip_model: nn.Module | None = None
-        self._clip_params: list[nn.Parameter] = []
+        self._clip_params: list[nn.Parameter] | None = None
 
     # -- building ------------------------------------------------------------------
     def setup_model(self, model: nn.Module) -> nn.Module:
@@ -150,8 +150,11 @@ class Strategy:
         micro-batches add up to the gradient of one N-times batch. ``mark``, when given,
         is called where backward begins (phase timing).
         """
-        with precision.autocast():
+        if precision.autocast_dtype is None:  # fp32: no autocast to enter
             loss = loss_fn(model, batch)
+        else:
+            with precision.autocast():
+                loss = loss_fn(model, batch)
         if mark is not None:
             mark()
         precision.backward(loss * loss_scale if loss_scale != 1.0 else loss)
@@ -165,9 +168,11 @@ class Strategy:
         Where every rank holds every gradient, the norm of each one, measured on the
         way, stays in :attr:`measured` until the next call (None otherwise).
         """
-        if not spreads_gradients(self.dims):
-            if model is not self._clip_model:  # the parameter list, built once
-                self._clip_model, self._clip_params = model, list(model.parameters())
+        if model is not self._clip_model:  # decided once: None when ranks hold pieces
+            self._clip_model = model
+            self._clip_params = None if spreads_gradients(self.dims) else \
+                list(model.parameters())
+        if self._clip_params is not None:
             norm, self.measured = clip_whole_(self._clip_params, max_norm, self.device)
             return norm
         self.measured = None
@@ -200,9 +205,13 @@ class Strategy:
         optimizer.load_state_dict(state["optimizer"])
 
     # -- collectives -----------------------------------------------------------------
+    def reduces(self) -> bool:
+        """Whether :meth:`all_reduce` talks to other ranks (more than one process)."""
+        return is_initialized() and dist.get_world_size() > 1
+
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce ``tensor`` in place over all ranks (no-op in a single process)."""
-        if is_initialized() and dist.get_world_size() > 1:
+        if self.reduces():
             dist.all_reduce(tensor, op=_REDUCE_OPS[op])
         return tensor
 

@@ -143,8 +143,11 @@ class Horovod(Strategy):
             self._skip.__exit__(None, None, None)
             self._skip = None
 
+    def reduces(self) -> bool:
+        return self.hvd.size() > 1
+
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        if self.hvd.size() > 1:
+        if self.reduces():
             ops = {"sum": self.hvd.Sum, "max": self.hvd.Max, "min": self.hvd.Min}
             tensor.copy_(self.hvd.allreduce(tensor, op=ops[op]))  # COLLECTIVE
         return tensor

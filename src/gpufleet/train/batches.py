@@ -31,6 +31,9 @@ def make_loss_fn(loss: Callable[[Any, Any], torch.Tensor] | None = None) -> Loss
     """
 
     def compute(model: nn.Module, batch: Any) -> torch.Tensor:
+        if loss is not None and type(batch) in (tuple, list) and len(batch) == 2:
+            # The common (x, y), without _forward's tuple of what training drops.
+            return _as_loss(loss(model(batch[0]), batch[1]), False)
         return _forward(model, batch, loss)[0]
 
     def with_output(model: nn.Module, batch: Any) -> tuple[torch.Tensor, Any, Any]:

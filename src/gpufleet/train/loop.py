@@ -14,7 +14,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import warnings
 from typing import Any
@@ -29,9 +28,6 @@ from gpufleet.train.result import FitResult
 from gpufleet.train.run import Run
 
 log = logging.getLogger(__name__)
-
-_NO_COUNT = contextlib.nullcontext()  # reusable: stands for "FLOPs already counted"
-
 
 class Trainer:
     """Trains ``run`` (built by :func:`~gpufleet.train.build.build_run`) on every rank.
@@ -64,54 +60,58 @@ class Trainer:
         run.data.start(at.epoch, at.consumed)
 
     def _train(self) -> FitResult:
-        run, state, phase = self.run, self.run.state, self.run.phases
+        run, state = self.run, self.run.state
         self.interval = LogInterval(run)
-        # The strategy calls this where backward begins (None: nobody listens).
-        self._mark_backward = phase.marker(Phase.BACKWARD) if phase else None
+        announce, step_end = run.phases.announce, run.callbacks.on_step_end
+        # What each micro-step hands the strategy; the strategy calls the last one where
+        # backward begins (None: nobody listens).
+        accum = run.cfg.optim.grad_accum
+        self._micro_args = (run.loss_fn, run.precision, 1.0 / accum,
+                            run.phases.marker(Phase.BACKWARD) if run.phases else None)
+        # Nothing runs between steps before this step (log, eval, checkpoint, the
+        # preemption check): one comparison per step instead of each interval's test.
+        next_due = self._next_due(state.step)
+        if run.nonfinite is not None:  # decides whether it inspects before the clip
+            run.nonfinite.start(run.model, run.optimizer, run.device)
         run.callbacks.on_fit_start(run.view)
         run.model.train()
         while state.step < run.max_steps:
-            step_loss = self._forward_backward()
+            if state.flops_per_step is None:  # the first step: its FLOPs are counted
+                step_loss = self._counted(self._forward_backward)
+            else:
+                step_loss = self._forward_backward()
             skipped = self._optimizer_step(step_loss)
             state.step += 1
             if skipped:
                 run.nonfinite.report(state.step, run.env.is_main)  # stops after too many
-            phase.announce(Phase.END)
-            run.callbacks.on_step_end(run.view, state.step)
-            self._between_steps()
-            # COLLECTIVE (one int on the CPU, every fault.preempt_check_every steps): a
-            # SIGTERM/SIGUSR1/SIGINT on any rank stops every rank after this same step.
-            watch = run.monitors.preemption
-            if watch is not None and watch.should_stop(state.step):
-                self._stop_for_preemption()
-                break
+            announce(Phase.END)
+            step_end(run.view, state.step)
+            if state.step >= next_due:
+                if self._between_steps():
+                    break  # preempted, with a checkpoint
+                next_due = self._next_due(state.step)
         return self._finish()
 
     def _forward_backward(self) -> torch.Tensor:
         """``grad_accum`` micro-steps; returns their losses summed (a device tensor)."""
-        run, phase = self.run, self.run.phases
-        model, strategy, accum = run.model, run.strategy, run.cfg.optim.grad_accum
-        args = (run.loss_fn, run.precision, 1.0 / accum, self._mark_backward)
+        run = self.run
+        announce, model, strategy = run.phases.announce, run.model, run.strategy
+        args, accum = self._micro_args, run.cfg.optim.grad_accum
         step_loss: Any = None
-        # FLOPs of a step are counted once, on the first (torch's FLOP counter).
-        counting = self._flop_counter() if run.state.flops_per_step is None else _NO_COUNT
-        with counting:
-            for micro in range(accum):
-                with phase(Phase.DATA):
-                    batch = run.data.next()
-                with phase(Phase.FORWARD):  # backward is announced by `mark`
-                    # Gradients are all-reduced on the last micro-step only (DDP no_sync);
-                    # the loss is scaled by 1/accum so the sum is one big batch's mean.
-                    if micro == accum - 1:
-                        # COLLECTIVE (ddp): the gradient all-reduce runs in buckets
-                        # during this backward.
-                        loss = strategy.forward_backward(model, batch, *args)
-                    else:
-                        with strategy.no_sync(model):
-                            loss = strategy.forward_backward(model, batch, *args)
-                step_loss = loss if step_loss is None else step_loss + loss
-        if counting is not _NO_COUNT:
-            run.state.flops_per_step = counting.get_total_flops()
+        for micro in range(accum):
+            announce(Phase.DATA)
+            batch = run.data.next()
+            announce(Phase.FORWARD)  # backward is announced by the strategy (`mark`)
+            # Gradients are all-reduced on the last micro-step only (DDP no_sync); the
+            # loss is scaled by 1/accum so the sum is one big batch's mean.
+            if micro == accum - 1:
+                # COLLECTIVE (ddp): the gradient all-reduce runs in buckets during this
+                # backward.
+                loss = strategy.forward_backward(model, batch, *args)
+            else:
+                with strategy.no_sync(model):
+                    loss = strategy.forward_backward(model, batch, *args)
+            step_loss = loss if step_loss is None else step_loss + loss
         return step_loss
 
     def _optimizer_step(self, step_loss: torch.Tensor) -> bool:
@@ -121,10 +121,11 @@ class Trainer:
         model, opt, guard = run.model, run.optimizer, run.nonfinite
         run.phases.announce(Phase.OPTIMIZER)
         run.precision.unscale(opt)  # true gradient sizes before clipping
-        if guard is not None:
+        if guard is not None and guard.inspects:
             # COLLECTIVE (fault.skip_nonfinite): with a fused optimizer, the ranks agree
             # on the device whether this step's loss or gradients (as backward left them)
-            # are non-finite, and the optimizer skips by itself.
+            # are non-finite, and the optimizer skips by itself (when the clip by norm
+            # measures the gradients, this happens on its norms, below).
             guard.inspect(model, step_loss, opt)
         if cfg.optim.clip_value:
             torch.nn.utils.clip_grad_value_(model.parameters(), cfg.optim.clip_value)
@@ -155,8 +156,17 @@ class Trainer:
         run.strategy.after_optimizer_step(model, run.state.step)
         return skip
 
-    def _between_steps(self) -> None:
-        """The log line, evaluation and checkpoint, each when its interval is due.
+    def _next_due(self, step: int) -> int:
+        """The first step after ``step`` that ends a log interval, or is due for
+        evaluation, a checkpoint or the preemption check (or ends the run)."""
+        cfg, watch = self.run.cfg, self.run.monitors.preemption
+        every = (cfg.log.every, cfg.run.eval_every, cfg.checkpoint.every,
+                 watch.check_every if watch is not None else 0)
+        return min([step - step % n + n for n in every if n] + [self.run.max_steps])
+
+    def _between_steps(self) -> bool:
+        """The log line, evaluation, checkpoint and preemption check, each when its
+        interval is due; True when the run stops for preemption (after a checkpoint).
         Evaluation and checkpoints are timed apart from training throughput."""
         run, cfg, step, phase = self.run, self.run.cfg, self.run.state.step, self.run.phases
         if step % cfg.log.every == 0 or step == run.max_steps:
@@ -173,6 +183,13 @@ class Trainer:
             with phase(Phase.CHECKPOINT):
                 self.save_checkpoint()
             self.interval.restart_clock()
+        # COLLECTIVE (one int on the CPU, every fault.preempt_check_every steps): a
+        # SIGTERM/SIGUSR1/SIGINT on any rank stops every rank after this same step.
+        watch = run.monitors.preemption
+        if watch is not None and watch.should_stop(step):
+            self._stop_for_preemption()
+            return True
+        return False
 
     def _stop_for_preemption(self) -> None:
         """Checkpoint the step just finished; the run then ends without evaluating."""
@@ -186,15 +203,20 @@ class Trainer:
         if run.state.saved_step != run.state.step:
             self.save_checkpoint()  # COLLECTIVE
 
-    def _flop_counter(self) -> Any:
-        """torch's FLOP counter for the first step; off (FLOPs unknown, no MFU) with
-        torch.compile, whose graphs the counter does not see through reliably."""
+    def _counted(self, forward_backward: Any) -> torch.Tensor:
+        """``forward_backward()`` with its FLOPs counted (torch's FLOP counter) into
+        ``state.flops_per_step``; not counted (FLOPs unknown, no MFU) with torch.compile,
+        whose graphs the counter does not see through reliably."""
+        state = self.run.state
         if self.run.cfg.perf.compile:
-            self.run.state.flops_per_step = 0
-            return _NO_COUNT
+            state.flops_per_step = 0
+            return forward_backward()
         from gpufleet.monitor.flops import flop_counter
 
-        return flop_counter()
+        with flop_counter() as counter:
+            step_loss = forward_backward()
+        state.flops_per_step = counter.get_total_flops()
+        return step_loss
 
     def evaluate(self) -> float | None:
         """Evaluate now (:class:`~gpufleet.train.evaluator.Evaluator`, COLLECTIVE + SYNC),

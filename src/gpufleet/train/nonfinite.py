@@ -146,6 +146,8 @@ class NonFiniteGuard:
     _params: list[nn.Parameter] = field(default_factory=list)
     _one: torch.Tensor | None = None
     _before_clip: EachNorm | None = None  # the host path's norms of this step
+    _agree: Any = None  # the strategy's all_reduce; None in a single process
+    inspects: bool = True  #: set by start(): False where inspect() has nothing to do
 
     def inspect(self, model: nn.Module, step_loss: torch.Tensor,
                 optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -153,9 +155,10 @@ class NonFiniteGuard:
         gradients: on the device path, flag the step and hand the flag to ``optimizer``
         (no host read), unless the clip measures the gradients next (see
         ``clip_by_norm``); on the host path nothing happens here (see
-        :meth:`should_skip`)."""
+        :meth:`should_skip`). After :meth:`start`, :attr:`inspects` says whether the
+        loop calls this (not where the clip's norms are the check)."""
         if self.on_device is None:
-            self._start(model, step_loss, optimizer)
+            self.start(model, optimizer, step_loss.device)
         if self.on_device and not self._reuse_clip:
             # This rank's part of each gradient (FSDP and tensor parallel shard them).
             local = each_norm(self._params, step_loss.device, local=True)[0]
@@ -167,17 +170,23 @@ class NonFiniteGuard:
             # as backward left it (one fused kernel; this path syncs every step anyway).
             self._before_clip = each_norm(self._params, step_loss.device, local=True)[0]
 
-    def _start(self, model: nn.Module, step_loss: torch.Tensor, optimizer: Any) -> None:
+    def start(self, model: nn.Module, optimizer: Any, device: torch.device) -> None:
+        """Choose the path for this run (the device path where ``optimizer`` takes the
+        flag); the first :meth:`inspect` or :meth:`should_skip` calls it if the loop
+        did not."""
         self.on_device = takes_found_inf(optimizer, self.precision)
         named = list(self.strategy.unwrap(model).named_parameters())
         self._names = {id(p): n for n, p in named}
         self._params = [p for _, p in named if p.requires_grad]
         if self.on_device:
             _prime_momentum(optimizer)
-            self._one = torch.ones((), device=step_loss.device)
-            self._interval = _Interval(step_loss.device)
+            self._one = torch.ones((), device=device)
+            self._interval = _Interval(device)
+            self._agree = self.strategy.all_reduce if self.strategy.reduces() else None
             self._reuse_clip = self.clip_by_norm and \
                 not spreads_gradients(self.strategy.dims)
+        # Only where the clip's norms are the check is there nothing to do before it.
+        self.inspects = not (self.on_device and self._reuse_clip)
 
     def should_skip(self, model: nn.Module, step_loss: torch.Tensor,
                     grad_norm: torch.Tensor | None,
@@ -191,7 +200,7 @@ class NonFiniteGuard:
         and it is computed here.
         """
         if self.on_device is None:
-            self.inspect(model, step_loss, optimizer)
+            self.start(model, optimizer, step_loss.device)
         if self.on_device:
             if self._reuse_clip:
                 measured = self.strategy.measured if grad_norm is not None else None
@@ -221,7 +230,8 @@ class NonFiniteGuard:
         # them by one, in place: no change).
         torch._amp_foreach_non_finite_check_and_unscale_(
             [each.values if total is None else total, step_loss], found, self._one)
-        self.strategy.all_reduce(found, "max")  # COLLECTIVE: every rank, every step; no SYNC
+        if self._agree is not None:
+            self._agree(found, "max")  # COLLECTIVE: every rank, every step; no SYNC
         optimizer.found_inf = found
 
     def pending(self) -> torch.Tensor | None:
