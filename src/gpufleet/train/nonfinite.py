@@ -154,16 +154,15 @@ class NonFiniteGuard:
         """Right after backward (and unscaling), before any clipping changes the
         gradients: on the device path, flag the step and hand the flag to ``optimizer``
         (no host read), unless the clip measures the gradients next (see
-        ``clip_by_norm``); on the host path nothing happens here (see
-        :meth:`should_skip`). After :meth:`start`, :attr:`inspects` says whether the
-        loop calls this (not where the clip's norms are the check)."""
+        ``clip_by_norm``); on the host path, measure each gradient's norm for
+        :meth:`should_skip` to decide on. After :meth:`start`, :attr:`inspects` says
+        whether the loop calls this (not where the clip's norms are the check)."""
         if self.on_device is None:
             self.start(model, optimizer, step_loss.device)
         if self.on_device and not self._reuse_clip:
             # This rank's part of each gradient (FSDP and tensor parallel shard them).
             local = each_norm(self._params, step_loss.device, local=True)[0]
-            self._flag_on_device(local, None,
-                                 step_loss, optimizer)
+            self._flag_on_device(local, None, step_loss, optimizer)
         elif not self.on_device:
             # The host path reads the culprit after the clip, which spreads a NaN norm
             # into every gradient (and clamps an inf by value): keep each gradient's norm
@@ -197,7 +196,7 @@ class NonFiniteGuard:
         optimizer received the agreed flag and skips by itself, and nothing is read on
         the host. Otherwise: whether any rank's loss or gradients are non-finite;
         ``grad_norm`` is the (unscaled) global norm when clipping computed it, else None
-        and it is computed here.
+        and the norms :meth:`inspect` measured decide.
         """
         if self.on_device is None:
             self.start(model, optimizer, step_loss.device)
@@ -208,8 +207,11 @@ class NonFiniteGuard:
                     measured = each_norm(self._params, step_loss.device)[0]
                 self._flag_on_device(measured, grad_norm, step_loss, optimizer)
             return False
-        if grad_norm is None:
-            grad_norm = self.strategy.grad_norm(model)
+        each, self._before_clip = self._before_clip, None  # this step's, from inspect()
+        if each is None:  # inspect() was not called: nothing was clipped since backward
+            each = each_norm(self._params, step_loss.device, local=True)[0]
+        if grad_norm is None:  # no clip: this rank's norms, measured once, are the check
+            grad_norm = each.values.sum()
         # One number carries both flags: loss + norm is finite only if both are, and a
         # sum over ranks is finite only if every rank's is (NaN and inf propagate).
         probe = step_loss.detach().float() + grad_norm.detach().float()
@@ -217,7 +219,7 @@ class NonFiniteGuard:
         if math.isfinite(probe.item()):  # SYNC: the step depends on the answer
             self.in_row = 0
             return False
-        self._record(model, step_loss)
+        self._record(each, step_loss)
         return True
 
     def _flag_on_device(self, each: EachNorm, total: torch.Tensor | None,
@@ -282,10 +284,9 @@ class NonFiniteGuard:
         return [self._names.get(id(p), "?") for p, v in zip(params, each.values.tolist())
                 if not math.isfinite(v)]
 
-    def _record(self, model: nn.Module, step_loss: torch.Tensor) -> None:
-        each = self._before_clip  # None: inspect was not called, nothing clipped since
-        if each is None:
-            each = each_norm(self._params, step_loss.device, local=True)[0]
+    def _record(self, each: EachNorm, step_loss: torch.Tensor) -> None:
+        """Count a step skipped on the host; ``each``: its gradients' norms before any
+        clip (the culprit is the first parameter whose norm is not finite)."""
         names = self._bad_names(each)  # SYNC: skipped steps only
         mine = (not bool(torch.isfinite(step_loss).all()), names[0] if names else None,
                 len(names))
