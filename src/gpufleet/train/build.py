@@ -21,7 +21,7 @@ from torch.utils.data import Dataset, IterableDataset
 from gpufleet.config import Config, config_to_dict, write_config
 from gpufleet.core.callbacks import Callback, CallbackList
 from gpufleet.core.phases import PhaseAnnouncer
-from gpufleet.data.loaders import TrainLoader, build_eval_loader, build_train_loader
+from gpufleet.data.loaders import build_eval_loader, build_train_loader
 from gpufleet.errors import ConfigError, GpufleetError
 from gpufleet.launch import DistEnv, broadcast_object, is_initialized, job_store
 from gpufleet.launch.netif import node_address
@@ -87,8 +87,8 @@ def build_run(cfg: Config, model: nn.Module, train_data: Dataset,
     seed_everything(cfg.run.seed + env.rank)
     cfg, resume_from, run_lock = _run_dir(cfg, env)  # COLLECTIVE
     run_dir = Path(cfg.run.dir)
-    train, eval_loader, data = _data(cfg, env, device, strategy, train_data, eval_data)
-    max_steps = _max_steps(cfg, env, train)
+    data, eval_loader = _data(cfg, env, device, strategy, train_data, eval_data)
+    max_steps = _max_steps(cfg, env, data)
     scheduler = build_scheduler(optimizer, cfg.optim, max_steps)
     loss = make_loss_fn(loss_fn)
     evaluator = None if eval_loader is None else Evaluator(
@@ -101,7 +101,7 @@ def build_run(cfg: Config, model: nn.Module, train_data: Dataset,
         strategy=strategy, model=model, optimizer=optimizer, scheduler=scheduler,
         loss_fn=loss, data=data, evaluator=evaluator,
         checkpointer=Checkpointer(run_dir, env, cfg, model, optimizer, scheduler, strategy,
-                                  precision, train.sampler),
+                                  precision, data.sampler),
         nonfinite=nonfinite, max_steps=max_steps,
         peak_flops=device_peak_flops(cfg, device), resume_from=resume_from,
         run_lock=run_lock, monitors=_monitors(cfg, env, device, run_dir),
@@ -199,7 +199,7 @@ def _run_dir(cfg: Config, env: DistEnv) -> tuple[Config, Path | None, runlock.Ru
 
 def _data(cfg: Config, env: DistEnv, device: torch.device, strategy: Any,
           train_data: Dataset, eval_data: Dataset | None
-          ) -> tuple[TrainLoader, Any, TrainStream]:
+          ) -> tuple[TrainStream, Any]:
     """This rank's share of the training and evaluation data."""
     if isinstance(train_data, IterableDataset):
         raise ConfigError("train_data is an IterableDataset; gpufleet needs a map-style "
@@ -217,16 +217,16 @@ def _data(cfg: Config, env: DistEnv, device: torch.device, strategy: Any,
                          pin_memory=pin_memory, device_prefetch=cfg.data.device_prefetch,
                          channels_last=cfg.perf.channels_last,
                          data_copies=env.world_size // shards)
-    return train, eval_loader, stream
+    return stream, eval_loader
 
 
-def _max_steps(cfg: Config, env: DistEnv, train: TrainLoader) -> int:
+def _max_steps(cfg: Config, env: DistEnv, data: TrainStream) -> int:
     """The step the run ends at: run.max_steps or the steps of run.max_epochs, whichever
     comes first (resolve() makes sure there is a limit)."""
     run, accum = cfg.run, cfg.optim.grad_accum
     limits = [run.max_steps] if run.max_steps else []
     if run.max_epochs:
-        batches = sum(train.batches_in_epoch(e) for e in range(run.max_epochs))
+        batches = sum(data.batches_in_epoch(e) for e in range(run.max_epochs))
         if batches < accum:
             raise ConfigError(
                 f"run.max_epochs = {run.max_epochs} gives {batches} batch(es) per rank, "

@@ -29,6 +29,7 @@ from gpufleet.train.run import Run
 
 log = logging.getLogger(__name__)
 
+
 class Trainer:
     """Trains ``run`` (built by :func:`~gpufleet.train.build.build_run`) on every rank.
 

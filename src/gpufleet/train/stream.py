@@ -32,6 +32,7 @@ class TrainStream:
         data_copies: ranks that read each sample (pipeline stages read the same data).
 
     Attributes:
+        sampler: the resumable sampler (the checkpointer saves its position).
         epoch: the epoch being read.
         consumed: what of it was taken: samples ("fixed" batches) or batches ("tokens").
         samples / tokens: handed out since :meth:`take_counts` last emptied them.
@@ -40,8 +41,7 @@ class TrainStream:
     def __init__(self, train: TrainLoader, device: torch.device, *, seed: int, rank: int,
                  pin_memory: bool, device_prefetch: bool, channels_last: bool,
                  data_copies: int) -> None:
-        self.loader, self.sampler = train.loader, train.sampler
-        self._train = train
+        self._train, self.sampler = train, train.sampler
         self.device, self.pin_memory = device, pin_memory
         self._seed, self._rank = seed, rank
         self._device_prefetch, self._channels_last = device_prefetch, channels_last
@@ -101,9 +101,9 @@ class TrainStream:
         (seed, rank, epoch), not from the global RNG: a resumed run then restores the
         global RNG exactly and its workers get the seeds the uninterrupted run's got.
         """
-        self.loader.generator.manual_seed(
-            self._seed * 1_000_003 + self._rank * 7919 + self.epoch)
-        batches = iter(self.loader)
+        loader = self._train.loader
+        loader.generator.manual_seed(self._seed * 1_000_003 + self._rank * 7919 + self.epoch)
+        batches = iter(loader)
         if self.device.type != "cuda":  # the loader already made the tensors
             return batches
         if self._device_prefetch:
