@@ -62,7 +62,7 @@ def clip_grads_(grads: Iterable[torch.Tensor], max_norm: float, norm: torch.Tens
     """Scale ``grads`` in place so that their global ``norm`` becomes at most
     ``max_norm`` (the coefficient torch's ``clip_grad_norm_`` uses). Each rank scales
     its own pieces."""
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    coef = _clip_coef(max_norm, norm)
     with torch.no_grad():
         for local in (_local_piece(g, None)[0] for g in grads):
             local.mul_(coef.to(local.device, local.dtype))
@@ -113,10 +113,16 @@ def clip_whole_(params: Sequence[torch.Tensor], max_norm: float,
     if not grads:
         return torch.zeros((), device=device), each
     total = torch.linalg.vector_norm(each.values)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    coef = _clip_coef(max_norm, total)
     with torch.no_grad():
         torch._foreach_mul_(grads, coef)
     return total, each
+
+
+def _clip_coef(max_norm: float, norm: torch.Tensor) -> torch.Tensor:
+    """What every gradient is multiplied by so the global ``norm`` becomes at most
+    ``max_norm``: torch's ``clip_grad_norm_`` coefficient, with its epsilon."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
 def _local_piece(grad: torch.Tensor, dims: ParallelDims | None) -> tuple[torch.Tensor, int]:
