@@ -144,8 +144,11 @@ class _PoisonAt(Callback):
         self.now = step + 1
 
 
-@pytest.mark.parametrize("mode", ["fp32", "fp16-mixed"])  # the device and the host path
-def test_the_culprit_is_the_parameter_that_went_bad_before_clipping(tmp_path, caplog, mode):
+# The device path, and the host path (fp16's scaler) with and without a clip.
+@pytest.mark.parametrize(("mode", "clip"), [("fp32", 1.0), ("fp16-mixed", 1.0),
+                                            ("fp16-mixed", 0.0)])
+def test_the_culprit_is_the_parameter_that_went_bad_before_clipping(tmp_path, caplog, mode,
+                                                                    clip):
     # Clipping by norm (on here) spreads a NaN norm into every gradient; the culprit is
     # read before it, so the one bad parameter is named. fp16's loss scaler decides on
     # the host, after the clip: its culprit comes from the norms kept before.
@@ -156,7 +159,7 @@ def test_the_culprit_is_the_parameter_that_went_bad_before_clipping(tmp_path, ca
         result = gpufleet.fit(model, toyjob.make_data(), loss_fn=F.mse_loss, overrides={
             "run.out_dir": str(tmp_path), "run.max_steps": 6, "log.every": 3,
             "log.progress": "off", "data.batch_size": 16, "data.num_workers": 0,
-            "optim.clip_norm": 1.0, "precision.mode": mode}, callbacks=[poison])
+            "optim.clip_norm": clip, "precision.mode": mode}, callbacks=[poison])
     assert result.skipped_steps == 1
     skipped = "skipped on every rank" if mode == "fp32" else "skipped by the fp16 loss scaler"
     assert (f"step 3 {skipped}: non-finite gradients on rank 0 in 1 "
