@@ -118,11 +118,12 @@ def _search_current_folder() -> None:
 
 def build_job(cfg: Config) -> Job:
     """Build the model, the data sets and the loss that ``cfg`` names."""
-    return Job(_build_model(cfg), *build_data(cfg),
+    return Job(build_model(cfg), *build_data(cfg),
                loss_fn=import_object(cfg.model.loss, "model.loss") if cfg.model.loss else None)
 
 
-def _build_model(cfg: Config) -> nn.Module:
+def build_model(cfg: Config) -> nn.Module:
+    """The model ``model.name`` names (the built-in GPT or your factory)."""
     m = cfg.model
     if m.name == "gpt":
         from gpufleet.models import build_gpt
