@@ -13,8 +13,8 @@ from gpufleet.errors import ConfigError
 from gpufleet.layout.cli import layout_dims, trainable_with
 from gpufleet.layout.devices import GIB, named_device
 from gpufleet.layout.estimate import estimate_layout
+from gpufleet.layout.measure import MemoryParts
 from gpufleet.parallel.dims import ParallelDims
-from memjob import MemoryParts
 from meshjob import make_gpt, make_tokens
 
 PARTS = ("params", "grads", "optimizer", "activations")

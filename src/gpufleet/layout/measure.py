@@ -1,6 +1,11 @@
-"""What a rank of a real run holds, measured for the planner's tests and benchmark: a
-callback that, after the first step, writes this rank's parameter, gradient, optimizer
-state and saved-activation bytes to ``memory-rank<R>.json`` in the run directory."""
+"""What a rank of a real run holds, to check the planner against: a callback that, after
+the first step, writes this rank's parameter, gradient, optimizer state and
+saved-activation bytes to ``memory-rank<R>.json`` in the run directory.
+
+Example:
+    >>> # gpufleet.fit(model, data, overrides={"dist.nproc": 8, ...},
+    >>> #              callbacks=[MemoryParts((inputs, targets))])
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from typing import Any
 
 import torch
 
-from gpufleet.train.callbacks import Callback
+from gpufleet.core.callbacks import Callback
 
 
 def local_bytes(tensors: Any) -> int:
