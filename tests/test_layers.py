@@ -1,10 +1,12 @@
-"""The package's layers: the bottom layer imports nothing of gpufleet, and the import
-graph between packages has no cycles.
+"""The package's layers: each row of ARCHITECTURE.md's table imports only the rows below
+it, the bottom row imports nothing of gpufleet, and neither packages nor modules import
+each other in a circle.
 
 The graph is built from the source with ``ast``, not by importing it. A node is a
 subpackage (``gpufleet.train``) or a top-level module (``gpufleet.cli``); an edge is any
 import of one node from another, at module level or inside a function (both run, sooner
-or later). Imports under ``if TYPE_CHECKING:`` never run and are not counted.
+or later), or under ``if TYPE_CHECKING:`` (it never runs, but ties the two modules just
+the same: one cannot move or change its types without the other).
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ import gpufleet
 
 PACKAGE = Path(gpufleet.__file__).parent
 BOTTOM = "gpufleet.core"
+ARCHITECTURE = PACKAGE.parent.parent / "ARCHITECTURE.md"
+# The package itself: its __init__ imports its public names lazily, on first use.
+ROOT = "gpufleet"
+
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
@@ -31,25 +37,13 @@ def _node(module: str) -> str:
     return ".".join(parts[:2])
 
 
-def _type_checking_lines(tree: ast.AST) -> set[int]:
-    lines: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for inner in node.body:
-                lines.update(range(inner.lineno, (inner.end_lineno or inner.lineno) + 1))
-    return lines
-
-
 def _imports(path: Path) -> set[str]:
-    """The gpufleet modules ``path`` imports anywhere (TYPE_CHECKING blocks left out)."""
+    """The gpufleet modules ``path`` imports anywhere (TYPE_CHECKING blocks included)."""
     module = _module_name(path)
     here = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    skip = _type_checking_lines(tree)
     found: set[str] = set()
     for node in ast.walk(tree):
-        if getattr(node, "lineno", None) in skip:
-            continue
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -128,7 +122,7 @@ def test_the_graph_sees_known_imports() -> None:
     """The walker itself: it finds a module-level and a function-level import."""
     edges = _graph()
     assert "gpufleet.core" in edges["gpufleet.monitor"]  # module level (the callbacks)
-    assert "gpufleet.monitor" in edges["gpufleet.api"]  # inside api.fit (Progress)
+    assert "gpufleet.monitor" in edges["gpufleet.entry"]  # inside entry.run_rank (Progress)
     # The pairs named in issue 18, one way round only.
     for low, high in (("config", "data"), ("config", "parallel"), ("config", "train"),
                       ("parallel", "train"), ("monitor", "train"), ("fault", "train"),
@@ -142,3 +136,43 @@ def test_the_config_names_the_registered_strategies() -> None:
     from gpufleet.parallel import strategy_names
 
     assert strategy_names() == list(STRATEGY_NAMES)
+
+
+def _rows() -> list[list[str]]:
+    """The rows of ARCHITECTURE.md's layer table, top first: a row is a line whose names
+    start at the left edge (a description's continuation lines are indented further)."""
+    text = ARCHITECTURE.read_text(encoding="utf-8").split("## Layers", 1)[1]
+    table = text.split("```", 2)[1]
+    rows = []
+    for line in table.splitlines()[1:]:
+        if not line.strip() or len(line) - len(line.lstrip()) > 2:
+            continue
+        # The names come first; the description starts at the first word that is not one.
+        names = []
+        for word in line.split():
+            if not (PACKAGE / word).is_dir() and not (PACKAGE / f"{word}.py").is_file():
+                break
+            names.append(f"{ROOT}.{word}")
+        rows.append(names)
+    return rows
+
+
+def test_the_architecture_names_every_package_in_one_row() -> None:
+    rows = _rows()
+    placed = [name for row in rows for name in row]
+    assert len(rows) >= 8 and all(rows), rows
+    assert len(placed) == len(set(placed)), f"a name in two rows: {placed}"
+    nodes = {_node(_module_name(path)) for path in PACKAGE.rglob("*.py")} - {ROOT}
+    assert sorted(nodes - set(placed)) == [], "packages ARCHITECTURE.md's layers leave out"
+    assert sorted(set(placed) - nodes) == [], "rows that name no package"
+
+
+def test_each_row_imports_only_the_rows_below_it() -> None:
+    """Not above, not beside: ``bench`` and ``monitor`` share a row, so neither imports
+    the other."""
+    height = {name: len(_rows()) - i for i, row in enumerate(_rows()) for name in row}
+    edges = _graph()
+    wrong = sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets
+                   if a in height and b in height and height[b] >= height[a])
+    assert wrong == [], f"imports of a row above or beside (see ARCHITECTURE.md): {wrong}"
+    assert all(a in height for a in edges if a != ROOT), sorted(set(edges) - set(height))

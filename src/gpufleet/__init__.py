@@ -23,6 +23,7 @@ _EXPORTS = {
     "Callback": "gpufleet.core.callbacks",
     "FitResult": "gpufleet.train.result", "Trainer": "gpufleet.train.loop",
     "build_run": "gpufleet.train.build", "Run": "gpufleet.train.run",
+    "RunPlan": "gpufleet.plan", "make_plan": "gpufleet.plan", "run_rank": "gpufleet.entry",
     "CheckpointError": "gpufleet.errors", "ConfigError": "gpufleet.errors",
     "GpufleetError": "gpufleet.errors", "LaunchError": "gpufleet.errors",
     "launch": "gpufleet.launch", "DistEnv": "gpufleet.launch",

@@ -20,15 +20,14 @@ from typing import Any
 from torch import nn
 from torch.utils.data import Dataset
 
-from gpufleet.config import Config, config_from_dict, load_config
+from gpufleet.config import Config, load_config
 from gpufleet.core.callbacks import Callback
-from gpufleet.entry import run_training, run_worker, setup_logging, train
-from gpufleet.train.build import build_run
-from gpufleet.train.loop import FitResult, Trainer
+from gpufleet.entry import run_rank, run_training, setup_logging, start_ranks, train
+from gpufleet.train.loop import FitResult
 
-# train and run_worker live in gpufleet.entry (the launcher calls them); this is where
+# train and run_rank live in gpufleet.entry (the launcher calls them); this is where
 # user code has always found them.
-__all__ = ["fit", "run_training", "run_worker", "setup_logging", "train"]
+__all__ = ["fit", "run_rank", "run_training", "setup_logging", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -58,46 +57,21 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
     result. Under torchrun every rank calls fit and trains its share.
     """
     cfg, note = _config(config, overrides)
+    from gpufleet.job import Job
     from gpufleet.launch import DistEnv
-    from gpufleet.monitor.progress import Progress
+    from gpufleet.plan import make_plan
 
     env = DistEnv.detect()
     if not logging.getLogger().handlers:  # leave a logging setup of the user's alone
         setup_logging(cfg.log.level, env)
     if note:
         log.info("%s", note)
-    if not env.is_distributed and (cfg.dist.nproc > 1 or cfg.dist.nnodes != "1"):
-        # Asked for several ranks from plain Python: start them, each trains a copy.
-        from gpufleet.job import Job
-        from gpufleet.train.rundir import named
-
-        return run_training(named(cfg, model), _fit_worker,
-                            (model, train_data, eval_data, loss_fn, list(callbacks),
-                             eval_metrics),
-                            job=Job(model, train_data, eval_data, loss_fn))
-    run = build_run(cfg, model, train_data, eval_data, loss_fn=loss_fn,
-                    callbacks=[Progress(cfg.log.progress), *callbacks],
-                    eval_metrics=eval_metrics)
-    return Trainer(run).fit()
-
-
-def _fit_worker(cfg_dict: dict[str, Any], model: nn.Module, train_data: Dataset,
-                eval_data: Dataset | None, loss_fn: Any,
-                callbacks: list[Callback],
-                eval_metrics: dict[str, Any] | None = None) -> FitResult:
-    """Entry point of each rank that :func:`fit` started (``dist.nproc > 1``)."""
-    from gpufleet.launch import DistEnv, destroy_process_group
-    from gpufleet.monitor.progress import Progress
-
-    cfg = config_from_dict(cfg_dict)
-    setup_logging(cfg.log.level, DistEnv.detect())
-    try:
-        run = build_run(cfg, model, train_data, eval_data, loss_fn=loss_fn,
-                        callbacks=[Progress(cfg.log.progress), *callbacks],
-                        eval_metrics=eval_metrics)
-        return Trainer(run).fit()
-    finally:
-        destroy_process_group()
+    # Ranks are started only when asked for (several processes or nodes); else this
+    # process trains, as the run's one rank or as its rank of a torchrun job.
+    asks_for_ranks = cfg.dist.nproc > 1 or cfg.dist.nnodes != "1"
+    plan = make_plan(cfg, env, model=model, here=not asks_for_ranks)  # the one resolve
+    return start_ranks(plan, Job(model, train_data, eval_data, loss_fn), callbacks,
+                       eval_metrics, owns_process=False)
 
 
 def _config(config: Config | str | None, overrides: Any) -> tuple[Config, str]:

@@ -46,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_train(args, rest)
         if args.command in ("tune", "plan"):  # the rest are train arguments
             args.train_args = rest
+            if args.command == "plan":  # the config those flags describe, read here
+                args.train_config = parse_train_config(args, rest)
             return importlib.import_module(COMMANDS[args.command]).run(args)
         if args.command in COMMANDS and not rest:
             return importlib.import_module(COMMANDS[args.command]).run(args)

@@ -1,9 +1,11 @@
 """Where a training run starts: the launching process, and each rank it starts.
 
-``gpufleet train`` and :func:`gpufleet.fit` call :func:`run_training`: it resolves the
-config once, locks the run directory and starts the ranks (or trains here, with one
-process); each launched rank runs :func:`run_worker`, which builds the job the config
-names and trains it (:mod:`gpufleet.train.loop`). See ARCHITECTURE.md for the picture.
+``gpufleet train`` calls :func:`run_training` and :func:`gpufleet.fit` calls
+:func:`start_ranks`: the config is resolved once into the run's plan
+(:func:`gpufleet.plan.make_plan`), the run directory is locked and the ranks are started
+(or this process trains, as the one rank). Every rank, however it was started, runs
+:func:`run_rank`: the plan and the job in, the trained result out. See ARCHITECTURE.md
+for the picture.
 """
 
 from __future__ import annotations
@@ -12,17 +14,19 @@ import dataclasses
 import logging
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpufleet.config import Config, config_from_dict, config_to_dict
+from gpufleet.config import Config
 from gpufleet.core.callbacks import Callback
 from gpufleet.errors import ConfigError, RunStopped
 from gpufleet.fault.preempt import exit_status
+from gpufleet.job import Job
+from gpufleet.launch import DistEnv
+from gpufleet.plan import RunPlan, make_plan
 from gpufleet.train.build import build_run
 from gpufleet.train.loop import FitResult, Trainer
-from gpufleet.train.seed import seed_everything
 
 log = logging.getLogger(__name__)
 
@@ -38,76 +42,89 @@ def stopped_message(signal_name: str, run_dir: str) -> str:
             "--resume latest).")
 
 
-def run_training(cfg: Config, worker: Any = None, extra: tuple = (), job: Any = None) -> Any:
-    """Train here, or start the ranks and train there; returns rank 0's FitResult.
+def run_training(cfg: Config, callbacks: Sequence[Callback] = ()) -> FitResult | None:
+    """What ``gpufleet train`` runs: plan the config's job, train it here or in the ranks
+    started now; returns rank 0's FitResult (None on the other ranks of a run that
+    torchrun, SLURM or mpirun started, so that one summary is printed per job).
+
+    Raises:
+        RunStopped: a rank other than 0 of such a run was stopped by a signal (every
+            rank then exits with the requeue status).
+    """
+    env = DistEnv.detect()
+    plan = make_plan(cfg, env)  # the one resolve of this run
+    result = start_ranks(plan, callbacks=callbacks)
+    if plan.launcher != "external" or result is None:
+        return result
+    if result.preempted and not env.is_main:  # every rank exits "requeue"
+        raise RunStopped(f"rank {env.rank} stopped by {result.preempted}.",
+                         exit_status(getattr(signal, result.preempted)))
+    return result if env.is_main else None  # one summary per job, from rank 0
+
+
+def train(cfg: Config, callbacks: Sequence[Callback] = ()) -> FitResult:
+    """Train the job a config names in this process, as the run's one rank (or as this
+    rank of a run torchrun started), leaving this process's logging and process group
+    as they are."""
+    plan = make_plan(cfg, here=True)
+    return start_ranks(plan, callbacks=callbacks, owns_process=False)
+
+
+def start_ranks(plan: RunPlan, job: Job | None = None, callbacks: Sequence[Callback] = (),
+                eval_metrics: Mapping[str, Any] | None = None, *,
+                owns_process: bool = True) -> FitResult | None:
+    """Train a planned run: here when this process is its rank (``plan.launcher`` none or
+    external), else in the ranks started now on this node; returns this rank's result,
+    or rank 0's (a node without rank 0: one of its own ranks').
 
     Args:
-        cfg: the run's config.
-        worker: what each rank runs, ``worker(cfg_dict, *extra)`` (default: the job the
-            config names, :func:`run_worker`).
-        extra: further arguments for ``worker``, sent to every rank (picklable).
-        job: the model, data and loss the preflight checks (a
-            :class:`gpufleet.job.Job`); None builds the job the config names.
+        plan: the run's plan.
+        job: the model, data and loss (sent to every rank: picklable); None builds the
+            job the config names on each rank.
+        callbacks: extra callbacks for every rank (picklable when ranks are started).
+        eval_metrics: ``{name: fn(output, target)}`` besides ``eval.metrics``.
+        owns_process: gpufleet owns this process (the CLI): logging is set up here and
+            a rank that trains here leaves its process group at the end. False inside
+            the caller's process (:func:`gpufleet.fit`), whose setup stays.
     """
-    from gpufleet.launch import DistEnv, launch
+    if plan.launcher in ("none", "external"):  # this process is the rank
+        return run_rank(plan, job, callbacks, eval_metrics, owns_process)
+    return _launch_ranks(plan, job, list(callbacks), eval_metrics, owns_process)
+
+
+def _launch_ranks(plan: RunPlan, job: Job | None, callbacks: list[Callback],
+                  eval_metrics: Mapping[str, Any] | None, owns_process: bool
+                  ) -> FitResult | None:
+    """Check what the ranks are sent, lock the run directory, start the ranks (torch's
+    elastic agent or spawn) and return rank 0's result."""
+    from gpufleet.launch import launch
     from gpufleet.procs import forget_process, record_process
-    from gpufleet.resolve import Machine, resolve
     from gpufleet.train import runlock
     from gpufleet.train.preflight import check_picklable, preflight_job
-    from gpufleet.train.rundir import named
 
-    worker = worker or run_worker
-    cfg = named(cfg)  # e.g. gpt-stdlib: every rank and node then agrees on it
-    env = DistEnv.detect()
-    if env.is_distributed:  # torchrun, SLURM, horovodrun, mpirun or our launcher
-        result = worker(config_to_dict(cfg), *extra)
-        if result.preempted and not env.is_main:  # every rank exits "requeue"
-            raise RunStopped(f"rank {env.rank} stopped by {result.preempted}.",
-                             exit_status(getattr(signal, result.preempted)))
-        return result if env.is_main else None  # one summary per job, from rank 0
-    dist = cfg.dist
-    traits = strategy_traits(cfg)
-    if traits.ranks_started_elsewhere and dist.nproc > 1:
-        name = cfg.parallel.strategy
-        raise ConfigError(
-            f"--nproc {dist.nproc} with --strategy {name}: its ranks are started by "
-            f"horovodrun, not by gpufleet. Run: horovodrun -np {dist.nproc} gpufleet train "
-            f"--strategy {name} ... (without --nproc).")
-    nproc = dist.nproc or _visible_gpus(cfg)
-    max_nodes = int(dist.nnodes.split(":")[-1])
-    multi_node = max_nodes > 1
-    launcher = dist.launcher
-    if launcher == "auto":
-        needs_agent = nproc > 1 or multi_node or dist.max_restarts > 0
-        launcher = "elastic" if needs_agent else "none"
-    if launcher == "none" and (nproc > 1 or multi_node):
-        raise ConfigError(f"dist.launcher = 'none' runs one process, but {nproc} rank(s) "
-                          f"on {dist.nnodes} node(s) were asked for. Use "
-                          "--launcher elastic (or spawn), or --nproc 1.")
-    cfg = dataclasses.replace(cfg, dist=dataclasses.replace(dist, nproc=nproc,
-                                                            launcher=launcher))
-    if launcher == "none":  # this process is the one rank: it resolves the config itself
-        return worker(config_to_dict(cfg), *extra)  # rank 0 locks the run directory
-    # Check the whole config here, once, before any rank starts: a mistake then reads as
-    # one message instead of a traceback per rank (and per restart).
-    resolve(cfg, Machine.detect(), world_size=nproc * max_nodes, local_world_size=nproc)
+    cfg, dist = plan.cfg, plan.cfg.dist
+    multi_node = plan.world_size > plan.nproc
     # Before any rank starts: what the ranks are sent, and one batch through the job.
-    check_picklable(extra, nproc)
+    sent = () if job is None else (job.model, job.train_data, job.eval_data, job.loss_fn,
+                                   callbacks)
+    check_picklable(sent, plan.nproc)
     preflight_job(cfg, job)
-    if multi_node:
-        setup_logging(cfg.log.level, env)  # the agent says which interface and store host
+    if multi_node and owns_process:
+        setup_logging(cfg.log.level, DistEnv.detect())  # which interface and store host
     run_id_before, lock, made = os.environ.get(runlock.RUN_ID_ENV), None, []
     try:
         # Its run id goes to the ranks' env; ``made``: the folders this launch creates.
         cfg, lock, made = _plan_and_lock(cfg, multi_node)
+        plan = plan.with_config(cfg)  # the directory chosen: nothing resolved again
         record_process(cfg.run.dir, "launcher")  # for `gpufleet cleanup RUN_DIR`
         results = launch(
-            worker, (config_to_dict(cfg), *extra), nproc=nproc, launcher=launcher,
-            nnodes=dist.nnodes, node_rank=dist.node_rank, master_addr=dist.master_addr,
-            master_port=dist.master_port, rdzv_endpoint=dist.rdzv_endpoint,
-            rdzv_backend=dist.rdzv_backend, rdzv_id=dist.rdzv_id or cfg.run.name,
-            max_restarts=dist.max_restarts, rdzv_timeout=dist.rdzv_timeout,
-            rdzv_last_call_s=dist.rdzv_last_call_s, rdzv_keep_alive_s=dist.rdzv_keep_alive_s)
+            run_rank, (plan, job, callbacks, eval_metrics), nproc=plan.nproc,
+            launcher=plan.launcher, nnodes=plan.nnodes, node_rank=plan.node_rank,
+            master_addr=dist.master_addr, master_port=dist.master_port,
+            rdzv_endpoint=dist.rdzv_endpoint, rdzv_backend=dist.rdzv_backend,
+            rdzv_id=dist.rdzv_id or cfg.run.name, max_restarts=dist.max_restarts,
+            rdzv_timeout=dist.rdzv_timeout, rdzv_last_call_s=dist.rdzv_last_call_s,
+            rdzv_keep_alive_s=dist.rdzv_keep_alive_s)
         forget_process(cfg.run.dir)
     except RunStopped as e:  # the agent got the signal: the ranks' results are lost
         raise RunStopped(stopped_message(e.signal, cfg.run.dir), e.exit_code, e.signal) from None
@@ -172,15 +189,6 @@ def _plan_and_lock(cfg: Config, multi_node: bool) -> tuple[Config, Any, list[Pat
     return cfg, lock, []
 
 
-def strategy_traits(cfg: Config) -> Any:
-    """What the config's strategy asks of the run (``auto`` is ``ddp`` here: it asks for
-    every visible GPU)."""
-    from gpufleet.parallel import strategy_class
-
-    name = cfg.parallel.strategy
-    return strategy_class("ddp" if name == "auto" else name).traits
-
-
 def _remove_if_empty(folders: list[Path]) -> None:
     for folder in folders:  # deepest first
         try:
@@ -189,51 +197,59 @@ def _remove_if_empty(folders: list[Path]) -> None:
             pass
 
 
-def _visible_gpus(cfg: Config) -> int:
-    traits = strategy_traits(cfg)
-    if traits.ranks_started_elsewhere:
-        return 1  # one process here; horovodrun -np N starts more
-    if cfg.run.device == "cpu":
-        return 1
-    import torch
+def run_rank(plan: RunPlan, job: Job | None = None, callbacks: Sequence[Callback] = (),
+             eval_metrics: Mapping[str, Any] | None = None,
+             owns_process: bool = True) -> FitResult:
+    """Train this process's rank of a planned run: the one entry point of every rank.
 
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if traits.one_process:
-        return 1  # dp: one process drives every GPU; single: one process, one GPU
-    return max(1, count)
+    Ranks that gpufleet starts (``gpufleet train --nproc N``, ``gpufleet.fit`` with
+    ``dist.nproc > 1``) run it in their new process; a run of one rank runs it in the
+    process that planned it; under torchrun, SLURM or mpirun each rank plans at its
+    entry and runs it. In order, each once: logging is set up (``owns_process``), the
+    process group joined, the job the config names built (when ``job`` is None: under
+    the run's seed, so every rank builds the same weights), the run built from the plan
+    (:func:`~gpufleet.train.build.build_run`, which also seeds this rank), trained
+    (:class:`~gpufleet.train.loop.Trainer`), and the process group left
+    (``owns_process``).
 
+    Args:
+        plan: the run's plan (:func:`gpufleet.plan.make_plan`); not resolved again
+            unless the rank's world differs from the planned one (an elastic node count).
+        job: the model, data and loss; None builds the job the config names.
+        callbacks: yours, after the run's own.
+        eval_metrics: ``{name: fn(output, target)}`` besides ``eval.metrics``.
+        owns_process: this process exists for this rank; False inside a caller's
+            process (``gpufleet.fit``), whose logging and process group stay as they are.
 
-def train(cfg: Config, callbacks: Sequence[Callback] = ()) -> FitResult:
-    """Run the job a config describes (model and data named in it); what the CLI runs."""
-    from gpufleet.job import build_job
-    from gpufleet.launch import DistEnv
+    Returns:
+        This rank's :class:`~gpufleet.train.loop.FitResult` (the same on every rank).
+    """
+    from gpufleet.launch import destroy_process_group
     from gpufleet.monitor.progress import Progress
     from gpufleet.train.rank import join_process_group
-    from gpufleet.train.rundir import named
 
-    cfg = named(cfg)  # from the factories' names, before the job builds the model
-    # Resolve (the one time on this rank) and join first, so the job can build its data
-    # with rank_zero_first; the trainer gets the resolved config.
-    cfg = join_process_group(cfg, DistEnv.detect())
-    # The same seed on every rank, so every rank builds the same initial weights.
-    seed_everything(cfg.run.seed)
-    job = build_job(cfg)
-    run = build_run(cfg, job.model, job.train_data, job.eval_data, loss_fn=job.loss_fn,
-                    callbacks=[Progress(cfg.log.progress), *callbacks])
-    return Trainer(run).fit()
-
-
-def run_worker(cfg_dict: dict[str, Any]) -> FitResult:
-    """Entry point of each launched rank: rebuild the config, set up logging, train."""
-    from gpufleet.launch import DistEnv, destroy_process_group
-
-    cfg = config_from_dict(cfg_dict)
-    setup_logging(cfg.log.level, DistEnv.detect())
+    env = DistEnv.detect()
+    plan = plan.for_world(env)
+    cfg = plan.cfg
+    if owns_process:
+        setup_logging(cfg.log.level, env)
+    # First, so that the job can build its data with rank_zero_first.
+    join_process_group(plan, env)
     try:
-        result = train(cfg)
+        if job is None:
+            from gpufleet.job import build_job
+            from gpufleet.train.seed import seeded
+
+            with seeded(cfg.run.seed):  # the same initial weights on every rank
+                job = build_job(cfg)
+        run = build_run(plan, job.model, job.train_data, job.eval_data, loss_fn=job.loss_fn,
+                        callbacks=[Progress(cfg.log.progress), *callbacks],
+                        eval_metrics=eval_metrics)
+        result = Trainer(run).fit()
     finally:
-        destroy_process_group()
-    if result.preempted and "TORCHELASTIC_RUN_ID" in os.environ:
+        if owns_process:
+            destroy_process_group()
+    if owns_process and result.preempted and "TORCHELASTIC_RUN_ID" in os.environ:
         _exit_unless_collected(result.preempted)
     return result
 

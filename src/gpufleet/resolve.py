@@ -1,8 +1,9 @@
 """A config resolved for this machine and world: every ``auto`` replaced, every
 combination checked.
 
-The launcher resolves once (``gpufleet train``, :func:`gpufleet.api.fit`) and sends the
-resolved config to the ranks; the result is what a run writes to its directory.
+:func:`gpufleet.plan.make_plan` calls it once per run (in the launching process, or at
+each rank's entry under torchrun, SLURM or mpirun) and keeps the result in the run's
+plan; the result is what a run writes to its directory.
 """
 
 from __future__ import annotations
@@ -14,13 +15,9 @@ from gpufleet.config import Config
 from gpufleet.core.machine import default_num_workers
 from gpufleet.errors import ConfigError
 from gpufleet.parallel import strategy_class
-from gpufleet.parallel.dims import plan_for
+from gpufleet.parallel.dims import ParallelDims, plan_for
 
-__all__ = ["Machine", "resolve", "resolve_once"]
-
-# Marks a config resolve_once returned, with the world it was resolved for. Not a config
-# field: it is never written to config.toml nor sent to the ranks.
-_RESOLVED_FOR = "_gpufleet_resolved_for"
+__all__ = ["Machine", "resolve", "resolve_with_dims", "strategy_for"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +42,20 @@ class Machine:
         return cls(cuda=cuda, gpus=torch.cuda.device_count() if cuda else 0, bf16=bf16)
 
 
+def strategy_for(name: str, world_size: int) -> str:
+    """The strategy ``parallel.strategy = name`` means for a run of ``world_size`` ranks:
+    ``auto`` is ``ddp`` on several ranks and ``single`` on one (the one place that
+    decides it).
+
+    Example:
+        >>> strategy_for("auto", 1), strategy_for("auto", 4), strategy_for("fsdp", 1)
+        ('single', 'ddp', 'fsdp')
+    """
+    if name != "auto":
+        return name
+    return "ddp" if world_size > 1 else "single"
+
+
 def resolve(cfg: Config, machine: Machine, world_size: int,
             local_world_size: int = 1) -> Config:
     """Replace every ``auto`` by its value on this machine and check the combinations.
@@ -52,6 +63,12 @@ def resolve(cfg: Config, machine: Machine, world_size: int,
     The result is what a run writes to its directory, so a rerun from that file does
     not depend on which machine it lands on.
     """
+    return resolve_with_dims(cfg, machine, world_size, local_world_size)[0]
+
+
+def resolve_with_dims(cfg: Config, machine: Machine, world_size: int,
+                      local_world_size: int = 1) -> tuple[Config, ParallelDims]:
+    """:func:`resolve`, and the mesh degrees it checked (``parallel.*`` for this world)."""
     run, prec, par, dist = cfg.run, cfg.precision, cfg.parallel, cfg.dist
     device = run.device if run.device != "auto" else ("cuda" if machine.cuda else "cpu")
     if device == "cuda" and not machine.cuda:
@@ -64,9 +81,7 @@ def resolve(cfg: Config, machine: Machine, world_size: int,
     if mode == "bf16-mixed" and device == "cuda" and not machine.bf16:
         raise ConfigError("precision.mode = 'bf16-mixed' but this GPU has no bf16 support. "
                           "Use precision.mode=fp16-mixed (with loss scaling) or fp32.")
-    strategy = par.strategy
-    if strategy == "auto":
-        strategy = "ddp" if world_size > 1 else "single"
+    strategy = strategy_for(par.strategy, world_size)
     # The strategy's traits answer how many processes, which device and backend, and
     # which mesh degrees (gpufleet.parallel.dims).
     traits = strategy_class(strategy).traits
@@ -75,8 +90,8 @@ def resolve(cfg: Config, machine: Machine, world_size: int,
         raise ConfigError(f"parallel.strategy = {strategy!r}{wraps} needs CUDA GPUs, and none "
                           "is in use. Use parallel.strategy=ddp with --nproc N (runs on CPU with "
                           "gloo), or single.")
-    plan_for(dataclasses.replace(par, strategy=strategy), traits, world_size,
-             local_world_size)
+    dims = plan_for(dataclasses.replace(par, strategy=strategy), traits, world_size,
+                    local_world_size)
     if strategy == "dp" and cfg.perf.compile:
         raise ConfigError("perf.compile with parallel.strategy = 'dp': nn.DataParallel "
                           "copies the module to every GPU each step, which a compiled module "
@@ -107,7 +122,7 @@ def resolve(cfg: Config, machine: Machine, world_size: int,
     workers = cfg.data.num_workers
     if workers < 0:
         workers = default_num_workers(device, local_world_size)
-    return dataclasses.replace(
+    resolved = dataclasses.replace(
         cfg,
         run=dataclasses.replace(run, device=device, max_steps=max_steps),
         data=dataclasses.replace(cfg.data, num_workers=workers),
@@ -115,24 +130,4 @@ def resolve(cfg: Config, machine: Machine, world_size: int,
         parallel=dataclasses.replace(par, strategy=strategy),
         dist=dataclasses.replace(dist, backend=backend),
     )
-
-
-def resolve_once(cfg: Config, world_size: int, local_world_size: int = 1) -> Config:
-    """:func:`resolve` for this machine, done once per process and world: a config this
-    function returned already comes back as it is.
-
-    Each rank resolves the config it was sent here (joining the process group needs the
-    backend); the trainer then gets the resolved config and does not resolve it again.
-
-    Example:
-        >>> from gpufleet.config import Config
-        >>> cfg = resolve_once(Config(), world_size=1)
-        >>> resolve_once(cfg, world_size=1) is cfg
-        True
-    """
-    world = (world_size, local_world_size)
-    if getattr(cfg, _RESOLVED_FOR, None) == world:
-        return cfg
-    resolved = resolve(cfg, Machine.detect(), world_size, local_world_size)
-    object.__setattr__(resolved, _RESOLVED_FOR, world)
-    return resolved
+    return resolved, dims

@@ -150,9 +150,9 @@ def probe_links(nbytes: int, device: Any) -> list[dict[str, Any]]:
     import torch
     import torch.distributed as dist
 
+    from gpufleet.core.collectives import timed_swap
     from gpufleet.launch import DistEnv, gather_objects
     from gpufleet.launch.netif import node_address
-    from gpufleet.monitor.links import timed_swap
 
     env = DistEnv.detect()
     who = gather_objects((env.node_rank, node_address(env)))  # COLLECTIVE

@@ -1,4 +1,5 @@
-"""Object collectives over the default process group that also work without one.
+"""Object collectives over the default process group that also work without one, and
+a timed point-to-point swap between two ranks.
 
 A single process (no process group) gets its own object back, so code calling these
 runs unchanged in one process and in many.
@@ -6,6 +7,7 @@ runs unchanged in one process and in many.
 
 from __future__ import annotations
 
+import time
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -49,3 +51,23 @@ def gather_objects(obj: T) -> list[T]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)  # collective; pickles through the backend
     return out
+
+
+def timed_swap(x: Any, first: int, second: int) -> float:
+    """COLLECTIVE (a barrier, so one pair at a time): rank ``first`` sends ``x`` to rank
+    ``second`` and receives it back. Returns the seconds on ``first``, 0.0 elsewhere."""
+    import torch
+
+    dist.barrier()  # the other ranks wait here while this pair swaps
+    me = dist.get_rank()
+    if me == first:
+        start = time.perf_counter()
+        dist.send(x, dst=second)
+        dist.recv(x, src=second)
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)  # SYNC: the swap is done, not just queued
+        return time.perf_counter() - start
+    if me == second:
+        dist.recv(x, src=first)
+        dist.send(x, dst=first)
+    return 0.0

@@ -9,7 +9,7 @@ Example:
 from gpufleet.core.collectives import broadcast_object, gather_objects, is_initialized
 from gpufleet.errors import LaunchError
 from gpufleet.launch.env import DistEnv, export_for_torch
-from gpufleet.launch.launcher import LaunchPlan, free_port, launch
+from gpufleet.launch.launcher import free_port, launch
 from gpufleet.launch.process_group import (
     barrier,
     destroy_process_group,
@@ -19,6 +19,7 @@ from gpufleet.launch.process_group import (
     rank_zero_first,
     world_size,
 )
+from gpufleet.launch.rendezvous import LaunchPlan
 
 __all__ = [
     "DistEnv",

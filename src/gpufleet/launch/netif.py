@@ -31,7 +31,7 @@ import psutil
 from gpufleet.errors import LaunchError
 
 if TYPE_CHECKING:
-    from gpufleet.launch.launcher import LaunchPlan
+    from gpufleet.launch.rendezvous import LaunchPlan
 
 logger = logging.getLogger(__name__)
 

@@ -39,10 +39,9 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpufleet.cli import parse_train_config
     from gpufleet.layout.devices import named_device
 
-    cfg = parse_train_config(args, args.train_args)
+    cfg = args.train_config  # gpufleet.cli read train's flags into it
     device = named_device(args.gpu) if args.gpu else None
     nodes, per_node = _world(cfg)
     dims = layout_dims(cfg, nodes * per_node, per_node)

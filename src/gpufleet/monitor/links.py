@@ -32,6 +32,8 @@ import statistics
 import time
 from typing import Any
 
+from gpufleet.core.collectives import timed_swap
+
 log = logging.getLogger(__name__)
 
 SIZES = (64 << 10, 256 << 10, 1 << 20)  # bytes per swap, smallest first
@@ -101,27 +103,6 @@ def probe_pairs(nodes: list[int]) -> list[tuple[int, int]]:
         24
     """
     return [(a, b) for i, a in enumerate(nodes[:_HUBS]) for b in nodes[i + 1:]]
-
-
-def timed_swap(x: Any, first: int, second: int) -> float:
-    """COLLECTIVE (a barrier, so one pair at a time): rank ``first`` sends ``x`` to rank
-    ``second`` and receives it back. Returns the seconds on ``first``, 0.0 elsewhere."""
-    import torch
-    import torch.distributed as dist
-
-    dist.barrier()  # the other ranks wait here while this pair swaps
-    me = dist.get_rank()
-    if me == first:
-        start = time.perf_counter()
-        dist.send(x, dst=second)
-        dist.recv(x, src=second)
-        if x.is_cuda:
-            torch.cuda.synchronize(x.device)  # SYNC: the swap is done, not just queued
-        return time.perf_counter() - start
-    if me == second:
-        dist.recv(x, src=first)
-        dist.send(x, dst=first)
-    return 0.0
 
 
 def _round_trips(pairs: list[tuple[int, int]], device: Any) -> list[float]:

@@ -1,9 +1,10 @@
-"""Build a training run from its config, once: :func:`build_run`.
+"""Build a training run from its plan, once: :func:`build_run`.
 
-The order is fixed here and each step is one function: resolved config and process
-group → device and backend flags → precision, parallel plan, model, optimizer → run
-directory → data → schedule → checkpointer and evaluator → monitors → callbacks. What
-comes out is a :class:`~gpufleet.train.run.Run` whose parts the loop only uses.
+The order is fixed here and each step is one function: the run's plan (made by the
+launching process, see :mod:`gpufleet.plan`) and process group → device and backend
+flags → precision, parallel strategy over the plan's mesh degrees, model, optimizer →
+run directory → data → schedule → checkpointer and evaluator → monitors → callbacks.
+What comes out is a :class:`~gpufleet.train.run.Run` whose parts the loop only uses.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from gpufleet.launch import DistEnv, broadcast_object, is_initialized, job_store
 from gpufleet.launch.netif import node_address
 from gpufleet.monitor.flops import device_peak_flops
 from gpufleet.parallel import build_strategy, strategy_class
-from gpufleet.parallel.dims import plan_for
+from gpufleet.plan import RunPlan, make_plan
 from gpufleet.precision import build_precision
 from gpufleet.procs import record_process
 from gpufleet.train import runlock
@@ -39,7 +40,7 @@ from gpufleet.train.optim import build_scheduler, fill_optimizer_defaults, optim
 from gpufleet.train.perf import apply_backend_flags, prepare_model, share_cores
 from gpufleet.train.rank import join_process_group, local_gpu_index
 from gpufleet.train.run import Monitors, Run, TrainState
-from gpufleet.train.rundir import named, plan_and_lock
+from gpufleet.train.rundir import plan_and_lock
 from gpufleet.train.seed import seed_everything, set_deterministic
 from gpufleet.train.stream import TrainStream
 from gpufleet.train.view import RunView
@@ -47,14 +48,15 @@ from gpufleet.train.view import RunView
 log = logging.getLogger(__name__)
 
 
-def build_run(cfg: Config, model: nn.Module, train_data: Dataset,
+def build_run(plan: RunPlan | Config, model: nn.Module, train_data: Dataset,
               eval_data: Dataset | None = None, *, loss_fn: Any = None,
               callbacks: Sequence[Callback] = (),
               eval_metrics: Mapping[str, Any] | None = None) -> Run:
     """Build every part of a training run on this rank (COLLECTIVE: every rank calls it).
 
     Args:
-        cfg: the run configuration (resolved here if it is not yet).
+        plan: the run's plan (:func:`gpufleet.plan.make_plan`), or a config, which is
+            then planned here for this process (the one resolve of this rank).
         model: your ``nn.Module``, built identically on every rank.
         train_data: a map-style ``Dataset`` of ``(inputs, target)``, argument tuples or
             dicts.
@@ -68,12 +70,16 @@ def build_run(cfg: Config, model: nn.Module, train_data: Dataset,
         ``Trainer(run).fit()``.
     """
     env = DistEnv.detect()
-    # A run without a name is named after the model (gpufleet.fit(MLP(), ...): mlp).
-    # Resolved once per rank: a config the rank's entry resolved comes back as it is.
-    cfg = join_process_group(named(cfg, model), env)
+    if isinstance(plan, Config):  # called directly: this process is the rank to build
+        # A run without a name is named after the model (gpufleet.fit(MLP(), ...): mlp).
+        plan = make_plan(plan, env, model=model, here=True)
+    plan = plan.for_world(env)
+    if env.is_distributed and not is_initialized():  # else its entry joined already
+        join_process_group(plan, env)
+    cfg = plan.cfg
     share_cores(env.local_world_size, env.is_main)
     device = _device(cfg, env)
-    precision, strategy = _precision_and_strategy(cfg, env, device)
+    precision, strategy = _precision_and_strategy(cfg, plan.dims, device)
     cfg, model, optimizer = _model_and_optimizer(cfg, env, device, strategy, model)
     metrics = _eval_metrics(cfg, eval_metrics)  # before the run directory: may fail
     from gpufleet.train.nonfinite import NonFiniteGuard
@@ -133,13 +139,11 @@ def _device(cfg: Config, env: DistEnv) -> torch.device:
     return device
 
 
-def _precision_and_strategy(cfg: Config, env: DistEnv, device: torch.device
+def _precision_and_strategy(cfg: Config, dims: Any, device: torch.device
                             ) -> tuple[Any, Any]:
-    """Mixed precision, and the strategy that applies the config's parallel plan (its
-    dims over one DeviceMesh) to the model."""
+    """Mixed precision, and the strategy that applies the plan's mesh degrees (``dims``,
+    over one DeviceMesh) to the model."""
     precision = build_precision(cfg.precision.mode, device.type, cfg.precision)
-    dims = plan_for(cfg.parallel, strategy_class(cfg.parallel.strategy).traits,
-                    env.world_size, env.local_world_size)
     strategy = build_strategy(cfg.parallel.strategy, cfg.parallel, device, precision, dims)
     if strategy.needs_process_group and not is_initialized():
         raise ConfigError(

@@ -1,35 +1,29 @@
-"""This process as a rank of the job: its resolved config, its process group, its GPU."""
+"""This process as a rank of the job: its process group, its GPU."""
 
 from __future__ import annotations
 
 import torch
 
-from gpufleet.config import Config
 from gpufleet.errors import ConfigError
 from gpufleet.fault.ncclenv import apply_nccl_defaults
 from gpufleet.launch import DistEnv, init_process_group, is_initialized
-from gpufleet.resolve import resolve_once
+from gpufleet.plan import RunPlan
 
 
-def join_process_group(cfg: Config, env: DistEnv) -> Config:
-    """Resolve ``cfg`` for this rank (once: see :func:`gpufleet.resolve.resolve_once`)
-    and join the job's process group if this process is one of several ranks.
+def join_process_group(plan: RunPlan, env: DistEnv) -> None:
+    """Join the job's process group with the plan's backend, if this process is one of
+    several ranks and has not joined it yet.
 
     Done before anything else (also before the job builds its data), so that
     ``rank_zero_first`` and every collective work from the start.
-
-    Returns:
-        The resolved config (its backend is the one joined with).
     """
-    cfg = resolve_once(cfg, env.world_size, env.local_world_size)
     if not env.is_distributed or is_initialized():
-        return cfg
-    # resolve() chose it: nccl on CUDA, gloo on CPU and under Horovod.
-    backend = cfg.dist.backend
-    if "nccl" in backend:
+        return
+    cfg = plan.cfg
+    # The plan chose it: nccl on CUDA, gloo on CPU and under Horovod.
+    if "nccl" in plan.backend:
         apply_nccl_defaults(cfg.run.dir or None)  # flight recorder, dump on timeout
-    init_process_group(env, backend, cfg.dist.init_method, cfg.dist.timeout)
-    return cfg
+    init_process_group(env, plan.backend, cfg.dist.init_method, cfg.dist.timeout)
 
 
 def local_gpu_index(env: DistEnv) -> int:

@@ -5,14 +5,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
-import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from gpufleet.config import Config
 from gpufleet.errors import CheckpointError, ConfigError
+from gpufleet.plan import named, run_name
 from gpufleet.train import runlock
 from gpufleet.train.checkpoint import (
     find_resume_checkpoint,
@@ -22,42 +20,11 @@ from gpufleet.train.checkpoint import (
     run_dir_of,
 )
 
+__all__ = ["as_new_run", "named", "new_run_dir", "plan_and_lock", "plan_run", "run_name"]
+
 log = logging.getLogger(__name__)
 
 TORCHRUN_MARK = ".torchelastic_run_id"  # in a run directory made under torchrun
-
-
-def run_name(cfg: Config, model: Any = None) -> str:
-    """The run's name: ``run.name`` when set, else one made from what is trained.
-
-    From the config: the model and data factories' function names (``gpt-stdlib``,
-    ``resnet18-fakedata``). For a module passed to :func:`gpufleet.fit`: its class
-    name (``mlp``), or the script's name when the class is one of torch's own
-    (``nn.Sequential``).
-
-    Example:
-        >>> from gpufleet.config import load_config
-        >>> run_name(load_config(overrides={"model.name": "nets:resnet18",
-        ...                                 "data.name": "vision:FakeData"}))
-        'resnet18-fakedata'
-    """
-    if cfg.run.name:
-        return cfg.run.name
-    if model is None:
-        name = "-".join(_factory_word(n) for n in (cfg.model.name, cfg.data.name))
-    elif type(model).__module__.startswith("torch."):
-        script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else ""
-        name = script if script and script not in ("-c", "__main__") else "fit"
-    else:
-        name = type(model).__name__
-    return re.sub(r"[^a-z0-9_.-]+", "-", name.lower()).strip("-.") or "run"
-
-
-def named(cfg: Config, model: Any = None) -> Config:
-    """``cfg`` with ``run.name`` set (see :func:`run_name`)."""
-    if cfg.run.name:
-        return cfg
-    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=run_name(cfg, model)))
 
 
 def as_new_run(cfg: Config, config_path: str | Path | None) -> tuple[Config, str]:
@@ -80,11 +47,6 @@ def as_new_run(cfg: Config, config_path: str | Path | None) -> tuple[Config, str
     return dataclasses.replace(
         cfg, run=dataclasses.replace(cfg.run, dir=""),
         checkpoint=dataclasses.replace(cfg.checkpoint, resume="")), note
-
-
-def _factory_word(spec: str) -> str:
-    """``mypkg.nets:resnet18`` -> ``resnet18``; built-in names stay as they are."""
-    return spec.rpartition(":")[2].rpartition(".")[2] or spec
 
 
 def new_run_dir(out_dir: str, name: str) -> Path:

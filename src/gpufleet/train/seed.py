@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -12,6 +14,10 @@ import torch
 
 def seed_everything(seed: int) -> None:
     """Seed python, numpy, torch on the CPU and on every CUDA device."""
+    _seed(seed)
+
+
+def _seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every CUDA device
@@ -56,3 +62,27 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Run the block with python, numpy and torch drawing from ``seed``, then put this
+    process's random state back as it was.
+
+    The job the config names is built under it, so every rank builds the same initial
+    weights, while the process itself is seeded once, per rank, by ``build_run``.
+
+    Example:
+        >>> with seeded(0):
+        ...     a = torch.rand(1)
+        >>> with seeded(0):
+        ...     b = torch.rand(1)
+        >>> bool(a == b)
+        True
+    """
+    state = rng_state()
+    _seed(seed)
+    try:
+        yield
+    finally:
+        set_rng_state(state)
