@@ -74,10 +74,12 @@ def test_optimizer_defaults_fit_the_model():
 
     gpt = build_gpt(n_layer=1, n_head=2, n_embd=16, block_size=8)
     resnet_like = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
-    assert chosen(OptimConfig(), gpt) == (3e-3, 0.1, 0.95)
-    assert chosen(OptimConfig(), resnet_like) == (1e-3, 0.01, 0.999)  # torch's AdamW
-    assert chosen(OptimConfig(name="sgd"), resnet_like)[:2] == (0.1, 1e-4)
-    assert chosen(OptimConfig(lr=0.02), resnet_like) == (0.02, 0.01, 0.999)  # yours stays
+    assert chosen(OptimConfig(), gpt) == (3e-3, 0.1, 0.95)  # the "gpt" preset
+    # Any other model: the optimizer as torch builds it, with no weight decay added.
+    assert chosen(OptimConfig(), resnet_like) == (1e-3, 0.0, 0.999)
+    sgd = fill_optimizer_defaults(OptimConfig(name="sgd"), resnet_like)
+    assert (sgd.lr, sgd.momentum, sgd.weight_decay) == (1e-3, 0.0, 0.0)
+    assert chosen(OptimConfig(lr=0.02), resnet_like) == (0.02, 0.0, 0.999)  # yours stays
 
 
 def test_a_negative_optimizer_setting_other_than_auto_is_refused():
@@ -151,7 +153,8 @@ def test_max_epochs_ends_the_run_and_shapes_the_schedule(run_cli, tmp_path):
     _write_mymod(tmp_path)  # 64 samples, batch 8: 8 steps an epoch
     proc = run_cli("train", *TOY, "--max-epochs", "2", "--run-dir", "runs/epochs",
                    "--checkpoint.every", "4", "--checkpoint.keep_last", "9",
-                   "--optim.warmup_steps", "2")
+                   "--optim.warmup_steps", "2", "--optim.decay", "cosine",
+                   "--optim.min_lr_ratio", "0.1")
     rows = _train_rows(tmp_path / "runs/epochs")
     assert rows[-1]["step"] == 16  # without --max-steps, the epochs decide
     assert rows[-1]["lr"] == pytest.approx(1e-4)  # the decay ended at step 16: 0.1 x 1e-3
@@ -166,7 +169,8 @@ def test_max_epochs_ends_the_run_and_shapes_the_schedule(run_cli, tmp_path):
     for f in (tmp_path / "runs/epochs/checkpoints").glob("step-0000004*"):
         shutil.copy(f, part / f.name)
     run_cli("train", *TOY, "--max-epochs", "2", "--run-dir", "runs/part", "--resume",
-            str(part), "--optim.warmup_steps", "2")
+            str(part), "--optim.warmup_steps", "2", "--optim.decay", "cosine",
+            "--optim.min_lr_ratio", "0.1")
     from conftest import final_params
 
     assert (part / "step-0000016.pt").exists()

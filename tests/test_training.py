@@ -82,7 +82,8 @@ def test_clip_by_value_then_by_norm(tmp_path, value, norm):
 
 def test_lr_warmup_then_cosine(tmp_path):
     _, result = _fit(tmp_path, {"run.max_steps": 10, "optim.warmup_steps": 4,
-                                "optim.lr": 1.0, "optim.min_lr_ratio": 0.1})
+                                "optim.lr": 1.0, "optim.min_lr_ratio": 0.1,
+                                "optim.decay": "cosine"})
     lrs = [json.loads(x)["lr"] for x in open(f"{result.run_dir}/metrics.jsonl")
            if '"train"' in x]
     # scheduler.get_last_lr() after step s is the lr for step s+1 (0-based).

@@ -36,7 +36,8 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
         loss_fn: Any = None, config: Config | str | None = None,
         overrides: Mapping[str, Any] | Sequence[str] = (),
         callbacks: Sequence[Callback] = (),
-        eval_metrics: Mapping[str, Any] | None = None) -> FitResult:
+        eval_metrics: Mapping[str, Any] | None = None,
+        optimizer: Any = None, scheduler: Any = None) -> FitResult:
     """Train ``model`` on ``train_data``; returns the :class:`FitResult`.
 
     Args:
@@ -49,6 +50,14 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
         callbacks: extra :class:`~gpufleet.train.callbacks.Callback` objects.
         eval_metrics: your own metrics, ``{"f1": fn}`` with ``fn(output, target)``
             returning the batch's mean or ``(sum, count)``; besides ``eval.metrics``.
+        optimizer: your optimizer: any ``torch.optim`` optimizer built on ``model``'s
+            parameters (parameter groups welcome), or ``fn(params)`` returning one. It
+            replaces ``[optim]``'s, and nothing is added to it: no clipping, warm-up or
+            schedule unless the config asks. gpufleet builds it again, with the same
+            settings, on the parameters the strategy placed (DDP, FSDP shards, ZeRO).
+        scheduler: your LR scheduler: an object built on that optimizer, or
+            ``fn(optimizer)``; stepped every optimizer step, or every epoch with
+            ``sched.interval = "epoch"``.
 
     With ``overrides={"dist.nproc": 2}`` (and no ranks started yet) fit starts the ranks
     itself (torch's elastic agent) and sends each the model, the data, the loss and the
@@ -70,7 +79,8 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
     # process trains, as the run's one rank or as its rank of a torchrun job.
     asks_for_ranks = cfg.dist.nproc > 1 or cfg.dist.nnodes != "1"
     plan = make_plan(cfg, env, model=model, here=not asks_for_ranks)  # the one resolve
-    return start_ranks(plan, Job(model, train_data, eval_data, loss_fn), callbacks,
+    job = Job(model, train_data, eval_data, loss_fn, optimizer, scheduler)
+    return start_ranks(plan, job, callbacks,
                        eval_metrics, owns_process=False)
 
 

@@ -106,7 +106,7 @@ def _launch_ranks(plan: RunPlan, job: Job | None, callbacks: list[Callback],
     multi_node = plan.world_size > plan.nproc
     # Before any rank starts: what the ranks are sent, and one batch through the job.
     sent = () if job is None else (job.model, job.train_data, job.eval_data, job.loss_fn,
-                                   callbacks)
+                                   callbacks, job.optimizer, job.scheduler)
     check_picklable(sent, plan.nproc)
     preflight_job(cfg, job)
     if multi_node and owns_process:
@@ -244,7 +244,8 @@ def run_rank(plan: RunPlan, job: Job | None = None, callbacks: Sequence[Callback
                 job = build_job(cfg)
         run = build_run(plan, job.model, job.train_data, job.eval_data, loss_fn=job.loss_fn,
                         callbacks=[Progress(cfg.log.progress), *callbacks],
-                        eval_metrics=eval_metrics)
+                        eval_metrics=eval_metrics, optimizer=job.optimizer,
+                        scheduler=job.scheduler)
         result = Trainer(run).fit()
     finally:
         if owns_process:

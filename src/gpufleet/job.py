@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 BUILTIN_MODELS = ("gpt",)
 BUILTIN_DATA = ("stdlib",)
 # Config keys whose value may be an import string that is imported and called.
-FACTORY_KEYS = ("model.name", "data.name", "model.loss")
+FACTORY_KEYS = ("model.name", "data.name", "model.loss", "optim.factory", "sched.factory")
 
 
 @dataclass
@@ -36,6 +36,8 @@ class Job:
     train_data: Dataset
     eval_data: Dataset | None = None
     loss_fn: Any = None
+    optimizer: Any = None  # yours (object or fn(params)); None: [optim]'s
+    scheduler: Any = None  # yours (object or fn(optimizer)); None: [optim]'s schedule
 
 
 def import_object(spec: str, key: str) -> Any:
@@ -90,7 +92,8 @@ def require_trusted(cfg: Config, trust_code: bool, source: str) -> None:
 
 
 def _factories(cfg: Config) -> list[tuple[str, str]]:
-    values = (cfg.model.name, cfg.data.name, cfg.model.loss)
+    values = (cfg.model.name, cfg.data.name, cfg.model.loss, cfg.optim.factory,
+              cfg.sched.factory)
     return [(k, v) for k, v in zip(FACTORY_KEYS, values, strict=True) if v and ":" in v]
 
 

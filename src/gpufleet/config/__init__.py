@@ -30,11 +30,12 @@ from gpufleet.config.schema import (
     PrecisionConfig,
     ProfileConfig,
     RunConfig,
+    SchedConfig,
 )
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "DistConfig", "EvalConfig", "FaultConfig",
-    "LogConfig", "ModelConfig", "MonitorConfig", "OptimConfig", "ParallelConfig",
+    "LogConfig", "ModelConfig", "MonitorConfig", "OptimConfig", "ParallelConfig", "SchedConfig",
     "PerfConfig", "PrecisionConfig", "ProfileConfig", "RunConfig",
     "config_from_dict", "config_to_dict", "help_rows", "load_config", "parse_override",
     "write_config",

@@ -120,37 +120,62 @@ class DataConfig(Section):
                               "train on. Use a share below 1, e.g. 0.05 (0: no evaluation).")
 
 
+#: Recipes a run can start from (gpufleet.train.recipe fills them in): "none" is the
+#: optimizer as torch builds it and nothing else; "gpt" the built-in GPT's nanoGPT-style
+#: pre-training; "transformers" the Transformers Trainer's fine-tuning defaults.
+PRESETS = ("none", "gpt", "transformers")
+
+
 @dataclass
 class OptimConfig(Section):
+    preset: str = opt("auto", "Recipe the settings left at -1/auto come from: auto (gpt for "
+                      "the built-in GPT, transformers for a Transformers model, none for any "
+                      "other model), none (the optimizer's own defaults: no clipping, "
+                      "warm-up, schedule, momentum or weight decay), gpt, transformers.",
+                      choices=("auto", *PRESETS))
     name: str = opt("adamw", "Optimizer.", choices=("adamw", "sgd"))
-    lr: float = opt(AUTO, "Peak learning rate (-1: the default for the model, see "
-                    "optim.weight_decay).", min=AUTO)
-    weight_decay: float = opt(AUTO, "Decoupled weight decay (matrices only for adamw). -1: "
-                              "the model's default: the built-in GPT lr 3e-3, decay 0.1, "
-                              "beta2 0.95; a Transformers model 5e-5, 0, 0.999 (Trainer's "
-                              "fine-tuning defaults); any other model 1e-3, 0.01, 0.999 "
-                              "(torch's AdamW); sgd lr 0.1, decay 1e-4 (torchvision's "
-                              "reference recipe).", min=AUTO)
+    factory: str = opt("", "Your optimizer: 'package.module:function' called as fn(params) "
+                       "with the (wrapped) model's parameters; replaces optim.name and its "
+                       "settings.")
+    lr: float = opt(AUTO, "Peak learning rate (-1: the preset's: none 1e-3, gpt 3e-3, "
+                    "transformers 5e-5).", min=AUTO)
+    weight_decay: float = opt(AUTO, "Decoupled weight decay (-1: the preset's: none 0 on "
+                              "every parameter; gpt 0.1 and transformers 0, on matrices "
+                              "only).", min=AUTO)
     beta1: float = opt(0.9, "AdamW beta1.", min=0.0)
-    beta2: float = opt(AUTO, "AdamW beta2 (-1: the model's default, see "
-                       "optim.weight_decay).", min=AUTO)
-    momentum: float = opt(0.9, "SGD momentum.", min=0.0)
+    beta2: float = opt(AUTO, "AdamW beta2 (-1: 0.95 for gpt, else 0.999).", min=AUTO)
+    momentum: float = opt(AUTO, "SGD momentum (-1: 0.9 for gpt, else 0).", min=AUTO)
     grad_accum: int = opt(1, "Micro-steps per optimizer step (gradient sync only on the last).",
                           min=1)
     clip_value: float = opt(0.0, "Clip each gradient element to [-v, v] (0: off).", min=0.0)
-    clip_norm: float = opt(1.0, "Clip the global gradient norm to this value (0: off).", min=0.0)
-    warmup_steps: int = opt(20, "Linear learning-rate warm-up steps.", min=0)
-    decay: str = opt("cosine", "Learning-rate decay after warm-up.",
-                     choices=("cosine", "linear", "constant"))
-    min_lr_ratio: float = opt(0.1, "Final learning rate as a share of lr.", min=0.0)
+    clip_norm: float = opt(AUTO, "Clip the global gradient norm to this value (0: off; -1: "
+                           "the preset's: 1.0 for gpt and transformers, off for none).",
+                           min=AUTO)
+    warmup_steps: int = opt(-1, "Linear learning-rate warm-up steps (-1: 20 for gpt, else "
+                            "0).", min=-1)
+    decay: str = opt("auto", "Learning-rate decay after warm-up (auto: cosine for gpt, "
+                     "linear for transformers, constant for none).",
+                     choices=("auto", "cosine", "linear", "constant"))
+    min_lr_ratio: float = opt(AUTO, "Final learning rate as a share of lr (-1: 0.1 for gpt, "
+                              "else 0).", min=AUTO)
+    recipe: str = opt("", "Written by the run: its whole effective recipe in one line "
+                      "(read back, it is ignored).")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key in ("lr", "weight_decay", "beta2"):
+        for key in ("lr", "weight_decay", "beta2", "momentum", "clip_norm", "min_lr_ratio"):
             value = getattr(self, key)
             if value < 0 and value != AUTO:
                 raise ConfigError(f"optim.{key} = {value!r} is negative. Give 0 or more, or "
-                                  f"-1 for the model's default.")
+                                  f"-1 for the model's default (its preset's value).")
+
+
+@dataclass
+class SchedConfig(Section):
+    factory: str = opt("", "Your learning-rate scheduler: 'package.module:function' called "
+                       "as fn(optimizer); replaces optim's warm-up and decay.")
+    interval: str = opt("step", "When your scheduler steps: every optimizer step, or at "
+                        "the end of every epoch.", choices=("step", "epoch"))
 
 
 @dataclass
@@ -306,6 +331,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    sched: SchedConfig = field(default_factory=SchedConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     perf: PerfConfig = field(default_factory=PerfConfig)

@@ -201,7 +201,7 @@ def _training(train: list[dict], evals: list[dict]) -> list[str]:
                               "optimizer step", name, y_min=None))
     out.append(line_chart("Learning rate", [Series("lr", _curve(train, "lr"))],
                           "optimizer step", "learning rate"))
-    if any(r.get("grad_norm") for r in train):  # all zero: not measured (no clipping)
+    if any(r.get("grad_norm") for r in train):  # absent: nothing measured it (no clip)
         out.append(line_chart("Gradient norm (before clipping)",
                               [Series("grad norm", _curve(train, "grad_norm"))],
                               "optimizer step", "L2 norm"))

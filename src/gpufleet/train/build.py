@@ -24,6 +24,7 @@ from gpufleet.core.callbacks import Callback, CallbackList
 from gpufleet.core.phases import PhaseAnnouncer
 from gpufleet.data.loaders import build_eval_loader, build_train_loader
 from gpufleet.errors import ConfigError, GpufleetError
+from gpufleet.job import import_object
 from gpufleet.launch import DistEnv, broadcast_object, is_initialized, job_store
 from gpufleet.launch.netif import node_address
 from gpufleet.monitor.flops import device_peak_flops
@@ -36,9 +37,21 @@ from gpufleet.train.batches import make_loss_fn
 from gpufleet.train.checkpointer import Checkpointer
 from gpufleet.train.evalmetrics import EvalMetric, build_metrics
 from gpufleet.train.evaluator import Evaluator
-from gpufleet.train.optim import build_scheduler, fill_optimizer_defaults, optimizer_spec
+from gpufleet.train.optim import (
+    build_scheduler,
+    describe_schedule,
+    fill_optimizer_defaults,
+    optimizer_spec,
+)
 from gpufleet.train.perf import apply_backend_flags, prepare_model, share_cores
 from gpufleet.train.rank import join_process_group, local_gpu_index
+from gpufleet.train.recipe import (
+    describe_scheduler,
+    place_scheduler,
+    recipe_line,
+    spec_from_optimizer,
+    user_optimizer,
+)
 from gpufleet.train.run import Monitors, Run, TrainState
 from gpufleet.train.rundir import plan_and_lock
 from gpufleet.train.seed import seed_everything, set_deterministic
@@ -51,7 +64,8 @@ log = logging.getLogger(__name__)
 def build_run(plan: RunPlan | Config, model: nn.Module, train_data: Dataset,
               eval_data: Dataset | None = None, *, loss_fn: Any = None,
               callbacks: Sequence[Callback] = (),
-              eval_metrics: Mapping[str, Any] | None = None) -> Run:
+              eval_metrics: Mapping[str, Any] | None = None,
+              optimizer: Any = None, scheduler: Any = None) -> Run:
     """Build every part of a training run on this rank (COLLECTIVE: every rank calls it).
 
     Args:
@@ -64,6 +78,11 @@ def build_run(plan: RunPlan | Config, model: nn.Module, train_data: Dataset,
         loss_fn: ``loss(model_output, target)``; omit when the model returns its loss.
         callbacks: yours, after the run's own.
         eval_metrics: ``{name: fn(output, target)}`` besides ``eval.metrics``.
+        optimizer: your optimizer (a ``torch.optim`` object on ``model``'s parameters,
+            parameter groups welcome) or a factory ``fn(params)``; instead of
+            ``[optim]``'s (see :mod:`gpufleet.train.recipe`).
+        scheduler: your LR scheduler (an object on that optimizer, or ``fn(optimizer)``),
+            stepped every optimizer step or, with ``sched.interval = "epoch"``, every epoch.
 
     Returns:
         The :class:`~gpufleet.train.run.Run`; train it with
@@ -80,7 +99,8 @@ def build_run(plan: RunPlan | Config, model: nn.Module, train_data: Dataset,
     share_cores(env.local_world_size, env.is_main)
     device = _device(cfg, env)
     precision, strategy = _precision_and_strategy(cfg, plan.dims, device)
-    cfg, model, optimizer = _model_and_optimizer(cfg, env, device, strategy, model)
+    cfg, model, optimizer, scheduler = _model_and_optimizer(
+        cfg, env, device, strategy, model, optimizer, scheduler)
     metrics = _eval_metrics(cfg, eval_metrics)  # before the run directory: may fail
     from gpufleet.train.nonfinite import NonFiniteGuard
 
@@ -95,7 +115,8 @@ def build_run(plan: RunPlan | Config, model: nn.Module, train_data: Dataset,
     run_dir = Path(cfg.run.dir)
     data, eval_loader = _data(cfg, env, device, strategy, train_data, eval_data)
     max_steps = _max_steps(cfg, env, data)
-    scheduler = build_scheduler(optimizer, cfg.optim, max_steps)
+    if scheduler is None:  # the [optim] schedule (constant for the "none" preset)
+        scheduler = build_scheduler(optimizer, cfg.optim, max_steps)
     loss = make_loss_fn(loss_fn)
     evaluator = None if eval_loader is None else Evaluator(
         eval_loader, model, strategy, precision, loss, metrics,
@@ -160,19 +181,42 @@ def _eval_metrics(cfg: Config, extra: Mapping[str, Any] | None) -> list[EvalMetr
 
 
 def _model_and_optimizer(cfg: Config, env: DistEnv, device: torch.device, strategy: Any,
-                         model: nn.Module) -> tuple[Config, nn.Module, Any]:
-    """The model as the strategy places it, and its optimizer; the config gains the
-    optimizer settings it left to the model (-1: the model's defaults)."""
+                         model: nn.Module, optimizer: Any = None, scheduler: Any = None
+                         ) -> tuple[Config, nn.Module, Any, Any]:
+    """The model as the strategy places it, its optimizer (yours, or ``[optim]``'s) and
+    your scheduler if any; the config gains the settings its preset filled in and the
+    recipe line, so the run directory's config.toml records what was used."""
     from gpufleet.parallel.activation_checkpointing import apply_layer_options
 
     # SyncBatchNorm and activation checkpointing change layers in place (same
     # state-dict names), before compilation and before the strategy wraps the model.
     model = apply_layer_options(model, cfg.parallel, device, env.world_size)
-    # The run directory's config.toml then records the values used.
-    cfg = dataclasses.replace(cfg, optim=fill_optimizer_defaults(cfg.optim, model))
+    if optimizer is None and cfg.optim.factory:  # your factory, named in the config
+        optimizer = import_object(cfg.optim.factory, "optim.factory")
+    if scheduler is None and cfg.sched.factory:
+        scheduler = import_object(cfg.sched.factory, "sched.factory")
+    optim = cfg.optim
+    if optimizer is not None and optim.preset == "auto":
+        optim = dataclasses.replace(optim, preset="none")  # your optimizer is the recipe
+    optim = fill_optimizer_defaults(optim, model)
+    if scheduler is not None and (optim.warmup_steps or optim.decay != "constant"):
+        raise ConfigError(
+            f"a scheduler of your own and optim's schedule (warm-up {optim.warmup_steps}, "
+            f"decay {optim.decay!r}) would both set the learning rate. Drop one: "
+            "optim.warmup_steps=0 and optim.decay=constant keep yours.")
+    spec = (optimizer_spec(optim, device.type) if optimizer is None
+            else spec_from_optimizer(user_optimizer(optimizer, model), model))
     model = strategy.setup_model(prepare_model(model, cfg.perf))
-    optimizer = strategy.setup_optimizer(model, optimizer_spec(cfg.optim, device.type))
-    return cfg, model, optimizer
+    built = strategy.setup_optimizer(model, spec)
+    scheduler = place_scheduler(scheduler, built)
+    schedule = (describe_schedule(optim) if scheduler is None else
+                f"{describe_scheduler(scheduler)} every {cfg.sched.interval}")
+    optim = dataclasses.replace(optim, recipe=recipe_line(
+        built, schedule, dataclasses.replace(cfg, optim=optim), strategy.name,
+        env.world_size))
+    if env.is_main:
+        log.info("recipe: %s", optim.recipe)
+    return dataclasses.replace(cfg, optim=optim), model, built, scheduler
 
 
 def _run_dir(cfg: Config, env: DistEnv) -> tuple[Config, Path | None, runlock.RunLock | None]:

@@ -83,10 +83,12 @@ class LogInterval:
         loss = loss_total / (micro_steps * world) if micro_steps else float("nan")
         metrics: dict[str, Any] = {
             "step": state.step, "epoch": run.data.epoch, "loss": loss,
-            "lr": run.scheduler.get_last_lr()[0], "grad_norm": norm_total / world,
+            "lr": run.scheduler.get_last_lr()[0],
             "samples_per_s": samples / seconds if seconds > 0 else 0.0,
             "step_time_s": seconds / max(1, state.step - self.first_step),
         }
+        if run.cfg.optim.clip_norm:  # measured by the clip; nothing measures it otherwise
+            metrics["grad_norm"] = norm_total / world
         if guard is not None and guard.interval_skipped:
             metrics["skipped_steps"] = guard.interval_skipped  # the same on all ranks
             guard.interval_skipped = 0

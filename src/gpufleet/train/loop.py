@@ -72,6 +72,9 @@ class Trainer:
         # Nothing runs between steps before this step (log, eval, checkpoint, the
         # preemption check): one comparison per step instead of each interval's test.
         next_due = self._next_due(state.step)
+        # Epochs the scheduler has stepped for (None: it steps every optimizer step).
+        self._epochs_scheduled = (int(run.data.epochs_done)
+                                  if run.cfg.sched.interval == "epoch" else None)
         if run.nonfinite is not None:  # decides whether it inspects before the clip
             run.nonfinite.start(run.model, run.optimizer, run.device)
         run.callbacks.on_fit_start(run.view)
@@ -146,16 +149,28 @@ class Trainer:
                 # torch's warning about a scheduler step without an optimizer step does
                 # not apply.
                 warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
-                run.scheduler.step()
+                self._schedule()
         else:
             run.precision.step(opt)  # SYNC with fp16 and a non-fused optimizer (found_inf)
             # On the device path a skipped step's loss is added too (no host read here);
             # the guard takes it out again at the log interval.
             self.interval.add(step_loss, cfg.optim.grad_accum)
-            run.scheduler.step()
+            self._schedule()
         opt.zero_grad()  # frees the gradients (set_to_none is the default)
         run.strategy.after_optimizer_step(model, run.state.step)
         return skip
+
+    def _schedule(self) -> None:
+        """Step the LR scheduler: every optimizer step, or (``sched.interval = "epoch"``)
+        once each time an epoch has been read to its end."""
+        run = self.run
+        if self._epochs_scheduled is None:
+            run.scheduler.step()
+            return
+        done = int(run.data.epochs_done)
+        while self._epochs_scheduled < done:
+            run.scheduler.step()
+            self._epochs_scheduled += 1
 
     def _next_due(self, step: int) -> int:
         """The first step after ``step`` that ends a log interval, or is due for

@@ -35,12 +35,18 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return groups
 
 
-# (lr, weight_decay, beta2) by kind of model, for the optimizer settings left at -1.
-DEFAULTS: dict[str, tuple[float, float, float]] = {
-    "gpt": (3e-3, 0.1, 0.95),  # the built-in GPT: nanoGPT-style pre-training
-    "transformers": (5e-5, 0.0, 0.999),  # Transformers Trainer's fine-tuning defaults
-    "model": (1e-3, 0.01, 0.999),  # torch.optim.AdamW's defaults
-    "sgd": (0.1, 1e-4, 0.999),  # torchvision's classification reference recipe
+#: What each preset fills in for the settings left at -1/auto.
+PRESET_VALUES: dict[str, dict[str, Any]] = {
+    # The optimizer exactly as torch builds it (lr 1e-3), nothing around it.
+    "none": {"lr": 1e-3, "weight_decay": 0.0, "beta2": 0.999, "momentum": 0.0,
+             "clip_norm": 0.0, "warmup_steps": 0, "decay": "constant", "min_lr_ratio": 0.0},
+    # nanoGPT-style pre-training of the built-in GPT.
+    "gpt": {"lr": 3e-3, "weight_decay": 0.1, "beta2": 0.95, "momentum": 0.9,
+            "clip_norm": 1.0, "warmup_steps": 20, "decay": "cosine", "min_lr_ratio": 0.1},
+    # The Transformers Trainer's fine-tuning defaults (max_grad_norm 1, linear decay to 0).
+    "transformers": {"lr": 5e-5, "weight_decay": 0.0, "beta2": 0.999, "momentum": 0.0,
+                     "clip_norm": 1.0, "warmup_steps": 0, "decay": "linear",
+                     "min_lr_ratio": 0.0},
 }
 
 
@@ -57,30 +63,27 @@ def model_kind(model: nn.Module) -> str:
 
 
 def fill_optimizer_defaults(cfg: OptimConfig, model: nn.Module) -> OptimConfig:
-    """``cfg`` with the settings left at -1 (lr, weight_decay, beta2) set for ``model``.
+    """``cfg`` with its preset decided (``auto``: by the kind of ``model``) and every
+    setting left at -1/auto taken from that preset; what the user set stays.
 
     Example:
-        >>> fill_optimizer_defaults(OptimConfig(), nn.Linear(2, 2)).lr
-        0.001
+        >>> filled = fill_optimizer_defaults(OptimConfig(), nn.Linear(2, 2))
+        >>> filled.preset, filled.lr, filled.clip_norm, filled.warmup_steps, filled.decay
+        ('none', 0.001, 0.0, 0, 'constant')
     """
-    kind = "sgd" if cfg.name == "sgd" else model_kind(model)
-    lr, decay, beta2 = DEFAULTS[kind]
-    chosen = {key: value for key, value in
-              (("lr", lr), ("weight_decay", decay), ("beta2", beta2))
-              if getattr(cfg, key) == AUTO}
-    if not chosen:
-        return cfg
-    words = {"gpt": "the built-in GPT", "transformers": "a Transformers model",
-             "model": "your model (torch's AdamW defaults)", "sgd": "sgd"}
-    log.info("optimizer defaults for %s: %s (set optim.<key> to change)", words[kind],
-             ", ".join(f"{k}={v:g}" for k, v in chosen.items()))
-    return dataclasses.replace(cfg, **chosen)
+    preset = cfg.preset
+    if preset == "auto":
+        preset = {"gpt": "gpt", "transformers": "transformers"}.get(model_kind(model), "none")
+    values = PRESET_VALUES[preset]
+    chosen = {key: value for key, value in values.items()
+              if getattr(cfg, key) in (AUTO, -1, "auto")}
+    return dataclasses.replace(cfg, preset=preset, **chosen)
 
 
 def optimizer_spec(cfg: OptimConfig, device_type: str) -> OptimizerSpec:
     """What to build; the strategy builds it (sharded strategies need the class).
     ``cfg`` has its defaults filled (:func:`fill_optimizer_defaults`)."""
-    if AUTO in (cfg.lr, cfg.weight_decay, cfg.beta2):
+    if cfg.preset == "auto":
         raise ValueError("optimizer_spec needs concrete settings: call "
                          "fill_optimizer_defaults(cfg, model) first")
     if cfg.name == "adamw":
@@ -93,8 +96,12 @@ def optimizer_spec(cfg: OptimConfig, device_type: str) -> OptimizerSpec:
     # takes the non-finite flag on the device (gpufleet.train.nonfinite): no host sync.
     if _has_fused(cls, device_type):
         kwargs["fused"] = True
-    return OptimizerSpec(cls, lambda m: param_groups(m, cfg.weight_decay), kwargs,
-                         accumulation=cfg.grad_accum)
+    if cfg.preset == "none":  # as torch does it: one group, decay on every parameter
+        kwargs["weight_decay"] = cfg.weight_decay
+        groups: Any = lambda m: [{"params": [p for p in m.parameters() if p.requires_grad]}]  # noqa: E731
+    else:  # the presets decay matrices only (the model's own param_groups when it has one)
+        groups = lambda m: param_groups(m, cfg.weight_decay)  # noqa: E731
+    return OptimizerSpec(cls, groups, kwargs, accumulation=cfg.grad_accum)
 
 
 def _has_fused(cls: type[torch.optim.Optimizer], device_type: str) -> bool:
@@ -137,3 +144,11 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig,
     """A ``LambdaLR`` over :func:`lr_factor`, stepped once per optimizer step."""
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, cfg, max_steps))
+
+
+def describe_schedule(cfg: OptimConfig) -> str:
+    """The built-in schedule in words, e.g. ``warm-up 20 steps, cosine to 0.1 x lr``."""
+    warm = f"warm-up {cfg.warmup_steps} steps, " if cfg.warmup_steps else ""
+    if cfg.decay == "constant":
+        return f"{warm}constant lr"
+    return f"{warm}{cfg.decay} decay to {cfg.min_lr_ratio:g} x lr"

@@ -64,7 +64,8 @@ def _failed(what: str, error: Exception, cfg: Config) -> str:
 
 
 # What gpufleet.fit sends to the ranks it starts, in the order it passes them.
-_SENT = ("model", "training data", "evaluation data", "loss function", "callbacks")
+_SENT = ("model", "training data", "evaluation data", "loss function", "callbacks",
+         "optimizer", "scheduler")
 
 
 def check_picklable(extra: tuple, nproc: int) -> None:
