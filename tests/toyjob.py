@@ -198,3 +198,16 @@ def make_image_data(n: int = 64) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 3, 8, 8, generator=g)
     return TensorDataset(x, x.mean(dim=(1, 2, 3)).unsqueeze(1))
+
+
+def sgd_two_groups(params):
+    """An optimizer factory of the user's own (``--optim.factory toyjob:sgd_two_groups``):
+    SGD with momentum, the first layer's weight at a higher learning rate."""
+    params = list(params)
+    return torch.optim.SGD([{"params": params[:1], "lr": 0.2}, {"params": params[1:]}],
+                           lr=0.05, momentum=0.9)
+
+
+def halve_every_3(optimizer):
+    """A scheduler factory of the user's own (``--sched.factory toyjob:halve_every_3``)."""
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)

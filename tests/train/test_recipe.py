@@ -1,0 +1,164 @@
+"""The recipe a run trains with: faithful defaults, your optimizer and scheduler."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import gpufleet
+import toyjob
+from gpufleet.config import OptimConfig, load_config
+from gpufleet.errors import ConfigError
+from gpufleet.models import build_gpt
+from gpufleet.train.callbacks import Callback
+from gpufleet.train.optim import fill_optimizer_defaults
+
+BASE = {"run.max_steps": 12, "log.progress": "off", "log.every": 4, "data.batch_size": 16,
+        "data.shuffle": False, "data.num_workers": 0, "monitor.report": False,
+        "run.eval_every": 0}
+
+
+def _fit(tmp_path, overrides=None, **kwargs):
+    torch.manual_seed(0)
+    model = toyjob.make_model()
+    result = gpufleet.fit(model, toyjob.make_data(), loss_fn=F.mse_loss,
+                          overrides={**BASE, "run.out_dir": str(tmp_path),
+                                     **(overrides or {})}, **kwargs)
+    return model, result
+
+
+def _by_hand(make_opt, make_sched=None, steps=12, batch=16):
+    """The same training written in plain PyTorch: batches in order, no extras."""
+    torch.manual_seed(0)
+    model = toyjob.make_model()
+    opt = make_opt(model)
+    sched = make_sched(opt) if make_sched else None
+    x, y = toyjob.make_data().tensors
+    for step in range(steps):
+        i = (step * batch) % len(x)
+        loss = F.mse_loss(model(x[i:i + batch]), y[i:i + batch])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if sched:
+            sched.step()
+    return model
+
+
+def _assert_same(a, b):
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_users_model_gets_the_optimizer_as_torch_builds_it_and_nothing_else(tmp_path):
+    model, result = _fit(tmp_path)
+    # torch's AdamW with its own lr, no weight decay added, no clip, no schedule.
+    by_hand = _by_hand(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0))
+    _assert_same(model, by_hand)
+    written = (Path(result.run_dir) / "config.toml").read_text()
+    assert 'preset = "none"' in written and "clip: off" in written
+    assert "schedule: constant lr" in written and "AdamW(lr=0.001, betas=(0.9, 0.999)" in written
+    rows = [json.loads(x) for x in open(Path(result.run_dir) / "metrics.jsonl")]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert train and all("grad_norm" not in r for r in train)  # nothing measured it
+    assert {r["lr"] for r in train} == {1e-3}
+
+
+def test_the_built_in_gpt_keeps_its_recipe_as_a_named_preset():
+    gpt = fill_optimizer_defaults(OptimConfig(), build_gpt(n_layer=1, n_head=2, n_embd=16,
+                                                           block_size=8))
+    assert (gpt.preset, gpt.clip_norm, gpt.warmup_steps, gpt.decay) == ("gpt", 1.0, 20,
+                                                                        "cosine")
+    mine = fill_optimizer_defaults(OptimConfig(preset="gpt", clip_norm=0.0),
+                                   toyjob.make_model())
+    assert (mine.preset, mine.clip_norm, mine.lr) == ("gpt", 0.0, 3e-3)  # asked for
+
+
+def test_your_optimizer_groups_and_scheduler_match_plain_pytorch(tmp_path):
+    torch.manual_seed(0)
+    model = toyjob.make_model()
+    opt = toyjob.sgd_two_groups(model.parameters())
+    result = gpufleet.fit(model, toyjob.make_data(), loss_fn=F.mse_loss, optimizer=opt,
+                          scheduler=toyjob.halve_every_3(opt),
+                          overrides={**BASE, "run.out_dir": str(tmp_path)})
+    by_hand = _by_hand(lambda m: toyjob.sgd_two_groups(m.parameters()), toyjob.halve_every_3)
+    _assert_same(model, by_hand)
+    recipe = load_config(Path(result.run_dir) / "config.toml").optim.recipe
+    assert recipe.startswith("SGD(lr=0.05, momentum=0.9") and "group 0: lr=0.2" in recipe
+    assert "StepLR(step_size=3, gamma=0.5) every step" in recipe
+
+
+class _StopAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, view, step):
+        if step == self.step:
+            raise KeyboardInterrupt
+
+
+def test_your_optimizer_and_scheduler_resume_bit_identically(tmp_path):
+    def fit(run_dir, callbacks=(), resume=""):
+        torch.manual_seed(0)
+        model = toyjob.make_model()
+        settings = {**BASE, "run.dir": str(run_dir), "checkpoint.every": 4,
+                    "data.shuffle": True, "checkpoint.resume": resume}
+        return model, gpufleet.fit(model, toyjob.make_data(), loss_fn=F.mse_loss,
+                                   optimizer=toyjob.sgd_two_groups,
+                                   scheduler=toyjob.halve_every_3, overrides=settings,
+                                   callbacks=callbacks)
+
+    whole, _ = fit(tmp_path / "whole")
+    with pytest.raises(KeyboardInterrupt):
+        fit(tmp_path / "cut", [_StopAt(6)])
+    resumed, _ = fit(tmp_path / "cut", resume="latest")
+    for (name, p), q in zip(whole.state_dict().items(), resumed.state_dict().values(),
+                            strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_an_epoch_scheduler_steps_once_per_epoch(tmp_path):
+    # 256 samples, batch 16: 16 steps an epoch; StepLR(3) halves every third epoch.
+    _, result = _fit(tmp_path, {"run.max_steps": 64, "log.every": 16,
+                                "sched.interval": "epoch"},
+                     optimizer=lambda p: torch.optim.SGD(p, lr=0.08),
+                     scheduler=toyjob.halve_every_3)
+    rows = [json.loads(x) for x in open(Path(result.run_dir) / "metrics.jsonl")]
+    # After epochs 1..4 the scheduler has stepped 1..4 times: halved once, after the 3rd.
+    assert [r["lr"] for r in rows if r["kind"] == "train"] == pytest.approx([0.08, 0.08, 0.04, 0.04])
+
+
+def test_two_schedules_at_once_and_foreign_optimizers_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="would both set the learning rate"):
+        _fit(tmp_path, {"optim.warmup_steps": 5}, optimizer=torch.optim.SGD,
+             scheduler=toyjob.halve_every_3)
+    other = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="not parameters of the model"):
+        _fit(tmp_path, optimizer=torch.optim.SGD(other.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1"])
+def test_your_optimizer_factory_from_the_config_under_two_ranks_equals_single(
+        run_cli, tmp_path, strategy):
+    job = ["--model", "toyjob:make_model", "--data", "toyjob:make_data",
+           "--model.loss", "torch.nn.functional:mse_loss", "--data.num_workers", "0",
+           "--optim.factory", "toyjob:sgd_two_groups", "--sched.factory",
+           "toyjob:halve_every_3", "--max-steps", "6", "--run.eval_every", "0",
+           "--run.out_dir", "runs", "--monitor.report", "false"]
+    run_cli("train", *job, "--batch-size", "16", "--run-dir", "runs/one")
+    run_cli("train", *job, "--batch-size", "8", "--nproc", "2", "--strategy", strategy,
+            "--run-dir", "runs/two", timeout=300)
+    from gpufleet.train import checkpoint as ckpt
+
+    def final_params(run_dir):  # a file, or fsdp's directory of shards
+        return ckpt.load_checkpoint(ckpt.list_checkpoints(run_dir)[-1])["model"]
+
+    one, two = final_params(tmp_path / "runs/one"), final_params(tmp_path / "runs/two")
+    for key, value in one.items():
+        torch.testing.assert_close(two[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    recipe = load_config(tmp_path / "runs/two/config.toml").optim.recipe
+    assert "SGD(lr=0.05, momentum=0.9" in recipe and f"strategy {strategy} on 2" in recipe
