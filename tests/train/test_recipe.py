@@ -129,7 +129,8 @@ def test_an_epoch_scheduler_steps_once_per_epoch(tmp_path):
                      scheduler=toyjob.halve_every_3)
     rows = [json.loads(x) for x in open(Path(result.run_dir) / "metrics.jsonl")]
     # After epochs 1..4 the scheduler has stepped 1..4 times: halved once, after the 3rd.
-    assert [r["lr"] for r in rows if r["kind"] == "train"] == pytest.approx([0.08, 0.08, 0.04, 0.04])
+    lrs = [r["lr"] for r in rows if r["kind"] == "train"]
+    assert lrs == pytest.approx([0.08, 0.08, 0.04, 0.04])
 
 
 def test_two_schedules_at_once_and_foreign_optimizers_are_refused(tmp_path):
