@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
+from gpufleet.core.callbacks import Callback
+
 
 def make_model(in_dim: int = 8, hidden: int = 16, dropout: float = 0.0) -> nn.Module:
     return nn.Sequential(nn.Linear(in_dim, hidden), nn.Tanh(), nn.Dropout(dropout),
@@ -211,3 +213,15 @@ def sgd_two_groups(params):
 def halve_every_3(optimizer):
     """A scheduler factory of the user's own (``--sched.factory toyjob:halve_every_3``)."""
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+
+
+class StopOnOneRank(Callback):
+    """A callback (importable by launched ranks) with which only rank ``rank`` asks the
+    run to stop after ``step``."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_step_end(self, view, step):
+        if view.env.rank == self.rank and step == self.step:
+            view.request_stop(f"rank {self.rank} asked")

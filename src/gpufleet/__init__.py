@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 # Public names, imported on first use so that `import gpufleet.config` (or the CLI's
 # --help) does not pull in the whole training stack.
 _EXPORTS = {
-    "fit": "gpufleet.api", "train": "gpufleet.api",
+    "fit": "gpufleet.api", "train": "gpufleet.api", "load_checkpoint": "gpufleet.api",
     "Config": "gpufleet.config", "load_config": "gpufleet.config",
     "Callback": "gpufleet.core.callbacks",
     "FitResult": "gpufleet.train.result", "Trainer": "gpufleet.train.loop",

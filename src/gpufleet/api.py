@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -27,7 +29,7 @@ from gpufleet.train.loop import FitResult
 
 # train and run_rank live in gpufleet.entry (the launcher calls them); this is where
 # user code has always found them.
-__all__ = ["fit", "run_rank", "run_training", "setup_logging", "train"]
+__all__ = ["fit", "load_checkpoint", "run_rank", "run_training", "setup_logging", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -95,3 +97,27 @@ def _config(config: Config | str | None, overrides: Any) -> tuple[Config, str]:
     if config is not None:
         base, note = as_new_run(load_config(config), config)
     return load_config(overrides=overrides, base=base), note
+
+
+def load_checkpoint(path: str | Path, model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """Load a run's checkpoint into your own module (and optimizer), with no trainer.
+
+    Args:
+        path: a checkpoint (``runs/X/checkpoints/step-0000400.pt``), a sharded
+            checkpoint's directory, or a run directory (its newest checkpoint).
+        model: your module, built as the run built it.
+        optimizer: also restore this optimizer's state (runs whose optimizer state is
+            in torch's own layout: single, ddp, local_sgd).
+
+    Returns:
+        The rest of the checkpoint (``step``, ``epoch``, ``config``, ...).
+
+    Example:
+        >>> # model = MyNet()
+        >>> # info = gpufleet.load_checkpoint("runs/mynet-20261124-101500", model)
+        >>> # print(info["step"]); model.eval()
+    """
+    from gpufleet.train.checkpoint import load_into
+
+    return load_into(path, model, optimizer)

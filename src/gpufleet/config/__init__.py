@@ -19,6 +19,7 @@ from gpufleet.config.schema import (
     Config,
     DataConfig,
     DistConfig,
+    EarlyStopConfig,
     EvalConfig,
     FaultConfig,
     LogConfig,
@@ -36,6 +37,7 @@ from gpufleet.config.schema import (
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "DistConfig", "EvalConfig", "FaultConfig",
     "LogConfig", "ModelConfig", "MonitorConfig", "OptimConfig", "ParallelConfig", "SchedConfig",
+    "EarlyStopConfig",
     "PerfConfig", "PrecisionConfig", "ProfileConfig", "RunConfig",
     "config_from_dict", "config_to_dict", "help_rows", "load_config", "parse_override",
     "write_config",

@@ -206,8 +206,27 @@ class PerfConfig(Section):
 class CheckpointConfig(Section):
     every: int = opt(0, "Save every N optimizer steps (0: only at the end).", min=0)
     keep_last: int = opt(3, "Checkpoints to keep (older ones are deleted).", min=1)
+    keep_best: int = opt(0, "Also keep the best K checkpoints by checkpoint.monitor (0: off).",
+                         min=0)
+    monitor: str = opt("eval_loss", "What keep_best ranks by: eval_loss, eval_<metric>, or "
+                       "a logged training value such as loss.")
+    mode: str = opt("min", "Whether a lower (min) or higher (max) monitor value is better.",
+                    choices=("min", "max"))
+    every_epochs: int = opt(0, "Also save at the end of every N epochs (0: off).", min=0)
     save_final: bool = opt(True, "Save when training ends.")
     resume: str = opt("", "'latest' (newest checkpoint of this run name) or a path.")
+
+
+@dataclass
+class EarlyStopConfig(Section):
+    metric: str = opt("", "Stop when this stops improving: eval_loss, eval_<metric>, or a "
+                      "logged training value such as loss (empty: off). The run ends with "
+                      "a checkpoint.")
+    mode: str = opt("min", "Whether lower (min) or higher (max) is better.",
+                    choices=("min", "max"))
+    patience: int = opt(3, "Checks (evaluations, or log intervals for a training value) "
+                        "without an improvement before stopping.", min=1)
+    min_delta: float = opt(0.0, "Smallest change that counts as an improvement.", min=0.0)
 
 
 @dataclass
@@ -336,6 +355,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     perf: PerfConfig = field(default_factory=PerfConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)

@@ -65,6 +65,7 @@ class PreemptionWatch:
     def __init__(self, check_every: int, distributed: bool) -> None:
         self.check_every = check_every
         self.received: int | None = None  # the first stop signal this rank got
+        self.stop_requested = False  # the last agreement was a requested stop
         self._distributed = distributed
         self._group: Any = None
         if distributed:
@@ -86,8 +87,10 @@ class PreemptionWatch:
         if self.received is None:  # a signal handler: set a flag, nothing more
             self.received = signum
 
-    def should_stop(self, step: int) -> bool:
-        """Whether every rank stops after ``step`` (the same answer on all ranks).
+    def should_stop(self, step: int, requested: bool = False) -> bool:
+        """Whether every rank stops after ``step`` (the same answer on all ranks): a
+        stop signal, or a stop ``requested`` by the run (a callback, early stopping) on
+        any rank; :attr:`stop_requested` then says which.
 
         COLLECTIVE every ``check_every`` steps when distributed: all ranks call it after
         each step.
@@ -95,15 +98,17 @@ class PreemptionWatch:
         if step % self.check_every:
             return False
         if not self._distributed:
-            return self.received is not None
+            self.stop_requested = requested and self.received is None
+            return self.received is not None or requested
         import torch.distributed as dist
 
-        flag = torch.tensor([self.received or 0], dtype=torch.int32)
+        flag = torch.tensor([self.received or 0, int(requested)], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)  # COLLECTIVE (CPU)
-        agreed = int(flag.item())
-        if agreed and self.received is None:
-            self.received = agreed  # another rank got it: stop for the same reason
-        return bool(agreed)
+        signum, asked = int(flag[0]), bool(flag[1])
+        if signum and self.received is None:
+            self.received = signum  # another rank got it: stop for the same reason
+        self.stop_requested = asked and not signum  # a signal wins: exit requeue-ably
+        return bool(signum) or asked
 
     def close(self) -> None:
         """Put back the handlers that were there before."""

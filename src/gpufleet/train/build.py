@@ -37,6 +37,7 @@ from gpufleet.train.batches import make_loss_fn
 from gpufleet.train.checkpointer import Checkpointer
 from gpufleet.train.evalmetrics import EvalMetric, build_metrics
 from gpufleet.train.evaluator import Evaluator
+from gpufleet.train.keeping import EarlyStopping, check_monitor
 from gpufleet.train.optim import (
     build_scheduler,
     describe_schedule,
@@ -102,6 +103,9 @@ def build_run(plan: RunPlan | Config, model: nn.Module, train_data: Dataset,
     cfg, model, optimizer, scheduler = _model_and_optimizer(
         cfg, env, device, strategy, model, optimizer, scheduler)
     metrics = _eval_metrics(cfg, eval_metrics)  # before the run directory: may fail
+    for name in (cfg.early_stop.metric, cfg.checkpoint.keep_best and cfg.checkpoint.monitor):
+        if name:
+            check_monitor(name, has_eval=eval_data is not None)
     from gpufleet.train.nonfinite import NonFiniteGuard
 
     nonfinite = (NonFiniteGuard(cfg.fault, strategy, precision,
@@ -319,6 +323,8 @@ def _own_callbacks(run: Run) -> list[Callback]:
 
     cfg, env, mon, monitors = run.cfg, run.env, run.cfg.monitor, run.monitors
     own: list[Callback] = [cb for cb in (monitors.phase_timer, monitors.watchdog) if cb]
+    if cfg.early_stop.metric:
+        own.append(EarlyStopping(cfg.early_stop))
     if cfg.profile.steps:  # every rank writes its own trace
         own.append(ProfilerCallback(cfg.profile.steps, run.run_dir, env.rank,
                                     env.world_size))

@@ -28,7 +28,7 @@ import logging
 import os
 import re
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +54,9 @@ from gpufleet.train.checkpoint_files import (
 log = logging.getLogger(__name__)
 
 def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any],
-                    keep_last: int) -> Path:
+                    keep_last: int, keep: Collection[int] = ()) -> Path:
     """Write ``state`` for ``step`` atomically with its checksum, then prune all but the
-    newest ``keep_last``.
+    newest ``keep_last`` and the steps in ``keep``.
 
     Raises:
         OSError: the write failed (e.g. no space left on device). Nothing is left under
@@ -66,7 +66,7 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any],
     folder.mkdir(parents=True, exist_ok=True)
     path = checkpoint_path(run_dir, step)
     write_checkpoint_file(path, {"format": FORMAT_VERSION, **state})
-    prune(run_dir, keep_last)
+    prune(run_dir, keep_last, keep)
     return path
 
 
@@ -293,3 +293,47 @@ def _recorded_name(run_dir: Path) -> str | None:
 
 def glob_escape(text: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", text)
+
+
+def load_into(path: str | Path, model: Any, optimizer: Any = None) -> dict[str, Any]:
+    """Load a gpufleet checkpoint into your own module (and optimizer), outside gpufleet.
+
+    ``path`` is a checkpoint (``step-0000400.pt``, or a sharded checkpoint's directory,
+    gathered whole) or a run directory (its newest checkpoint). The file's checksum is
+    verified and it is read with ``weights_only=True``; the model's weights are stored
+    without wrapper prefixes, so they load into the plain module, strictly. The
+    optimizer's state loads when the checkpoint holds it in torch's own layout (single,
+    ddp, local_sgd runs).
+
+    Example:
+        >>> # model = MyNet(); gpufleet.load_checkpoint("runs/mynet-.../", model)
+        >>> # model.eval()
+
+    Returns:
+        The checkpoint's other contents: ``step``, ``epoch``, ``config``, ...
+
+    Raises:
+        CheckpointError: no checkpoint there, a damaged file, or weights that do not fit.
+    """
+    path = Path(path)
+    if path.is_dir() and not (path / TRAINER_STATE).exists():  # a run directory
+        found = list_checkpoints(path)
+        if not found:
+            raise CheckpointError(f"{str(path)!r} holds no checkpoint (checkpoints/step-*). "
+                                  "Give a checkpoint file, or a run directory that has one.")
+        path = found[-1]
+    state = load_checkpoint(path)
+    try:
+        model.load_state_dict(state.pop("model"))
+    except RuntimeError as e:
+        raise CheckpointError(f"the weights in {str(path)!r} do not fit this model: {e}. "
+                              "Build the model the run trained (its config.toml says "
+                              "which).") from None
+    saved = state.pop("optimizer", None)
+    if optimizer is not None:
+        if not isinstance(saved, dict) or "param_groups" not in saved:
+            raise CheckpointError(f"{str(path)!r} holds no optimizer state in torch's layout "
+                                  "(sharded runs keep it per parameter name); load the "
+                                  "weights alone, or resume the run with gpufleet.")
+        optimizer.load_state_dict(saved)
+    return state

@@ -12,6 +12,7 @@ import os
 import pickle
 import re
 import shutil
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,14 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def step_of(path: Path) -> int:
+    """The step a checkpoint's name says (``step-0000400.pt``: 400)."""
+    m = _NAME.match(path.name)
+    if m is None:
+        raise ValueError(f"{path} is not named like a checkpoint (step-NNNNNNN[.pt])")
+    return int(m.group(1))
+
+
 def checkpoint_path(run_dir: str | Path, step: int) -> Path:
     return checkpoint_dir(run_dir) / f"step-{step:07d}.pt"
 
@@ -49,10 +58,13 @@ def checksum_path(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
-def prune(run_dir: str | Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` checkpoints (files or directories), and
-    what interrupted writers left behind."""
+def prune(run_dir: str | Path, keep_last: int, keep: Collection[int] = ()) -> None:
+    """Delete all but the newest ``keep_last`` checkpoints (files or directories) and
+    those of the steps in ``keep`` (the best ones), and what interrupted writers left
+    behind."""
     for old in list_checkpoints(run_dir)[:-keep_last]:
+        if step_of(old) in keep:
+            continue
         if old.is_dir():
             shutil.rmtree(old, ignore_errors=True)
         else:

@@ -18,6 +18,7 @@ from gpufleet.errors import CheckpointError
 from gpufleet.launch import DistEnv, broadcast_object, gather_objects
 from gpufleet.train import checkpoint as ckpt
 from gpufleet.train import sharded as sharded_ckpt
+from gpufleet.train.keeping import BestCheckpoints
 from gpufleet.train.seed import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -47,8 +48,12 @@ class Checkpointer:
         self.run_dir, self.env, self.cfg = run_dir, env, cfg
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.strategy, self.precision, self.sampler = strategy, precision, sampler
+        keeping = cfg.checkpoint
+        self.best = (BestCheckpoints(run_dir, keeping.keep_best, keeping.mode)
+                     if keeping.keep_best else None)
 
-    def save(self, at: Position, last_good: str | None) -> tuple[Path | None, str | None]:
+    def save(self, at: Position, last_good: str | None,
+             score: float | None = None) -> tuple[Path | None, str | None]:
         """Write the state at ``at`` (COLLECTIVE: every rank calls it).
 
         A failed write (a full disk, a lost mount) is reported, not raised: nothing is
@@ -74,15 +79,19 @@ class Checkpointer:
                 "rng": rngs, "world_size": self.env.world_size,
                 "config": config_to_dict(self.cfg),
             }
+        keep: set[int] = set()
         if sharded or self.env.is_main:
             try:
+                if self.best is not None and self.env.is_main:  # the best k outlive
+                    self.best.record(at.step, score)            # keep_last
+                    keep = self.best.keep()
                 if sharded:  # COLLECTIVE: every rank writes its shards, rank 0 the rest
                     sharded_ckpt.save_sharded_checkpoint(
                         self.run_dir, at.step, model_state, state,
-                        self.cfg.checkpoint.keep_last)
+                        self.cfg.checkpoint.keep_last, keep)
                 else:
                     ckpt.save_checkpoint(self.run_dir, at.step, {**model_state, **state},
-                                         self.cfg.checkpoint.keep_last)
+                                         self.cfg.checkpoint.keep_last, keep)
             except OSError as e:
                 error = (f"checkpoint {path.name} could not be written: {e}. Training goes "
                          f"on; the last good checkpoint is {last_good or 'none'}."

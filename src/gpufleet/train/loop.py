@@ -24,6 +24,7 @@ from gpufleet.core.phases import Phase
 from gpufleet.fault.crash import crash_reported
 from gpufleet.train.checkpointer import Position
 from gpufleet.train.interval import LogInterval
+from gpufleet.train.keeping import monitored
 from gpufleet.train.result import FitResult
 from gpufleet.train.run import Run
 
@@ -39,6 +40,7 @@ class Trainer:
 
     def __init__(self, run: Run) -> None:
         self.run = run
+        self._score: float | None = None  # the latest checkpoint.monitor value
 
     def fit(self) -> FitResult:
         """Resume if there is a checkpoint, train to ``run.max_steps``, evaluate and save
@@ -72,6 +74,7 @@ class Trainer:
         # Nothing runs between steps before this step (log, eval, checkpoint, the
         # preemption check): one comparison per step instead of each interval's test.
         next_due = self._next_due(state.step)
+        self._next_epoch_save = self._epoch_save_after(run.data.epochs_done)
         # Epochs the scheduler has stepped for (None: it steps every optimizer step).
         self._epochs_scheduled = (int(run.data.epochs_done)
                                   if run.cfg.sched.interval == "epoch" else None)
@@ -178,7 +181,10 @@ class Trainer:
         cfg, watch = self.run.cfg, self.run.monitors.preemption
         every = (cfg.log.every, cfg.run.eval_every, cfg.checkpoint.every,
                  watch.check_every if watch is not None else 0)
-        return min([step - step % n + n for n in every if n] + [self.run.max_steps])
+        due = [step - step % n + n for n in every if n] + [self.run.max_steps]
+        if cfg.checkpoint.every_epochs:  # where the epoch being read ends
+            due.append(step + self.run.data.steps_to_epoch_end(cfg.optim.grad_accum))
+        return min(due)
 
     def _between_steps(self) -> bool:
         """The log line, evaluation, checkpoint and preemption check, each when its
@@ -188,6 +194,7 @@ class Trainer:
         if step % cfg.log.every == 0 or step == run.max_steps:
             phase.announce(Phase.LOG)
             metrics = self.interval.close()  # COLLECTIVE + SYNC
+            self._observe(metrics)
             run.result.losses.append((step, metrics["loss"]))
             run.callbacks.on_log(run.view, step, metrics)
         if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < run.max_steps \
@@ -199,13 +206,41 @@ class Trainer:
             with phase(Phase.CHECKPOINT):
                 self.save_checkpoint()
             self.interval.restart_clock()
-        # COLLECTIVE (one int on the CPU, every fault.preempt_check_every steps): a
-        # SIGTERM/SIGUSR1/SIGINT on any rank stops every rank after this same step.
-        watch = run.monitors.preemption
-        if watch is not None and watch.should_stop(step):
-            self._stop_for_preemption()
+        if cfg.checkpoint.every_epochs and run.data.epochs_done >= self._next_epoch_save:
+            if run.state.saved_step != step:  # not written just above
+                with phase(Phase.CHECKPOINT):
+                    self.save_checkpoint()
+                self.interval.restart_clock()
+            self._next_epoch_save = self._epoch_save_after(run.data.epochs_done)
+        # COLLECTIVE (two ints on the CPU, every fault.preempt_check_every steps): a
+        # SIGTERM/SIGUSR1/SIGINT, or a stop request (early stopping, a callback), on any
+        # rank stops every rank after this same step.
+        watch, requested = run.monitors.preemption, bool(run.state.stop_reason)
+        if watch is not None and watch.should_stop(step, requested):
+            if watch.stop_requested:
+                self._stop_on_request()
+            else:
+                self._stop_for_preemption()
+            return True
+        if watch is None and requested:  # one process (at its next due step)
+            self._stop_on_request()
             return True
         return False
+
+    def _epoch_save_after(self, epochs_done: float) -> int:
+        """The epoch count at which the next checkpoint.every_epochs save is due."""
+        n = self.run.cfg.checkpoint.every_epochs
+        return (int(epochs_done) // n + 1) * n if n else 0
+
+    def _stop_on_request(self) -> None:
+        """End the run after this step, as at its normal end (evaluation, checkpoint)."""
+        run = self.run
+        reason = run.state.stop_reason or "another rank asked the run to stop"
+        run.result.stopped_early = reason
+        if run.env.is_main:
+            log.warning("stopping after step %d: %s", run.state.step, reason)
+        if not run.cfg.checkpoint.save_final and run.state.saved_step != run.state.step:
+            self.save_checkpoint()  # COLLECTIVE: a stopped run always ends with one
 
     def _stop_for_preemption(self) -> None:
         """Checkpoint the step just finished; the run then ends without evaluating."""
@@ -244,17 +279,26 @@ class Trainer:
         run.result.eval_losses.append((step, value))
         if metrics:
             run.result.eval_metrics.append((step, metrics))
-        run.callbacks.on_eval(run.view, step, {"step": step, "eval_loss": value,
-                                               "eval_samples": count,
-                                               "eval_metrics": metrics})
+        record = {"step": step, "eval_loss": value, "eval_samples": count,
+                  "eval_metrics": metrics}
+        self._observe(record)
+        run.callbacks.on_eval(run.view, step, record)
         return value
+
+    def _observe(self, metrics: dict[str, Any]) -> None:
+        """Keep the value checkpoint.keep_best ranks checkpoints by, when present."""
+        if self.run.cfg.checkpoint.keep_best:
+            value = monitored(self.run.cfg.checkpoint.monitor, metrics)
+            if value is not None:
+                self._score = value
 
     def save_checkpoint(self) -> None:
         """Save the full training state (COLLECTIVE). A failed write is recorded in the
         result and training goes on."""
         run, state = self.run, self.run.state
         path, error = run.checkpointer.save(
-            Position(state.step, run.data.epoch, run.data.consumed), run.result.checkpoint)
+            Position(state.step, run.data.epoch, run.data.consumed), run.result.checkpoint,
+            score=self._score)
         if error is not None:
             run.result.checkpoint_errors.append(error)
             return

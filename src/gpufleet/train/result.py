@@ -27,6 +27,8 @@ class FitResult:
         findings: what limits the run (:class:`gpufleet.monitor.diagnose.Finding`).
         preempted: the signal that stopped the run early ("SIGTERM", ...), after a
             checkpoint of its last step; None when it ran to the end.
+        stopped_early: why the run stopped before its end on request (early stopping,
+            a callback's ``view.request_stop``); "" when it did not.
     """
 
     steps: int = 0
@@ -44,6 +46,7 @@ class FitResult:
     eval_metrics: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     findings: list[Any] = field(default_factory=list)
     preempted: str | None = None
+    stopped_early: str = ""
 
     @property
     def final_loss(self) -> float | None:

@@ -19,6 +19,7 @@ from torch import nn
 from gpufleet.config import Config
 from gpufleet.core.callbacks import CallbackList
 from gpufleet.core.phases import PhaseAnnouncer
+from gpufleet.errors import ConfigError
 from gpufleet.launch import DistEnv
 from gpufleet.train.checkpointer import Checkpointer
 from gpufleet.train.evaluator import Evaluator
@@ -45,6 +46,7 @@ class TrainState:
     Attributes:
         step: optimizer steps done (a resumed run counts the earlier ones).
         saved_step: the step of the newest checkpoint written or resumed from (-1: none).
+        stop_reason: why this rank asked the run to stop ("" while it has not).
         flops_per_step: counted on the first step (None before; 0 when not counted).
         train_time_s / samples / tokens: training time and the global samples and tokens
             read in it this session (evaluation and checkpoints excluded).
@@ -52,6 +54,7 @@ class TrainState:
 
     step: int = 0
     saved_step: int = -1
+    stop_reason: str = ""  # why this rank asked the run to stop (RunView.request_stop)
     flops_per_step: int | None = None
     train_time_s: float = 0.0
     samples: float = 0.0
@@ -120,6 +123,16 @@ class Run:
     callbacks: CallbackList = field(default_factory=lambda: CallbackList([]))
     phases: PhaseAnnouncer = field(default_factory=lambda: PhaseAnnouncer([], None))
     view: RunView | None = None
+
+    def request_stop(self, reason: str) -> None:
+        """Ask the run to stop after the current step (see RunView.request_stop)."""
+        if self.monitors.preemption is None and self.env.world_size > 1:
+            raise ConfigError(
+                "a stop was requested, and the ranks of this run never agree on stopping: "
+                "fault.preempt_check_every = 0. Set it to N > 0 (the ranks then agree "
+                "every N steps, one small all-reduce).")
+        if not self.state.stop_reason:
+            self.state.stop_reason = reason or "a stop was requested"
 
     def close(self) -> None:
         """Stop the watchdog's thread, let go of the run directory and the signal

@@ -19,6 +19,7 @@ import os
 import pickle
 import shutil
 import warnings
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +47,10 @@ def sharded_checkpoint_path(run_dir: str | Path, step: int) -> Path:
 
 
 def save_sharded_checkpoint(run_dir: str | Path, step: int, shards: dict[str, Any],
-                            state: dict[str, Any] | None, keep_last: int) -> Path:
-    """Write a sharded checkpoint for ``step``, then prune all but the newest ``keep_last``.
+                            state: dict[str, Any] | None, keep_last: int,
+                            keep: Collection[int] = ()) -> Path:
+    """Write a sharded checkpoint for ``step``, then prune all but the newest ``keep_last``
+    and the steps in ``keep``.
 
     COLLECTIVE: every rank calls it with its own ``shards`` (``{"model": ...,
     "optimizer": ...}`` of DTensors, as ``get_state_dict`` returns them); ``state`` (the
@@ -89,7 +92,7 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, shards: dict[str, An
         try:
             _finish_sharded(path, staging, state or {}, {k: v for _, d in reports
                                                           for k, v in d.items()})
-            prune(run_dir, keep_last)
+            prune(run_dir, keep_last, keep)
         except (OSError, RuntimeError) as e:  # torch.save: a failed write is a RuntimeError
             error = str(e)
     error = broadcast_object(error)  # COLLECTIVE: everyone learns how it ended

@@ -88,6 +88,14 @@ class TrainStream:
         """Batches this rank reads in ``epoch``."""
         return self._train.batches_in_epoch(epoch)
 
+    def steps_to_epoch_end(self, accum: int) -> int:
+        """Optimizer steps of ``accum`` batches until the epoch being read ends (the
+        next epoch's end when this one just did)."""
+        left = self.batches_in_epoch(self.epoch) - self.consumed // self.unit
+        if left <= 0:
+            left = self.batches_in_epoch(self.epoch + 1)
+        return max(1, -(-left // accum))
+
     @property
     def epochs_done(self) -> float:
         """Passes over the training set so far, e.g. 1.5 halfway through the second."""

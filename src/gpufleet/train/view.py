@@ -59,6 +59,13 @@ class RunView:
         current = self._run.phases.current
         return "setup" if current is None else str(current)
 
+    def request_stop(self, reason: str = "") -> None:
+        """Ask the run to stop: every rank stops after the same step (agreed with the
+        preemption check, every ``fault.preempt_check_every`` steps), the run is
+        evaluated and checkpointed as at its normal end, and ``reason`` is logged and
+        kept in the result (``FitResult.stopped_early``)."""
+        self._run.request_stop(reason)
+
     @property
     def log_seconds(self) -> dict[str, float]:
         return dict(self._run.callbacks.log_seconds)
