@@ -186,7 +186,9 @@ def lockstep(width: int, steps: int, batch: int, out_dir: str, extra: tuple[str,
     timer = _Lockstep(hand)
     gpufleet.fit(make_model(width), make_data(), loss_fn=F.mse_loss, callbacks=[timer],
                  overrides=[f"run.max_steps={steps}", f"data.batch_size={batch}",
-                            "data.num_workers=0", "optim.lr=1e-3", "optim.warmup_steps=20",
+                            # The hand loop's recipe: AdamW, decay 0.1 on matrices, beta2
+                            # 0.95, clip 1.0, 20 warm-up steps, cosine (the gpt preset).
+                            "data.num_workers=0", "optim.preset=gpt", "optim.lr=1e-3",
                             "log.every=10", "log.progress=off", f"run.out_dir='{out_dir}'",
                             "checkpoint.save_final=false", "run.eval_every=0", *extra])
     return statistics.median(timer.theirs[WARMUP:]), statistics.median(timer.ours[WARMUP:])

@@ -166,3 +166,32 @@ def test_ddp_powersgd_comm_hook_trains(run_cli, tmp_path):
                   "--parallel.ddp_comm_hook", "powersgd", "--parallel.powersgd_start_step", "4")
     losses = [loss for _, loss in _losses(psgd)]
     assert losses[-1] < losses[0]
+
+
+def test_ranks_started_by_fit_own_their_weights_and_equal_one_process(tmp_path):
+    """gpufleet.fit sends the model to the ranks it starts; torch's multiprocessing sends
+    tensors through shared memory, which would make every rank's SGD step land in every
+    rank's weights (2 ranks: 2 updates a step). One plain SGD step on 2 ranks x 16 must
+    equal one step on the 32 samples by hand."""
+    import gpufleet
+    import toyjob
+    from gpufleet.train import checkpoint as ckpt
+
+    torch.manual_seed(0)
+    hand = toyjob.make_model()
+    x, y = toyjob.make_data().tensors
+    torch.nn.functional.mse_loss(hand(x[:32]), y[:32]).backward()
+    with torch.no_grad():
+        for p in hand.parameters():
+            p -= 0.2 * p.grad
+    torch.manual_seed(0)
+    result = gpufleet.fit(toyjob.make_model(), toyjob.make_data(),
+                          loss_fn=torch.nn.functional.mse_loss,
+                          optimizer=toyjob.plain_sgd,
+                          overrides={"dist.nproc": 2, "data.batch_size": 16,
+                                     "data.shuffle": False, "run.max_steps": 1,
+                                     "data.num_workers": 0, "run.eval_every": 0,
+                                     "log.progress": "off", "run.out_dir": str(tmp_path)})
+    trained = ckpt.load_checkpoint(result.checkpoint)["model"]
+    for name, value in hand.state_dict().items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-6, msg=name)

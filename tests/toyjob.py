@@ -225,3 +225,8 @@ class StopOnOneRank(Callback):
     def on_step_end(self, view, step):
         if view.env.rank == self.rank and step == self.step:
             view.request_stop(f"rank {self.rank} asked")
+
+
+def plain_sgd(params):
+    """Plain SGD at lr 0.2: an update that is linear in the gradient."""
+    return torch.optim.SGD(params, lr=0.2)

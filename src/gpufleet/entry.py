@@ -242,6 +242,8 @@ def run_rank(plan: RunPlan, job: Job | None = None, callbacks: Sequence[Callback
 
             with seeded(cfg.run.seed):  # the same initial weights on every rank
                 job = build_job(cfg)
+        elif owns_process:  # a job sent from the launching process: weights of its own
+            own_weights(job.model)
         run = build_run(plan, job.model, job.train_data, job.eval_data, loss_fn=job.loss_fn,
                         callbacks=[Progress(cfg.log.progress), *callbacks],
                         eval_metrics=eval_metrics, optimizer=job.optimizer,
@@ -253,6 +255,23 @@ def run_rank(plan: RunPlan, job: Job | None = None, callbacks: Sequence[Callback
     if owns_process and result.preempted and "TORCHELASTIC_RUN_ID" in os.environ:
         _exit_unless_collected(result.preempted)
     return result
+
+
+def own_weights(model: Any) -> None:
+    """Give this rank private copies of ``model``'s tensors that arrived in shared memory.
+
+    torch's multiprocessing sends tensors to the ranks it starts through shared memory:
+    every rank's copy of the model would then be backed by the same storage, and each
+    rank's optimizer step would land in all of them (with N ranks, N updates a step).
+    The Parameter objects stay the same (an optimizer sent along still holds them); only
+    their storage becomes this process's own.
+    """
+    import torch
+
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.is_shared():
+                tensor.data = tensor.data.clone()
 
 
 # Seconds a preempted rank waits for torch's elastic agent to collect its result.

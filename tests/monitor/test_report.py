@@ -50,7 +50,8 @@ def run_dir(tmp_path_factory):
     result = gpufleet.fit(
         toyjob.make_model(), toyjob.make_data(), toyjob.make_data(64), loss_fn=F.mse_loss,
         overrides={"run.dir": str(root / "run"), "run.max_steps": 60, "log.every": 5,
-                   "run.eval_every": 20, "log.progress": "off", "checkpoint.save_final": False})
+                   "run.eval_every": 20, "log.progress": "off", "checkpoint.save_final": False,
+                   "optim.clip_norm": 1.0})  # the clip measures the gradient norm charted
     run = Path(result.run_dir)
     _system_lines(run / "system.jsonl")
     (run / "diagnosis.json").write_text(json.dumps({"findings": [FINDING.to_dict()]}))

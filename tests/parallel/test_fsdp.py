@@ -21,7 +21,9 @@ from gpufleet.train import sharded
 TOY = ["--model", "toyjob:make_model", "--data", "toyjob:make_data",
        "--data.kwargs={n_eval = 17}", "--run.eval_every", "4", "--data.num_workers", "0",
        "--model.loss", "torch.nn.functional:mse_loss", "--log.every", "1",
-       "--optim.warmup_steps", "2", "--run.out_dir", "runs"]
+       "--optim.warmup_steps", "2", "--run.out_dir", "runs",
+       # Two parameter groups (decay on matrices), as the optimizer built below has.
+       "--optim.preset", "gpt"]
 
 
 def _train(run_cli, tmp_path: Path, name: str, *args: str) -> Path:

@@ -14,7 +14,9 @@ from gpufleet.train.optim import param_groups
 
 TOY = ["--model", "toyjob:make_model", "--data", "toyjob:make_data", "--max-steps", "12",
        "--model.loss", "torch.nn.functional:mse_loss", "--log.every", "1",
-       "--optim.warmup_steps", "2", "--run.out_dir", "runs", "--data.num_workers", "0"]
+       "--optim.warmup_steps", "2", "--run.out_dir", "runs", "--data.num_workers", "0",
+       # Two parameter groups (decay on matrices), as the optimizer built below has.
+       "--optim.preset", "gpt"]
 
 
 def _train(run_cli, tmp_path: Path, name: str, *args: str) -> Path:

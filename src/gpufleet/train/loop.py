@@ -75,8 +75,9 @@ class Trainer:
         # preemption check): one comparison per step instead of each interval's test.
         next_due = self._next_due(state.step)
         self._next_epoch_save = self._epoch_save_after(run.data.epochs_done)
-        # Epochs the scheduler has stepped for (None: it steps every optimizer step).
-        self._epochs_scheduled = (int(run.data.epochs_done)
+        # Epochs the scheduler has stepped for (None: it steps every optimizer step): its
+        # own count of steps, which a resumed scheduler brings back.
+        self._epochs_scheduled = (run.scheduler.last_epoch
                                   if run.cfg.sched.interval == "epoch" else None)
         if run.nonfinite is not None:  # decides whether it inspects before the clip
             run.nonfinite.start(run.model, run.optimizer, run.device)
