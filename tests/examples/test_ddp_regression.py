@@ -10,9 +10,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-import ddp_regression as example  # noqa: E402
+import ddp_regression as example
 
-from gpufleet.train import checkpoint as ckpt  # noqa: E402
+from gpufleet.train import checkpoint as ckpt
 
 
 def _same(a: dict, b: dict) -> None:
