@@ -1,0 +1,343 @@
+"""gpufleet beside the loops users compare it with, step for step in one process.
+
+Every loop trains the same model with the same recipe on the same batches in the same
+order: a hand-written PyTorch loop, Lightning Fabric, Accelerate and the Lightning
+Trainer (each when installed: ``pip install -e '.[bench]'``), and gpufleet with its
+defaults, with monitoring off, and bare (also without the non-finite guard and the
+watchdog). Each loop runs in a thread of its own and the loops take turns a step at a
+time (a baton passes after every step), so a noisy machine slows them alike. A step is
+timed from the moment its loop gets the baton to the end of its step, on the wall clock
+and on the loop thread's CPU clock; the figure is the median over blocks of 50 steps of
+the block's mean. Also printed: the time from a loop's first line to the end of its
+first step.
+
+    python benchmarks/peers.py                      # MLP 256-256-10, batch 32, SGD
+    python benchmarks/peers.py --job gpt --steps 300   # the built-in GPT's recipe
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import gpufleet
+from gpufleet.bench.machine import machine_summary
+from gpufleet.models.gpt import build_gpt
+from gpufleet.train.optim import OptimConfig, fill_optimizer_defaults, lr_factor
+
+BLOCK = 50  # steps per timing block
+
+
+@dataclass
+class Job:
+    """The model, data and recipe every loop trains."""
+
+    name: str
+    batch: int
+    steps: int
+    make_model: Callable[[], nn.Module]
+    data: TensorDataset
+    make_opt: Callable[[Any], torch.optim.Optimizer]
+    make_sched: Callable[[torch.optim.Optimizer], Any] | None
+    clip: float  # clip the gradient norm to this (0: no clip)
+    loss: Callable[[nn.Module, Any], torch.Tensor]
+    gpufleet: dict[str, Any] = field(default_factory=dict)  # the same recipe as config
+
+
+def mlp_job(steps: int) -> Job:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8192, 256, generator=g)
+    y = (x @ torch.randn(256, 10, generator=g)).argmax(-1)
+    return Job("mlp 256-256-10, batch 32, SGD lr 0.01 (no clip, schedule, momentum)",
+               32, steps,
+               lambda: nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)),
+               TensorDataset(x, y), lambda p: torch.optim.SGD(p, lr=0.01), None, 0.0,
+               lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+               {"optim.name": "sgd", "optim.lr": 0.01})
+
+
+def gpt_job(steps: int) -> Job:
+    """The default job's GPT and its preset: AdamW 3e-3 (0.9, 0.95), decay 0.1 on
+    matrices, clip 1.0, 20 warm-up steps, cosine to 0.1."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (4096, 129), generator=g)
+    cfg = fill_optimizer_defaults(OptimConfig(preset="gpt"), build_gpt(1, 1, 8, 8))
+
+    def make_model() -> nn.Module:
+        return build_gpt(n_layer=4, n_head=4, n_embd=128, block_size=128)
+
+    def make_opt(params: Any) -> torch.optim.Optimizer:
+        params = list(params)
+        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, cfg.beta2), fused=True)
+
+    return Job("built-in GPT (4 x 128, 128 tokens), batch 16, the gpt preset", 16, steps,
+               make_model, TensorDataset(tokens[:, :-1], tokens[:, 1:]), make_opt,
+               lambda opt: torch.optim.lr_scheduler.LambdaLR(
+                   opt, lambda s: lr_factor(s, cfg, steps)), cfg.clip_norm,
+               lambda m, b: m(b[0], targets=b[1]), {"optim.preset": "gpt"})
+
+
+class Baton:
+    """Lets one loop run at a time, a step each, in turn."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names, self.turn = names, 0
+        self.active = [True] * len(names)
+        self.cv = threading.Condition()
+        self.wall: list[list[float]] = [[] for _ in names]
+        self.cpu: list[list[float]] = [[] for _ in names]
+        self.first: list[float] = [0.0] * len(names)
+        self._t0 = [0.0] * len(names)
+        self._c0 = [0.0] * len(names)
+        self._started = [0.0] * len(names)
+
+    def start(self, i: int) -> None:
+        self._wait(i)
+        self._started[i] = self._t0[i]
+
+    def step_done(self, i: int) -> None:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        if not self.wall[i] and not self.first[i]:
+            self.first[i] = wall - self._started[i]
+        else:
+            self.wall[i].append(wall - self._t0[i])
+            self.cpu[i].append(cpu - self._c0[i])
+        self._pass(i)
+        self._wait(i)
+
+    def finish(self, i: int) -> None:
+        with self.cv:
+            self.active[i] = False
+        self._pass(i)
+
+    def _wait(self, i: int) -> None:
+        with self.cv:
+            self.cv.wait_for(lambda: self.turn == i)
+        self._t0[i], self._c0[i] = time.perf_counter(), time.thread_time()
+
+    def _pass(self, i: int) -> None:
+        with self.cv:
+            n = len(self.names)
+            for k in range(1, n + 1):
+                j = (i + k) % n
+                if self.active[j]:
+                    self.turn = j
+                    break
+            self.cv.notify_all()
+
+
+def loader(job: Job) -> DataLoader:
+    return DataLoader(job.data, batch_size=job.batch, shuffle=False, drop_last=True)
+
+
+def hand(job: Job, done: Callable[[], None]) -> None:
+    torch.manual_seed(0)
+    model = job.make_model()
+    opt = job.make_opt(model.parameters())
+    sched = job.make_sched(opt) if job.make_sched else None
+    step = 0
+    while step < job.steps:
+        for batch in loader(job):
+            loss = job.loss(model, batch)
+            loss.backward()
+            if job.clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), job.clip)
+            opt.step()
+            if sched:
+                sched.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            done()
+            if step == job.steps:
+                return
+
+
+def fabric(job: Job, done: Callable[[], None]) -> None:
+    from lightning.fabric import Fabric
+
+    f = Fabric(accelerator="cpu", devices=1, precision="32-true")
+    torch.manual_seed(0)
+    model = job.make_model()
+    opt = job.make_opt(model.parameters())
+    sched = job.make_sched(opt) if job.make_sched else None
+    model, opt = f.setup(model, opt)
+    data = f.setup_dataloaders(loader(job))
+    step = 0
+    while step < job.steps:
+        for batch in data:
+            loss = job.loss(model, batch)
+            f.backward(loss)
+            if job.clip:
+                f.clip_gradients(model, opt, max_norm=job.clip)
+            opt.step()
+            if sched:
+                sched.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            done()
+            if step == job.steps:
+                return
+
+
+def accelerate(job: Job, done: Callable[[], None]) -> None:
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = job.make_model()
+    opt = job.make_opt(model.parameters())
+    sched = job.make_sched(opt) if job.make_sched else None
+    model, opt, data = acc.prepare(model, opt, loader(job))
+    step = 0
+    while step < job.steps:
+        for batch in data:
+            loss = job.loss(model, batch)
+            acc.backward(loss)
+            if job.clip:
+                acc.clip_grad_norm_(model.parameters(), job.clip)
+            opt.step()
+            if sched:
+                sched.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            done()
+            if step == job.steps:
+                return
+
+
+def lightning_trainer(job: Job, done: Callable[[], None]) -> None:
+    import lightning as L
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = job.make_model()
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            return job.loss(self.net, batch)
+
+        def configure_optimizers(self) -> Any:
+            opt = job.make_opt(self.net.parameters())
+            if job.make_sched is None:
+                return opt
+            return {"optimizer": opt,
+                    "lr_scheduler": {"scheduler": job.make_sched(opt), "interval": "step"}}
+
+    class Turns(L.Callback):
+        def on_train_batch_end(self, *args: Any) -> None:
+            done()
+
+    torch.manual_seed(0)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=job.steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, gradient_clip_val=job.clip or None,
+                        callbacks=[Turns()], num_sanity_val_steps=0)
+    trainer.fit(Module(), loader(job))
+
+
+MONITORING_OFF = {"monitor.phases": False, "monitor.diagnose": False,
+                  "monitor.system_interval_s": 0, "monitor.report": False,
+                  "monitor.link_probe": False}
+BARE = {**MONITORING_OFF, "fault.skip_nonfinite": False, "fault.watchdog": False}
+
+
+def gpufleet_loop(extra: dict[str, Any]) -> Callable[[Job, Callable[[], None]], None]:
+    def run(job: Job, done: Callable[[], None]) -> None:
+        class Turns(gpufleet.Callback):
+            def on_step_end(self, view: Any, step: int) -> None:
+                done()
+
+        torch.manual_seed(0)
+        with tempfile.TemporaryDirectory() as tmp:
+            gpufleet.fit(job.make_model(), job.data, callbacks=[Turns()],
+                         loss_fn=None if job.name.startswith("built-in") else F.cross_entropy,
+                         overrides={"run.max_steps": job.steps, "data.batch_size": job.batch,
+                                    "data.shuffle": False, "data.num_workers": 0,
+                                    "run.eval_every": 0, "log.progress": "off",
+                                    "log.level": "WARNING", "checkpoint.save_final": False,
+                                    "run.out_dir": tmp, **job.gpufleet, **extra})
+    return run
+
+
+def installed(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+        return True
+    except ImportError:
+        return False
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--job", choices=("mlp", "gpt"), default="mlp")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--warmup", type=int, default=50, help="steps left out of the timing")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    job = (mlp_job if args.job == "mlp" else gpt_job)(args.steps)
+    loops: dict[str, Any] = {"hand-written": hand}
+    missing = []
+    for name, module, fn in (("Lightning Fabric", "lightning.fabric", fabric),
+                             ("Accelerate", "accelerate", accelerate),
+                             ("Lightning Trainer", "lightning", lightning_trainer)):
+        if installed(module):
+            loops[name] = fn
+        else:
+            missing.append(name)
+    loops["gpufleet defaults"] = gpufleet_loop({})
+    loops["gpufleet monitoring off"] = gpufleet_loop(MONITORING_OFF)
+    loops["gpufleet bare"] = gpufleet_loop(BARE)
+    print(machine_summary())
+    print(f"job: {job.name}; {args.steps} steps each, turns of one step, first "
+          f"{args.warmup} not timed, blocks of {BLOCK}; 1 torch thread")
+    if missing:
+        print("not installed, left out: " + ", ".join(missing) + " (pip install -e '.[bench]')")
+    names = list(loops)
+    baton = Baton(names)
+
+    def worker(i: int, fn: Any) -> None:
+        baton.start(i)
+        try:
+            fn(job, lambda: baton.step_done(i))
+        finally:
+            baton.finish(i)
+
+    threads = [threading.Thread(target=worker, args=(i, loops[n]), daemon=True)
+               for i, n in enumerate(names)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    def blocks(xs: list[float]) -> float:
+        xs = xs[args.warmup:]
+        means = [statistics.fmean(xs[k:k + BLOCK]) for k in range(0, len(xs) - BLOCK + 1,
+                                                                   BLOCK)]
+        return statistics.median(means) if means else float("nan")
+
+    hw, hc = blocks(baton.wall[0]), blocks(baton.cpu[0])
+    print(f"\n{'loop':<26}{'wall us/step':>13}{'vs hand':>9}{'+us':>8}{'cpu us/step':>13}"
+          f"{'vs hand':>9}{'first step s':>14}")
+    for i, name in enumerate(names):
+        w, c = blocks(baton.wall[i]), blocks(baton.cpu[i])
+        print(f"{name:<26}{w * 1e6:>13.1f}{w / hw:>9.3f}{(w - hw) * 1e6:>8.1f}"
+              f"{c * 1e6:>13.1f}{c / hc:>9.3f}{baton.first[i]:>14.3f}")
+
+
+if __name__ == "__main__":
+    main()
