@@ -146,7 +146,8 @@ def plan_for(par: Any, traits: StrategyTraits, world_size: int,
             raise ConfigError(
                 f"parallel.{name} = {value} cannot be used with parallel.strategy = "
                 f"{strategy!r} (it spreads over {usable}). Use parallel.strategy = fsdp or "
-                f"hsdp for dp_shard/tp, pipeline for pp, or set parallel.{name} = 1.")
+                f"hsdp for dp_shard, ddp, fsdp or hsdp for tp, pipeline for pp, or set "
+                f"parallel.{name} = 1.")
     fixed = 1
     for name, value in given.items():
         if name != traits.rest or value:

@@ -96,7 +96,7 @@ class PipelineParallel(Strategy):
         cfg = self.cfg
         mesh = None
         if self.dims.dp_shard > 1:  # FSDP + pipeline: this rank's pipeline is a mesh row
-            mesh = self.dims.build_mesh(self.device.type)  # COLLECTIVE
+            mesh = self.mesh  # COLLECTIVE the first time
             self._group, self.rank = mesh.get_group("pp"), mesh.get_local_rank("pp")
         else:
             self._group, self.rank = None, dist.get_rank()

@@ -37,7 +37,7 @@ from gpufleet.train.checkpointer import Checkpointer
 from gpufleet.train.evalmetrics import EvalMetric, build_metrics
 from gpufleet.train.evaluator import Evaluator
 from gpufleet.train.optim import build_scheduler, fill_optimizer_defaults, optimizer_spec
-from gpufleet.train.perf import apply_backend_flags, prepare_model, share_cores
+from gpufleet.train.perf import apply_backend_flags, share_cores
 from gpufleet.train.rank import join_process_group, local_gpu_index
 from gpufleet.train.run import Monitors, Run, TrainState
 from gpufleet.train.rundir import plan_and_lock
@@ -163,14 +163,13 @@ def _model_and_optimizer(cfg: Config, env: DistEnv, device: torch.device, strate
                          model: nn.Module) -> tuple[Config, nn.Module, Any]:
     """The model as the strategy places it, and its optimizer; the config gains the
     optimizer settings it left to the model (-1: the model's defaults)."""
-    from gpufleet.parallel.activation_checkpointing import apply_layer_options
+    from gpufleet.parallel.parallelize import parallelize
 
-    # SyncBatchNorm and activation checkpointing change layers in place (same
-    # state-dict names), before compilation and before the strategy wraps the model.
-    model = apply_layer_options(model, cfg.parallel, device, env.world_size)
     # The run directory's config.toml then records the values used.
     cfg = dataclasses.replace(cfg, optim=fill_optimizer_defaults(cfg.optim, model))
-    model = strategy.setup_model(prepare_model(model, cfg.perf))
+    # Tensor parallel, layer options, compile, then sharding/replication and the
+    # pipeline split, in that order (gpufleet.parallel.parallelize).
+    model = parallelize(model, strategy, cfg, env.world_size)
     optimizer = strategy.setup_optimizer(model, optimizer_spec(cfg.optim, device.type))
     return cfg, model, optimizer
 
