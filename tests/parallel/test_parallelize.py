@@ -1,6 +1,8 @@
 """Parallelisms composed by degree (gpufleet.parallel.parallelize): eight gloo ranks
 started through the CLI train the tiny GPT under a composed layout and end with the
-weights of one process on the same global batch, over 20 steps."""
+weights of one process on the same global batch, over 20 steps. The pipeline layouts
+split the GPT with its own pipeline_stage hook (the tied embedding and head on the
+first and last stage)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ GPT = ["--model", "meshjob:make_gpt", "--data", "meshjob:make_tokens",
        "--data.num_workers", "0", "--log.every", "5", "--optim.warmup_steps", "2",
        "--run.eval_every", "0", "--run.out_dir", "runs", "--max-steps", str(STEPS),
        "--checkpoint.every", str(STEPS), "--monitor.diagnose", "false"]
+# A pipeline's last stage returns logits; the single reference computes the same loss.
+LM_LOSS = ("--model.loss", "gpufleet.models.gpt:lm_loss")
 
 
 def _train(run_cli, tmp_path: Path, name: str, *args: str) -> Path:
@@ -69,4 +73,19 @@ def test_hsdp_2_x_2_x_tp_2_on_eight_ranks_equals_single(run_cli, tmp_path):
     single = _train(run_cli, tmp_path, "single", "--batch-size", "8")
     both = _train(run_cli, tmp_path, "hsdp_tp", "--nproc", "8", "--strategy", "hsdp",
                   "--parallel.dp_shard", "2", "--parallel.tp", "2", "--batch-size", "2")
+    _assert_same(single, both)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, degrees, batch", [
+    ("ddp_pp", ["--parallel.dp_replicate", "4"], "4"),  # DDP 4 x PP 2
+    ("fsdp_pp", ["--parallel.dp_shard", "4"], "4"),  # FSDP 4 x PP 2
+    ("fsdp_tp_pp", ["--parallel.dp_shard", "2", "--parallel.tp", "2"], "8"),  # 2 x 2 x 2
+])
+def test_pipeline_layouts_of_the_gpt_on_eight_ranks_equal_single(run_cli, tmp_path, name,
+                                                                  degrees, batch):
+    single = _train(run_cli, tmp_path, "single", *LM_LOSS, "--batch-size", "16")
+    # pp = 2 takes the ranks the degrees leave; the data parallel ranks read 16 in all.
+    both = _train(run_cli, tmp_path, name, *LM_LOSS, "--nproc", "8", "--strategy",
+                  "pipeline", *degrees, "--batch-size", batch)
     _assert_same(single, both)
