@@ -89,3 +89,19 @@ def test_pipeline_layouts_of_the_gpt_on_eight_ranks_equal_single(run_cli, tmp_pa
     both = _train(run_cli, tmp_path, name, *LM_LOSS, "--nproc", "8", "--strategy",
                   "pipeline", *degrees, "--batch-size", batch)
     _assert_same(single, both)
+
+
+@pytest.mark.slow
+def test_fsdp_tp_pp_2x2x2_checkpoint_resumes_as_ddp_4_x_pp_2(run_cli, tmp_path):
+    half = ["--checkpoint.every", str(STEPS // 2)]
+    single = _train(run_cli, tmp_path, "single", *LM_LOSS, *half, "--batch-size", "16")
+    saved = _train(run_cli, tmp_path, "saved", *LM_LOSS, *half, "--nproc", "8", "--strategy",
+                   "pipeline", "--parallel.dp_shard", "2", "--parallel.tp", "2",
+                   "--batch-size", "8")
+    step = saved / "checkpoints" / f"step-{STEPS // 2:07d}"
+    assert len(list(step.glob("__*.distcp"))) == 8  # every rank wrote its own part
+    # Another layout reads the distributed checkpoint and the data position it saved.
+    resumed = _train(run_cli, tmp_path, "resumed", *LM_LOSS, "--nproc", "8", "--strategy",
+                     "pipeline", "--parallel.dp_replicate", "4", "--batch-size", "4",
+                     "--resume", str(step))
+    _assert_same(single, resumed)
