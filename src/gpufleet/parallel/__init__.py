@@ -50,7 +50,7 @@ def build_strategy(name: str, cfg, device: torch.device, precision=None,
     the split's DTensor parameters), with the step and state hooks that go with it.
     """
     cls = strategy_class(name)
-    if dims is not None and dims.tp > 1 and cls.name == "ddp":
+    if dims is not None and dims.tp > 1 and cls.traits.tp_by_replicate_mesh:
         from gpufleet.parallel.fsdp import ReplicatedTensorParallel
 
         cls = ReplicatedTensorParallel

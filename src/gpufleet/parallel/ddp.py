@@ -29,7 +29,7 @@ class DistributedDataParallel(Strategy):
     name = "ddp"
     # tp > 1 replicates the split model with FSDP2 instead (fsdp.ReplicatedTensorParallel).
     traits = StrategyTraits(dims=frozenset({"dp_replicate", "tp"}), reduces_in_backward=True,
-                            comm_hooks=True)
+                            comm_hooks=True, tp_by_replicate_mesh=True)
     needs_process_group = True
 
     def setup_model(self, model: nn.Module) -> nn.Module:

@@ -114,7 +114,7 @@ class FullyShardedDataParallel(Strategy):
                  precision: Any = None, dims: ParallelDims | None = None) -> None:
         super().__init__(cfg, device, precision, dims)
         self.api = fsdp_api()
-        if getattr(precision, "name", "fp32") == "fp16-mixed":
+        if getattr(precision, "scaler", None) is not None:  # a loss-scaling precision
             raise ConfigError(
                 "precision.mode = 'fp16-mixed' is not supported with parallel.strategy = "
                 "'fsdp': its loss scaler would see only this rank's gradient shard. Use "
@@ -225,7 +225,7 @@ class ReplicatedTensorParallel(FullyShardedDataParallel):
 
     name = "ddp"
     traits = StrategyTraits(dims=frozenset({"dp_replicate", "tp"}), reduces_in_backward=True,
-                            comm_hooks=True)
+                            comm_hooks=True, tp_by_replicate_mesh=True)
 
     def __init__(self, cfg: ParallelConfig, device: torch.device,
                  precision: Any = None, dims: ParallelDims | None = None) -> None:
