@@ -83,6 +83,7 @@ def test_hsdp_2_x_2_x_tp_2_on_eight_ranks_equals_single(run_cli, tmp_path):
     ("ddp_pp", ["--parallel.dp_replicate", "4"], "4"),  # DDP 4 x PP 2
     ("fsdp_pp", ["--parallel.dp_shard", "4"], "4"),  # FSDP 4 x PP 2
     ("fsdp_tp_pp", ["--parallel.dp_shard", "2", "--parallel.tp", "2"], "8"),  # 2 x 2 x 2
+    ("ddp_tp_pp", ["--parallel.dp_replicate", "2", "--parallel.tp", "2"], "8"),  # 2 x 2 x 2
 ])
 def test_pipeline_layouts_of_the_gpt_on_eight_ranks_equal_single(run_cli, tmp_path, name,
                                                                   degrees, batch):
