@@ -92,7 +92,7 @@ def resolve_with_dims(cfg: Config, machine: Machine, world_size: int,
                           "gloo), or single.")
     dims = plan_for(dataclasses.replace(par, strategy=strategy), traits, world_size,
                     local_world_size)
-    if strategy == "dp" and cfg.perf.compile:
+    if traits.copies_module_each_step and cfg.perf.compile:
         raise ConfigError("perf.compile with parallel.strategy = 'dp': nn.DataParallel "
                           "copies the module to every GPU each step, which a compiled module "
                           "does not survive. Use parallel.strategy=ddp (one process per GPU).")

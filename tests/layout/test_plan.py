@@ -35,7 +35,8 @@ def test_a_layout_says_which_strategy_trains_it_today():
     cfg = load_config()
     assert trainable_with(cfg, ParallelDims(dp_shard=4, tp=2), 8) == "fsdp"
     assert trainable_with(cfg, ParallelDims(dp_replicate=8), 8) == "ddp"
-    assert trainable_with(cfg, ParallelDims(pp=2, dp_replicate=2, tp=2), 8) is None
+    # DDP x TP x PP: the pipeline preset over the one mesh.
+    assert trainable_with(cfg, ParallelDims(pp=2, dp_replicate=2, tp=2), 8) == "pipeline"
 
 
 def test_named_devices_and_their_mistakes():
@@ -64,7 +65,7 @@ def test_plan_prints_a_128_rank_layout_and_the_nearest_that_fits(run_cli):
     out = fits.stdout
     assert "pp=2 x dp_replicate=8 x tp=8 = 128 ranks" in out
     assert "memory per rank" in out and "sent on tp" in out and "FLOPs" in out
-    assert "fits." in out and "cannot run this combination" in out
+    assert "fits." in out and "runs this layout with --strategy pipeline" in out
     tight = run_cli("plan", *big, "--gpu", "6", expect=1, timeout=200).stdout
     assert "does NOT fit" in tight
     assert "nearest layout that fits" in tight or "no layout of this many ranks" in tight

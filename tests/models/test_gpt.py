@@ -140,3 +140,20 @@ def test_residual_projections_use_scaled_init():
 def test_bad_config_names_the_value(kw, word):
     with pytest.raises(ConfigError, match=word):
         GPTConfig(**kw)
+
+
+def test_pipeline_stages_chain_to_the_whole_model_with_its_names():
+    from gpufleet.models.gpt import lm_loss
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=3, n_head=2, n_embd=16))
+    names = [n for n, _ in model.pipeline_units()]
+    assert names == ["embed", "blocks.0", "blocks.1", "blocks.2", "head"]
+    idx = torch.randint(0, 64, (2, 8))
+    whole = model(idx)
+    stages = [model.pipeline_stage(names[:2]), model.pipeline_stage(names[2:])]
+    torch.testing.assert_close(stages[1](stages[0](idx)), whole)
+    # Every name of the whole model, each on one stage (the head's copy of the tie too).
+    assert sorted(n for s in stages for n in s.state_dict()) == sorted(model.state_dict())
+    assert stages[1].lm_head.weight is not stages[0].wte.weight
+    torch.testing.assert_close(lm_loss(whole, idx), model(idx, targets=idx))

@@ -91,7 +91,8 @@ def test_fp32_on_a_tensor_core_gpu_suggests_bf16(precision, expect):
 
 
 def test_memory_headroom_and_dp_imbalance():
-    facts = RunFacts(device="cuda", strategy="dp", mem_total_gb=80.0, batch_size=8)
+    facts = RunFacts(device="cuda", strategy="dp", copies_module_each_step=True,
+                     mem_total_gb=80.0, batch_size=8)
     system = {"gpus": [{"util_pct": 95}, {"util_pct": 20}, {"util_pct": 25}]}
     found = {f.rule: f for f in diagnose(_summary((0.0, 0.005, 0.01, 0.004, 0.001),
                                                   mem=10.0), facts, system)}

@@ -55,8 +55,8 @@ def test_presets_give_the_rest_of_the_ranks_to_their_own_dimension():
     (4, ["parallel.strategy=hsdp", "parallel.dp_shard=2", "parallel.dp_replicate=3"],
      ["multiply to 6", "has 4 rank(s)"]),
     (6, ["parallel.strategy=fsdp", "parallel.tp=4"], ["multiply to 4", "has 6 rank(s)"]),
-    (4, ["parallel.strategy=ddp", "parallel.tp=2"], ["parallel.tp = 2 cannot", "fsdp"]),
-    (4, ["parallel.strategy=pipeline", "parallel.tp=2"], ["parallel.tp = 2 cannot"]),
+    (4, ["parallel.strategy=local_sgd", "parallel.tp=2"], ["parallel.tp = 2 cannot", "fsdp"]),
+    (4, ["parallel.strategy=zero1", "parallel.tp=2"], ["parallel.tp = 2 cannot"]),
     (2, ["parallel.strategy=single"], ["independent copies", "ddp"]),
     # The communication hooks are a trait of ddp alone.
     (2, ["parallel.strategy=fsdp", "parallel.ddp_comm_hook=powersgd"],

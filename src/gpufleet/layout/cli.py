@@ -100,12 +100,16 @@ def layout_dims(cfg: Any, world: int, per_node: int) -> Any:
 
 
 def trainable_with(cfg: Any, dims: Any, per_node: int) -> str | None:
-    """A ``--strategy`` of ``gpufleet train`` that runs ``dims`` today, or None."""
+    """A ``--strategy`` of ``gpufleet train`` that runs ``dims`` today, or None: the
+    first preset whose own dimension (the one taking the ranks left over) spans several
+    ranks, else the first that takes the degrees at all (``pipeline`` also runs pp = 1,
+    but ``fsdp`` says dp_shard = 4 x tp = 2 better)."""
     from gpufleet.errors import ConfigError
     from gpufleet.parallel import strategy_class, strategy_names
     from gpufleet.parallel.dims import DIMS, plan_for
 
     exact = dataclasses.replace(cfg.parallel, **{n: getattr(dims, n) for n in DIMS})
+    takers: list[str] = []
     for name in strategy_names():
         traits = strategy_class(name).traits
         if traits.one_process and dims.world_size > 1:
@@ -113,10 +117,11 @@ def trainable_with(cfg: Any, dims: Any, per_node: int) -> str | None:
         try:
             if plan_for(dataclasses.replace(exact, strategy=name), traits,
                         dims.world_size, per_node) == dims:
-                return name
+                takers.append(name)
         except ConfigError:
             continue
-    return None
+    own = [n for n in takers if getattr(dims, strategy_class(n).traits.rest) > 1]
+    return (own or takers or [None])[0]
 
 
 def nearest_fitting(cfg: Any, dims: Any, per_node: int, device: Any, build_model: Any,

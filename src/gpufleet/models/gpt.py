@@ -179,6 +179,24 @@ class GPT(nn.Module):
             return logits
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
+    def pipeline_units(self) -> list[tuple[str, nn.Module]]:
+        """The layers in the order forward runs them, for a pipeline split
+        (:mod:`gpufleet.parallel.pipeline`): ``embed`` (token and position embeddings),
+        ``blocks.0`` .. ``blocks.N-1``, ``head`` (final norm and output head)."""
+        return [("embed", nn.ModuleList([self.wte, self.wpe])),
+                *((f"blocks.{i}", b) for i, b in enumerate(self.blocks)),
+                ("head", self.ln_f)]
+
+    def pipeline_stage(self, units: list[str]) -> nn.Module:
+        """The stage that runs ``units`` (consecutive names of :meth:`pipeline_units`),
+        with this model's state-dict names (``blocks.3.mlp.c_fc.weight``)."""
+        return GPTStage(self, units)
+
+    def pipeline_ties(self) -> list[tuple[str, str]]:
+        """Parameter names that are one tensor in the whole model: the output head is
+        the token embedding. Stages that hold one each keep their gradients summed."""
+        return [("wte.weight", "lm_head.weight")]
+
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters, each tensor counted once (the tied head is the embedding).
 
@@ -211,6 +229,43 @@ class GPT(nn.Module):
             {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
         ]
+
+
+class GPTStage(nn.Module):
+    """A run of consecutive :class:`GPT` layers: one pipeline stage.
+
+    The first stage embeds token ids, the last ends with the logits; the ones between
+    take and return the residual stream ``[B, T, n_embd]``. A last stage without the
+    embedding keeps its own copy of the tied head weight (equal at the start; the
+    pipeline sums the two gradients, see :meth:`GPT.pipeline_ties`).
+    """
+
+    def __init__(self, gpt: GPT, units: list[str]) -> None:
+        super().__init__()
+        self.first, self.last = "embed" in units, "head" in units
+        if self.first:
+            self.wte, self.wpe, self.drop = gpt.wte, gpt.wpe, gpt.drop
+        # Keyed by the block's index in the whole model: the state-dict names stay.
+        self.blocks = nn.ModuleDict({u.split(".")[1]: gpt.blocks[int(u.split(".")[1])]
+                                     for u in units if u.startswith("blocks.")})
+        if self.last:
+            self.ln_f, self.lm_head = gpt.ln_f, gpt.lm_head
+            if not self.first:  # the tie crosses stages: a copy of its own
+                self.lm_head.weight = nn.Parameter(gpt.wte.weight.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.drop(self.wte(x) + self.wpe.weight[:x.shape[1]])
+        for block in self.blocks.values():
+            x = block(x)
+        return self.lm_head(self.ln_f(x)) if self.last else x
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of ``[B, T, V]`` logits against ``[B, T]`` ids: the
+    loss :meth:`GPT.forward` computes, for a loop that calls the model for logits (a
+    pipeline's last stage: ``--model.loss gpufleet.models.gpt:lm_loss``)."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def build_gpt(n_layer: int, n_head: int, n_embd: int, block_size: int,

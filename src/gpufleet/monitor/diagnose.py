@@ -237,7 +237,7 @@ def _host_syncs(s: Summary, facts: RunFacts, system: Any,
 
 def _dp_imbalance(s: Summary, facts: RunFacts, system: dict[str, Any] | None,
                   *_: Any) -> Finding | None:
-    if facts.strategy != "dp" or not system or len(system.get("gpus", [])) < 2:
+    if not facts.copies_module_each_step or not system or len(system.get("gpus", [])) < 2:
         return None
     utils = [g.get("util_pct", 0.0) for g in system["gpus"]]
     first, rest = utils[0], sum(utils[1:]) / len(utils[1:])

@@ -92,6 +92,8 @@ class RunFacts:
     precision: str = "fp32"
     strategy: str = "single"
     comm_hooks: bool = False  # the strategy takes parallel.ddp_comm_hook (its traits)
+    # One process copies the module to every GPU each step (nn.DataParallel; its traits).
+    copies_module_each_step: bool = False
     bucket_cap_mb: float = 25.0
     compile: bool = False
     device_flops: float | None = None

@@ -43,8 +43,18 @@ def strategy_class(name: str) -> type[Strategy]:
 
 def build_strategy(name: str, cfg, device: torch.device, precision=None,
                    dims: ParallelDims | None = None) -> Strategy:
-    """Make the strategy called ``name`` for ``device`` over the mesh degrees ``dims``."""
-    return strategy_class(name)(cfg, device, precision, dims)
+    """Make the strategy called ``name`` for ``device`` over the mesh degrees ``dims``.
+
+    A name is a preset: ``ddp`` over a tensor parallel split (``dims.tp > 1``) keeps its
+    replicas in step with FSDP2 over the replicate dimension (torch's DDP cannot hold
+    the split's DTensor parameters), with the step and state hooks that go with it.
+    """
+    cls = strategy_class(name)
+    if dims is not None and dims.tp > 1 and cls.traits.tp_by_replicate_mesh:
+        from gpufleet.parallel.fsdp import ReplicatedTensorParallel
+
+        cls = ReplicatedTensorParallel
+    return cls(cfg, device, precision, dims)
 
 
 def _register_builtins() -> None:

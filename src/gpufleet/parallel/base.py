@@ -113,6 +113,16 @@ class Strategy:
         self.measured: EachNorm | None = None
         self._clip_model: nn.Module | None = None
         self._clip_params: list[nn.Parameter] | None = None
+        self._mesh: Any = None
+
+    @property
+    def mesh(self) -> Any:
+        """The run's one ``DeviceMesh`` over :attr:`dims` (``pp``, ``dp_replicate``,
+        ``dp_shard``, ``tp``), built on first use (COLLECTIVE: every rank reads it the
+        same time) and shared by every parallelism applied to the model."""
+        if self._mesh is None:
+            self._mesh = self.dims.build_mesh(self.device.type)
+        return self._mesh
 
     # -- building ------------------------------------------------------------------
     def setup_model(self, model: nn.Module) -> nn.Module:

@@ -27,7 +27,9 @@ class DistributedDataParallel(Strategy):
     """Wrap the model in DDP with the ``[parallel]`` bucket and graph options."""
 
     name = "ddp"
-    traits = StrategyTraits(reduces_in_backward=True, comm_hooks=True)
+    # tp > 1 replicates the split model with FSDP2 instead (fsdp.ReplicatedTensorParallel).
+    traits = StrategyTraits(dims=frozenset({"dp_replicate", "tp"}), reduces_in_backward=True,
+                            comm_hooks=True, tp_by_replicate_mesh=True)
     needs_process_group = True
 
     def setup_model(self, model: nn.Module) -> nn.Module:

@@ -106,6 +106,15 @@ class StrategyTraits:
             all-reduce or reduce-scatter (what a communication-bound run waits on).
         comm_hooks: takes torch's DDP communication hooks (``parallel.ddp_comm_hook``:
             fp16, bf16, powersgd compress its gradient all-reduce).
+        copies_module_each_step: the module is copied to every device each step
+            (``nn.DataParallel``), which a compiled module does not survive; one process
+            then drives several GPUs, and the first one does more than the rest.
+        consolidates_optimizer: the optimizer state is sharded by rank and gathered on
+            one rank to save (``ZeroRedundancyOptimizer``): sharded checkpoints do not
+            load into it.
+        tp_by_replicate_mesh: with ``tp > 1`` the whole replicas are kept in step by
+            FSDP2 over a replicate-only mesh (torch's DDP cannot hold the split's DTensor
+            parameters; ``ddp``).
     """
 
     rest: str = "dp_replicate"
@@ -117,6 +126,9 @@ class StrategyTraits:
     shard_default_per_node: bool = False
     reduces_in_backward: bool = False
     comm_hooks: bool = False
+    copies_module_each_step: bool = False
+    consolidates_optimizer: bool = False
+    tp_by_replicate_mesh: bool = False
     wraps: str = ""
 
 
@@ -146,7 +158,8 @@ def plan_for(par: Any, traits: StrategyTraits, world_size: int,
             raise ConfigError(
                 f"parallel.{name} = {value} cannot be used with parallel.strategy = "
                 f"{strategy!r} (it spreads over {usable}). Use parallel.strategy = fsdp or "
-                f"hsdp for dp_shard/tp, pipeline for pp, or set parallel.{name} = 1.")
+                f"hsdp for dp_shard, ddp, fsdp or hsdp for tp, pipeline for pp, or set "
+                f"parallel.{name} = 1.")
     fixed = 1
     for name, value in given.items():
         if name != traits.rest or value:

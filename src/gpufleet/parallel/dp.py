@@ -37,7 +37,8 @@ class DataParallel(Strategy):
     """Replicate the model over all visible GPUs from one process."""
 
     name = "dp"
-    traits = StrategyTraits(one_process=True, needs_cuda=True, wraps="nn.DataParallel")
+    traits = StrategyTraits(one_process=True, needs_cuda=True, wraps="nn.DataParallel",
+                            copies_module_each_step=True)
 
     def setup_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)

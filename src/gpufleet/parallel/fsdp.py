@@ -55,7 +55,7 @@ from gpufleet.config import ParallelConfig
 from gpufleet.errors import ConfigError, did_you_mean
 from gpufleet.parallel.base import Strategy
 from gpufleet.parallel.dims import ParallelDims, StrategyTraits
-from gpufleet.parallel.tensor import apply_tensor_parallel, without_strided
+from gpufleet.parallel.tensor import without_strided
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class FullyShardedDataParallel(Strategy):
                  precision: Any = None, dims: ParallelDims | None = None) -> None:
         super().__init__(cfg, device, precision, dims)
         self.api = fsdp_api()
-        if getattr(precision, "name", "fp32") == "fp16-mixed":
+        if getattr(precision, "scaler", None) is not None:  # a loss-scaling precision
             raise ConfigError(
                 "precision.mode = 'fp16-mixed' is not supported with parallel.strategy = "
                 "'fsdp': its loss scaler would see only this rank's gradient shard. Use "
@@ -126,12 +126,11 @@ class FullyShardedDataParallel(Strategy):
     def setup_model(self, model: nn.Module) -> nn.Module:
         cfg = self.cfg
         model = model.to(self.device)
-        # COLLECTIVE: every rank starts from rank 0's weights, as DDP does.
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.detach(), src=0)
-        mesh = self.dims.build_mesh(self.device.type)  # COLLECTIVE
-        if self.dims.tp > 1:  # first the layers' matrices over tp, then the shards
-            apply_tensor_parallel(model, mesh["tp"])
+        if self.dims.tp == 1:  # with tp, parallelize() broadcast before the split
+            # COLLECTIVE: every rank starts from rank 0's weights, as DDP does.
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.detach(), src=0)
+        mesh = self.mesh  # COLLECTIVE the first time
         # HSDP: a 2-D (replicate, shard) mesh; FSDP: the shard dimension alone.
         dp_mesh = (mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1
                    else mesh["dp_shard"])
@@ -211,6 +210,32 @@ class HybridShardedDataParallel(FullyShardedDataParallel):
     traits = StrategyTraits(rest="dp_replicate", shard_default_per_node=True,
                             dims=frozenset({"dp_replicate", "dp_shard", "tp"}),
                             reduces_in_backward=True)
+
+
+class ReplicatedTensorParallel(FullyShardedDataParallel):
+    """The ``ddp`` preset with ``tp > 1``: whole (tensor parallel) replicas on
+    ``dp_replicate`` that all-reduce their gradients, as DDP does.
+
+    torch's ``DistributedDataParallel`` cannot hold the DTensor parameters tensor
+    parallelism leaves, so the replication is FSDP2 over a (``dp_replicate``,
+    ``dp_shard`` = 1) mesh: a shard group of one rank keeps every parameter whole, and
+    the gradients are all-reduced across the replicas. Checkpoints are then sharded
+    (each tensor parallel rank writes its slices), as with ``fsdp`` and ``tp``.
+    """
+
+    name = "ddp"
+    traits = StrategyTraits(dims=frozenset({"dp_replicate", "tp"}), reduces_in_backward=True,
+                            comm_hooks=True, tp_by_replicate_mesh=True)
+
+    def __init__(self, cfg: ParallelConfig, device: torch.device,
+                 precision: Any = None, dims: ParallelDims | None = None) -> None:
+        if cfg.ddp_comm_hook != "none":
+            raise ConfigError(
+                f"parallel.ddp_comm_hook = {cfg.ddp_comm_hook!r} compresses DDP's own "
+                "all-reduce, and with parallel.tp > 1 the replicas are kept in step by "
+                "FSDP2 over the replicate dimension instead. Set parallel.ddp_comm_hook = "
+                "none, or parallel.tp = 1.")
+        super().__init__(cfg, device, precision, dims)
 
 
 def blocks_to_shard(model: nn.Module, wrap: str) -> list[nn.Module]:

@@ -64,6 +64,7 @@ from gpufleet.parallel.pipeline_split import (
     sequential_units,
     stage_module,
 )
+from gpufleet.parallel.tensor import without_strided
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class PipelineParallel(Strategy):
     name = "pipeline"
     # The stages take the ranks dp_shard leaves (all of them by default); ranks of one
     # pipeline read the same batches, and dp_shard > 1 shards each stage with FSDP.
-    traits = StrategyTraits(rest="pp", dims=frozenset({"pp", "dp_shard"}))
+    traits = StrategyTraits(rest="pp", dims=frozenset({"pp", "dp_replicate", "dp_shard", "tp"}))
     needs_process_group = True
     # saves_on_every_rank stays False: state_dict (a collective, called on every rank)
     # gathers the whole model, and rank 0 writes one ordinary checkpoint file.
@@ -93,21 +94,28 @@ class PipelineParallel(Strategy):
             raise ConfigError("parallel.strategy = 'pipeline' cannot use precision.mode = "
                               "'fp16-mixed': the schedule runs backward itself, past the loss "
                               "scaler. Use --precision bf16-mixed (or fp32).")
-        cfg = self.cfg
+        cfg, dims = self.cfg, self.dims
         mesh = None
-        if self.dims.dp_shard > 1:  # FSDP + pipeline: this rank's pipeline is a mesh row
-            mesh = self.dims.build_mesh(self.device.type)  # COLLECTIVE
+        if dims.world_size > dims.pp:  # this rank's pipeline is a row of the mesh
+            mesh = self.mesh  # COLLECTIVE the first time
             self._group, self.rank = mesh.get_group("pp"), mesh.get_local_rank("pp")
         else:
             self._group, self.rank = None, dist.get_rank()
-        self.stages = self.dims.pp
+        self.stages = dims.pp
         self.microbatches = cfg.pipeline_microbatches
-        units = sequential_units(model)
+        own = callable(getattr(model, "pipeline_stage", None))
+        units = model.pipeline_units() if own else sequential_units(model)
         starts = [*plan_stages(units, self.stages, cfg.pipeline_split), len(units)]
         first, stop = starts[self.rank], starts[self.rank + 1]
-        stage = stage_module(model, units, first, stop).to(self.device)
-        if mesh is not None:
-            shard_model(stage, mesh["dp_shard"], cfg, self.device)
+        stage = (model.pipeline_stage([n for n, _ in units[first:stop]]) if own
+                 else stage_module(model, units, first, stop)).to(self.device)
+        if dims.dp > 1:  # FSDP, HSDP, or replicas kept in step by FSDP2 (dp_shard = 1)
+            dp_mesh = (mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1
+                       else mesh["dp_shard"])
+            shard_model(stage, dp_mesh, cfg, self.device, tp_split=dims.tp > 1)
+        # After sharding: FSDP replaces the parameters it shards.
+        self._ties = tied_pairs(model, stage, self._pipelines(mesh), self.rank) if own else []
+        if dims.dp > 1 or dims.tp > 1:
             # Each stage's ranks write their own shards; evaluation forwards all-gather.
             self.saves_on_every_rank = self.eval_in_lockstep = True
         self.layers = [[n for n, _ in units[a:b]] for a, b in itertools.pairwise(starts)]
@@ -125,6 +133,33 @@ class PipelineParallel(Strategy):
                      100 * self.bubble_share,
                      " | ".join(f"{s[0]}..{s[-1]}" if len(s) > 1 else s[0] for s in self.layers))
         return stage
+
+    def _pipelines(self, mesh: Any) -> list[list[int]]:
+        """The global ranks of every pipeline, stage by stage (each is one ``pp`` row of
+        the mesh; all ranks when the pipeline spans them)."""
+        if mesh is None:
+            return [list(range(self.dims.pp))]
+        grid = mesh.mesh  # [pp, dp_replicate, dp_shard, tp] global ranks
+        return grid.reshape(self.dims.pp, -1).t().tolist()
+
+    def _sync_ties(self, before: list[torch.Tensor | None]) -> None:
+        """Sum over the two stages of each tie what this step's backward added to the
+        tied parameter's gradient (COLLECTIVE over the pair: one all-reduce)."""
+        for (param, group), old in zip(self._ties, before, strict=True):
+            grad = _local(param.grad)
+            added = grad - old if old is not None else grad.clone()
+            dist.all_reduce(added, group=group)
+            grad.copy_(added if old is None else old + added)
+
+    def grad_norm(self, model: nn.Module) -> torch.Tensor:
+        """The global gradient norm; a tied parameter's second copy is left out (its
+        gradient is the first copy's), so the norm is the whole model's."""
+        from gpufleet.parallel.grad_norm import grad_norm
+
+        copies = {id(p) for p, _ in self._ties if not self.is_first}
+        grads = (p.grad for p in model.parameters()
+                 if p.grad is not None and id(p) not in copies)
+        return grad_norm(grads, self.device, self.dims)
 
     def _build_schedule(self) -> Any:
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
@@ -174,6 +209,7 @@ class PipelineParallel(Strategy):
         inputs, target = self._split_batch(batch)
         self._loss_fn, self._loss_scale = loss_fn, loss_scale
         self._mb_losses = []
+        before = [None if p.grad is None else _local(p.grad).clone() for p, _ in self._ties]
         # COLLECTIVE: the schedule's point-to-point sends and receives of activations
         # (forward) and their gradients (backward) between neighbouring stages.
         with precision.autocast(), _without_module_tracking():
@@ -185,6 +221,8 @@ class PipelineParallel(Strategy):
                 self._schedule.step(target=target)
             else:
                 self._schedule.step()
+        if self._ties:
+            self._sync_ties(before)
         if mark is not None:
             # The schedule interleaves forwards and backwards: phase timing counts all
             # of it as forward.
@@ -244,7 +282,7 @@ class PipelineParallel(Strategy):
                 # names the whole model's parameters, of which a stage loads its own.
                 osd["param_groups"] = [{**g, "params": self._layout[slot]} for g, slot
                                        in zip(osd["param_groups"], self._slots, strict=True)]
-            return {"model": msd, "optimizer": osd}
+            return without_strided({"model": msd, "optimizer": osd})
         opt = optimizer.state_dict()
         own_state, own_groups = {}, []
         for i, group in enumerate(opt["param_groups"]):
@@ -351,6 +389,46 @@ def _without_module_tracking() -> Iterator[None]:
     finally:
         for tracker in trackers:
             tracker.__enter__()
+
+
+def tied_pairs(model: nn.Module, stage: nn.Module, pipelines: list[list[int]],
+               stage_index: int) -> list[tuple[nn.Parameter, Any]]:
+    """``(parameter, process group)`` for each tie of ``model.pipeline_ties()`` whose two
+    names sit on different stages and one of them on this rank's ``stage``; the group
+    holds the two stages' ranks of this rank's pipeline. COLLECTIVE: every rank creates
+    every pipeline's groups, in the same order."""
+    held = dict(stage.named_parameters(remove_duplicate=False))
+    stage_of = _stage_of_params(pipelines, held)
+    ties: list[tuple[nn.Parameter, Any]] = []
+    rank = dist.get_rank()
+    for a, b in model.pipeline_ties():
+        first, last = stage_of(a), stage_of(b)
+        if first == last:
+            continue
+        for ranks in pipelines:  # COLLECTIVE: one new group per pipeline, on every rank
+            group = dist.new_group([ranks[first], ranks[last]])
+            if rank in (ranks[first], ranks[last]):
+                ties.append((held[a if stage_index == first else b], group))
+    return ties
+
+
+def _stage_of_params(pipelines: list[list[int]],
+                     held: dict[str, nn.Parameter]) -> Callable[[str], int]:
+    """Which stage holds a parameter name: every rank learns the stages' names once
+    (COLLECTIVE over all ranks: one gather of names)."""
+    names = gather_objects(sorted(held))
+    by_rank = {r: set(n) for r, n in enumerate(names)}
+    ranks = next(p for p in pipelines if dist.get_rank() in p)
+
+    def stage_of(name: str) -> int:
+        return next(i for i, r in enumerate(ranks) if name in by_rank[r])
+
+    return stage_of
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local part of a DTensor (sharing its storage), or the tensor itself."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 def _group_key(group: dict[str, Any]) -> str:

@@ -35,7 +35,7 @@ class ZeroRedundancy(Strategy):
     """DDP-wrapped model, optimizer state sharded by ``ZeroRedundancyOptimizer``."""
 
     name = "zero1"
-    traits = StrategyTraits(reduces_in_backward=True)
+    traits = StrategyTraits(reduces_in_backward=True, consolidates_optimizer=True)
     needs_process_group = True
 
     def __init__(self, cfg: ParallelConfig, device: torch.device,

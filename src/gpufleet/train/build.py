@@ -44,7 +44,7 @@ from gpufleet.train.optim import (
     fill_optimizer_defaults,
     optimizer_spec,
 )
-from gpufleet.train.perf import apply_backend_flags, prepare_model, share_cores
+from gpufleet.train.perf import apply_backend_flags, share_cores
 from gpufleet.train.rank import join_process_group, local_gpu_index
 from gpufleet.train.recipe import (
     describe_scheduler,
@@ -190,11 +190,8 @@ def _model_and_optimizer(cfg: Config, env: DistEnv, device: torch.device, strate
     """The model as the strategy places it, its optimizer (yours, or ``[optim]``'s) and
     your scheduler if any; the config gains the settings its preset filled in and the
     recipe line, so the run directory's config.toml records what was used."""
-    from gpufleet.parallel.activation_checkpointing import apply_layer_options
+    from gpufleet.parallel.parallelize import parallelize
 
-    # SyncBatchNorm and activation checkpointing change layers in place (same
-    # state-dict names), before compilation and before the strategy wraps the model.
-    model = apply_layer_options(model, cfg.parallel, device, env.world_size)
     if optimizer is None and cfg.optim.factory:  # your factory, named in the config
         optimizer = import_object(cfg.optim.factory, "optim.factory")
     if scheduler is None and cfg.sched.factory:
@@ -210,7 +207,10 @@ def _model_and_optimizer(cfg: Config, env: DistEnv, device: torch.device, strate
             "optim.warmup_steps=0 and optim.decay=constant keep yours.")
     spec = (optimizer_spec(optim, device.type) if optimizer is None
             else spec_from_optimizer(user_optimizer(optimizer, model), model))
-    model = strategy.setup_model(prepare_model(model, cfg.perf))
+    # Tensor parallel, layer options, compile, then sharding/replication and the
+    # pipeline split, in that order (gpufleet.parallel.parallelize); your optimizer's
+    # groups are found again by parameter name on what it placed.
+    model = parallelize(model, strategy, cfg, env.world_size)
     built = strategy.setup_optimizer(model, spec)
     scheduler = place_scheduler(scheduler, built)
     schedule = (describe_schedule(optim) if scheduler is None else

@@ -116,7 +116,9 @@ class Checkpointer:
             path, verify=False)
         try:
             if sharded:  # COLLECTIVE: each rank reads what makes up its own shards
-                sharded_ckpt.load_sharded_into(path, self.model, self.optimizer)
+                sharded_ckpt.load_sharded_into(
+                    path, self.model, self.optimizer,
+                    consolidates_optimizer=self.strategy.traits.consolidates_optimizer)
             else:
                 self.strategy.load_state_dict(self.model, self.optimizer, state)
             self.scheduler.load_state_dict(state["scheduler"])

@@ -6,7 +6,6 @@ import logging
 import os
 
 import torch
-from torch import nn
 
 from gpufleet.config import PerfConfig
 from gpufleet.core.machine import cores_per_rank, usable_cores
@@ -50,22 +49,6 @@ def apply_backend_flags(perf: PerfConfig, deterministic: bool) -> None:
     torch.backends.cuda.matmul.allow_tf32 = perf.tf32
     torch.backends.cudnn.allow_tf32 = perf.tf32
     torch.backends.cudnn.benchmark = perf.cudnn_benchmark and not deterministic
-
-
-def prepare_model(model: nn.Module, perf: PerfConfig) -> nn.Module:
-    """Memory format and compilation, before the strategy wraps the model.
-
-    ``nn.Module.compile`` compiles in place: the module keeps its class and its
-    state-dict names, so checkpoints load with or without compilation, and DDP wraps the
-    compiled module as it would any other.
-    """
-    if perf.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    if perf.compile:
-        model.compile(mode=None if perf.compile_mode == "default" else perf.compile_mode)
-        log.info("model compiled with torch.compile (mode %s); the first steps are slow "
-                 "while it compiles", perf.compile_mode)
-    return model
 
 
 def to_channels_last(batch: object) -> object:

@@ -222,20 +222,29 @@ def read_full_model(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_sharded_into(path: str | Path, model: torch.nn.Module,
-                      optimizer: torch.optim.Optimizer) -> None:
+                      optimizer: torch.optim.Optimizer,
+                      consolidates_optimizer: bool = False) -> None:
     """Load a sharded checkpoint's model and optimizer state into ``model`` (plain, DDP or
     FSDP) and ``optimizer``, resharding to this run's world size.
 
     COLLECTIVE when a process group exists: every rank reads the parts of the saved
     shards that make up its own.
 
+    Args:
+        path: the checkpoint's ``step-N/`` folder.
+        model: the model to fill (plain, DDP or FSDP).
+        optimizer: its optimizer.
+        consolidates_optimizer: the run's strategy keeps its optimizer state sharded by
+            rank (its ``traits.consolidates_optimizer``: zero1), which cannot load one.
+
     Raises:
-        RuntimeError: the checkpoint does not fit the model or optimizer.
+        RuntimeError: the checkpoint does not fit the model or optimizer, or the
+            strategy consolidates its optimizer state.
     """
     dcp = _dcp()
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    if hasattr(optimizer, "consolidate_state_dict"):  # ZeroRedundancyOptimizer
+    if consolidates_optimizer:  # the strategy's trait (zero1)
         raise RuntimeError("a sharded checkpoint loads into fsdp, ddp or single runs, not "
                            "zero1; resume with one of those strategies")
     # Tensors of the right shapes and shardings for this run, filled in place by DCP
