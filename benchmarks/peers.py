@@ -144,18 +144,16 @@ def loader(job: Job) -> DataLoader:
     return DataLoader(job.data, batch_size=job.batch, shuffle=False, drop_last=True)
 
 
-def hand(job: Job, done: Callable[[], None]) -> None:
-    torch.manual_seed(0)
-    model = job.make_model()
-    opt = job.make_opt(model.parameters())
-    sched = job.make_sched(opt) if job.make_sched else None
+def _steps(job: Job, model: nn.Module, opt: Any, sched: Any, data: Any,
+           backward: Callable[[torch.Tensor], None], clip: Callable[[], None],
+           done: Callable[[], None]) -> None:
+    """The loop every hand-driven framework runs: ``job.steps`` steps over ``data``."""
     step = 0
     while step < job.steps:
-        for batch in loader(job):
-            loss = job.loss(model, batch)
-            loss.backward()
+        for batch in data:
+            backward(job.loss(model, batch))
             if job.clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), job.clip)
+                clip()
             opt.step()
             if sched:
                 sched.step()
@@ -164,59 +162,39 @@ def hand(job: Job, done: Callable[[], None]) -> None:
             done()
             if step == job.steps:
                 return
+
+
+def _parts(job: Job) -> tuple[nn.Module, Any, Any]:
+    torch.manual_seed(0)
+    model = job.make_model()
+    opt = job.make_opt(model.parameters())
+    return model, opt, job.make_sched(opt) if job.make_sched else None
+
+
+def hand(job: Job, done: Callable[[], None]) -> None:
+    model, opt, sched = _parts(job)
+    _steps(job, model, opt, sched, loader(job), lambda loss: loss.backward(),
+           lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), job.clip), done)
 
 
 def fabric(job: Job, done: Callable[[], None]) -> None:
     from lightning.fabric import Fabric
 
     f = Fabric(accelerator="cpu", devices=1, precision="32-true")
-    torch.manual_seed(0)
-    model = job.make_model()
-    opt = job.make_opt(model.parameters())
-    sched = job.make_sched(opt) if job.make_sched else None
+    model, opt, sched = _parts(job)
     model, opt = f.setup(model, opt)
-    data = f.setup_dataloaders(loader(job))
-    step = 0
-    while step < job.steps:
-        for batch in data:
-            loss = job.loss(model, batch)
-            f.backward(loss)
-            if job.clip:
-                f.clip_gradients(model, opt, max_norm=job.clip)
-            opt.step()
-            if sched:
-                sched.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-            done()
-            if step == job.steps:
-                return
+    _steps(job, model, opt, sched, f.setup_dataloaders(loader(job)), f.backward,
+           lambda: f.clip_gradients(model, opt, max_norm=job.clip), done)
 
 
 def accelerate(job: Job, done: Callable[[], None]) -> None:
     from accelerate import Accelerator
 
     acc = Accelerator(cpu=True)
-    torch.manual_seed(0)
-    model = job.make_model()
-    opt = job.make_opt(model.parameters())
-    sched = job.make_sched(opt) if job.make_sched else None
+    model, opt, sched = _parts(job)
     model, opt, data = acc.prepare(model, opt, loader(job))
-    step = 0
-    while step < job.steps:
-        for batch in data:
-            loss = job.loss(model, batch)
-            acc.backward(loss)
-            if job.clip:
-                acc.clip_grad_norm_(model.parameters(), job.clip)
-            opt.step()
-            if sched:
-                sched.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-            done()
-            if step == job.steps:
-                return
+    _steps(job, model, opt, sched, data, acc.backward,
+           lambda: acc.clip_grad_norm_(model.parameters(), job.clip), done)
 
 
 def lightning_trainer(job: Job, done: Callable[[], None]) -> None:
