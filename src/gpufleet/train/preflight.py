@@ -58,9 +58,24 @@ def preflight(model: torch.nn.Module, train_data: Any, loss_fn: Any, cfg: Config
 
 def _failed(what: str, error: Exception, cfg: Config) -> str:
     text = " ".join(str(error).split()) or "(no message)"
-    return (f"preflight: {what} failed before training started: {type(error).__name__}: "
-            f"{text} (The preflight runs on the CPU; turn it off with "
-            "--run.preflight=false if the model only runs on a GPU.)")
+    message = (f"preflight: {what} failed before training started: "
+               f"{type(error).__name__}: {text}")
+    if is_device_mismatch(error):
+        message += (" (The preflight runs on the CPU; turn it off with "
+                    "--run.preflight=false if the model only runs on a GPU.)")
+    return message
+
+
+# Phrases torch uses when a tensor or an operation needs a device the CPU is not.
+_DEVICE_PHRASES = ("same device", "cuda", "device type", "nvidia driver", "mps",
+                   "xpu", "not compiled with")
+
+
+def is_device_mismatch(error: Exception) -> bool:
+    """True when ``error`` says a tensor or an operation needs another device than the
+    CPU, the one failure for which turning the preflight off is the fix."""
+    text = str(error).lower()
+    return any(phrase in text for phrase in _DEVICE_PHRASES)
 
 
 # What gpufleet.fit sends to the ranks it starts, in the order it passes them.
