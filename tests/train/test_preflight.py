@@ -51,3 +51,28 @@ def test_other_failures_do_not_suggest_turning_the_preflight_off() -> None:
 ])
 def test_is_device_mismatch(message: str, expected: bool) -> None:
     assert is_device_mismatch(RuntimeError(message)) is expected
+
+
+def _numpy_float64() -> list:
+    import numpy as np
+
+    return [(np.zeros(2), np.zeros(1, dtype=np.float32)) for _ in range(4)]
+
+
+def test_a_float64_field_is_named_with_the_cast_to_make() -> None:
+    with pytest.raises(ConfigError) as caught:
+        preflight(torch.nn.Linear(2, 1), _numpy_float64(), torch.nn.functional.mse_loss,
+                  Config())
+    text = str(caught.value)
+    assert "\n" not in text
+    assert "batch[0] (inputs) is a float64 tensor" in text
+    assert "float32" in text and "astype" in text
+
+
+def test_string_labels_are_named_with_the_mapping_to_make() -> None:
+    data = [(torch.zeros(2), "cat"), (torch.zeros(2), "dog")]
+    with pytest.raises(ConfigError) as caught:
+        preflight(torch.nn.Linear(2, 2), data, torch.nn.functional.cross_entropy, Config())
+    text = str(caught.value)
+    assert "batch[1] (target) holds strings ('cat', ...)" in text
+    assert "integer ids" in text

@@ -49,6 +49,11 @@ def preflight(model: torch.nn.Module, train_data: Any, loss_fn: Any, cfg: Config
         with torch.no_grad():
             make_loss_fn(loss_fn)(model, batch)
     except Exception as e:
+        from gpufleet.train.batch_check import explain_batch
+
+        reason = explain_batch(model, batch)
+        if reason is not None:
+            raise ConfigError(f"preflight: {reason}") from None
         raise ConfigError(_failed(f"a batch of {count} sample(s) through the model and its "
                                   "loss", e, cfg)) from None
     finally:
