@@ -182,7 +182,8 @@ class CheckpointConfig(Section):
     every: int = opt(0, "Save every N optimizer steps (0: only at the end).", min=0)
     keep_last: int = opt(3, "Checkpoints to keep (older ones are deleted).", min=1)
     save_final: bool = opt(True, "Save when training ends.")
-    resume: str = opt("", "'latest' (newest checkpoint of this run name) or a path.")
+    resume: str = opt("", "'latest' (newest checkpoint of this run name), 'auto' (latest if "
+                      "any, else a fresh start: for requeued jobs) or a path.")
 
 
 @dataclass
