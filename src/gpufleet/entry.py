@@ -50,6 +50,7 @@ def run_training(cfg: Config, worker: Any = None, extra: tuple = (), job: Any = 
             :class:`gpufleet.job.Job`); None builds the job the config names.
     """
     from gpufleet.launch import DistEnv, launch
+    from gpufleet.launch.env import launched_layout
     from gpufleet.procs import forget_process, record_process
     from gpufleet.resolve import Machine, resolve
     from gpufleet.train import runlock
@@ -60,6 +61,9 @@ def run_training(cfg: Config, worker: Any = None, extra: tuple = (), job: Any = 
     cfg = named(cfg)  # e.g. gpt-stdlib: every rank and node then agrees on it
     env = DistEnv.detect()
     if env.is_distributed:  # torchrun, SLURM, horovodrun, mpirun or our launcher
+        if env.source == "slurm":  # config.toml records the layout srun started
+            cfg = dataclasses.replace(cfg, dist=dataclasses.replace(
+                cfg.dist, **launched_layout(env)))
         result = worker(config_to_dict(cfg), *extra)
         if result.preempted and not env.is_main:  # every rank exits "requeue"
             raise RunStopped(f"rank {env.rank} stopped by {result.preempted}.",
@@ -77,6 +81,10 @@ def run_training(cfg: Config, worker: Any = None, extra: tuple = (), job: Any = 
     max_nodes = int(dist.nnodes.split(":")[-1])
     multi_node = max_nodes > 1
     launcher = dist.launcher
+    if launcher == "slurm":
+        raise ConfigError("dist.launcher = 'slurm' records that srun started the ranks of "
+                          "the run this config comes from, but this process is not a rank "
+                          "of an srun step. Run it under srun, or pass --launcher auto.")
     if launcher == "auto":
         needs_agent = nproc > 1 or multi_node or dist.max_restarts > 0
         launcher = "elastic" if needs_agent else "none"

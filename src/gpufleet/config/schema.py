@@ -189,8 +189,9 @@ class CheckpointConfig(Section):
 @dataclass
 class DistConfig(Section):
     launcher: str = opt("auto", "auto (elastic agent when --nproc > 1), elastic, spawn "
-                        "(torch.multiprocessing, for notebooks) or none.",
-                        choices=("auto", "elastic", "spawn", "none"))
+                        "(torch.multiprocessing, for notebooks) or none; a run's config.toml "
+                        "records slurm when srun started its ranks.",
+                        choices=("auto", "elastic", "spawn", "none", "slurm"))
     nproc: int = opt(0, "Ranks on this node (0: one per visible GPU, 1 on CPU).", min=0)
     nnodes: str = opt("1", "Nodes: N, or MIN:MAX for an elastic job.")
     node_rank: int = opt(0, "This node's rank (static multi-node).", min=0)

@@ -22,6 +22,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from gpufleet.errors import LaunchError, unknown_choice
 
@@ -141,6 +142,23 @@ class DistEnv:
             if names[0] in environ and names[1] in environ:
                 return _from_rank_variables(environ, source, names)
         return cls(restart_count=restarts)
+
+
+def launched_layout(env: DistEnv) -> dict[str, Any]:
+    """The ``dist.*`` values that record the layout an outside launcher started, for the
+    run's config.toml: ``launcher`` ("slurm"...), ranks on this node, nodes, this node's
+    rank, and the master address and port the ranks met at.
+
+    Example:
+        >>> env = DistEnv(rank=1, world_size=2, node_rank=1, master_addr="n1",
+        ...               master_port=10672, source="slurm", nodes=("n1", "n2"))
+        >>> launched_layout(env)["nnodes"], launched_layout(env)["launcher"]
+        ('2', 'slurm')
+    """
+    nnodes = len(env.nodes) or -(-env.world_size // env.local_world_size)
+    return {"launcher": env.source, "nproc": env.local_world_size, "nnodes": str(nnodes),
+            "node_rank": env.node_rank, "master_addr": env.master_addr,
+            "master_port": env.master_port}
 
 
 def export_for_torch(env: DistEnv) -> None:
