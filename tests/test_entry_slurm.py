@@ -37,5 +37,5 @@ def test_config_records_the_nodes_ranks_master_and_launcher_srun_started(monkeyp
 
 
 def test_a_recorded_slurm_config_outside_srun_says_what_to_do():
-    with pytest.raises(ConfigError, match="not a rank of an srun step.*--launcher auto"):
+    with pytest.raises(ConfigError, match=r"not a rank of an srun step.*--launcher auto"):
         run_training(load_config(None, {"dist.launcher": "slurm"}), worker=lambda cfg: None)
