@@ -201,7 +201,8 @@ def node_address(env: Any) -> str:
     if env.world_size <= env.local_world_size:
         return ""
     try:
-        return route_to(env.master_addr).local_ip
+        # On the master's node, a name mapped to loopback: the route to the other nodes.
+        return route_to_peers(env.master_addr, getattr(env, "nodes", ())).local_ip
     except LaunchError:
         return ""
 
