@@ -3,6 +3,9 @@ batch scripts, step layouts, config.toml recording what srun started."""
 
 from __future__ import annotations
 
+import re
+import time
+
 import pytest
 import tomllib
 
@@ -90,3 +93,50 @@ def test_two_concurrent_steps_of_one_job_take_distinct_ports(slurm, tmp_path):
         "dist"]["master_port"] for i in range(2)]
     assert ports[0] != ports[1]
     assert all(len(_records(tmp_path / "runs" / f"s{i}")) == 4 for i in range(2))
+
+
+REQUEUE_SCRIPT = """#!/bin/sh
+#SBATCH --requeue
+srun {train}
+code=$?
+[ $code -eq 75 ] && scontrol requeue $SLURM_JOB_ID
+exit $code
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_usr1_preemption_exits_75_requeues_and_resumes_with_resume_auto(slurm, tmp_path):
+    run = tmp_path / "runs" / "requeue"
+    # Each read takes 2 ms: 300 steps last long enough to be preempted in the middle.
+    train = [PYTHON, "-m", "gpufleet", "train", *TOY, "--data", "toyjob:make_slow_data",
+             "--max-steps", "300", "--batch-size", "16", "--checkpoint.every", "10",
+             "--log.every", "10", "--run-dir", str(run), "--resume", "auto"]
+    script = tmp_path / "job.sh"
+    script.write_text(REQUEUE_SCRIPT.format(train=" ".join(train)))
+    job = slurm.client(0, ["sbatch", "--parsable", "-N2", "-n2", f"--chdir={tmp_path}",
+                           "--open-mode=append", f"--output={tmp_path}/job.out",
+                           str(script)]).stdout.strip()
+    from .nodes import ckpt
+
+    deadline = time.monotonic() + 120
+    while not (run.exists() and ckpt.list_checkpoints(run)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ckpt.list_checkpoints(run), slurm.logs()
+    slurm.client(0, ["scancel", "--signal=USR1", job])
+    state = ""
+    deadline = time.monotonic() + 420  # the requeued job starts after Slurm's delay
+    while time.monotonic() < deadline:
+        state = slurm.client(0, ["scontrol", "show", "job", job]).stdout
+        if "JobState=COMPLETED" in state or "JobState=FAILED" in state:
+            break
+        time.sleep(2)
+    # The script requeues only on exit status 75: one restart proves the ranks exited 75.
+    assert "JobState=COMPLETED" in state and "Restarts=1" in state, state
+    steps = [r["step"] for r in _records(run)]  # both starts append to metrics.jsonl
+    assert steps[-1] == 300, steps
+    # Both starts append to job.out: the first stopped on SIGUSR1, the second resumed.
+    out = (tmp_path / "job.out").read_text()
+    assert "SIGUSR1" in out, out[-3000:]
+    resumed = re.search(r"resumed from \S+ at step (\d+)", out)
+    assert resumed and int(resumed.group(1)) >= 10, out[-3000:]
