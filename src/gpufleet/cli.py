@@ -30,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "report": "gpufleet.monitor.report_cli",
     "top": "gpufleet.monitor.top",
     "tune": "gpufleet.monitor.tune",
+    "sbatch": "gpufleet.launch.sbatch",
 }
 
 
@@ -43,9 +44,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _cmd_train(args, rest)
-        if args.command == "tune":  # the rest are the train arguments to tune
+        if args.command in ("tune", "sbatch"):  # the rest are train arguments
             args.train_args = rest
-            return importlib.import_module(COMMANDS["tune"]).run(args)
+            return importlib.import_module(COMMANDS[args.command]).run(args)
         if args.command in COMMANDS and not rest:
             return importlib.import_module(COMMANDS[args.command]).run(args)
         parser.error(f"unrecognised arguments: {' '.join(rest)}")

@@ -140,3 +140,22 @@ def test_usr1_preemption_exits_75_requeues_and_resumes_with_resume_auto(slurm, t
     assert "SIGUSR1" in out, out[-3000:]
     resumed = re.search(r"resumed from \S+ at step (\d+)", out)
     assert resumed and int(resumed.group(1)) >= 10, out[-3000:]
+
+
+@pytest.mark.slow
+def test_gpufleet_sbatch_submits_a_script_that_trains_on_two_nodes(slurm, tmp_path):
+    out = slurm.client(0, [PYTHON, "-m", "gpufleet", "sbatch", "--submit", "--nodes", "2",
+                           "--ntasks-per-node", "1", "--gpufleet", f"{PYTHON} -m gpufleet",
+                           *TRAIN[4:]], cwd=tmp_path)
+    job = out.stdout.strip()
+    assert job.isdigit(), out.stdout + out.stderr
+    state = ""
+    deadline = time.monotonic() + 200
+    while time.monotonic() < deadline and "JobState=COMPLETED" not in state:
+        state = slurm.client(0, ["scontrol", "show", "job", job]).stdout
+        assert "JobState=FAILED" not in state, (tmp_path / f"gpufleet-{job}.out").read_text()
+        time.sleep(1)
+    run = tmp_path / "runs" / f"gpufleet-{job}"  # the job's own run directory
+    dist = tomllib.loads((run / "config.toml").read_text())["dist"]
+    assert (dist["launcher"], dist["nnodes"], dist["nproc"]) == ("slurm", "2", 1)
+    assert len(_records(run)) == 4
