@@ -86,6 +86,24 @@ def test_truncated_latest_checkpoint_is_detected_and_the_previous_one_used(tmp_p
         torch.testing.assert_close(_params(resumed)[k], v, rtol=0, atol=0)
 
 
+def test_resume_auto_starts_fresh_then_continues_a_requeued_run(tmp_path, caplog):
+    # The requeue recipe passes --resume auto on every start of the job: the first start
+    # finds nothing and trains from scratch; the requeued one continues from the newest.
+    common = {"run.max_steps": 8, "checkpoint.every": 4, "run.name": "job"}
+    straight, _ = _fit(tmp_path / "s", common)
+    with pytest.raises(CheckpointError, match="--resume auto"):
+        _fit(tmp_path, {**common, "checkpoint.resume": "latest"})
+    with pytest.raises(KeyboardInterrupt):  # preempted after the step-4 checkpoint
+        _fit(tmp_path, {**common, "checkpoint.resume": "auto"}, callbacks=[_StopAt(5)])
+    with caplog.at_level(logging.INFO):
+        resumed, result = _fit(tmp_path, {**common, "checkpoint.resume": "auto"})
+    assert "resumed from" in caplog.text and "step-0000004.pt at step 4" in caplog.text
+    assert result.steps == 8
+    assert len(list((tmp_path / "runs").glob("job-*"))) == 1  # continued, not a new run
+    for k, v in _params(straight).items():
+        torch.testing.assert_close(_params(resumed)[k], v, rtol=0, atol=0)
+
+
 def test_a_damaged_checkpoint_named_explicitly_is_an_error(tmp_path):
     _fit(tmp_path, {"run.dir": str(tmp_path / "r")})
     path = ckpt.list_checkpoints(tmp_path / "r")[-1]

@@ -31,6 +31,7 @@ COMMANDS: dict[str, str] = {
     "top": "gpufleet.monitor.top",
     "tune": "gpufleet.monitor.tune",
     "plan": "gpufleet.layout.cli",
+    "sbatch": "gpufleet.launch.sbatch",
 }
 
 
@@ -44,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _cmd_train(args, rest)
-        if args.command in ("tune", "plan"):  # the rest are train arguments
+        if args.command in ("tune", "plan", "sbatch"):  # the rest are train arguments
             args.train_args = rest
             if args.command == "plan":  # the config those flags describe, read here
                 args.train_config = parse_train_config(args, rest)

@@ -28,6 +28,7 @@ from typing import Any
 from gpufleet.config import Config
 from gpufleet.errors import ConfigError
 from gpufleet.launch import DistEnv
+from gpufleet.launch.env import launched_layout
 from gpufleet.launch.rendezvous import parse_nnodes
 from gpufleet.parallel import strategy_class
 from gpufleet.parallel.dims import ParallelDims
@@ -172,6 +173,9 @@ def make_plan(cfg: Config, env: DistEnv | None = None, *, model: Any = None,
     machine = machine or Machine.detect()
     cfg = named(cfg, model)  # e.g. gpt-stdlib: every rank and node then agrees on it
     if env.is_distributed:  # torchrun, SLURM, horovodrun or mpirun started this rank
+        if env.source == "slurm":  # config.toml records the layout srun started
+            cfg = dataclasses.replace(cfg, dist=dataclasses.replace(
+                cfg.dist, **launched_layout(env)))
         return _plan_for_world(cfg, machine, "external", env)
     if here:
         return _plan_for_world(cfg, machine, "none", env)
@@ -216,6 +220,10 @@ def _ranks_here(cfg: Config, machine: Machine) -> tuple[str, int]:
         nproc = max(1, machine.gpus)  # auto and the multi-process strategies
     multi_node = parse_nnodes(dist.nnodes)[1] > 1
     launcher = dist.launcher
+    if launcher == "slurm":
+        raise ConfigError("dist.launcher = 'slurm' records that srun started the ranks of "
+                          "the run this config comes from, but this process is not a rank "
+                          "of an srun step. Run it under srun, or pass --launcher auto.")
     if launcher == "auto":
         needs_agent = nproc > 1 or multi_node or dist.max_restarts > 0
         launcher = "elastic" if needs_agent else "none"

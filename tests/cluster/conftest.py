@@ -38,3 +38,19 @@ def node_env(extra: dict | None = None) -> dict:
 
 
 PYTHON = sys.executable
+
+
+@pytest.fixture
+def slurm(netbed, tmp_path):
+    """A Slurm cluster (munged, slurmctld, a slurmd per node) on the bed; skips with the
+    reason when Slurm's tools are missing; always torn down."""
+    from .slurmbed import SlurmBed, slurm_missing
+
+    reason = slurm_missing()
+    if reason:
+        pytest.skip(reason)
+    bed = SlurmBed(netbed, tmp_path / "slurm")
+    try:
+        yield bed
+    finally:
+        bed.close()

@@ -9,17 +9,38 @@ import pytest
 
 from gpufleet.errors import LaunchError
 from gpufleet.launch import DistEnv, export_for_torch
-from gpufleet.launch.env import expand_hostlist, parse_tasks_per_node
+from gpufleet.launch.env import (
+    expand_hostlist,
+    parse_tasks_per_node,
+    slurm_port,
+    slurm_step_id,
+)
 
 TORCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
               "MASTER_PORT")
 
 
 def slurm(**extra: str) -> dict[str, str]:
-    """The variables `srun` sets for task 5 of 8 (node 1 of 2, 4 tasks a node)."""
-    env = {"SLURM_JOB_ID": "12345", "SLURM_JOB_NAME": "train", "SLURM_PROCID": "5",
-           "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
-           "SLURM_NTASKS_PER_NODE": "4", "SLURM_NODELIST": "gpu[07-08]"}
+    """The variables `srun -N2 -n8` sets for task 5 of 8 (node 1 of 2, 4 tasks a node)."""
+    env = {"SLURM_JOB_ID": "12345", "SLURM_JOBID": "12345", "SLURM_JOB_NAME": "train",
+           "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_NPROCS": "8",
+           "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NNODES": "2",
+           "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "4",
+           "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_NODELIST": "gpu[07-08]",
+           "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_STEP_ID": "0", "SLURM_STEPID": "0",
+           "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_NUM_NODES": "2",
+           "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_STEP_NODELIST": "gpu[07-08]"}
+    env.update(extra)
+    return env
+
+
+def job_shell(**extra: str) -> dict[str, str]:
+    """What the batch script of `sbatch --ntasks=2` (or an `salloc -n2` shell) sees: the
+    job's task count and SLURM_PROCID=0, but no SLURM_STEP_* variables."""
+    env = {key: value for key, value in slurm(SLURM_PROCID="0", SLURM_NODEID="0",
+                                              SLURM_LOCALID="0", SLURM_NTASKS="2",
+                                              SLURM_NPROCS="2").items()
+           if not key.startswith(("SLURM_STEP", "SLURM_STEPID"))}
     env.update(extra)
     return env
 
@@ -53,50 +74,88 @@ def test_torchrun_wins_over_slurm():
 def test_slurm_step():
     env = DistEnv.detect(slurm())
     assert env == DistEnv(rank=5, local_rank=1, world_size=8, local_world_size=4, node_rank=1,
-                          master_addr="gpu07", master_port=10000 + 12345 % 20000,
-                          source="slurm", restart_count=0)
+                          master_addr="gpu07", master_port=slurm_port(12345, 0),
+                          source="slurm", restart_count=0, nodes=("gpu07", "gpu08"))
 
 
 def test_slurm_master_port_from_job_id_and_overrides():
-    assert DistEnv.detect(slurm(SLURM_JOB_ID="987654")).master_port == 10000 + 987654 % 20000
+    env = DistEnv.detect(slurm(SLURM_JOB_ID="987654"))
+    assert env.master_port == slurm_port(987654, 0)
+    assert 10000 <= env.master_port < 30000
     env = DistEnv.detect(slurm(MASTER_ADDR="10.0.0.9", MASTER_PORT="29400"))
     assert (env.master_addr, env.master_port) == ("10.0.0.9", 29400)
 
 
+def test_concurrent_steps_of_one_job_take_distinct_ports():
+    # `srun ... &` twice in one batch script: steps 0 and 1 run at once in job 12345.
+    ports = {DistEnv.detect(slurm(SLURM_STEP_ID=str(step), SLURM_STEPID=str(step))).master_port
+             for step in range(16)}
+    assert len(ports) == 16
+    assert slurm_port(12345, 1) != slurm_port(12346, 0)  # the next job's first step
+
+
 def test_slurm_step_nodelist_wins_over_job_nodelist():
     env = DistEnv.detect(slurm(SLURM_STEP_NODELIST="node[003-004]"))
-    assert env.master_addr == "node003"
+    assert env.master_addr == "node003" and env.nodes == ("node003", "node004")
 
 
-@pytest.mark.parametrize("key, value, local_world", [
-    ("SLURM_NTASKS_PER_NODE", "4", 4),
-    ("SLURM_NTASKS_PER_NODE", "4(x2)", 4),
-    ("SLURM_STEP_TASKS_PER_NODE", "5,3", 3),  # node 1 takes the second entry
-    ("SLURM_STEP_TASKS_PER_NODE", "2(x1),6", 6),
+def test_step_layout_wins_over_the_jobs():
+    # Job: -N2 --ntasks-per-node=2 (4 tasks); step: `srun -N2 -n2`, one rank a node.
+    env = DistEnv.detect(slurm(SLURM_NTASKS="4", SLURM_NTASKS_PER_NODE="2",
+                               SLURM_TASKS_PER_NODE="2(x2)", SLURM_STEP_NUM_TASKS="2",
+                               SLURM_STEP_TASKS_PER_NODE="1(x2)", SLURM_PROCID="1",
+                               SLURM_LOCALID="0", SLURM_NODEID="1"))
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank) == (
+        1, 2, 0, 1, 1)
+
+
+@pytest.mark.parametrize("value, local_world", [
+    ("4", 4), ("4(x2)", 4),
+    ("5,3", 3),  # node 1 takes the second entry
+    ("2(x1),6", 6),
 ])
-def test_slurm_tasks_per_node_forms(key, value, local_world):
-    env = slurm(**{key: value})
-    if key != "SLURM_NTASKS_PER_NODE":
-        del env["SLURM_NTASKS_PER_NODE"]
+def test_slurm_tasks_per_node_forms(value, local_world):
+    env = slurm(SLURM_STEP_TASKS_PER_NODE=value)
     assert DistEnv.detect(env).local_world_size == local_world
 
 
 def test_slurm_without_tasks_per_node_assumes_even_spread():
-    env = slurm(SLURM_NNODES="2")
-    del env["SLURM_NTASKS_PER_NODE"]
+    env = slurm()
+    del env["SLURM_STEP_TASKS_PER_NODE"]
     assert DistEnv.detect(env).local_world_size == 4
 
 
-def test_single_task_slurm_job_is_not_a_rank():
-    # sbatch script with one task running `gpufleet train --nproc 4`: we launch the ranks.
-    env = DistEnv.detect(slurm(SLURM_NTASKS="1", SLURM_PROCID="0", SLURM_LOCALID="0",
-                               SLURM_NODEID="0"))
+def test_single_task_step_is_not_a_rank():
+    # `srun -n1 gpufleet train --nproc 4`: we launch the ranks.
+    env = DistEnv.detect(slurm(SLURM_STEP_NUM_TASKS="1", SLURM_PROCID="0",
+                               SLURM_LOCALID="0", SLURM_NODEID="0"))
     assert env.source == "none" and not env.is_distributed
 
 
-@pytest.mark.parametrize("name", ["bash", "interactive"])
-def test_interactive_slurm_shell_is_not_a_rank(name):
-    assert DistEnv.detect(slurm(SLURM_JOB_NAME=name)).source == "none"
+@pytest.mark.parametrize("name", ["train", "bash", "interactive", "wrap"])
+def test_batch_script_and_salloc_shell_are_not_ranks(name):
+    # The batch step of `sbatch --ntasks=2` running `gpufleet train --nproc 2`, and the
+    # shell of `salloc -n2`, whatever the job is named: our launcher starts the ranks.
+    assert DistEnv.detect(job_shell(SLURM_JOB_NAME=name)).source == "none"
+
+
+def test_salloc_job_named_interactive_runs_one_job_of_two_ranks():
+    # `salloc -N1 -n2` then `srun gpufleet train`: Slurm names the job `interactive`, and
+    # both tasks are ranks of one run (not two runs of one rank each).
+    envs = [DistEnv.detect(slurm(SLURM_JOB_NAME="interactive", SLURM_PROCID=str(rank),
+                                 SLURM_LOCALID=str(rank), SLURM_NODEID="0",
+                                 SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NUM_NODES="1",
+                                 SLURM_STEP_TASKS_PER_NODE="2", SLURM_STEP_NODELIST="n1"))
+            for rank in (0, 1)]
+    assert [(e.source, e.rank, e.world_size) for e in envs] == [("slurm", 0, 2), ("slurm", 1, 2)]
+    assert envs[0].master_port == envs[1].master_port
+
+
+@pytest.mark.parametrize("step", ["4294967291", "4294967290", "4294967292", "batch", ""])
+def test_special_steps_are_not_ranks(step):
+    # The batch script, interactive and extern steps carry these ids on some versions.
+    env = slurm(SLURM_STEP_ID=step, SLURM_STEPID=step)
+    assert slurm_step_id(env) is None and DistEnv.detect(env).source == "none"
 
 
 def test_horovodrun_variables():
@@ -168,5 +227,5 @@ def test_export_for_torch(monkeypatch):
     export_for_torch(DistEnv.detect(slurm()))
     assert {name: os.environ[name] for name in TORCH_VARS} == {
         "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
-        "MASTER_ADDR": "gpu07", "MASTER_PORT": str(10000 + 12345)}
+        "MASTER_ADDR": "gpu07", "MASTER_PORT": str(slurm_port(12345, 0))}
     assert DistEnv.detect().source == "torchrun"  # now readable the torchrun way

@@ -14,7 +14,7 @@ SHORTCUTS: dict[str, tuple[str, str]] = {
     "--rdzv-id": ("dist.rdzv_id", "rendezvous id shared by all nodes"),
     "--launcher": ("dist.launcher", "auto, elastic, spawn or none"),
     "--max-restarts": ("dist.max_restarts", "restarts of the ranks after a failure"),
-    "--resume": ("checkpoint.resume", "'latest' or a checkpoint / run directory path"),
+    "--resume": ("checkpoint.resume", "'latest', 'auto' or a checkpoint / run directory path"),
     "--model": ("model.name", "'gpt' or your factory package.module:function"),
     "--data": ("data.name", "'stdlib' or your factory package.module:function"),
     "--strategy": ("parallel.strategy", "auto, single, dp, ddp, fsdp, hsdp, zero1, pipeline, "

@@ -214,7 +214,8 @@ class CheckpointConfig(Section):
                     choices=("min", "max"))
     every_epochs: int = opt(0, "Also save at the end of every N epochs (0: off).", min=0)
     save_final: bool = opt(True, "Save when training ends.")
-    resume: str = opt("", "'latest' (newest checkpoint of this run name) or a path.")
+    resume: str = opt("", "'latest' (newest checkpoint of this run name), 'auto' (latest if "
+                      "any, else a fresh start: for requeued jobs) or a path.")
 
 
 @dataclass
@@ -232,8 +233,9 @@ class EarlyStopConfig(Section):
 @dataclass
 class DistConfig(Section):
     launcher: str = opt("auto", "auto (elastic agent when --nproc > 1), elastic, spawn "
-                        "(torch.multiprocessing, for notebooks) or none.",
-                        choices=("auto", "elastic", "spawn", "none"))
+                        "(torch.multiprocessing, for notebooks) or none; a run's config.toml "
+                        "records slurm when srun started its ranks.",
+                        choices=("auto", "elastic", "spawn", "none", "slurm"))
     nproc: int = opt(0, "Ranks on this node (0: one per visible GPU, 1 on CPU).", min=0)
     nnodes: str = opt("1", "Nodes: N, or MIN:MAX for an elastic job.")
     node_rank: int = opt(0, "This node's rank (static multi-node).", min=0)

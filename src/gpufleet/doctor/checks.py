@@ -291,6 +291,7 @@ def run_checks(environ: Mapping[str, str] | None = None, master_addr: str = "",
     """
     from gpufleet.doctor.gpus import check_gpus
     from gpufleet.doctor.network import check_hostname, check_route
+    from gpufleet.doctor.slurm import check_slurm
 
     env = os.environ if environ is None else environ
     steps: list[tuple[str, Callable[[], object]]] = [
@@ -298,7 +299,8 @@ def run_checks(environ: Mapping[str, str] | None = None, master_addr: str = "",
         ("cpus", check_cpus), ("memory", check_memory), ("shared memory", check_shm),
         ("ports", lambda: check_ports(env)), ("MASTER_ADDR", lambda: check_master_addr(env)),
         ("environment", lambda: check_env(env)), ("host name", check_hostname),
-        ("route", lambda: check_route(env, master_addr, rdzv_endpoint))]
+        ("route", lambda: check_route(env, master_addr, rdzv_endpoint)),
+        ("slurm", lambda: check_slurm(env))]
     results: list[CheckResult] = []
     for name, step in steps:
         try:

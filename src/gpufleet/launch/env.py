@@ -22,6 +22,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from gpufleet.errors import LaunchError, unknown_choice
 
@@ -29,9 +30,13 @@ logger = logging.getLogger(__name__)
 
 SOURCES = ("none", "torchrun", "slurm", "horovod", "mpi")
 
-# SLURM sets SLURM_NTASKS in interactive allocations too; these job names mean "a shell",
-# not an `srun` step that started one process per rank.
-_SLURM_SHELL_JOB_NAMES = ("bash", "interactive")
+# Step ids Slurm gives to steps that are not `srun` steps (slurm.h: SLURM_PENDING_STEP,
+# SLURM_EXTERN_CONT, SLURM_BATCH_SCRIPT, SLURM_INTERACTIVE_STEP): a process in one of them
+# is a script or a shell, not a rank.
+_SLURM_SPECIAL_STEP_IDS = (0xFFFFFFFD, 0xFFFFFFFC, 0xFFFFFFFB, 0xFFFFFFFA)
+
+# Steps of one job whose ports stay apart: step ids 0 .. _STEPS_PER_JOB - 1.
+_STEPS_PER_JOB = 16
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,8 @@ class DistEnv:
             "horovod" (``horovodrun``'s Gloo mode) or "mpi" (``mpirun``, also under
             ``horovodrun``'s MPI mode).
         restart_count: How many times the elastic agent restarted the ranks.
+        nodes: The hosts of the job in node order, when the launcher names them (SLURM's
+            step node list); empty otherwise.
 
     Example:
         >>> env = DistEnv.detect({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
@@ -67,6 +74,7 @@ class DistEnv:
     master_port: int = 0
     source: str = "none"
     restart_count: int = 0
+    nodes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -102,12 +110,12 @@ class DistEnv:
         Example:
             >>> DistEnv.detect({}).is_distributed
             False
-            >>> env = DistEnv.detect({"SLURM_PROCID": "3", "SLURM_NTASKS": "4",
-            ...                       "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
-            ...                       "SLURM_NTASKS_PER_NODE": "2",
-            ...                       "SLURM_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "42"})
+            >>> env = DistEnv.detect({"SLURM_PROCID": "3", "SLURM_STEP_ID": "0",
+            ...                       "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "1",
+            ...                       "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+            ...                       "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "42"})
             >>> env.rank, env.node_rank, env.master_addr, env.master_port
-            (3, 1, 'gpu07', 10042)
+            (3, 1, 'gpu07', 10672)
             >>> env = DistEnv.detect({"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2",
             ...                       "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2"})
             >>> env.rank, env.local_rank, env.source, env.master_port
@@ -134,6 +142,23 @@ class DistEnv:
             if names[0] in environ and names[1] in environ:
                 return _from_rank_variables(environ, source, names)
         return cls(restart_count=restarts)
+
+
+def launched_layout(env: DistEnv) -> dict[str, Any]:
+    """The ``dist.*`` values that record the layout an outside launcher started, for the
+    run's config.toml: ``launcher`` ("slurm"...), ranks on this node, nodes, this node's
+    rank, and the master address and port the ranks met at.
+
+    Example:
+        >>> env = DistEnv(rank=1, world_size=2, node_rank=1, master_addr="n1",
+        ...               master_port=10672, source="slurm", nodes=("n1", "n2"))
+        >>> launched_layout(env)["nnodes"], launched_layout(env)["launcher"]
+        ('2', 'slurm')
+    """
+    nnodes = len(env.nodes) or -(-env.world_size // env.local_world_size)
+    return {"launcher": env.source, "nproc": env.local_world_size, "nnodes": str(nnodes),
+            "node_rank": env.node_rank, "master_addr": env.master_addr,
+            "master_port": env.master_port}
 
 
 def export_for_torch(env: DistEnv) -> None:
@@ -196,31 +221,67 @@ def parse_tasks_per_node(text: str) -> list[int]:
     return counts
 
 
+def slurm_step_id(environ: Mapping[str, str] = os.environ) -> int | None:
+    """The id of the ``srun`` step this process runs in, or None outside one.
+
+    Only ``srun`` steps set ``SLURM_STEP_ID`` with ``SLURM_STEP_NUM_TASKS``; the batch
+    script and an ``salloc`` shell carry the job's ``SLURM_PROCID``/``SLURM_NTASKS`` but no
+    step variables, so they are never taken for a rank, whatever the job is named.
+
+    Example:
+        >>> slurm_step_id({"SLURM_STEP_ID": "2", "SLURM_STEP_NUM_TASKS": "4"})
+        2
+        >>> slurm_step_id({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}) is None
+        True
+    """
+    if "SLURM_STEP_NUM_TASKS" not in environ:
+        return None
+    step = environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID", "")
+    if not step.isdigit() or int(step) in _SLURM_SPECIAL_STEP_IDS:
+        return None
+    return int(step)
+
+
+def slurm_port(job_id: int, step_id: int) -> int:
+    """The rendezvous port every rank of a step derives without talking (10000-29999).
+
+    Two steps of one job running at once get distinct ports (step ids below 16).
+
+    Example:
+        >>> slurm_port(42, 0), slurm_port(42, 1)
+        (10672, 10673)
+    """
+    return 10000 + (job_id * _STEPS_PER_JOB + step_id % _STEPS_PER_JOB) % 20000
+
+
 def _is_slurm_step(environ: Mapping[str, str]) -> bool:
-    # One task (a batch script running `gpufleet train --nproc N`) or an interactive shell
-    # is not a rank: our own launcher starts the ranks then.
+    # A one-task step (`srun -n1 gpufleet train --nproc 4`) is not a rank either: our own
+    # launcher starts the ranks then.
     return (
         "SLURM_PROCID" in environ
-        and _int(environ, "SLURM_NTASKS", 1) > 1
-        and environ.get("SLURM_JOB_NAME", "") not in _SLURM_SHELL_JOB_NAMES
+        and slurm_step_id(environ) is not None
+        and _int(environ, "SLURM_STEP_NUM_TASKS", 1) > 1
     )
 
 
 def _from_slurm(environ: Mapping[str, str], restarts: int) -> DistEnv:
-    rank, world = _int(environ, "SLURM_PROCID"), _int(environ, "SLURM_NTASKS")
+    # The step's layout, not the job's: `srun -N2 -n2` inside a job of 2 tasks a node
+    # runs one rank per node.
+    rank, world = _int(environ, "SLURM_PROCID"), _int(environ, "SLURM_STEP_NUM_TASKS")
     node_rank = _int(environ, "SLURM_NODEID", 0)
-    per_node_text = environ.get("SLURM_NTASKS_PER_NODE") or environ.get(
-        "SLURM_STEP_TASKS_PER_NODE", "")
+    nodes = tuple(expand_hostlist(environ.get("SLURM_STEP_NODELIST")
+                                  or environ.get("SLURM_NODELIST", "")))
+    per_node_text = environ.get("SLURM_STEP_TASKS_PER_NODE", "")
     if per_node_text:
         per_node = parse_tasks_per_node(per_node_text)
         local_world = per_node[node_rank] if node_rank < len(per_node) else per_node[-1]
     else:  # no per-node count: assume the tasks are spread evenly
-        local_world = max(1, world // _int(environ, "SLURM_NNODES", 1))
-    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_NODELIST", "")
-    master_addr = environ.get("MASTER_ADDR") or (
-        expand_hostlist(nodelist)[0] if nodelist else "127.0.0.1")
-    # Every rank must agree on the port without talking: derive it from the job id.
-    default_port = 10000 + _int(environ, "SLURM_JOB_ID", 0) % 20000
+        n_nodes = _int(environ, "SLURM_STEP_NUM_NODES", len(nodes) or 1)
+        local_world = max(1, world // n_nodes)
+    master_addr = environ.get("MASTER_ADDR") or (nodes[0] if nodes else "127.0.0.1")
+    # Every rank must agree on the port without talking: derive it from job and step.
+    step = slurm_step_id(environ) or 0
+    default_port = slurm_port(_int(environ, "SLURM_JOB_ID", 0), step)
     return DistEnv(
         rank=rank,
         local_rank=_int(environ, "SLURM_LOCALID", 0),
@@ -231,6 +292,7 @@ def _from_slurm(environ: Mapping[str, str], restarts: int) -> DistEnv:
         master_port=_int(environ, "MASTER_PORT", default_port),
         source="slurm",
         restart_count=restarts,
+        nodes=nodes,
     )
 
 

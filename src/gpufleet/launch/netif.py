@@ -22,7 +22,7 @@ import ipaddress
 import logging
 import os
 import socket
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -114,12 +114,51 @@ def owns_address(host: str) -> bool:
         return False
 
 
-def choose_socket_ifname(host: str, environ: MutableMapping[str, str] = os.environ
-                         ) -> Route | None:
+def is_loopback(ip: str) -> bool:
+    """Whether ``ip`` is a loopback address (127.0.0.0/8 or ::1).
+
+    Example:
+        >>> is_loopback("127.0.1.1"), is_loopback("10.0.0.2")
+        (True, False)
+    """
+    try:
+        return ipaddress.ip_address(ip.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def route_to_peers(host: str, peers: Sequence[str] = ()) -> Route:
+    """The route this node's ranks talk over: the one to ``host``, unless that is loopback.
+
+    On the master's own node, a host name mapped to a loopback address (Debian writes
+    ``127.0.1.1 <hostname>`` into /etc/hosts) routes to ``lo``, which the other nodes cannot
+    reach; the route to the first peer that is not loopback is taken instead.
+
+    Raises:
+        LaunchError: ``host`` does not resolve, or no route leads to it.
+    """
+    route = route_to(host)
+    if not is_loopback(route.local_ip):
+        return route
+    for peer in peers:
+        try:
+            other = route_to(peer)
+        except LaunchError:
+            continue
+        if not is_loopback(other.local_ip):
+            return other
+    return route
+
+
+def choose_socket_ifname(host: str, environ: MutableMapping[str, str] = os.environ,
+                         peers: Sequence[str] = ()) -> Route | None:
     """Point gloo and NCCL at the interface that routes to ``host``, unless the user chose.
 
     Sets each of GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME that is unset (in ``environ``,
-    which ranks started later inherit) and logs which interface and why.
+    which ranks started later inherit) and logs which interface and why. When ``host``
+    routes over loopback here (this node is the master and its name maps to 127.0.1.1),
+    the interface that routes to one of ``peers`` (the other nodes) is taken; loopback is
+    kept only when every peer is reached over it too (all "nodes" on one machine).
 
     Returns:
         The route, or None when both variables were already set (nothing changed).
@@ -127,7 +166,7 @@ def choose_socket_ifname(host: str, environ: MutableMapping[str, str] = os.envir
     missing = [name for name in IFNAME_VARIABLES if not environ.get(name)]
     if not missing:
         return None
-    route = route_to(host)
+    route = route_to_peers(host, peers)
     if not route.ifname:
         logger.warning("no interface holds %s (the address that routes to %s); leaving %s "
                        "unset", route.local_ip, host, "/".join(missing))
@@ -135,7 +174,7 @@ def choose_socket_ifname(host: str, environ: MutableMapping[str, str] = os.envir
     for name in missing:
         environ[name] = route.ifname
     logger.info("multi-node: %s=%s (it routes to %s via %s); set %s yourself to choose "
-                "another", "/".join(missing), route.ifname, host, route.local_ip,
+                "another", "/".join(missing), route.ifname, route.target, route.local_ip,
                 " or ".join(missing))
     return route
 
@@ -162,7 +201,8 @@ def node_address(env: Any) -> str:
     if env.world_size <= env.local_world_size:
         return ""
     try:
-        return route_to(env.master_addr).local_ip
+        # On the master's node, a name mapped to loopback: the route to the other nodes.
+        return route_to_peers(env.master_addr, getattr(env, "nodes", ())).local_ip
     except LaunchError:
         return ""
 

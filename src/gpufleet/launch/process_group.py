@@ -74,7 +74,7 @@ def init_process_group(env: DistEnv, backend: str, init_method: str = "env://",
     export_for_torch(env)
     if env.world_size > env.local_world_size and init_method.startswith("env://"):
         # Several nodes (torchrun, SLURM...): talk over the interface that reaches rank 0.
-        choose_socket_ifname(env.master_addr)
+        choose_socket_ifname(env.master_addr, peers=env.nodes)
     where = (f"{env.master_addr}:{env.master_port}" if init_method.startswith("env://")
              else init_method)
     logger.debug("rank %d/%d: joining %s process group at %s", env.rank, env.world_size,

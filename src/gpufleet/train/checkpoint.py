@@ -226,6 +226,30 @@ def check_loadable(path: str | Path) -> None:
     safe_load(path, shown=shown, mmap=True)
 
 
+def find_latest_checkpoint(out_dir: str | Path, run_name: str, run_dir: str = ""
+                           ) -> Path | None:
+    """The newest intact checkpoint of ``run_dir``, else of any run named ``run_name``
+    under ``out_dir``; None when there is none (what ``--resume auto`` starts fresh on).
+
+    Raises:
+        CheckpointError: the newest run's checkpoints all failed their checksum.
+    """
+    candidates = [Path(run_dir)] if run_dir else [
+        p for p in Path(out_dir).glob(f"{glob_escape(run_name)}-*")
+        if _recorded_name(p) == run_name]
+    runs = [c for c in map(list_checkpoints, candidates) if c]
+    if not runs:
+        return None
+    # The run written last, then its newest intact checkpoint.
+    runs.sort(key=lambda c: c[-1].stat().st_mtime)
+    found = newest_intact(runs[-1])
+    if found is None:
+        raise CheckpointError(
+            f"every checkpoint in {str(runs[-1][-1].parent)!r} failed its checksum. "
+            "Start a new run without --resume.")
+    return found
+
+
 def find_resume_checkpoint(resume: str, out_dir: str | Path, run_name: str,
                            run_dir: str = "") -> Path:
     """Turn ``checkpoint.resume`` into a checkpoint file.
@@ -235,26 +259,18 @@ def find_resume_checkpoint(resume: str, out_dir: str | Path, run_name: str,
     run's ``config.toml``, so ``gpt`` never picks up a run named ``gpt-stdlib``). A
     directory means the newest checkpoint inside it (a run directory or its
     ``checkpoints`` folder). Both pass over damaged checkpoints (failed checksum) to the
-    newest intact one, saying so; a file named explicitly must be intact.
+    newest intact one, saying so; a file named explicitly must be intact. (``auto``, which
+    may find nothing, is :func:`find_latest_checkpoint`.)
     """
     if resume == "latest":
-        candidates = [Path(run_dir)] if run_dir else [
-            p for p in Path(out_dir).glob(f"{glob_escape(run_name)}-*")
-            if _recorded_name(p) == run_name]
-        runs = [c for c in map(list_checkpoints, candidates) if c]
-        if runs:
-            # The run written last, then its newest intact checkpoint.
-            runs.sort(key=lambda c: c[-1].stat().st_mtime)
-            found = newest_intact(runs[-1])
-            if found is None:
-                raise CheckpointError(
-                    f"every checkpoint in {str(runs[-1][-1].parent)!r} failed its checksum. "
-                    "Start a new run without --resume.")
+        found = find_latest_checkpoint(out_dir, run_name, run_dir)
+        if found is not None:
             return found
         where = run_dir or f"{out_dir}/{run_name}-*"
         raise CheckpointError(
             f"--resume latest found no checkpoint under {where!r}. Start without --resume, "
-            "or pass a checkpoint path, or set run.name / run.dir to the run to continue."
+            "use --resume auto (latest if any, else a fresh start), or pass a checkpoint "
+            "path, or set run.name / run.dir to the run to continue."
         )
     path = Path(resume)
     if (path / MANIFEST).exists() or (path / TRAINER_STATE).exists():
@@ -272,7 +288,8 @@ def find_resume_checkpoint(resume: str, out_dir: str | Path, run_name: str,
         return intact
     if not path.is_file():
         raise CheckpointError(f"--resume {resume!r}: no such file or directory. "
-                              "Use 'latest' or the path of a checkpoint or run directory.")
+                              "Use 'latest', 'auto' or the path of a checkpoint or run "
+                              "directory.")
     if not _verified_here(path):
         verify_checkpoint(path)
     return path

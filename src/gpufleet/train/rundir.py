@@ -13,6 +13,7 @@ from gpufleet.errors import CheckpointError, ConfigError
 from gpufleet.plan import named, run_name
 from gpufleet.train import runlock
 from gpufleet.train.checkpoint import (
+    find_latest_checkpoint,
     find_resume_checkpoint,
     glob_escape,
     list_checkpoints,
@@ -87,6 +88,8 @@ def plan_run(cfg: Config, restart_count: int = 0) -> tuple[Config, Path | None]:
         if resume_from is None:
             raise CheckpointError(f"restart {restart_count}: every checkpoint in "
                                   f"{run_dir!r} failed its checksum; nothing to resume.")
+    elif ckpt.resume == "auto":  # latest if any (a requeued job), else a fresh start
+        resume_from = find_latest_checkpoint(run.out_dir, run.name, run_dir)
     elif ckpt.resume:
         resume_from = find_resume_checkpoint(ckpt.resume, run.out_dir, run.name, run_dir)
     elif existing:
