@@ -177,7 +177,7 @@ def _communication_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None
                 "run on every node with the run's --nnodes/--node-rank/--master-addr")
     else:
         fix += ", and measure the link with `gpufleet bench allreduce`"
-    fix += ". README 'Across nodes' lists what each fix gained on a 20 Mbit/s link."
+    fix += ". docs/across-nodes.md lists what each fix gained on a 20 Mbit/s link."
     return Finding("communication-bound", "warn", "communication-bound", message, fix,
                    changes={"optim.grad_accum": 2 * facts.grad_accum})
 

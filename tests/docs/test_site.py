@@ -1,0 +1,146 @@
+"""The user guide: the MkDocs site builds strictly, and the commands it shows run.
+
+Every fenced ``bash`` block of the README and of ``docs/*.md`` is a command a user may
+copy. Each runs here in a temporary folder unless the line above it says why it cannot
+(``<!-- docs-test: skip (REASON) -->``: GPUs, other nodes, root, an install). A
+``gpufleet train`` command gets ``--max-steps=2`` appended so it finishes quickly while
+every flag it shows is still parsed and used.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SKIP = re.compile(r"<!--\s*docs-test:\s*skip\s*\((?P<reason>[^)]+)\)\s*-->")
+FENCE = re.compile(r"^\s*(?P<fence>```+|~~~+)\s*(?P<info>\S*)")
+TRAIN_STEPS = "--max-steps=2"
+COMMAND_TIMEOUT_S = 240
+
+
+@dataclass(frozen=True)
+class Block:
+    """One ``bash`` block of a page: where it is, its commands, and a skip reason."""
+
+    page: str
+    line: int
+    commands: tuple[str, ...]
+    skip: str | None
+
+    @property
+    def id(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def _commands(body: list[str]) -> tuple[str, ...]:
+    """Logical command lines of a block: continuations joined, comments dropped."""
+    commands: list[str] = []
+    pending = ""
+    for raw in body:
+        line = re.sub(r"\s+#\s.*$", "", raw).rstrip()
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1].rstrip() + " "
+            continue
+        commands.append((pending + line.strip()).strip())
+        pending = ""
+    if pending.strip():
+        commands.append(pending.strip())
+    return tuple(commands)
+
+
+def parse_blocks(text: str, page: str) -> list[Block]:
+    """The ``bash`` blocks of one Markdown text, each with its skip reason if any."""
+    blocks: list[Block] = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        opened = FENCE.match(lines[i])
+        if not opened:
+            i += 1
+            continue
+        fence, start = opened["fence"], i
+        end = start + 1
+        while end < len(lines) and not lines[end].lstrip().startswith(fence):
+            end += 1
+        if opened["info"] in ("bash", "sh", "shell"):
+            above = next((s for s in reversed(lines[:start]) if s.strip()), "")
+            marker = SKIP.search(above)
+            blocks.append(Block(page, start + 1, _commands(lines[start + 1:end]),
+                                marker["reason"] if marker else None))
+        i = end + 1
+    return blocks
+
+
+def all_blocks() -> list[Block]:
+    return [b for p in PAGES for b in parse_blocks(p.read_text(), p.relative_to(ROOT).as_posix())]
+
+
+def test_parser_reads_blocks_skips_and_continuations() -> None:
+    text = (
+        "intro\n\n```bash\ngpufleet train --nproc 2 \\\n    --max-steps 5   # two ranks\n```\n"
+        "<!-- docs-test: skip (needs 8 GPUs) -->\n```bash\ngpufleet train --nproc 8\n```\n"
+        "```python\nprint('not a shell command')\n```\n"
+        "```\n$ gpufleet train   # a transcript, not run\n```\n"
+    )
+    blocks = parse_blocks(text, "x.md")
+    assert [b.commands for b in blocks] == [
+        ("gpufleet train --nproc 2 --max-steps 5",), ("gpufleet train --nproc 8",)]
+    assert [b.skip for b in blocks] == [None, "needs 8 GPUs"]
+    assert blocks[0].line == 3
+
+
+def test_every_page_shows_commands_and_most_run() -> None:
+    blocks = all_blocks()
+    runnable = [b for b in blocks if b.skip is None]
+    assert runnable, "no bash block of the docs runs in the test"
+    for b in blocks:
+        assert b.commands, f"{b.id}: an empty bash block"
+
+
+def _with_short_training(command: str) -> str:
+    if re.match(r"^(gpufleet|python -m gpufleet) train\b", command) and "--help" not in command:
+        return f"{command} {TRAIN_STEPS}"
+    return command
+
+
+@pytest.mark.parametrize("block", [b for b in all_blocks() if b.skip is None],
+                         ids=lambda b: b.id)
+def test_docs_command_runs(block: Block, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p)}
+    for command in block.commands:
+        shown = _with_short_training(command)
+        done = subprocess.run(["bash", "-o", "pipefail", "-c", shown], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+        assert done.returncode == 0, (
+            f"{block.id}: `{shown}` exited {done.returncode}\n"
+            f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None
+                    or importlib.util.find_spec("material") is None,
+                    reason="mkdocs and mkdocs-material are not installed "
+                           "(pip install -e '.[test]')")
+def test_site_builds_strictly(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
+         str(ROOT / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    site = tmp_path / "site"
+    built = {p.relative_to(site).as_posix() for p in site.rglob("*.html")}
+    for page in (ROOT / "docs").glob("*.md"):
+        name = "index.html" if page.stem == "index" else f"{page.stem}/index.html"
+        assert name in built, f"docs/{page.name} was not built into the site"
