@@ -92,6 +92,7 @@ def resolve_with_dims(cfg: Config, machine: Machine, world_size: int,
                           "gloo), or single.")
     dims = plan_for(dataclasses.replace(par, strategy=strategy), traits, world_size,
                     local_world_size)
+    _check_tensor_split(cfg, dims)
     if traits.copies_module_each_step and cfg.perf.compile:
         raise ConfigError("perf.compile with parallel.strategy = 'dp': nn.DataParallel "
                           "copies the module to every GPU each step, which a compiled module "
@@ -131,3 +132,17 @@ def resolve_with_dims(cfg: Config, machine: Machine, world_size: int,
         dist=dataclasses.replace(dist, backend=backend),
     )
     return resolved, dims
+
+
+def _check_tensor_split(cfg: Config, dims: ParallelDims) -> None:
+    """The built-in GPT gives every tensor parallel rank whole attention heads: a ``tp``
+    that does not divide ``model.n_head`` fails here, before any rank starts."""
+    model, tp = cfg.model, dims.tp
+    if tp <= 1 or model.name != "gpt" or model.n_head % tp == 0:
+        return
+    fits = max(d for d in range(1, tp) if model.n_head % d == 0)
+    raise ConfigError(
+        f"parallel.tp = {tp} does not divide model.n_head = {model.n_head}: tensor "
+        f"parallelism gives every tp rank whole attention heads. Use parallel.tp = {fits} "
+        f"(a divisor of {model.n_head}), or model.n_head = "
+        f"{model.n_head + (-model.n_head) % tp} (and n_embd a multiple of it).")
