@@ -112,14 +112,14 @@ def resolve_with_dims(cfg: Config, machine: Machine, world_size: int,
     if max_steps == 0 and run.max_epochs == 0:
         raise ConfigError("run.max_steps = 0 and run.max_epochs = 0: the run would never end. "
                           "Set --max-steps N or --max-epochs N.")
-    if par.ddp_comm_hook != "none" and not traits.comm_hooks:
-        raise ConfigError(f"parallel.ddp_comm_hook = {par.ddp_comm_hook!r} compresses ddp's "
+    if par.ddp.comm_hook != "none" and not traits.comm_hooks:
+        raise ConfigError(f"parallel.ddp.comm_hook = {par.ddp.comm_hook!r} compresses ddp's "
                           f"gradient all-reduce, but the strategy is {strategy!r}. Use "
-                          "--strategy ddp, or parallel.ddp_comm_hook=none.")
-    if par.ddp_comm_hook == "bf16" and backend != "nccl":
-        raise ConfigError("parallel.ddp_comm_hook = 'bf16': torch's bf16 hook needs NCCL "
+                          "--strategy ddp, or parallel.ddp.comm_hook=none.")
+    if par.ddp.comm_hook == "bf16" and backend != "nccl":
+        raise ConfigError("parallel.ddp.comm_hook = 'bf16': torch's bf16 hook needs NCCL "
                           f"(CUDA GPUs), and this run uses {backend}. Use "
-                          "parallel.ddp_comm_hook=fp16 (the same bytes) or powersgd.")
+                          "parallel.ddp.comm_hook=fp16 (the same bytes) or powersgd.")
     workers = cfg.data.num_workers
     if workers < 0:
         workers = default_num_workers(device, local_world_size)

@@ -49,8 +49,8 @@ def test_ddp_with_tensor_parallel_is_a_preset_of_degrees():
     strategy = build_strategy("ddp", cfg.parallel, torch.device("cpu"), None, dims)
     # DDP cannot hold DTensor parameters: the replicas are FSDP2 over a replicate mesh.
     assert isinstance(strategy, ReplicatedTensorParallel) and strategy.saves_on_every_rank
-    with pytest.raises(ConfigError, match="ddp_comm_hook = 'powersgd'"):
-        build_strategy("ddp", load_config(overrides=["parallel.ddp_comm_hook=powersgd"]).parallel,
+    with pytest.raises(ConfigError, match=r"parallel\.ddp\.comm_hook = 'powersgd'"):
+        build_strategy("ddp", load_config(overrides=["parallel.ddp.comm_hook=powersgd"]).parallel,
                        torch.device("cpu"), None, dims)
 
 

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from gpufleet.config.parallel import STRATEGY_NAMES, ParallelConfig
-from gpufleet.config.section import AUTO, Section, opt
+from gpufleet.config.section import AUTO, Section, opt, tables
 from gpufleet.errors import ConfigError, unknown_choice
 
 
@@ -376,3 +376,5 @@ SECTIONS: dict[str, type] = {
 SECTION_NAMES: dict[type, str] = {cls: name for name, cls in SECTIONS.items()}
 for _name, _cls in SECTIONS.items():
     _cls._section_name = _name  # what a section's errors call it
+    for _table, _sub in tables(_cls).items():
+        _sub._section_name = f"{_name}.{_table}"
