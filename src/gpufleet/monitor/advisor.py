@@ -118,6 +118,8 @@ class Advisor(Callback):
 
     def _update(self, step: int) -> None:
         self._last_update = step
+        if self.facts.device == "cpu" and not self.facts.device_flops:
+            self.facts.device_flops = cpu_flops()
         summary = self.summary()
         if summary is None:
             return
@@ -156,6 +158,18 @@ class Advisor(Callback):
             self._update(self._last_step)
         result.findings = list(self.findings)
         self._save(self.summary())
+
+
+_CPU_FLOPS: dict[int, float] = {}  # torch threads -> measured_cpu_flops(), per process
+
+
+def cpu_flops() -> float:
+    """:func:`measured_cpu_flops` with this process's torch threads, measured once per
+    process and thread count."""
+    threads = torch.get_num_threads()
+    if threads not in _CPU_FLOPS:
+        _CPU_FLOPS[threads] = measured_cpu_flops()
+    return _CPU_FLOPS[threads]
 
 
 def measured_cpu_flops(seconds: float = 0.1, n: int = 512) -> float:
@@ -198,7 +212,9 @@ def run_facts(trainer: Any, links: dict[str, Any] | None = None) -> RunFacts:
         facts.device_flops = device_peak_flops(cfg, device)
     else:
         facts.device_name = "CPU"
-        facts.device_flops = (cfg.monitor.peak_tflops * 1e12 or measured_cpu_flops())
+        # 0: measured (a plain matmul, 0.1 s) when the rules first run, not before the
+        # first step.
+        facts.device_flops = cfg.monitor.peak_tflops * 1e12
         facts.device_flops_source = "peak" if cfg.monitor.peak_tflops else "measured matmul"
     return facts
 
