@@ -32,6 +32,12 @@ from gpufleet.monitor.phases import PHASES
 
 log = logging.getLogger(__name__)
 
+#: seconds between two runs of the rules: every log interval adds its measurements to
+#: the sums, but the rules, the host view and the records wait this long (and run once
+#: more at the end), so that a run of short steps and frequent log lines pays for them
+#: once per few seconds, not per few milliseconds
+RULES_EVERY_S = 5.0
+
 
 class Advisor(Callback):
     """Diagnoses the run as it goes (see the module docs).
@@ -67,6 +73,8 @@ class Advisor(Callback):
         self._outside: dict[str, tuple[float, int]] = {}
         self._log_callbacks: dict[str, float] = {}
         self._log_base: dict[str, float] = {}
+        self._rules_due = 0.0  # time.monotonic() of the next run of the rules
+        self._last_update = 0  # the step the rules last ran at
 
     def on_fit_start(self, trainer: Any) -> None:
         self._last_step = trainer.step
@@ -92,7 +100,10 @@ class Advisor(Callback):
             if timer is not None else {}
         self._log_callbacks = {k: v - self._log_base.get(k, 0.0) for k, v in logged.items()
                                if k != type(self).__name__}
-        self._update(step)
+        now = time.monotonic()
+        if now >= self._rules_due:
+            self._rules_due = now + RULES_EVERY_S
+            self._update(step)
 
     def summary(self) -> Summary | None:
         if not self.steps:
@@ -106,6 +117,9 @@ class Advisor(Callback):
                        log_callbacks=dict(self._log_callbacks))
 
     def _update(self, step: int) -> None:
+        self._last_update = step
+        if self.facts.device == "cpu" and not self.facts.device_flops:
+            self.facts.device_flops = cpu_flops()
         summary = self.summary()
         if summary is None:
             return
@@ -140,8 +154,22 @@ class Advisor(Callback):
         os.replace(tmp, path)
 
     def on_fit_end(self, trainer: Any, result: Any) -> None:
+        if self._last_step > self._last_update:  # intervals the rules have not seen yet
+            self._update(self._last_step)
         result.findings = list(self.findings)
         self._save(self.summary())
+
+
+_CPU_FLOPS: dict[int, float] = {}  # torch threads -> measured_cpu_flops(), per process
+
+
+def cpu_flops() -> float:
+    """:func:`measured_cpu_flops` with this process's torch threads, measured once per
+    process and thread count."""
+    threads = torch.get_num_threads()
+    if threads not in _CPU_FLOPS:
+        _CPU_FLOPS[threads] = measured_cpu_flops()
+    return _CPU_FLOPS[threads]
 
 
 def measured_cpu_flops(seconds: float = 0.1, n: int = 512) -> float:
@@ -184,7 +212,9 @@ def run_facts(trainer: Any, links: dict[str, Any] | None = None) -> RunFacts:
         facts.device_flops = device_peak_flops(cfg, device)
     else:
         facts.device_name = "CPU"
-        facts.device_flops = (cfg.monitor.peak_tflops * 1e12 or measured_cpu_flops())
+        # 0: measured (a plain matmul, 0.1 s) when the rules first run, not before the
+        # first step.
+        facts.device_flops = cfg.monitor.peak_tflops * 1e12
         facts.device_flops_source = "peak" if cfg.monitor.peak_tflops else "measured matmul"
     return facts
 

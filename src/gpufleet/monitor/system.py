@@ -262,14 +262,14 @@ class SystemSampler(Callback):
 
     # -- control -----------------------------------------------------------------------
     def start(self) -> None:
-        """Open NVML and the file, take a first sample, start the thread (no-op if off)."""
+        """Open NVML and the file, start the thread, which primes the counters and then
+        samples (no-op if off)."""
         if not self.interval_s or self._thread is not None:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self.gpus = Nvml.open(self.gpu_indices)
         self._stop.clear()
-        self._measure()  # primes the CPU counters (psutil reads CPU since the last call)
         self._thread = threading.Thread(target=self._run, name="gpufleet-system-sampler",
                                         daemon=True)
         self._thread.start()
@@ -312,6 +312,9 @@ class SystemSampler(Callback):
 
     # -- internals ---------------------------------------------------------------------
     def _run(self) -> None:
+        # Primes the CPU counters (psutil reads CPU since the last call): here, in the
+        # sampler's thread, not before the run's first step.
+        self._measure()
         while not self._stop.wait(self.interval_s):
             try:
                 self.sample_now()

@@ -72,7 +72,8 @@ class EachNorm(NamedTuple):
     """The L2 norm of each gradient of ``params`` that exists, as one device vector.
 
     Attributes:
-        values: one norm per parameter with a gradient, in the order of ``params``.
+        values: one norm per parameter with a gradient, in the order of ``params`` (a
+            device vector, or a list of 0-dim tensors from :func:`each_norm_unstacked`).
         params: the parameters measured (with and without a gradient).
         present: the indices into ``params`` of the values; None when every parameter
             had a gradient (the common case, found without a second pass).
@@ -97,6 +98,17 @@ def each_norm(params: Sequence[torch.Tensor], device: torch.device,
     if not grads:
         return EachNorm(torch.zeros(0, device=device), params, present), grads
     return EachNorm(torch.stack(torch._foreach_norm(grads)), params, present), grads
+
+
+def each_norm_unstacked(params: Sequence[torch.Tensor]) -> EachNorm:
+    """:func:`each_norm` of this rank's pieces, its ``values`` left as the list of 0-dim
+    norms the fused kernel returns (no stacking: the cheapest form to check every step;
+    ``torch.stack`` it when the values are read)."""
+    grads = [_local_piece(p.grad, None)[0] for p in params if p.grad is not None]
+    present = None
+    if len(grads) < len(params):
+        present = [i for i, p in enumerate(params) if p.grad is not None]
+    return EachNorm(torch._foreach_norm(grads) if grads else [], params, present)
 
 
 def clip_whole_(params: Sequence[torch.Tensor], max_norm: float,

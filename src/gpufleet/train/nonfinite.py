@@ -41,7 +41,12 @@ from torch import nn
 from gpufleet.config import FaultConfig
 from gpufleet.core.collectives import gather_objects
 from gpufleet.errors import TrainingStopped
-from gpufleet.parallel.grad_norm import EachNorm, each_norm, spreads_gradients
+from gpufleet.parallel.grad_norm import (
+    EachNorm,
+    each_norm,
+    each_norm_unstacked,
+    spreads_gradients,
+)
 
 log = logging.getLogger(__name__)
 
@@ -160,9 +165,10 @@ class NonFiniteGuard:
         if self.on_device is None:
             self.start(model, optimizer, step_loss.device)
         if self.on_device and not self._reuse_clip:
-            # This rank's part of each gradient (FSDP and tensor parallel shard them).
-            local = each_norm(self._params, step_loss.device, local=True)[0]
-            self._flag_on_device(local, None, step_loss, optimizer)
+            # This rank's part of each gradient (FSDP and tensor parallel shard them),
+            # one norm each: one fused kernel, kept by reference for the culprit.
+            self._flag_on_device(each_norm_unstacked(self._params), None, step_loss,
+                                 optimizer)
         elif not self.on_device:
             # The host path reads the culprit after the clip, which spreads a NaN norm
             # into every gradient (and clamps an inf by value): keep each gradient's norm
@@ -230,8 +236,10 @@ class NonFiniteGuard:
         found = self._interval.next_flag(each, step_loss)
         # One fused kernel sets ``found`` where a value is not finite (it also multiplies
         # them by one, in place: no change).
-        torch._amp_foreach_non_finite_check_and_unscale_(
-            [each.values if total is None else total, step_loss], found, self._one)
+        checked = [total] if total is not None else \
+            list(each.values) if isinstance(each.values, (list, tuple)) else [each.values]
+        torch._amp_foreach_non_finite_check_and_unscale_([*checked, step_loss], found,
+                                                         self._one)
         if self._agree is not None:
             self._agree(found, "max")  # COLLECTIVE: every rank, every step; no SYNC
         optimizer.found_inf = found
@@ -281,7 +289,10 @@ class NonFiniteGuard:
         """The names of the parameters whose gradient norm in ``each`` is not finite."""
         params = each.params if each.present is None else \
             [each.params[i] for i in each.present]
-        return [self._names.get(id(p), "?") for p, v in zip(params, each.values.tolist())
+        values = each.values
+        if isinstance(values, (list, tuple)):  # unstacked norms (the device path's every step)
+            values = torch.stack(values) if values else torch.zeros(0)
+        return [self._names.get(id(p), "?") for p, v in zip(params, values.tolist())
                 if not math.isfinite(v)]
 
     def _record(self, each: EachNorm, step_loss: torch.Tensor) -> None:
