@@ -383,8 +383,12 @@ def _supervise(nodes: list[_Node], done: queue.Queue, signals: list[int],
     if first is None:
         return 0
     node, code = first
-    logger.error("the job failed: %s failed first, with exit status %d%s", node.host.label,
-                 code, _code_note(code))
+    if stop_asked:
+        logger.warning("the job stopped on a signal; %s ended first, with exit status %d%s",
+                       node.host.label, code, _code_note(code))
+    else:
+        logger.error("the job failed: %s failed first, with exit status %d%s",
+                     node.host.label, code, _code_note(code))
     return code
 
 
