@@ -4,6 +4,7 @@ by host, a failure or a Ctrl-C stops the job everywhere, and nothing is left run
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import time
@@ -102,8 +103,18 @@ def test_ctrl_c_stops_every_host_with_a_checkpoint_and_leaves_nothing(sshd, tmp_
     out = launcher.output()
     assert "SIGINT: passed to every node as SIGINT" in out, out[-4000:]
     assert "the job stopped on a signal" in out and "failed" not in out, out[-4000:]
-    assert list((run / "checkpoints").glob("step-*")), out[-4000:]
+    saved = sorted((run / "checkpoints").glob("step-*"))
+    assert saved, out[-4000:]
     _no_strays(sshd, launcher)
+    # The same command, its run directory named, goes on from there.
+    step = max(int(re.search(r"step-(\d+)", p.name)[1]) for p in saved)
+    again = _launch(sshd, tmp_path, ["--hosts", "n1,n2", "--data", "toyjob:make_data",
+                                     "--batch-size", "16", "--max-steps", str(step + 3),
+                                     "--run-dir", str(run), "--resume", "latest"], "-again")
+    wait([again], timeout=240)
+    steps = [r["step"] for r in train_records(run)]
+    assert steps[-3:] == [step + 1, step + 2, step + 3], again.output()[-4000:]
+    _no_strays(sshd, again)
 
 
 @pytest.mark.slow
