@@ -141,6 +141,8 @@ def test_a_node_deaf_to_sigterm_is_killed_after_the_grace(fake_ssh, tmp_path, ca
     assert not Path(f"/proc/{(tmp_path / 'a.pid').read_text().strip()}").exists()
 
 
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
+                    reason="signal handlers are set in the main thread only")
 def test_ctrl_c_reaches_every_node(fake_ssh, tmp_path):
     script = ('trap "echo got INT; exit 130" INT; touch ready$6; '
               "while :; do sleep 0.1; done")
