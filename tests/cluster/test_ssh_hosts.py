@@ -95,13 +95,16 @@ LONG = ["--data", "toyjob:make_data", "--max-steps", "1000000", "--log.every", "
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_every_host_with_a_checkpoint_and_leaves_nothing(sshd, tmp_path):
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 75)])
+def test_ctrl_c_stops_every_host_with_a_checkpoint_and_leaves_nothing(sshd, tmp_path, sig,
+                                                                      status):
+    # SIGINT: what Ctrl-C in the launcher's terminal sends; SIGTERM: a scheduler's stop.
     launcher = _launch(sshd, tmp_path, ["--hosts", "n1,n2", *LONG])
     run = _until_training(launcher, tmp_path, 2)
-    launcher.proc.send_signal(signal.SIGINT)  # what Ctrl-C in its terminal sends
-    assert wait([launcher], timeout=180, expect=None) == [130], launcher.output()[-4000:]
+    launcher.proc.send_signal(sig)
+    assert wait([launcher], timeout=180, expect=None) == [status], launcher.output()[-4000:]
     out = launcher.output()
-    assert "SIGINT: passed to every node as SIGINT" in out, out[-4000:]
+    assert f"{sig.name}: passed to every node as {sig.name}" in out, out[-4000:]
     assert "the job stopped on a signal" in out and "failed" not in out, out[-4000:]
     saved = sorted((run / "checkpoints").glob("step-*"))
     assert saved, out[-4000:]
