@@ -29,6 +29,14 @@ def make_data(n: int = 256, in_dim: int = 8, n_eval: int = 0):
     return (train, TensorDataset(x[n:], y[n:])) if n_eval else train
 
 
+def make_data_failing_on_host(host: str = "n2", n: int = 256):
+    """The training data, except on node ``host`` of a ``--hosts`` job (named in
+    GPUFLEET_HOSTS_NODE there), where it is missing, as when one node lacks a file."""
+    if os.environ.get("GPUFLEET_HOSTS_NODE") == host:
+        raise FileNotFoundError(f"the training data is not on {host}")
+    return make_data(n)
+
+
 def make_classifier(in_dim: int = 8, classes: int = 10) -> nn.Module:
     return nn.Sequential(nn.Linear(in_dim, 32), nn.Tanh(), nn.Linear(32, classes))
 

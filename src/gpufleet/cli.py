@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import signal
 import sys
 import textwrap
@@ -15,6 +16,7 @@ from gpufleet.config.flags import SHORTCUTS
 from gpufleet.entry import run_training, stopped_message
 from gpufleet.errors import ConfigError, GpufleetError, LaunchError, RunStopped, unknown_choice
 from gpufleet.fault.preempt import INTERRUPT_EXIT, exit_status
+from gpufleet.launch import ssh
 
 # Subcommands other than `train`: name -> module. Each module has
 # ``add_parser(subparsers)`` and ``run(args) -> int`` and imports only the standard
@@ -44,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command == "train":
+            if ssh.wants_hosts(args):
+                return _cmd_train_hosts(args, argv[argv.index("train") + 1:])
             return _cmd_train(args, rest)
         if args.command in ("tune", "plan", "sbatch"):  # the rest are train arguments
             args.train_args = rest
@@ -86,6 +90,7 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", metavar="FILE", help="TOML file with [section] tables")
     for flag, (key, text) in SHORTCUTS.items():
         train.add_argument(flag, dest=key, metavar="V", help=f"{text} (= --{key})")
+    ssh.add_arguments(train)
     for module in COMMANDS.values():
         importlib.import_module(module).add_parser(sub)
     return parser
@@ -103,7 +108,8 @@ def _config_help() -> str:
               "  gpufleet train --model mypkg.nets:build --data mypkg.data:load",
               "  gpufleet train --resume latest                  # continue the last run",
               "  gpufleet train --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 "
-              "--master-port 29500"]
+              "--master-port 29500",
+              "  gpufleet train --hosts node1,node2 --nproc 8      # every node over ssh"]
     return "\n".join(lines)
 
 
@@ -153,6 +159,17 @@ def _cmd_train(args: argparse.Namespace, rest: Sequence[str]) -> int:
             raise RunStopped(stopped_message(result.preempted, result.run_dir),
                              exit_status(getattr(signal, result.preempted)))
     return 0
+
+
+def _cmd_train_hosts(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """``gpufleet train --hosts ...``: the same command on every host, over ssh."""
+    _, train_args = ssh.host_flags().parse_known_args(argv)
+    job = ssh.job_from_args(args, train_args)
+    node0, rest = _build_parser().parse_known_args(["train", *job.node_args(0, 1)])
+    parse_train_config(node0, rest)  # a bad flag fails here, not on every node
+    logging.basicConfig(format="gpufleet: %(message)s")
+    logging.getLogger(ssh.__name__).setLevel(logging.INFO)
+    return ssh.run_hosts(job)
 
 
 def _print_summary(result: Any) -> None:

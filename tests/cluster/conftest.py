@@ -54,3 +54,19 @@ def slurm(netbed, tmp_path):
         yield bed
     finally:
         bed.close()
+
+
+@pytest.fixture
+def sshd(netbed, tmp_path):
+    """An sshd on every node of the bed and a client config of the test's own (ssh -F);
+    skips with the reason when OpenSSH is missing; always torn down."""
+    from .sshbed import SshBed, ssh_missing
+
+    reason = ssh_missing()
+    if reason:
+        pytest.skip(reason)
+    bed = SshBed(netbed, tmp_path / "ssh")
+    try:
+        yield bed
+    finally:
+        bed.close()
