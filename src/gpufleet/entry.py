@@ -106,7 +106,8 @@ def _launch_ranks(plan: RunPlan, job: Job | None, callbacks: list[Callback],
     multi_node = plan.world_size > plan.nproc
     # Before any rank starts: what the ranks are sent, and one batch through the job.
     sent = () if job is None else (job.model, job.train_data, job.eval_data, job.loss_fn,
-                                   callbacks, job.optimizer, job.scheduler)
+                                   callbacks, job.optimizer, job.scheduler,
+                                   job.training_step)
     check_picklable(sent, plan.nproc)
     preflight_job(cfg, job)
     if multi_node and owns_process:
@@ -247,7 +248,7 @@ def run_rank(plan: RunPlan, job: Job | None = None, callbacks: Sequence[Callback
         run = build_run(plan, job.model, job.train_data, job.eval_data, loss_fn=job.loss_fn,
                         callbacks=[Progress(cfg.log.progress), *callbacks],
                         eval_metrics=eval_metrics, optimizer=job.optimizer,
-                        scheduler=job.scheduler)
+                        scheduler=job.scheduler, training_step=job.training_step)
         result = Trainer(run).fit()
     finally:
         if owns_process:
@@ -268,8 +269,9 @@ def own_weights(model: Any) -> None:
     """
     import torch
 
+    models = model.values() if isinstance(model, dict) else [model]
     with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
+        for tensor in [t for m in models for t in (*m.parameters(), *m.buffers())]:
             if tensor.is_shared():
                 tensor.data = tensor.data.clone()
 

@@ -25,19 +25,21 @@ log = logging.getLogger(__name__)
 BUILTIN_MODELS = ("gpt",)
 BUILTIN_DATA = ("stdlib",)
 # Config keys whose value may be an import string that is imported and called.
-FACTORY_KEYS = ("model.name", "data.name", "model.loss", "optim.factory", "sched.factory")
+FACTORY_KEYS = ("model.name", "data.name", "model.loss", "optim.factory", "sched.factory",
+                "model.training_step")
 
 
 @dataclass
 class Job:
     """What the trainer trains."""
 
-    model: nn.Module
+    model: nn.Module | dict[str, nn.Module]  # several: {name: module}, with a training_step
     train_data: Dataset
     eval_data: Dataset | None = None
     loss_fn: Any = None
     optimizer: Any = None  # yours (object or fn(params)); None: [optim]'s
     scheduler: Any = None  # yours (object or fn(optimizer)); None: [optim]'s schedule
+    training_step: Any = None  # yours: fn(models, batch, step) -> loss or dict of losses
 
 
 def import_object(spec: str, key: str) -> Any:
@@ -93,7 +95,7 @@ def require_trusted(cfg: Config, trust_code: bool, source: str) -> None:
 
 def _factories(cfg: Config) -> list[tuple[str, str]]:
     values = (cfg.model.name, cfg.data.name, cfg.model.loss, cfg.optim.factory,
-              cfg.sched.factory)
+              cfg.sched.factory, cfg.model.training_step)
     return [(k, v) for k, v in zip(FACTORY_KEYS, values, strict=True) if v and ":" in v]
 
 
@@ -121,8 +123,10 @@ def _search_current_folder() -> None:
 
 def build_job(cfg: Config) -> Job:
     """Build the model, the data sets and the loss that ``cfg`` names."""
+    step = cfg.model.training_step
     return Job(build_model(cfg), *build_data(cfg),
-               loss_fn=import_object(cfg.model.loss, "model.loss") if cfg.model.loss else None)
+               loss_fn=import_object(cfg.model.loss, "model.loss") if cfg.model.loss else None,
+               training_step=import_object(step, "model.training_step") if step else None)
 
 
 def build_model(cfg: Config) -> nn.Module:
@@ -139,9 +143,13 @@ def build_model(cfg: Config) -> nn.Module:
                          block_size=m.block_size, dropout=m.dropout)
     _check_import_string(m.name, "model.name", BUILTIN_MODELS)
     model = _call_factory(import_object(m.name, "model.name"), m.kwargs, "model")
+    if isinstance(model, dict) and model and all(
+            isinstance(v, nn.Module) for v in model.values()):
+        return model  # several models by name, trained by model.training_step
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model.name = {m.name!r} returned {type(model).__name__}, not a "
-                          "torch.nn.Module. Make the factory return the model.")
+                          "torch.nn.Module. Make the factory return the model (or a dict "
+                          "{name: module} of several, with model.training_step).")
     return model
 
 

@@ -53,26 +53,30 @@ from gpufleet.train.recipe import (
     spec_from_optimizer,
     user_optimizer,
 )
-from gpufleet.train.run import Monitors, Run, TrainState
+from gpufleet.train.run import ModelPart, Monitors, Run, TrainState
 from gpufleet.train.rundir import plan_and_lock
 from gpufleet.train.seed import seed_everything, set_deterministic
+from gpufleet.train.steps import UserStep, check_strategy, named_models, per_model
 from gpufleet.train.stream import TrainStream
 from gpufleet.train.view import RunView
 
 log = logging.getLogger(__name__)
 
 
-def build_run(plan: RunPlan | Config, model: nn.Module, train_data: Dataset,
-              eval_data: Dataset | None = None, *, loss_fn: Any = None,
-              callbacks: Sequence[Callback] = (),
+def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module],
+              train_data: Dataset, eval_data: Dataset | None = None, *,
+              loss_fn: Any = None, callbacks: Sequence[Callback] = (),
               eval_metrics: Mapping[str, Any] | None = None,
-              optimizer: Any = None, scheduler: Any = None) -> Run:
+              optimizer: Any = None, scheduler: Any = None,
+              training_step: Any = None) -> Run:
     """Build every part of a training run on this rank (COLLECTIVE: every rank calls it).
 
     Args:
         plan: the run's plan (:func:`gpufleet.plan.make_plan`), or a config, which is
             then planned here for this process (the one resolve of this rank).
-        model: your ``nn.Module``, built identically on every rank.
+        model: your ``nn.Module``, built identically on every rank; or several, as a
+            dict ``{name: module}`` (a GAN's generator and discriminator), trained by
+            ``training_step``.
         train_data: a map-style ``Dataset`` of ``(inputs, target)``, argument tuples or
             dicts.
         eval_data: optional evaluation ``Dataset``.
@@ -84,6 +88,10 @@ def build_run(plan: RunPlan | Config, model: nn.Module, train_data: Dataset,
             ``[optim]``'s (see :mod:`gpufleet.train.recipe`).
         scheduler: your LR scheduler (an object on that optimizer, or ``fn(optimizer)``),
             stepped every optimizer step or, with ``sched.interval = "epoch"``, every epoch.
+            With several models: a dict by model name, or a factory called per model.
+        training_step: your ``fn(models, batch, step)`` returning the loss or a dict of
+            losses (:mod:`gpufleet.train.steps`); None: ``loss_fn`` (or the model's
+            own loss) on each batch.
 
     Returns:
         The :class:`~gpufleet.train.run.Run`; train it with
@@ -97,21 +105,41 @@ def build_run(plan: RunPlan | Config, model: nn.Module, train_data: Dataset,
     if env.is_distributed and not is_initialized():  # else its entry joined already
         join_process_group(plan, env)
     cfg = plan.cfg
+    models, training_step = _models_and_step(cfg, model, training_step, eval_data)
     share_cores(env.local_world_size, env.is_main)
     device = _device(cfg, env)
     precision, strategy = _precision_and_strategy(cfg, plan.dims, device)
-    cfg, model, optimizer, scheduler = _model_and_optimizer(
-        cfg, env, device, strategy, model, optimizer, scheduler)
+    optimizers = per_model(optimizer, list(models), "optimizer")
+    schedulers = per_model(scheduler, list(models), "scheduler")
+    placed: dict[str, tuple[nn.Module, Any, Any]] = {}
+    recipes, first_cfg = [], None
+    for name, module in models.items():
+        named_cfg, *placed[name] = _model_and_optimizer(
+            cfg, env, device, strategy, module, optimizers[name], schedulers[name],
+            name if len(models) > 1 else "")
+        recipes.append(f"{name}: {named_cfg.optim.recipe}" if len(models) > 1
+                       else named_cfg.optim.recipe)
+        first_cfg = first_cfg or named_cfg
+    cfg = dataclasses.replace(first_cfg, optim=dataclasses.replace(
+        first_cfg.optim, recipe=" || ".join(recipes)))
+    model, optimizer, scheduler = next(iter(placed.values()))
     metrics = _eval_metrics(cfg, eval_metrics)  # before the run directory: may fail
     for name in (cfg.early_stop.metric, cfg.checkpoint.keep_best and cfg.checkpoint.monitor):
         if name:
             check_monitor(name, has_eval=eval_data is not None)
     from gpufleet.train.nonfinite import NonFiniteGuard
 
-    nonfinite = (NonFiniteGuard(cfg.fault, strategy, precision,
-                                clip_by_norm=bool(cfg.optim.clip_norm
-                                                  and not cfg.optim.clip_value))
-                 if cfg.fault.skip_nonfinite else None)
+    # One loss scaler and one non-finite guard per model (the first model's are the
+    # run's own); several guards decide on the host, each on its own model.
+    precisions = {name: precision if i == 0 else
+                  build_precision(cfg.precision.mode, device.type, cfg.precision)
+                  for i, name in enumerate(placed)}
+    guards = {name: NonFiniteGuard(cfg.fault, strategy, precisions[name],
+                                   clip_by_norm=bool(cfg.optim.clip_norm
+                                                     and not cfg.optim.clip_value),
+                                   device_path=len(placed) == 1)
+              if cfg.fault.skip_nonfinite else None for name in placed}
+    nonfinite = next(iter(guards.values()))
     # Every rank now draws different dropout masks; data order comes from the sampler's
     # own generator and is independent of this.
     seed_everything(cfg.run.seed + env.rank)
@@ -119,8 +147,14 @@ def build_run(plan: RunPlan | Config, model: nn.Module, train_data: Dataset,
     run_dir = Path(cfg.run.dir)
     data, eval_loader = _data(cfg, env, device, strategy, train_data, eval_data)
     max_steps = _max_steps(cfg, env, data)
-    if scheduler is None:  # the [optim] schedule (constant for the "none" preset)
-        scheduler = build_scheduler(optimizer, cfg.optim, max_steps)
+    parts = [ModelPart(name, placed_model, opt,
+                       # the [optim] schedule (constant for the "none" preset)
+                       sched if sched is not None else build_scheduler(opt, cfg.optim,
+                                                                       max_steps),
+                       precisions[name], guards[name],
+                       [p for p in placed_model.parameters() if p.requires_grad])
+             for name, (placed_model, opt, sched) in placed.items()]
+    scheduler = parts[0].scheduler
     loss = make_loss_fn(loss_fn)
     evaluator = None if eval_loader is None else Evaluator(
         eval_loader, model, strategy, precision, loss, metrics,
@@ -132,12 +166,14 @@ def build_run(plan: RunPlan | Config, model: nn.Module, train_data: Dataset,
         strategy=strategy, model=model, optimizer=optimizer, scheduler=scheduler,
         loss_fn=loss, data=data, evaluator=evaluator,
         checkpointer=Checkpointer(run_dir, env, cfg, model, optimizer, scheduler, strategy,
-                                  precision, data.sampler),
+                                  precision, data.sampler, parts),
         nonfinite=nonfinite, max_steps=max_steps,
         peak_flops=device_peak_flops(cfg, device), resume_from=resume_from,
         run_lock=run_lock, monitors=_monitors(cfg, env, device, run_dir),
         # FLOPs per step: counted on the first step (None: not yet; 0: not counted).
-        state=TrainState(flops_per_step=None if (mon.phases or mon.diagnose) else 0))
+        state=TrainState(flops_per_step=None if (mon.phases or mon.diagnose) else 0),
+        parts=parts,
+        user_step=None if training_step is None else UserStep(training_step, list(placed)))
     run.result.run_dir = str(run_dir)
     run.view = RunView(run)  # what callbacks get: read-only, reads live values
     run.callbacks = CallbackList(_own_callbacks(run) + list(callbacks))
@@ -148,6 +184,30 @@ def build_run(plan: RunPlan | Config, model: nn.Module, train_data: Dataset,
             (cb for cb in callbacks if isinstance(cb, SystemSampler)), None)
     run.phases = PhaseAnnouncer(run.callbacks.phase_listeners, run.view)
     return run
+
+
+def _models_and_step(cfg: Config, model: Any, training_step: Any,
+                     eval_data: Any) -> tuple[dict[str, nn.Module], Any]:
+    """The models by name and your training step (given, or named by
+    ``model.training_step``), checked against the strategy before anything is built."""
+    models = named_models(model)
+    if training_step is None and cfg.model.training_step:
+        training_step = import_object(cfg.model.training_step, "model.training_step")
+    if training_step is not None and not callable(training_step):
+        raise ConfigError(f"training_step = {training_step!r} is not callable: give a "
+                          "function fn(models, batch, step) returning the loss.")
+    several = len(models) > 1
+    if several and training_step is None:
+        raise ConfigError(
+            f"several models ({list(models)}) need a training_step(models, batch, step) "
+            "that returns a loss per model name; pass training_step=... (or "
+            "--model.training_step pkg.mod:fn).")
+    if several and eval_data is not None:
+        raise ConfigError(
+            "eval_data with several models: gpufleet evaluates one model with its loss. "
+            "Drop eval_data and evaluate in a callback (on_log) of your own.")
+    check_strategy(cfg.parallel.strategy, several, training_step is not None)
+    return models, training_step
 
 
 def _device(cfg: Config, env: DistEnv) -> torch.device:
@@ -185,8 +245,8 @@ def _eval_metrics(cfg: Config, extra: Mapping[str, Any] | None) -> list[EvalMetr
 
 
 def _model_and_optimizer(cfg: Config, env: DistEnv, device: torch.device, strategy: Any,
-                         model: nn.Module, optimizer: Any = None, scheduler: Any = None
-                         ) -> tuple[Config, nn.Module, Any, Any]:
+                         model: nn.Module, optimizer: Any = None, scheduler: Any = None,
+                         name: str = "") -> tuple[Config, nn.Module, Any, Any]:
     """The model as the strategy places it, its optimizer (yours, or ``[optim]``'s) and
     your scheduler if any; the config gains the settings its preset filled in and the
     recipe line, so the run directory's config.toml records what was used."""
@@ -219,7 +279,7 @@ def _model_and_optimizer(cfg: Config, env: DistEnv, device: torch.device, strate
         built, schedule, dataclasses.replace(cfg, optim=optim), strategy.name,
         env.world_size))
     if env.is_main:
-        log.info("recipe: %s", optim.recipe)
+        log.info("recipe%s: %s", f" ({name})" if name else "", optim.recipe)
     return dataclasses.replace(cfg, optim=optim), model, built, scheduler
 
 
