@@ -54,8 +54,10 @@ def test_one_rank_equals_the_plain_loop(tmp_path, mode):
 
 def test_two_ranks_equal_the_plain_loop_on_the_global_batch(tmp_path):
     plain_models, plain = example.train_plain(4, 32)  # 1 process, batch 32
-    _, result = example.train_gpufleet(4, 16, nproc=2, overrides={  # 2 x 16 (ddp)
-        "run.out_dir": str(tmp_path), **QUIET})
+    # 2 ranks (ddp) x 2 micro-batches of 8: each model's gradient sync held back on the
+    # first micro-batch.
+    _, result = example.train_gpufleet(4, 8, nproc=2, overrides={
+        "run.out_dir": str(tmp_path), "optim.grad_accum": 2, **QUIET})
     _same_losses(plain, _logged(result.run_dir))
     saved = ckpt.load_checkpoint(result.checkpoint)["models"]
     _same_weights(plain_models, {n: s["model"] for n, s in saved.items()})

@@ -4,6 +4,7 @@ optimizer, scaler, guard and clip, and what a strategy cannot train refused earl
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -213,3 +214,48 @@ def test_several_models_need_a_training_step(tmp_path):
     with pytest.raises(ConfigError, match="need a training_step"):
         gpufleet.fit(_pair(), _data(), overrides={**QUIET, "run.max_steps": 1,
                                                   "run.out_dir": str(tmp_path)})
+
+
+_JOB = '''
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import TensorDataset
+
+
+def models():
+    return {"first": nn.Linear(4, 1), "second": nn.Linear(4, 1)}
+
+
+def data():
+    x = torch.randn(32, 4)
+    return TensorDataset(x, x.sum(1, keepdim=True))
+
+
+def step(models, batch, step):
+    x, y = batch
+    return {name: F.mse_loss(m(x), y) for name, m in models.items()}
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+'''
+
+
+def test_the_config_names_a_training_step_that_a_received_run_must_trust(tmp_path,
+                                                                         monkeypatch):
+    from gpufleet.config import load_config
+    from gpufleet.entry import train
+    from gpufleet.job import require_trusted
+
+    (tmp_path / "stepjob.py").write_text(_JOB)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = train(load_config(overrides={
+        **QUIET, "model.name": "stepjob:models", "data.name": "stepjob:data",
+        "model.training_step": "stepjob:step", "optim.factory": "stepjob:sgd",
+        "run.max_steps": 2, "run.out_dir": str(tmp_path / "runs")}))
+    assert result.steps == 2 and math.isfinite(result.final_loss)
+    saved = load_config(Path(result.run_dir) / "config.toml")
+    assert saved.model.training_step == "stepjob:step"
+    with pytest.raises(ConfigError, match=r"model\.training_step = 'stepjob:step'"):
+        require_trusted(saved, False, result.run_dir)
