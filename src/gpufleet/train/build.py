@@ -38,6 +38,7 @@ from gpufleet.train.checkpointer import Checkpointer
 from gpufleet.train.evalmetrics import EvalMetric, build_metrics
 from gpufleet.train.evaluator import Evaluator
 from gpufleet.train.keeping import EarlyStopping, check_monitor
+from gpufleet.train.modelrecord import record_transformers_model
 from gpufleet.train.optim import (
     build_scheduler,
     describe_schedule,
@@ -145,6 +146,8 @@ def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module]
     seed_everything(cfg.run.seed + env.rank)
     cfg, resume_from, run_lock = _run_dir(cfg, env)  # COLLECTIVE
     run_dir = Path(cfg.run.dir)
+    if env.is_main and len(models) == 1:  # a Transformers model: its class and config
+        record_transformers_model(next(iter(models.values())), run_dir)
     data, eval_loader = _data(cfg, env, device, strategy, train_data, eval_data)
     max_steps = _max_steps(cfg, env, data)
     parts = [ModelPart(name, placed_model, opt,
