@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from gpufleet.config import Config
-from gpufleet.errors import ConfigError
+from gpufleet.errors import ConfigError, GpufleetError
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def build_model(cfg: Config) -> nn.Module:
         return build_gpt(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd,
                          block_size=m.block_size, dropout=m.dropout)
     _check_import_string(m.name, "model.name", BUILTIN_MODELS)
-    model = _call_factory(import_object(m.name, "model.name"), m.kwargs, "model")
+    model = _call_factory(import_object(m.name, "model.name"), m.kwargs, "model", m.name)
     if isinstance(model, dict) and model and all(
             isinstance(v, nn.Module) for v in model.values()):
         return model  # several models by name, trained by model.training_step
@@ -172,7 +172,7 @@ def build_data(cfg: Config) -> tuple[Dataset, Dataset | None]:
                               f"{d.eval_fraction}: {e}. Lower model.block_size or "
                               "data.eval_fraction, or raise data.corpus_bytes.") from e
     _check_import_string(d.name, "data.name", BUILTIN_DATA)
-    out = _call_factory(import_object(d.name, "data.name"), d.kwargs, "data")
+    out = _call_factory(import_object(d.name, "data.name"), d.kwargs, "data", d.name)
     if isinstance(out, dict):
         return out["train"], out.get("eval")
     if isinstance(out, (tuple, list)) and len(out) == 2:
@@ -183,7 +183,9 @@ def build_data(cfg: Config) -> tuple[Dataset, Dataset | None]:
                       "Dataset, a (train, eval) pair, or {'train': ..., 'eval': ...}.")
 
 
-def _call_factory(factory: Any, kwargs: dict, section: str) -> Any:
+def _call_factory(factory: Any, kwargs: dict, section: str, spec: str = "") -> Any:
+    """``factory(**kwargs)``; its own failure reads as one line naming the factory, the
+    error and where it was raised (a :class:`ConfigError`), not a traceback per rank."""
     import inspect
 
     try:
@@ -194,7 +196,23 @@ def _call_factory(factory: Any, kwargs: dict, section: str) -> Any:
                           f"Fix the names in {section}.kwargs.") from None
     except ValueError:  # no signature to check (a builtin): let the call decide
         pass
-    return factory(**kwargs)
+    try:
+        return factory(**kwargs)
+    except GpufleetError:
+        raise
+    except Exception as e:
+        raise ConfigError(_factory_failed(f"{section}.name = {spec!r}", e, section)) from e
+
+
+def _factory_failed(what: str, error: Exception, section: str) -> str:
+    """One line: which factory raised what, and the line of the raise."""
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" ({frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
+    text = " ".join(str(error).split()) or "(no message)"
+    return (f"{what} raised {type(error).__name__}: {text}{where}. Fix the factory (or "
+            f"{section}.kwargs) and run again.")
 
 
 def _signature(fn: Any) -> str:
