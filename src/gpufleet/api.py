@@ -118,9 +118,11 @@ def load_checkpoint(path: str | Path, model: nn.Module,
     Args:
         path: a checkpoint (``runs/X/checkpoints/step-0000400.pt``), a sharded
             checkpoint's directory, or a run directory (its newest checkpoint).
-        model: your module, built as the run built it.
+        model: your module, built as the run built it; for a run of several models, a
+            dict of them by name.
         optimizer: also restore this optimizer's state (runs whose optimizer state is
-            in torch's own layout: single, ddp, local_sgd).
+            in torch's own layout: single, ddp, local_sgd); a dict by model name for a
+            run of several.
 
     Returns:
         The rest of the checkpoint (``step``, ``epoch``, ``config``, ...).

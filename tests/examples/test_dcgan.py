@@ -52,6 +52,18 @@ def test_one_rank_equals_the_plain_loop(tmp_path, mode):
     assert "discriminator: Adam(lr=0.0002" in config
 
 
+@pytest.mark.slow
+def test_two_ranks_in_turns_equal_the_plain_loop(tmp_path):
+    """A model that sits a step out was still called (the generator makes the fakes):
+    its DDP wrapper then waits for no gradients."""
+    plain_models, plain = example.train_plain(4, 32, "alternate")
+    _, result = example.train_gpufleet(4, 16, "alternate", nproc=2, overrides={
+        "run.out_dir": str(tmp_path), **QUIET})
+    _same_losses(plain, _logged(result.run_dir))
+    saved = ckpt.load_checkpoint(result.checkpoint)["models"]
+    _same_weights(plain_models, {n: s["model"] for n, s in saved.items()})
+
+
 def test_two_ranks_equal_the_plain_loop_on_the_global_batch(tmp_path):
     plain_models, plain = example.train_plain(4, 32)  # 1 process, batch 32
     # 2 ranks (ddp) x 2 micro-batches of 8: each model's gradient sync held back on the
@@ -60,8 +72,14 @@ def test_two_ranks_equal_the_plain_loop_on_the_global_batch(tmp_path):
         "run.out_dir": str(tmp_path), "optim.grad_accum": 2, **QUIET})
     _same_losses(plain, _logged(result.run_dir))
     saved = ckpt.load_checkpoint(result.checkpoint)["models"]
-    _same_weights(plain_models, {n: s["model"] for n, s in saved.items()})
     assert set(saved["generator"]) == {"model", "optimizer", "scheduler", "precision"}
+    # Into your own modules and optimizers, by model name.
+    mine = example.build_models(seed=1)
+    optimizers = {n: example.adam(m.parameters()) for n, m in mine.items()}
+    info = example.gpufleet.load_checkpoint(result.run_dir, mine, optimizers)
+    assert info["step"] == 4
+    _same_weights(plain_models, {n: m.state_dict() for n, m in mine.items()})
+    assert optimizers["generator"].state_dict()["state"]
 
 
 class _Stop(example.gpufleet.Callback):
