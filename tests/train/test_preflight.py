@@ -115,3 +115,13 @@ def test_a_start_whose_ranks_fail_leaves_no_run_folder(run_cli, tmp_path):
     assert proc.returncode != 0
     assert "model.name = 'badjob:model' raised ValueError" in proc.stderr
     assert list((tmp_path / "runs").iterdir()) == []  # the new run directory is gone
+
+
+def test_a_training_step_under_pipeline_is_refused_before_anything_is_built() -> None:
+    from gpufleet.config import load_config
+    from gpufleet.train.preflight import preflight_job
+
+    cfg = load_config(overrides={"parallel.strategy": "pipeline", "model.name": "nowhere:x",
+                                 "model.training_step": "nowhere:step"})
+    with pytest.raises(ConfigError, match="'pipeline' runs its own schedule"):
+        preflight_job(cfg)  # the factories named are never imported

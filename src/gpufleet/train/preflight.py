@@ -125,7 +125,9 @@ def check_picklable(extra: tuple, nproc: int) -> None:
 
 def preflight_job(cfg: Config, job: Any = None) -> None:
     """:func:`preflight` for ``job`` (a :class:`gpufleet.job.Job`), or for the job the
-    config names, built here for the check only."""
+    config names, built here for the check only; before it, what the strategy cannot
+    train (a training step, several models) is refused."""
+    _check_strategy(cfg, job)
     if not cfg.run.preflight:
         return
     if job is None:
@@ -134,4 +136,14 @@ def preflight_job(cfg: Config, job: Any = None) -> None:
 
         seed_everything(cfg.run.seed)
         job = build_job(cfg)
+        _check_strategy(cfg, job)  # now it is known whether the factory made several
     preflight(job.model, job.train_data, job.loss_fn, cfg, job.training_step)
+
+
+def _check_strategy(cfg: Config, job: Any) -> None:
+    from gpufleet.train.steps import check_strategy
+
+    several = job is not None and isinstance(job.model, dict) and len(job.model) > 1
+    has_step = bool(cfg.model.training_step) or (
+        job is not None and job.training_step is not None)
+    check_strategy(cfg.parallel.strategy, several, has_step)
