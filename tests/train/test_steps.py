@@ -259,3 +259,22 @@ def test_the_config_names_a_training_step_that_a_received_run_must_trust(tmp_pat
     assert saved.model.training_step == "stepjob:step"
     with pytest.raises(ConfigError, match=r"model\.training_step = 'stepjob:step'"):
         require_trusted(saved, False, result.run_dir)
+
+
+def test_a_resumed_run_gets_each_models_scaler_back(tmp_path):
+    from gpufleet.train.checkpoint import load_checkpoint
+
+    settings = {**QUIET, "run.device": "cpu", "precision.mode": "fp16-mixed",
+                "precision.init_scale": 1024.0, "run.dir": str(tmp_path / "run")}
+
+    def fit(steps: int, **more):
+        return gpufleet.fit(_pair(), _data(), training_step=nan_second_at_step_one,
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                            overrides={**settings, "run.max_steps": steps, **more})
+
+    fit(2)  # the NaN of step 1 halves the second model's scale
+    result = fit(3, **{"checkpoint.resume": "latest"})  # step 2 is finite
+    saved = load_checkpoint(result.checkpoint)["models"]
+    assert result.steps == 3
+    assert saved["first"]["precision"]["scaler"]["scale"] == 1024.0
+    assert saved["second"]["precision"]["scaler"]["scale"] == 512.0  # restored, kept
