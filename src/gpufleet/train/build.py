@@ -57,7 +57,7 @@ from gpufleet.train.recipe import (
 from gpufleet.train.run import ModelPart, Monitors, Run, TrainState
 from gpufleet.train.rundir import plan_and_lock
 from gpufleet.train.seed import seed_everything, set_deterministic
-from gpufleet.train.steps import UserStep, check_strategy, named_models, per_model
+from gpufleet.train.steps import UserStep, models_and_step, per_model
 from gpufleet.train.stream import TrainStream
 from gpufleet.train.view import RunView
 
@@ -106,40 +106,17 @@ def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module]
     if env.is_distributed and not is_initialized():  # else its entry joined already
         join_process_group(plan, env)
     cfg = plan.cfg
-    models, training_step = _models_and_step(cfg, model, training_step, eval_data)
+    models, training_step = models_and_step(cfg, model, training_step, eval_data)
     share_cores(env.local_world_size, env.is_main)
     device = _device(cfg, env)
     precision, strategy = _precision_and_strategy(cfg, plan.dims, device)
-    optimizers = per_model(optimizer, list(models), "optimizer")
-    schedulers = per_model(scheduler, list(models), "scheduler")
-    placed: dict[str, tuple[nn.Module, Any, Any]] = {}
-    recipes, first_cfg = [], None
-    for name, module in models.items():
-        named_cfg, *placed[name] = _model_and_optimizer(
-            cfg, env, device, strategy, module, optimizers[name], schedulers[name],
-            name if len(models) > 1 else "")
-        recipes.append(f"{name}: {named_cfg.optim.recipe}" if len(models) > 1
-                       else named_cfg.optim.recipe)
-        first_cfg = first_cfg or named_cfg
-    cfg = dataclasses.replace(first_cfg, optim=dataclasses.replace(
-        first_cfg.optim, recipe=" || ".join(recipes)))
+    cfg, placed = _place_models(cfg, env, device, strategy, models, optimizer, scheduler)
     model, optimizer, scheduler = next(iter(placed.values()))
     metrics = _eval_metrics(cfg, eval_metrics)  # before the run directory: may fail
     for name in (cfg.early_stop.metric, cfg.checkpoint.keep_best and cfg.checkpoint.monitor):
         if name:
             check_monitor(name, has_eval=eval_data is not None)
-    from gpufleet.train.nonfinite import NonFiniteGuard
-
-    # One loss scaler and one non-finite guard per model (the first model's are the
-    # run's own); several guards decide on the host, each on its own model.
-    precisions = {name: precision if i == 0 else
-                  build_precision(cfg.precision.mode, device.type, cfg.precision)
-                  for i, name in enumerate(placed)}
-    guards = {name: NonFiniteGuard(cfg.fault, strategy, precisions[name],
-                                   clip_by_norm=bool(cfg.optim.clip_norm
-                                                     and not cfg.optim.clip_value),
-                                   device_path=len(placed) == 1)
-              if cfg.fault.skip_nonfinite else None for name in placed}
+    precisions, guards = _scalers_and_guards(cfg, device, strategy, precision, list(placed))
     nonfinite = next(iter(guards.values()))
     # Every rank now draws different dropout masks; data order comes from the sampler's
     # own generator and is independent of this.
@@ -189,30 +166,6 @@ def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module]
     return run
 
 
-def _models_and_step(cfg: Config, model: Any, training_step: Any,
-                     eval_data: Any) -> tuple[dict[str, nn.Module], Any]:
-    """The models by name and your training step (given, or named by
-    ``model.training_step``), checked against the strategy before anything is built."""
-    models = named_models(model)
-    if training_step is None and cfg.model.training_step:
-        training_step = import_object(cfg.model.training_step, "model.training_step")
-    if training_step is not None and not callable(training_step):
-        raise ConfigError(f"training_step = {training_step!r} is not callable: give a "
-                          "function fn(models, batch, step) returning the loss.")
-    several = len(models) > 1
-    if several and training_step is None:
-        raise ConfigError(
-            f"several models ({list(models)}) need a training_step(models, batch, step) "
-            "that returns a loss per model name; pass training_step=... (or "
-            "--model.training_step pkg.mod:fn).")
-    if several and eval_data is not None:
-        raise ConfigError(
-            "eval_data with several models: gpufleet evaluates one model with its loss. "
-            "Drop eval_data and evaluate in a callback (on_log) of your own.")
-    check_strategy(cfg.parallel.strategy, several, training_step is not None)
-    return models, training_step
-
-
 def _device(cfg: Config, env: DistEnv) -> torch.device:
     """This rank's device, with the determinism and backend flags the config asks for."""
     if cfg.run.device == "cuda":
@@ -239,6 +192,44 @@ def _precision_and_strategy(cfg: Config, dims: Any, device: torch.device
             "this process was started alone. Use --nproc N (or torchrun), or "
             "parallel.strategy=single for one process.")
     return precision, strategy
+
+
+def _place_models(cfg: Config, env: DistEnv, device: torch.device, strategy: Any,
+                  models: dict[str, nn.Module], optimizer: Any, scheduler: Any
+                  ) -> tuple[Config, dict[str, tuple[nn.Module, Any, Any]]]:
+    """Each model placed by the strategy with its optimizer and scheduler (yours, by
+    model name or a factory per model; else ``[optim]``'s); the config with the first
+    model's filled-in settings and every model's recipe (``name: ... || name: ...``)."""
+    optimizers = per_model(optimizer, list(models), "optimizer")
+    schedulers = per_model(scheduler, list(models), "scheduler")
+    several = len(models) > 1
+    placed: dict[str, tuple[nn.Module, Any, Any]] = {}
+    recipes, first = [], None
+    for name, module in models.items():
+        named_cfg, *placed[name] = _model_and_optimizer(
+            cfg, env, device, strategy, module, optimizers[name], schedulers[name],
+            name if several else "")
+        recipes.append(f"{name}: {named_cfg.optim.recipe}" if several
+                       else named_cfg.optim.recipe)
+        first = first or named_cfg
+    return dataclasses.replace(first, optim=dataclasses.replace(
+        first.optim, recipe=" || ".join(recipes))), placed
+
+
+def _scalers_and_guards(cfg: Config, device: torch.device, strategy: Any, precision: Any,
+                        names: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One loss scaler (precision object) and one non-finite guard per model, the first
+    model's being the run's own; several guards decide on the host, each on its model."""
+    from gpufleet.train.nonfinite import NonFiniteGuard
+
+    precisions = {name: precision if i == 0 else
+                  build_precision(cfg.precision.mode, device.type, cfg.precision)
+                  for i, name in enumerate(names)}
+    clip_by_norm = bool(cfg.optim.clip_norm and not cfg.optim.clip_value)
+    guards = {name: NonFiniteGuard(cfg.fault, strategy, precisions[name],
+                                   clip_by_norm=clip_by_norm, device_path=len(names) == 1)
+              if cfg.fault.skip_nonfinite else None for name in names}
+    return precisions, guards
 
 
 def _eval_metrics(cfg: Config, extra: Mapping[str, Any] | None) -> list[EvalMetric]:

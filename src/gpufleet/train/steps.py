@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpufleet.config import Config
 from gpufleet.errors import ConfigError
 
 #: Strategies that train several models, each wrapped on its own.
@@ -108,6 +109,37 @@ def check_strategy(strategy: str, several: bool, has_step: bool) -> None:
             f"of them) train under {' or '.join(SEVERAL_MODELS)}. Use "
             "--parallel.strategy ddp (or single on one rank), or combine the models into "
             "one nn.Module.")
+
+
+def models_and_step(cfg: Config, model: Any, training_step: Any,
+                     eval_data: Any) -> tuple[dict[str, nn.Module], Any]:
+    """The models by name and your training step (given, or named by
+    ``model.training_step``), checked against the strategy before anything is built.
+
+    Raises:
+        ConfigError: several models without a step or with evaluation data, a step that
+            is not callable, or what the strategy cannot train.
+    """
+    from gpufleet.job import import_object
+
+    models = named_models(model)
+    if training_step is None and cfg.model.training_step:
+        training_step = import_object(cfg.model.training_step, "model.training_step")
+    if training_step is not None and not callable(training_step):
+        raise ConfigError(f"training_step = {training_step!r} is not callable: give a "
+                          "function fn(models, batch, step) returning the loss.")
+    several = len(models) > 1
+    if several and training_step is None:
+        raise ConfigError(
+            f"several models ({list(models)}) need a training_step(models, batch, step) "
+            "that returns a loss per model name; pass training_step=... (or "
+            "--model.training_step pkg.mod:fn).")
+    if several and eval_data is not None:
+        raise ConfigError(
+            "eval_data with several models: gpufleet evaluates one model with its loss. "
+            "Drop eval_data and evaluate in a callback (on_log) of your own.")
+    check_strategy(cfg.parallel.strategy, several, training_step is not None)
+    return models, training_step
 
 
 def split_losses(out: Any, names: Sequence[str]) -> tuple[dict[str, torch.Tensor],
