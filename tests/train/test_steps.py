@@ -278,3 +278,25 @@ def test_a_resumed_run_gets_each_models_scaler_back(tmp_path):
     assert result.steps == 3
     assert saved["first"]["precision"]["scaler"]["scale"] == 1024.0
     assert saved["second"]["precision"]["scaler"]["scale"] == 512.0  # restored, kept
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.slow
+def test_one_models_step_trains_alike_under_ddp_fsdp_and_zero1(tmp_path):
+    losses = {}
+    for strategy in ("ddp", "fsdp", "zero1"):
+        torch.manual_seed(0)
+        result = gpufleet.fit(_Net(), _data(), training_step=mse_and_l1, overrides={
+            **QUIET, "dist.nproc": 2, "parallel.strategy": strategy, "run.max_steps": 4,
+            "log.every": 2, "data.batch_size": 8, "run.out_dir": str(tmp_path / strategy)})
+        losses[strategy] = [row["l1"] for row in _metrics(result.run_dir)]
+    for strategy in ("fsdp", "zero1"):
+        assert losses[strategy] == pytest.approx(losses["ddp"], rel=1e-5), strategy
