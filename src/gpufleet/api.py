@@ -39,11 +39,14 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
         overrides: Mapping[str, Any] | Sequence[str] = (),
         callbacks: Sequence[Callback] = (),
         eval_metrics: Mapping[str, Any] | None = None,
-        optimizer: Any = None, scheduler: Any = None) -> FitResult:
+        optimizer: Any = None, scheduler: Any = None,
+        training_step: Any = None) -> FitResult:
     """Train ``model`` on ``train_data``; returns the :class:`FitResult`.
 
     Args:
-        model: your module. Its forward returns a scalar loss, or give ``loss_fn``.
+        model: your module. Its forward returns a scalar loss, or give ``loss_fn`` or
+            ``training_step``. Several models (a GAN): a dict ``{name: module}`` with a
+            ``training_step`` (ddp or single).
         train_data: a map-style Dataset of ``(inputs, target)``, tuples or dicts.
         eval_data: optional evaluation Dataset (evaluated every ``run.eval_every``).
         loss_fn: ``loss(output, target)``, e.g. ``torch.nn.functional.cross_entropy``.
@@ -59,7 +62,11 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
             settings, on the parameters the strategy placed (DDP, FSDP shards, ZeRO).
         scheduler: your LR scheduler: an object built on that optimizer, or
             ``fn(optimizer)``; stepped every optimizer step, or every epoch with
-            ``sched.interval = "epoch"``.
+            ``sched.interval = "epoch"``. With several models: a dict of optimizers
+            (and of schedulers) by model name, or a factory called per model.
+        training_step: your ``fn(models, batch, step)`` returning the loss, or a dict of
+            losses logged under their keys (see :mod:`gpufleet.train.steps`: which
+            ones drive backward, and how several models each get their own).
 
     With ``overrides={"dist.nproc": 2}`` (and no ranks started yet) fit starts the ranks
     itself (torch's elastic agent) and sends each the model, the data, the loss and the
@@ -81,7 +88,12 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
     # process trains, as the run's one rank or as its rank of a torchrun job.
     asks_for_ranks = cfg.dist.nproc > 1 or cfg.dist.nnodes != "1"
     plan = make_plan(cfg, env, model=model, here=not asks_for_ranks)  # the one resolve
-    job = Job(model, train_data, eval_data, loss_fn, optimizer, scheduler)
+    from gpufleet.train.steps import check_strategy
+
+    # What the strategy cannot train is refused here, before any rank starts.
+    check_strategy(plan.cfg.parallel.strategy, isinstance(model, Mapping) and len(model) > 1,
+                   training_step is not None or bool(plan.cfg.model.training_step))
+    job = Job(model, train_data, eval_data, loss_fn, optimizer, scheduler, training_step)
     return start_ranks(plan, job, callbacks,
                        eval_metrics, owns_process=False)
 
@@ -106,9 +118,11 @@ def load_checkpoint(path: str | Path, model: nn.Module,
     Args:
         path: a checkpoint (``runs/X/checkpoints/step-0000400.pt``), a sharded
             checkpoint's directory, or a run directory (its newest checkpoint).
-        model: your module, built as the run built it.
+        model: your module, built as the run built it; for a run of several models, a
+            dict of them by name.
         optimizer: also restore this optimizer's state (runs whose optimizer state is
-            in torch's own layout: single, ddp, local_sgd).
+            in torch's own layout: single, ddp, local_sgd); a dict by model name for a
+            run of several.
 
     Returns:
         The rest of the checkpoint (``step``, ``epoch``, ``config``, ...).

@@ -135,6 +135,7 @@ def _launch_ranks(plan: RunPlan, job: Job | None, callbacks: list[Callback],
             if lock is not None:
                 lock.release()
                 lock = None
+                _remove_start_files(Path(cfg.run.dir))
                 runlock.remove_lock_file(cfg.run.dir)
             _remove_if_empty(made)
         raise
@@ -152,7 +153,7 @@ def _launch_ranks(plan: RunPlan, job: Job | None, callbacks: list[Callback],
 def _sent(job: Job, callbacks: Sequence[Callback]) -> tuple:
     """What a rank is sent of ``job``, in :func:`check_picklable`'s order."""
     return (job.model, job.train_data, job.eval_data, job.loss_fn, callbacks,
-            job.optimizer, job.scheduler)
+            job.optimizer, job.scheduler, job.training_step)
 
 
 def _reusable(job: Job | None, callbacks: Sequence[Callback]) -> Job | None:
@@ -206,6 +207,7 @@ def _plan_and_lock(cfg: Config, multi_node: bool) -> tuple[Config, Any, list[Pat
                 if not d.exists()]
         return cfg, runlock.acquire(run_dir), made
     os.environ[runlock.RUN_ID_ENV] = runlock.run_id()  # the ranks share the lock
+    existed = bool(cfg.run.dir) and Path(cfg.run.dir).exists()
     cfg, resume_from, lock = plan_and_lock(cfg)  # one directory for every rank and restart
     try:
         if resume_from is not None:
@@ -216,7 +218,37 @@ def _plan_and_lock(cfg: Config, multi_node: bool) -> tuple[Config, Any, list[Pat
         raise
     if resume_from is not None and resume_from.is_file():
         mark_verified(resume_from)  # checked just now: rank 0 need not hash it again
-    return cfg, lock, []
+    run_dir = Path(cfg.run.dir)
+    # A directory this start creates: one whose ranks fail before training leaves nothing.
+    made = [run_dir / RECORDS_DIR, run_dir] if resume_from is None and not existed else []
+    return cfg, lock, made
+
+
+# What a start writes into a new run directory before training begins.
+_START_FILES = frozenset({"config.toml", "run.lock", "procs", "transformers"})
+
+
+def _remove_start_files(run_dir: Path) -> None:
+    """Take out of a new run directory whose ranks failed (and ended) what their start
+    wrote (config.toml, the model's record, this node's process records) when it holds
+    nothing else: a log, a crash report or a checkpoint keeps the whole directory."""
+    import socket
+
+    from gpufleet.procs import RECORDS_DIR
+
+    try:
+        entries = {p.name for p in run_dir.iterdir()}
+    except OSError:
+        return
+    if entries - _START_FILES:
+        return
+    (run_dir / "config.toml").unlink(missing_ok=True)
+    for record in (run_dir / RECORDS_DIR).glob(f"{socket.gethostname()}-*.json"):
+        record.unlink(missing_ok=True)
+    record = run_dir / "transformers"
+    if record.is_dir():
+        (record / "config.json").unlink(missing_ok=True)
+        _remove_if_empty([record])
 
 
 def _remove_if_empty(folders: list[Path]) -> None:
@@ -277,7 +309,7 @@ def run_rank(plan: RunPlan, job: Job | None = None, callbacks: Sequence[Callback
         run = build_run(plan, job.model, job.train_data, job.eval_data, loss_fn=job.loss_fn,
                         callbacks=[Progress(cfg.log.progress), *callbacks],
                         eval_metrics=eval_metrics, optimizer=job.optimizer,
-                        scheduler=job.scheduler)
+                        scheduler=job.scheduler, training_step=job.training_step)
         result = Trainer(run).fit()
     finally:
         if owns_process:
@@ -298,8 +330,9 @@ def own_weights(model: Any) -> None:
     """
     import torch
 
+    models = model.values() if isinstance(model, dict) else [model]
     with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
+        for tensor in [t for m in models for t in (*m.parameters(), *m.buffers())]:
             if tensor.is_shared():
                 tensor.data = tensor.data.clone()
 

@@ -18,26 +18,28 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from gpufleet.config import Config
-from gpufleet.errors import ConfigError
+from gpufleet.errors import ConfigError, GpufleetError
 
 log = logging.getLogger(__name__)
 
 BUILTIN_MODELS = ("gpt",)
 BUILTIN_DATA = ("stdlib",)
 # Config keys whose value may be an import string that is imported and called.
-FACTORY_KEYS = ("model.name", "data.name", "model.loss", "optim.factory", "sched.factory")
+FACTORY_KEYS = ("model.name", "data.name", "model.loss", "optim.factory", "sched.factory",
+                "model.training_step")
 
 
 @dataclass
 class Job:
     """What the trainer trains."""
 
-    model: nn.Module
+    model: nn.Module | dict[str, nn.Module]  # several: {name: module}, with a training_step
     train_data: Dataset
     eval_data: Dataset | None = None
     loss_fn: Any = None
     optimizer: Any = None  # yours (object or fn(params)); None: [optim]'s
     scheduler: Any = None  # yours (object or fn(optimizer)); None: [optim]'s schedule
+    training_step: Any = None  # yours: fn(models, batch, step) -> loss or dict of losses
 
 
 def import_object(spec: str, key: str) -> Any:
@@ -93,7 +95,7 @@ def require_trusted(cfg: Config, trust_code: bool, source: str) -> None:
 
 def _factories(cfg: Config) -> list[tuple[str, str]]:
     values = (cfg.model.name, cfg.data.name, cfg.model.loss, cfg.optim.factory,
-              cfg.sched.factory)
+              cfg.sched.factory, cfg.model.training_step)
     return [(k, v) for k, v in zip(FACTORY_KEYS, values, strict=True) if v and ":" in v]
 
 
@@ -121,8 +123,10 @@ def _search_current_folder() -> None:
 
 def build_job(cfg: Config) -> Job:
     """Build the model, the data sets and the loss that ``cfg`` names."""
+    step = cfg.model.training_step
     return Job(build_model(cfg), *build_data(cfg),
-               loss_fn=import_object(cfg.model.loss, "model.loss") if cfg.model.loss else None)
+               loss_fn=import_object(cfg.model.loss, "model.loss") if cfg.model.loss else None,
+               training_step=import_object(step, "model.training_step") if step else None)
 
 
 def build_model(cfg: Config) -> nn.Module:
@@ -138,10 +142,14 @@ def build_model(cfg: Config) -> nn.Module:
         return build_gpt(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd,
                          block_size=m.block_size, dropout=m.dropout)
     _check_import_string(m.name, "model.name", BUILTIN_MODELS)
-    model = _call_factory(import_object(m.name, "model.name"), m.kwargs, "model")
+    model = _call_factory(import_object(m.name, "model.name"), m.kwargs, "model", m.name)
+    if isinstance(model, dict) and model and all(
+            isinstance(v, nn.Module) for v in model.values()):
+        return model  # several models by name, trained by model.training_step
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model.name = {m.name!r} returned {type(model).__name__}, not a "
-                          "torch.nn.Module. Make the factory return the model.")
+                          "torch.nn.Module. Make the factory return the model (or a dict "
+                          "{name: module} of several, with model.training_step).")
     return model
 
 
@@ -164,7 +172,7 @@ def build_data(cfg: Config) -> tuple[Dataset, Dataset | None]:
                               f"{d.eval_fraction}: {e}. Lower model.block_size or "
                               "data.eval_fraction, or raise data.corpus_bytes.") from e
     _check_import_string(d.name, "data.name", BUILTIN_DATA)
-    out = _call_factory(import_object(d.name, "data.name"), d.kwargs, "data")
+    out = _call_factory(import_object(d.name, "data.name"), d.kwargs, "data", d.name)
     if isinstance(out, dict):
         return out["train"], out.get("eval")
     if isinstance(out, (tuple, list)) and len(out) == 2:
@@ -175,7 +183,9 @@ def build_data(cfg: Config) -> tuple[Dataset, Dataset | None]:
                       "Dataset, a (train, eval) pair, or {'train': ..., 'eval': ...}.")
 
 
-def _call_factory(factory: Any, kwargs: dict, section: str) -> Any:
+def _call_factory(factory: Any, kwargs: dict, section: str, spec: str = "") -> Any:
+    """``factory(**kwargs)``; its own failure reads as one line naming the factory, the
+    error and where it was raised (a :class:`ConfigError`), not a traceback per rank."""
     import inspect
 
     try:
@@ -186,7 +196,23 @@ def _call_factory(factory: Any, kwargs: dict, section: str) -> Any:
                           f"Fix the names in {section}.kwargs.") from None
     except ValueError:  # no signature to check (a builtin): let the call decide
         pass
-    return factory(**kwargs)
+    try:
+        return factory(**kwargs)
+    except GpufleetError:
+        raise
+    except Exception as e:
+        raise ConfigError(_factory_failed(f"{section}.name = {spec!r}", e, section)) from e
+
+
+def _factory_failed(what: str, error: Exception, section: str) -> str:
+    """One line: which factory raised what, and the line of the raise."""
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" ({frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
+    text = " ".join(str(error).split()) or "(no message)"
+    return (f"{what} raised {type(error).__name__}: {text}{where}. Fix the factory (or "
+            f"{section}.kwargs) and run again.")
 
 
 def _signature(fn: Any) -> str:

@@ -132,6 +132,8 @@ def run_name(cfg: Config, model: Any = None) -> str:
         return cfg.run.name
     if model is None:
         name = "-".join(_factory_word(n) for n in (cfg.model.name, cfg.data.name))
+    elif isinstance(model, dict):  # several models: their names (generator-discriminator)
+        name = "-".join(map(str, model))
     elif type(model).__module__.startswith("torch."):
         script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else ""
         name = script if script and script not in ("-c", "__main__") else "fit"

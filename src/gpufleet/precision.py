@@ -40,8 +40,11 @@ class Precision:
     def autocast(self) -> contextlib.AbstractContextManager:
         return _NO_AUTOCAST
 
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+    def backward(self, loss: torch.Tensor, inputs: Any = None,
+                 retain_graph: bool | None = None) -> None:
+        """Backward from ``loss`` (into ``inputs`` only, when given: one model of
+        several)."""
+        loss.backward(inputs=inputs, retain_graph=retain_graph)
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """Bring gradients to their true size before clipping (no-op without scaling)."""
@@ -77,8 +80,9 @@ class FP16Mixed(Precision):
     def autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device_type, dtype=torch.float16)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        self.scaler.scale(loss).backward()
+    def backward(self, loss: torch.Tensor, inputs: Any = None,
+                 retain_graph: bool | None = None) -> None:
+        self.scaler.scale(loss).backward(inputs=inputs, retain_graph=retain_graph)
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         self.scaler.unscale_(optimizer)

@@ -76,3 +76,52 @@ def test_string_labels_are_named_with_the_mapping_to_make() -> None:
     text = str(caught.value)
     assert "batch[1] (target) holds strings ('cat', ...)" in text
     assert "integer ids" in text
+
+
+_FACTORIES = '''
+import torch
+from torch.utils.data import TensorDataset
+
+
+def model():
+    raise ValueError("hidden size 33 is not divisible by 4 heads")
+
+
+def data():
+    x = torch.randn(32, 4)
+    return TensorDataset(x, x)
+'''
+
+
+def _train_raising_factory(run_cli, tmp_path, *flags: str):
+    (tmp_path / "badjob.py").write_text(_FACTORIES)
+    return run_cli("train", "--model", "badjob:model", "--data", "badjob:data",
+                   "--model.loss", "torch.nn.functional:mse_loss", "--nproc", "2",
+                   "--max-steps", "2", "--run.out_dir=runs", *flags, expect=None)
+
+
+def test_a_raising_factory_reads_as_one_line_under_the_preflight(run_cli, tmp_path):
+    proc = _train_raising_factory(run_cli, tmp_path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("gpufleet: error: model.name = 'badjob:model' raised "
+                                "ValueError: hidden size 33 is not divisible by 4 heads (")
+    assert "badjob.py, line 7)" in lines[-1] and "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_a_start_whose_ranks_fail_leaves_no_run_folder(run_cli, tmp_path):
+    proc = _train_raising_factory(run_cli, tmp_path, "--run.preflight=false")
+    assert proc.returncode != 0
+    assert "model.name = 'badjob:model' raised ValueError" in proc.stderr
+    assert list((tmp_path / "runs").iterdir()) == []  # the new run directory is gone
+
+
+def test_a_training_step_under_pipeline_is_refused_before_anything_is_built() -> None:
+    from gpufleet.config import load_config
+    from gpufleet.train.preflight import preflight_job
+
+    cfg = load_config(overrides={"parallel.strategy": "pipeline", "model.name": "nowhere:x",
+                                 "model.training_step": "nowhere:step"})
+    with pytest.raises(ConfigError, match="'pipeline' runs its own schedule"):
+        preflight_job(cfg)  # the factories named are never imported

@@ -71,6 +71,9 @@ class ModelConfig(Section):
     name: str = opt("gpt", "'gpt' (built in) or your factory as 'package.module:function'.")
     kwargs: dict = opt({}, "Keyword arguments for your factory, e.g. {hidden = 64}.")
     loss: str = opt("", "Optional 'package.module:function' called as loss(output, target).")
+    training_step: str = opt("", "Optional 'package.module:function' called as "
+                             "fn(models, batch, step), returning the loss or a dict of "
+                             "losses (see the training-step guide).")
     n_layer: int = opt(4, "GPT: transformer blocks.", min=1)
     n_head: int = opt(4, "GPT: attention heads per block.", min=1)
     n_embd: int = opt(128, "GPT: width of the residual stream.", min=1)

@@ -56,6 +56,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(default: model.kwargs.path of a gpufleet.hf:pretrained run)")
     h.add_argument("--tokenizer", metavar="FOLDER", help="take the tokenizer from here "
                    "(default: the base folder)")
+    h.add_argument("--class", dest="class_name", metavar="NAME", help="the Transformers "
+                   "class to export as, e.g. BertModel or AutoModelForSequenceClassification "
+                   "(default: the class the run trained, else the base folder's)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,7 +91,12 @@ def _run_hf(args: argparse.Namespace) -> int:
     require_transformers("gpufleet export hf")
     from gpufleet.hf.export import export_pretrained
 
-    out = export_pretrained(args.source, args.out_dir, base=args.base, tokenizer=args.tokenizer)
+    out = export_pretrained(args.source, args.out_dir, base=args.base, tokenizer=args.tokenizer,
+                            class_name=args.class_name)
+    if not (out / "tokenizer_config.json").is_file():
+        print(f"wrote the trained model to {out} (no tokenizer: pass --tokenizer FOLDER to "
+              f"add one); load it with AutoModel*.from_pretrained({str(out)!r})")
+        return 0
     print(f"wrote the trained model and its tokenizer to {out}; load them with "
           f"AutoModel*.from_pretrained({str(out)!r}) and AutoTokenizer.from_pretrained(...)")
     return 0

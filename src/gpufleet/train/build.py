@@ -38,6 +38,7 @@ from gpufleet.train.checkpointer import Checkpointer
 from gpufleet.train.evalmetrics import EvalMetric, build_metrics
 from gpufleet.train.evaluator import Evaluator
 from gpufleet.train.keeping import EarlyStopping, check_monitor
+from gpufleet.train.modelrecord import record_transformers_model
 from gpufleet.train.optim import (
     build_scheduler,
     describe_schedule,
@@ -53,26 +54,30 @@ from gpufleet.train.recipe import (
     spec_from_optimizer,
     user_optimizer,
 )
-from gpufleet.train.run import Monitors, Run, TrainState
+from gpufleet.train.run import ModelPart, Monitors, Run, TrainState
 from gpufleet.train.rundir import plan_and_lock
 from gpufleet.train.seed import seed_everything, set_deterministic
+from gpufleet.train.steps import UserStep, models_and_step, per_model
 from gpufleet.train.stream import TrainStream
 from gpufleet.train.view import RunView
 
 log = logging.getLogger(__name__)
 
 
-def build_run(plan: RunPlan | Config, model: nn.Module, train_data: Dataset,
-              eval_data: Dataset | None = None, *, loss_fn: Any = None,
-              callbacks: Sequence[Callback] = (),
+def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module],
+              train_data: Dataset, eval_data: Dataset | None = None, *,
+              loss_fn: Any = None, callbacks: Sequence[Callback] = (),
               eval_metrics: Mapping[str, Any] | None = None,
-              optimizer: Any = None, scheduler: Any = None) -> Run:
+              optimizer: Any = None, scheduler: Any = None,
+              training_step: Any = None) -> Run:
     """Build every part of a training run on this rank (COLLECTIVE: every rank calls it).
 
     Args:
         plan: the run's plan (:func:`gpufleet.plan.make_plan`), or a config, which is
             then planned here for this process (the one resolve of this rank).
-        model: your ``nn.Module``, built identically on every rank.
+        model: your ``nn.Module``, built identically on every rank; or several, as a
+            dict ``{name: module}`` (a GAN's generator and discriminator), trained by
+            ``training_step``.
         train_data: a map-style ``Dataset`` of ``(inputs, target)``, argument tuples or
             dicts.
         eval_data: optional evaluation ``Dataset``.
@@ -84,6 +89,10 @@ def build_run(plan: RunPlan | Config, model: nn.Module, train_data: Dataset,
             ``[optim]``'s (see :mod:`gpufleet.train.recipe`).
         scheduler: your LR scheduler (an object on that optimizer, or ``fn(optimizer)``),
             stepped every optimizer step or, with ``sched.interval = "epoch"``, every epoch.
+            With several models: a dict by model name, or a factory called per model.
+        training_step: your ``fn(models, batch, step)`` returning the loss or a dict of
+            losses (:mod:`gpufleet.train.steps`); None: ``loss_fn`` (or the model's
+            own loss) on each batch.
 
     Returns:
         The :class:`~gpufleet.train.run.Run`; train it with
@@ -97,30 +106,35 @@ def build_run(plan: RunPlan | Config, model: nn.Module, train_data: Dataset,
     if env.is_distributed and not is_initialized():  # else its entry joined already
         join_process_group(plan, env)
     cfg = plan.cfg
+    models, training_step = models_and_step(cfg, model, training_step, eval_data)
     share_cores(env.local_world_size, env.is_main)
     device = _device(cfg, env)
     precision, strategy = _precision_and_strategy(cfg, plan.dims, device)
-    cfg, model, optimizer, scheduler = _model_and_optimizer(
-        cfg, env, device, strategy, model, optimizer, scheduler)
+    cfg, placed = _place_models(cfg, env, device, strategy, models, optimizer, scheduler)
+    model, optimizer, scheduler = next(iter(placed.values()))
     metrics = _eval_metrics(cfg, eval_metrics)  # before the run directory: may fail
     for name in (cfg.early_stop.metric, cfg.checkpoint.keep_best and cfg.checkpoint.monitor):
         if name:
             check_monitor(name, has_eval=eval_data is not None)
-    from gpufleet.train.nonfinite import NonFiniteGuard
-
-    nonfinite = (NonFiniteGuard(cfg.fault, strategy, precision,
-                                clip_by_norm=bool(cfg.optim.clip_norm
-                                                  and not cfg.optim.clip_value))
-                 if cfg.fault.skip_nonfinite else None)
+    precisions, guards = _scalers_and_guards(cfg, device, strategy, precision, list(placed))
+    nonfinite = next(iter(guards.values()))
     # Every rank now draws different dropout masks; data order comes from the sampler's
     # own generator and is independent of this.
     seed_everything(cfg.run.seed + env.rank)
     cfg, resume_from, run_lock = _run_dir(cfg, env)  # COLLECTIVE
     run_dir = Path(cfg.run.dir)
+    if env.is_main and len(models) == 1:  # a Transformers model: its class and config
+        record_transformers_model(next(iter(models.values())), run_dir)
     data, eval_loader = _data(cfg, env, device, strategy, train_data, eval_data)
     max_steps = _max_steps(cfg, env, data)
-    if scheduler is None:  # the [optim] schedule (constant for the "none" preset)
-        scheduler = build_scheduler(optimizer, cfg.optim, max_steps)
+    parts = [ModelPart(name, placed_model, opt,
+                       # the [optim] schedule (constant for the "none" preset)
+                       sched if sched is not None else build_scheduler(opt, cfg.optim,
+                                                                       max_steps),
+                       precisions[name], guards[name],
+                       [p for p in placed_model.parameters() if p.requires_grad])
+             for name, (placed_model, opt, sched) in placed.items()]
+    scheduler = parts[0].scheduler
     loss = make_loss_fn(loss_fn)
     evaluator = None if eval_loader is None else Evaluator(
         eval_loader, model, strategy, precision, loss, metrics,
@@ -132,12 +146,14 @@ def build_run(plan: RunPlan | Config, model: nn.Module, train_data: Dataset,
         strategy=strategy, model=model, optimizer=optimizer, scheduler=scheduler,
         loss_fn=loss, data=data, evaluator=evaluator,
         checkpointer=Checkpointer(run_dir, env, cfg, model, optimizer, scheduler, strategy,
-                                  precision, data.sampler),
+                                  precision, data.sampler, parts),
         nonfinite=nonfinite, max_steps=max_steps,
         peak_flops=device_peak_flops(cfg, device), resume_from=resume_from,
         run_lock=run_lock, monitors=_monitors(cfg, env, device, run_dir),
         # FLOPs per step: counted on the first step (None: not yet; 0: not counted).
-        state=TrainState(flops_per_step=None if (mon.phases or mon.diagnose) else 0))
+        state=TrainState(flops_per_step=None if (mon.phases or mon.diagnose) else 0),
+        parts=parts,
+        user_step=None if training_step is None else UserStep(training_step, list(placed)))
     run.result.run_dir = str(run_dir)
     run.view = RunView(run)  # what callbacks get: read-only, reads live values
     run.callbacks = CallbackList(_own_callbacks(run) + list(callbacks))
@@ -178,6 +194,44 @@ def _precision_and_strategy(cfg: Config, dims: Any, device: torch.device
     return precision, strategy
 
 
+def _place_models(cfg: Config, env: DistEnv, device: torch.device, strategy: Any,
+                  models: dict[str, nn.Module], optimizer: Any, scheduler: Any
+                  ) -> tuple[Config, dict[str, tuple[nn.Module, Any, Any]]]:
+    """Each model placed by the strategy with its optimizer and scheduler (yours, by
+    model name or a factory per model; else ``[optim]``'s); the config with the first
+    model's filled-in settings and every model's recipe (``name: ... || name: ...``)."""
+    optimizers = per_model(optimizer, list(models), "optimizer")
+    schedulers = per_model(scheduler, list(models), "scheduler")
+    several = len(models) > 1
+    placed: dict[str, tuple[nn.Module, Any, Any]] = {}
+    recipes, first = [], None
+    for name, module in models.items():
+        named_cfg, *placed[name] = _model_and_optimizer(
+            cfg, env, device, strategy, module, optimizers[name], schedulers[name],
+            name if several else "")
+        recipes.append(f"{name}: {named_cfg.optim.recipe}" if several
+                       else named_cfg.optim.recipe)
+        first = first or named_cfg
+    return dataclasses.replace(first, optim=dataclasses.replace(
+        first.optim, recipe=" || ".join(recipes))), placed
+
+
+def _scalers_and_guards(cfg: Config, device: torch.device, strategy: Any, precision: Any,
+                        names: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One loss scaler (precision object) and one non-finite guard per model, the first
+    model's being the run's own; several guards decide on the host, each on its model."""
+    from gpufleet.train.nonfinite import NonFiniteGuard
+
+    precisions = {name: precision if i == 0 else
+                  build_precision(cfg.precision.mode, device.type, cfg.precision)
+                  for i, name in enumerate(names)}
+    clip_by_norm = bool(cfg.optim.clip_norm and not cfg.optim.clip_value)
+    guards = {name: NonFiniteGuard(cfg.fault, strategy, precisions[name],
+                                   clip_by_norm=clip_by_norm, device_path=len(names) == 1)
+              if cfg.fault.skip_nonfinite else None for name in names}
+    return precisions, guards
+
+
 def _eval_metrics(cfg: Config, extra: Mapping[str, Any] | None) -> list[EvalMetric]:
     """``eval.metrics`` (importing the user's functions it names), then ``extra``."""
     metrics = build_metrics(cfg.eval.metrics)
@@ -185,8 +239,8 @@ def _eval_metrics(cfg: Config, extra: Mapping[str, Any] | None) -> list[EvalMetr
 
 
 def _model_and_optimizer(cfg: Config, env: DistEnv, device: torch.device, strategy: Any,
-                         model: nn.Module, optimizer: Any = None, scheduler: Any = None
-                         ) -> tuple[Config, nn.Module, Any, Any]:
+                         model: nn.Module, optimizer: Any = None, scheduler: Any = None,
+                         name: str = "") -> tuple[Config, nn.Module, Any, Any]:
     """The model as the strategy places it, its optimizer (yours, or ``[optim]``'s) and
     your scheduler if any; the config gains the settings its preset filled in and the
     recipe line, so the run directory's config.toml records what was used."""
@@ -219,7 +273,7 @@ def _model_and_optimizer(cfg: Config, env: DistEnv, device: torch.device, strate
         built, schedule, dataclasses.replace(cfg, optim=optim), strategy.name,
         env.world_size))
     if env.is_main:
-        log.info("recipe: %s", optim.recipe)
+        log.info("recipe%s: %s", f" ({name})" if name else "", optim.recipe)
     return dataclasses.replace(cfg, optim=optim), model, built, scheduler
 
 

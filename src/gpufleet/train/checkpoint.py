@@ -320,7 +320,8 @@ def load_into(path: str | Path, model: Any, optimizer: Any = None) -> dict[str, 
     verified and it is read with ``weights_only=True``; the model's weights are stored
     without wrapper prefixes, so they load into the plain module, strictly. The
     optimizer's state loads when the checkpoint holds it in torch's own layout (single,
-    ddp, local_sgd runs).
+    ddp, local_sgd runs). A run of several models: give dicts by model name (``model``
+    and ``optimizer``; models left out are not loaded).
 
     Example:
         >>> # model = MyNet(); gpufleet.load_checkpoint("runs/mynet-.../", model)
@@ -340,6 +341,12 @@ def load_into(path: str | Path, model: Any, optimizer: Any = None) -> dict[str, 
                                   "Give a checkpoint file, or a run directory that has one.")
         path = found[-1]
     state = load_checkpoint(path)
+    if "models" in state:  # several models, each with its own optimizer
+        _load_models_into(path, state, model, optimizer)
+        return state
+    if isinstance(model, dict):
+        raise CheckpointError(f"{str(path)!r} holds one model; give the module itself, "
+                              "not a dict of them.")
     try:
         model.load_state_dict(state.pop("model"))
     except RuntimeError as e:
@@ -354,3 +361,22 @@ def load_into(path: str | Path, model: Any, optimizer: Any = None) -> dict[str, 
                                   "weights alone, or resume the run with gpufleet.")
         optimizer.load_state_dict(saved)
     return state
+
+
+def _load_models_into(path: Path, state: dict[str, Any], models: Any,
+                      optimizers: Any) -> None:
+    """Each model (and optimizer) of ``models`` from its entry of a checkpoint of a run
+    of several models."""
+    saved = state.pop("models")
+    if not isinstance(models, dict) or set(models) - set(saved):
+        raise CheckpointError(
+            f"{str(path)!r} holds the models {sorted(saved)}: give a dict of modules by "
+            "those names (and of optimizers, to load them too).")
+    for name, module in models.items():
+        try:
+            module.load_state_dict(saved[name]["model"])
+            if optimizers is not None and name in optimizers:
+                optimizers[name].load_state_dict(saved[name]["optimizer"])
+        except (RuntimeError, ValueError) as e:
+            raise CheckpointError(f"the {name!r} state in {str(path)!r} does not fit: {e}. "
+                                  "Build the models the run trained.") from None

@@ -9,6 +9,7 @@ uninterrupted one exactly.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,11 +42,16 @@ class Checkpointer:
         run_dir / env / cfg: the run's directory, this rank, the config saved along.
         model / optimizer / scheduler / strategy / precision: what is saved.
         sampler: the training sampler (its position is saved).
+        parts: several models (:class:`~gpufleet.train.run.ModelPart`), each saved with
+            its optimizer, scheduler and loss scaler under ``"models"`` by name; empty
+            or one: the fields above, at the top level.
     """
 
     def __init__(self, run_dir: Path, env: DistEnv, cfg: Config, model: Any, optimizer: Any,
-                 scheduler: Any, strategy: Any, precision: Any, sampler: Any) -> None:
+                 scheduler: Any, strategy: Any, precision: Any, sampler: Any,
+                 parts: Sequence[Any] = ()) -> None:
         self.run_dir, self.env, self.cfg = run_dir, env, cfg
+        self.parts = list(parts) if len(parts) > 1 else []
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.strategy, self.precision, self.sampler = strategy, precision, sampler
         keeping = cfg.checkpoint
@@ -68,12 +74,12 @@ class Checkpointer:
             self.run_dir, at.step)
         # COLLECTIVE for some strategies (zero1 gathers the optimizer state on rank 0;
         # fsdp returns each rank's shards): every rank calls it.
-        model_state = self.strategy.state_dict(self.model, self.optimizer)
+        model_state = self._models_state()
         error, state = None, None
         if self.env.is_main:
             state = {
-                "scheduler": self.scheduler.state_dict(),
-                "precision": self.precision.state_dict(),
+                **({} if self.parts else {"scheduler": self.scheduler.state_dict(),
+                                          "precision": self.precision.state_dict()}),
                 "step": at.step, "epoch": at.epoch,
                 "sampler": self.sampler.state_dict(at.consumed),
                 "rng": rngs, "world_size": self.env.world_size,
@@ -119,10 +125,13 @@ class Checkpointer:
                 sharded_ckpt.load_sharded_into(
                     path, self.model, self.optimizer,
                     consolidates_optimizer=self.strategy.traits.consolidates_optimizer)
+            elif self.parts:
+                self._load_models(state)
             else:
                 self.strategy.load_state_dict(self.model, self.optimizer, state)
-            self.scheduler.load_state_dict(state["scheduler"])
-            self.precision.load_state_dict(state["precision"])
+            if not self.parts:
+                self.scheduler.load_state_dict(state["scheduler"])
+                self.precision.load_state_dict(state["precision"])
         except (RuntimeError, ValueError, KeyError) as e:
             raise CheckpointError(
                 f"checkpoint {str(path)!r} does not fit this run: {e}. It was written by "
@@ -134,6 +143,30 @@ class Checkpointer:
         if self.env.is_main:
             log.info("resumed from %s at step %d", path, at.step)
         return at
+
+    def _models_state(self) -> dict[str, Any]:
+        """The model and optimizer state (COLLECTIVE for some strategies); with several
+        models, each one's with its scheduler and scaler under ``"models"``."""
+        if not self.parts:
+            return self.strategy.state_dict(self.model, self.optimizer)
+        return {"models": {
+            part.name: {**self.strategy.state_dict(part.model, part.optimizer),
+                        "scheduler": part.scheduler.state_dict(),
+                        "precision": part.precision.state_dict()}
+            for part in self.parts}}
+
+    def _load_models(self, state: dict[str, Any]) -> None:
+        """Restore every model of a run of several from its entry under ``"models"``."""
+        saved = state["models"]
+        names = [part.name for part in self.parts]
+        if sorted(saved) != sorted(names):
+            raise KeyError(f"the checkpoint holds the models {sorted(saved)}, this run "
+                           f"trains {sorted(names)}")
+        for part in self.parts:
+            own = saved[part.name]
+            self.strategy.load_state_dict(part.model, part.optimizer, own)
+            part.scheduler.load_state_dict(own["scheduler"])
+            part.precision.load_state_dict(own["precision"])
 
     def _restore_position(self, path: Path, state: dict[str, Any], epoch: int) -> int:
         """Put the sampler (and, at the same world size, the RNG) where the checkpoint

@@ -55,6 +55,14 @@ class LogInterval:
         skips = guard.pending() if guard is not None else None  # on the device path
         if skips is not None:  # the same on every rank: the sum is world times it
             parts.append(skips)
+        # Your training step's values: each one's sum and count (the same keys, in the
+        # same order, on every rank).
+        logged = run.user_step.take_logged() if run.user_step is not None else {}
+        keys = sorted(logged)
+        if keys:
+            parts.append(torch.stack([v for k in keys for v in (
+                logged[k][0].to(run.device), torch.tensor(float(logged[k][1]),
+                                                           device=run.device))]))
         if timer is not None:
             # Every rank fills its own row of a [world, phases] table; the sum hands
             # every rank the whole table (the straggler view) in the same message.
@@ -74,6 +82,7 @@ class LogInterval:
             # The skipped steps' losses are out of loss_total: out of the count too.
             micro_steps -= guard.interval_skipped * run.cfg.optim.grad_accum
             rest = rest[len(skips):]
+        named, rest = rest[:2 * len(keys)], rest[2 * len(keys):]
         # Pipeline stages read the same samples: count each once.
         samples, tokens = samples / run.data.data_copies, tokens / run.data.data_copies
         state.train_time_s += seconds
@@ -89,9 +98,14 @@ class LogInterval:
         }
         if run.cfg.optim.clip_norm:  # measured by the clip; nothing measures it otherwise
             metrics["grad_norm"] = norm_total / world
-        if guard is not None and guard.interval_skipped:
-            metrics["skipped_steps"] = guard.interval_skipped  # the same on all ranks
-            guard.interval_skipped = 0
+        for i, key in enumerate(keys):  # never in place of the run's own metrics
+            metrics.setdefault(key, named[2 * i] / named[2 * i + 1])
+        skipped = sum(p.guard.interval_skipped for p in run.parts if p.guard is not None)
+        if skipped:
+            metrics["skipped_steps"] = skipped  # the same on all ranks
+            for part in run.parts:
+                if part.guard is not None:
+                    part.guard.interval_skipped = 0
         if tokens:
             metrics["tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
         if timer is not None:

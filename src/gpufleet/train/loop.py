@@ -69,7 +69,10 @@ class Trainer:
         # What each micro-step hands the strategy; the strategy calls the last one where
         # backward begins (None: nobody listens).
         accum = run.cfg.optim.grad_accum
-        self._micro_args = (run.loss_fn, run.precision, 1.0 / accum,
+        # Your training step, where there is one, computes the loss (one model's; the
+        # step over several models has its own forward and backward).
+        loss_fn = run.loss_fn if run.user_step is None else run.user_step.as_loss_fn()
+        self._micro_args = (loss_fn, run.precision, 1.0 / accum,
                             run.phases.marker(Phase.BACKWARD) if run.phases else None)
         # Nothing runs between steps before this step (log, eval, checkpoint, the
         # preemption check): one comparison per step instead of each interval's test.
@@ -77,21 +80,26 @@ class Trainer:
         self._next_epoch_save = self._epoch_save_after(run.data.epochs_done)
         # Epochs the scheduler has stepped for (None: it steps every optimizer step): its
         # own count of steps, which a resumed scheduler brings back.
-        self._epochs_scheduled = (run.scheduler.last_epoch
+        self._epochs_scheduled = ({p.name: p.scheduler.last_epoch for p in run.parts}
                                   if run.cfg.sched.interval == "epoch" else None)
-        if run.nonfinite is not None:  # decides whether it inspects before the clip
-            run.nonfinite.start(run.model, run.optimizer, run.device)
+        for part in run.parts:
+            if part.guard is not None:  # decides whether it inspects before the clip
+                part.guard.start(part.model, part.optimizer, run.device)
+            part.model.train()
         run.callbacks.on_fit_start(run.view)
-        run.model.train()
+        forward_backward = (self._forward_backward if len(run.parts) == 1
+                            else self._forward_backward_parts)
         while state.step < run.max_steps:
+            if run.user_step is not None:
+                run.user_step.step = state.step
             if state.flops_per_step is None:  # the first step: its FLOPs are counted
-                step_loss = self._counted(self._forward_backward)
+                step_loss = self._counted(forward_backward)
             else:
-                step_loss = self._forward_backward()
+                step_loss = forward_backward()
             skipped = self._optimizer_step(step_loss)
             state.step += 1
-            if skipped:
-                run.nonfinite.report(state.step, run.env.is_main)  # stops after too many
+            for guard in skipped:
+                guard.report(state.step, run.env.is_main)  # stops after too many
             announce(Phase.END)
             step_end(run.view, state.step)
             if state.step >= next_due:
@@ -122,13 +130,57 @@ class Trainer:
             step_loss = loss if step_loss is None else step_loss + loss
         return step_loss
 
-    def _optimizer_step(self, step_loss: torch.Tensor) -> bool:
-        """Unscale, guard, clip, step, schedule, zero the gradients; returns whether the
-        step was skipped as non-finite."""
-        run, cfg = self.run, self.run.cfg
-        model, opt, guard = run.model, run.optimizer, run.nonfinite
+    def _forward_backward_parts(self) -> dict[str, torch.Tensor]:
+        """``grad_accum`` micro-steps of your step over several models; returns each
+        model's losses summed (device tensors; the models that sat the step out are
+        missing)."""
+        from gpufleet.train.steps import forward_backward_parts, no_sync_all
+
+        run = self.run
+        announce, strategy, parts = run.phases.announce, run.strategy, run.parts
+        _, precision, scale, mark = self._micro_args
+        accum = run.cfg.optim.grad_accum
+        step_loss: dict[str, torch.Tensor] = {}
+        for micro in range(accum):
+            announce(Phase.DATA)
+            batch = run.data.next()
+            announce(Phase.FORWARD)
+            # As with one model: every wrapped model syncs its gradients on the last
+            # micro-step only (COLLECTIVE there, with ddp).
+            if micro == accum - 1:
+                losses = forward_backward_parts(parts, batch, run.user_step, precision,
+                                                scale, mark)
+            else:
+                with no_sync_all(strategy, parts):
+                    losses = forward_backward_parts(parts, batch, run.user_step,
+                                                    precision, scale, mark)
+            for name, loss in losses.items():
+                step_loss[name] = loss if name not in step_loss else step_loss[name] + loss
+        return step_loss
+
+    def _optimizer_step(self, step_loss: torch.Tensor | dict[str, torch.Tensor]
+                        ) -> list[Any]:
+        """For each model with a loss this step: unscale, guard, clip, step, schedule,
+        zero the gradients. Returns the guards of the models whose step was skipped as
+        non-finite."""
+        run = self.run
         run.phases.announce(Phase.OPTIMIZER)
-        run.precision.unscale(opt)  # true gradient sizes before clipping
+        losses = step_loss if isinstance(step_loss, dict) else {run.parts[0].name: step_loss}
+        skipped, norms = [], []
+        for part in run.parts:
+            if part.name in losses and self._step_part(part, losses[part.name], norms):
+                skipped.append(part.guard)
+        if len(norms) > 1:  # several models: the norm over all their gradients
+            self.interval.grad_norm = torch.linalg.vector_norm(torch.stack(norms))
+        run.strategy.after_optimizer_step(run.model, run.state.step)
+        return skipped
+
+    def _step_part(self, part: Any, step_loss: torch.Tensor, norms: list) -> bool:
+        """One model's optimizer step (see :meth:`_optimizer_step`); returns whether it
+        was skipped as non-finite. The clip's norm, when measured, goes to ``norms``."""
+        run, cfg = self.run, self.run.cfg
+        model, opt, guard = part.model, part.optimizer, part.guard
+        part.precision.unscale(opt)  # true gradient sizes before clipping
         if guard is not None and guard.inspects:
             # COLLECTIVE (fault.skip_nonfinite): with a fused optimizer, the ranks agree
             # on the device whether this step's loss or gradients (as backward left them)
@@ -142,6 +194,7 @@ class Trainer:
             # The norm stays a device tensor; it is only read at log time.
             self.interval.grad_norm = norm = run.strategy.clip_grad_norm(
                 model, cfg.optim.clip_norm)
+            norms.append(norm)
         # Device path with clipping by norm only: the same COLLECTIVE happens here, on
         # the norms the clip measured before clipping. Without the device path (fp16,
         # ZeRO, an unfused optimizer): COLLECTIVE + SYNC, all ranks agree on the host to
@@ -153,28 +206,26 @@ class Trainer:
                 # torch's warning about a scheduler step without an optimizer step does
                 # not apply.
                 warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
-                self._schedule()
+                self._schedule(part)
         else:
-            run.precision.step(opt)  # SYNC with fp16 and a non-fused optimizer (found_inf)
+            part.precision.step(opt)  # SYNC with fp16 and a non-fused optimizer (found_inf)
             # On the device path a skipped step's loss is added too (no host read here);
             # the guard takes it out again at the log interval.
             self.interval.add(step_loss, cfg.optim.grad_accum)
-            self._schedule()
+            self._schedule(part)
         opt.zero_grad()  # frees the gradients (set_to_none is the default)
-        run.strategy.after_optimizer_step(model, run.state.step)
         return skip
 
-    def _schedule(self) -> None:
-        """Step the LR scheduler: every optimizer step, or (``sched.interval = "epoch"``)
-        once each time an epoch has been read to its end."""
-        run = self.run
+    def _schedule(self, part: Any) -> None:
+        """Step a model's LR scheduler: every optimizer step, or (``sched.interval =
+        "epoch"``) once each time an epoch has been read to its end."""
         if self._epochs_scheduled is None:
-            run.scheduler.step()
+            part.scheduler.step()
             return
-        done = int(run.data.epochs_done)
-        while self._epochs_scheduled < done:
-            run.scheduler.step()
-            self._epochs_scheduled += 1
+        done = int(self.run.data.epochs_done)
+        while self._epochs_scheduled[part.name] < done:
+            part.scheduler.step()
+            self._epochs_scheduled[part.name] += 1
 
     def _next_due(self, step: int) -> int:
         """The first step after ``step`` that ends a log interval, or is due for
@@ -321,7 +372,7 @@ class Trainer:
                 self.save_checkpoint()
         result.steps = state.step
         result.epochs = run.data.epochs_done
-        result.skipped_steps = run.nonfinite.skipped if run.nonfinite is not None else 0
+        result.skipped_steps = sum(p.guard.skipped for p in run.parts if p.guard is not None)
         result.train_time_s = state.train_time_s
         if state.train_time_s > 0:
             result.samples_per_s = state.samples / state.train_time_s

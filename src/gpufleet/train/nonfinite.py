@@ -134,12 +134,15 @@ class NonFiniteGuard:
             :meth:`inspect` and :meth:`should_skip`: the clip's own measurement of every
             gradient (``strategy.measured``) is then the check, where the strategy
             measures it (every rank holds every gradient).
+        device_path: False decides every step on the host (a run of several models,
+            each with its own guard, whose log interval settles no device flags).
     """
 
     cfg: FaultConfig
     strategy: Any
     precision: Any
     clip_by_norm: bool = False
+    device_path: bool = True
     skipped: int = 0
     in_row: int = 0
     interval_skipped: int = 0
@@ -179,7 +182,7 @@ class NonFiniteGuard:
         """Choose the path for this run (the device path where ``optimizer`` takes the
         flag); the first :meth:`inspect` or :meth:`should_skip` calls it if the loop
         did not."""
-        self.on_device = takes_found_inf(optimizer, self.precision)
+        self.on_device = self.device_path and takes_found_inf(optimizer, self.precision)
         named = list(self.strategy.unwrap(model).named_parameters())
         self._names = {id(p): n for n, p in named}
         self._params = [p for _, p in named if p.requires_grad]

@@ -24,8 +24,10 @@ log = logging.getLogger(__name__)
 PREFLIGHT_SAMPLES = 2
 
 
-def preflight(model: torch.nn.Module, train_data: Any, loss_fn: Any, cfg: Config) -> None:
-    """Run ``PREFLIGHT_SAMPLES`` training samples through ``model`` and its loss.
+def preflight(model: Any, train_data: Any, loss_fn: Any, cfg: Config,
+              training_step: Any = None) -> None:
+    """Run ``PREFLIGHT_SAMPLES`` training samples through ``model`` and its loss (or
+    through your ``training_step``, as step 0, with the model or dict of models).
 
     Forward only, without gradients, in eval mode (BatchNorm statistics and dropout are
     left alone), on the CPU in float32, and the model's mode is put back afterwards.
@@ -43,21 +45,32 @@ def preflight(model: torch.nn.Module, train_data: Any, loss_fn: Any, cfg: Config
         batch = train_collate(train_data, cfg.data)([train_data[i] for i in range(count)])
     except Exception as e:
         raise ConfigError(_failed("reading the first training samples", e, cfg)) from None
-    was_training = model.training
-    model.eval()
+    from gpufleet.train.steps import named_models, split_losses
+
+    models = named_models(model)
+    was_training = {name: m.training for name, m in models.items()}
+    for m in models.values():
+        m.eval()
     try:
         with torch.no_grad():
-            make_loss_fn(loss_fn)(model, batch)
+            if training_step is None:
+                make_loss_fn(loss_fn)(model, batch)
+            else:
+                split_losses(training_step(model, batch, 0), list(models))
+    except ConfigError as e:  # the step's return value, named already
+        raise ConfigError(f"preflight: {e}") from None
     except Exception as e:
         from gpufleet.train.batch_check import explain_batch
 
-        reason = explain_batch(model, batch)
+        reason = explain_batch(model, batch) if training_step is None else None
         if reason is not None:
             raise ConfigError(f"preflight: {reason}") from None
-        raise ConfigError(_failed(f"a batch of {count} sample(s) through the model and its "
-                                  "loss", e, cfg)) from None
+        what = "the model and its loss" if training_step is None else "your training_step"
+        raise ConfigError(_failed(f"a batch of {count} sample(s) through {what}", e,
+                                  cfg)) from None
     finally:
-        model.train(was_training)
+        for name, m in models.items():
+            m.train(was_training[name])
     log.info("preflight: a batch of %d sample(s) went through the model and its loss", count)
 
 
@@ -85,7 +98,7 @@ def is_device_mismatch(error: Exception) -> bool:
 
 # What gpufleet.fit sends to the ranks it starts, in the order it passes them.
 _SENT = ("model", "training data", "evaluation data", "loss function", "callbacks",
-         "optimizer", "scheduler")
+         "optimizer", "scheduler", "training step")
 
 
 def check_picklable(extra: tuple, nproc: int) -> None:
@@ -112,12 +125,15 @@ def check_picklable(extra: tuple, nproc: int) -> None:
 
 def preflight_job(cfg: Config, job: Any = None) -> Any:
     """:func:`preflight` for ``job`` (a :class:`gpufleet.job.Job`), or for the job the
-    config names, built here under the run's seed (the weights every rank would build).
+    config names, built here under the run's seed (the weights every rank would build);
+    before it, what the strategy cannot train (a training step, several models) is
+    refused.
 
     Returns:
         The job checked (None when the preflight is off and no job was given), for the
         ranks to take instead of building it again.
     """
+    _check_strategy(cfg, job)
     if not cfg.run.preflight:
         return job
     if job is None:
@@ -126,5 +142,15 @@ def preflight_job(cfg: Config, job: Any = None) -> Any:
 
         with seeded(cfg.run.seed):  # as each rank builds it (gpufleet.entry.run_rank)
             job = build_job(cfg)
-    preflight(job.model, job.train_data, job.loss_fn, cfg)
+        _check_strategy(cfg, job)  # now it is known whether the factory made several
+    preflight(job.model, job.train_data, job.loss_fn, cfg, job.training_step)
     return job
+
+
+def _check_strategy(cfg: Config, job: Any) -> None:
+    from gpufleet.train.steps import check_strategy
+
+    several = job is not None and isinstance(job.model, dict) and len(job.model) > 1
+    has_step = bool(cfg.model.training_step) or (
+        job is not None and job.training_step is not None)
+    check_strategy(cfg.parallel.strategy, several, has_step)

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from gpufleet.precision import Precision
     from gpufleet.train.nonfinite import NonFiniteGuard
     from gpufleet.train.runlock import RunLock
+    from gpufleet.train.steps import UserStep
     from gpufleet.train.view import RunView
 
 
@@ -74,6 +75,27 @@ class Monitors:
 
 
 @dataclass(eq=False)
+class ModelPart:
+    """One model of the run and what steps it: its optimizer, scheduler, loss scaler
+    (the precision object; under fp16 one ``GradScaler`` per optimizer) and non-finite
+    guard. A run of one model has one part, made of the run's own fields.
+
+    Attributes:
+        name: the model's name (``"model"`` for a run of one; the dict key otherwise).
+        model: the model as the strategy placed it.
+        params: its parameters that take gradients (what its backward reaches).
+    """
+
+    name: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    precision: Precision
+    guard: NonFiniteGuard | None
+    params: list[nn.Parameter] = field(default_factory=list)
+
+
+@dataclass(eq=False)
 class Run:
     """The parts of one training run on this rank, built once by ``build_run``.
 
@@ -96,6 +118,9 @@ class Run:
         phases: tells the callbacks which phase of a step begins.
         view: the read-only view callbacks are given.
         state / result: what the loop changes, and what it reports.
+        parts: every model with its optimizer, scheduler, scaler and guard (one part,
+            the fields above, unless several models are trained).
+        user_step: your training step (:mod:`gpufleet.train.steps`), or None.
     """
 
     cfg: Config
@@ -123,6 +148,8 @@ class Run:
     callbacks: CallbackList = field(default_factory=lambda: CallbackList([]))
     phases: PhaseAnnouncer = field(default_factory=lambda: PhaseAnnouncer([], None))
     view: RunView | None = None
+    parts: list[ModelPart] = field(default_factory=list)
+    user_step: UserStep | None = None
 
     def request_stop(self, reason: str) -> None:
         """Ask the run to stop after the current step (see RunView.request_stop)."""
