@@ -142,7 +142,14 @@ def test_two_schedules_at_once_and_foreign_optimizers_are_refused(tmp_path):
         _fit(tmp_path, optimizer=torch.optim.SGD(other.parameters(), lr=0.1))
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1"])
+# local_sgd all-reduces gradients through its warm-up (here the whole run), as ddp does;
+# the pipeline's two stages each rebuild only their own layers' groups.
+EXTRA = {"pipeline": ["--parallel.pipeline.microbatches", "2"],
+         "local_sgd": ["--parallel.local_sgd.warmup_steps", "6"]}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1", "pipeline",
+                                      pytest.param("local_sgd", marks=pytest.mark.slow)])
 def test_your_optimizer_factory_from_the_config_under_two_ranks_equals_single(
         run_cli, tmp_path, strategy):
     job = ["--model", "toyjob:make_model", "--data", "toyjob:make_data",
@@ -151,8 +158,10 @@ def test_your_optimizer_factory_from_the_config_under_two_ranks_equals_single(
            "toyjob:halve_every_3", "--max-steps", "6", "--run.eval_every", "0",
            "--run.out_dir", "runs", "--monitor.report", "false"]
     run_cli("train", *job, "--batch-size", "16", "--run-dir", "runs/one")
-    run_cli("train", *job, "--batch-size", "8", "--nproc", "2", "--strategy", strategy,
-            "--run-dir", "runs/two", timeout=300)
+    # Two data-parallel ranks read 8 samples each; a pipeline's stages read all 16.
+    batch = "16" if strategy == "pipeline" else "8"
+    run_cli("train", *job, "--batch-size", batch, "--nproc", "2", "--strategy", strategy,
+            *EXTRA.get(strategy, []), "--run-dir", "runs/two", timeout=300)
     from gpufleet.train import checkpoint as ckpt
 
     def final_params(run_dir):  # a file, or fsdp's directory of shards
