@@ -87,6 +87,9 @@ class Fleet:
         strategy: ``"auto"`` (ddp on several ranks, single on one), ``"single"``,
             ``"ddp"``, ``"fsdp"``, and gpufleet's other strategy names.
         num_nodes: nodes (the ranks of each are started there).
+        seed: seeds python, numpy and torch on every rank (the same seed everywhere)
+            and the loaders' shuffling (``run.seed``); None: your random state is left
+            as it is and the loaders shuffle from ``run.seed``'s default.
         run_dir: the run directory (default: a new ``runs/<name>-<time>``).
         name: the run's name (default: the script's name).
         log_every: reduce the loss and phase times across ranks, log them and run the
@@ -104,16 +107,20 @@ class Fleet:
 
     def __init__(self, accelerator: str = "auto", devices: int | str = "auto",
                  precision: str | int = "auto", strategy: str = "auto", num_nodes: int = 1,
-                 *, run_dir: str | None = None, name: str | None = None, log_every: int = 10,
+                 *, seed: int | None = None, run_dir: str | None = None,
+                 name: str | None = None, log_every: int = 10,
                  overrides: dict[str, Any] | None = None, config: Config | None = None,
                  callbacks: Sequence[Callback] = ()) -> None:
         self._init_args = dict(accelerator=accelerator, devices=devices, precision=precision,
-                               strategy=strategy, num_nodes=num_nodes, run_dir=run_dir,
+                               strategy=strategy, num_nodes=num_nodes, seed=seed,
+                               run_dir=run_dir,
                                name=name, log_every=log_every, overrides=overrides,
                                config=config, callbacks=list(callbacks))
         keys: dict[str, Any] = {**_OWN_LOOP, "log.every": log_every,
                                 **fleet_overrides(accelerator, devices, precision, strategy,
                                                   num_nodes)}
+        if seed is not None:
+            keys["run.seed"] = seed
         if run_dir:
             keys["run.dir"] = str(run_dir)
         if name:
@@ -122,6 +129,7 @@ class Fleet:
         cfg = load_config(overrides=keys, base=config)
         self.plan: RunPlan = make_plan(cfg)  # the one resolve of this run
         self._user_callbacks = list(callbacks)
+        self._seed = seed
         self.run: FleetRun | None = None
         if self.plan.launcher in ("none", "external"):  # this process is a rank
             self._start_rank()
@@ -137,6 +145,8 @@ class Fleet:
         self._owns_group = env.is_distributed and not is_initialized()
         join_process_group(plan, env)  # the way every gpufleet rank joins
         share_cores(env.local_world_size, env.is_main)
+        if self._seed is not None:  # the same seed on every rank, as you asked
+            seed_everything(self._seed)
         device = _device(cfg, env)
         precision, strategy = _precision_and_strategy(cfg, plan.dims, device)
         cfg, _, run_lock = _run_dir(cfg, env)  # COLLECTIVE: rank 0 chooses and locks it

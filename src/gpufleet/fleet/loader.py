@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from gpufleet.core.tree import batch_size_of
@@ -80,6 +81,8 @@ class FleetLoader:
         self._on_batch, self._to_device = on_batch, to_device
         self.consumed = 0
         self.samples = 0
+        self._ended = False  # the last pass was read to its end (StopIteration)
+        self._resumed_mid_pass = False  # loaded a position inside an epoch
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -110,12 +113,23 @@ class FleetLoader:
             # Counted from where this pass starts in the sampler's items (0 for a new
             # epoch and for a resumed one, whose items begin after the saved position).
             self.consumed = self.sampler.position
-        batches = iter(self.loader)
+        self._ended = False
+        if self._resumed_mid_pass:
+            # A DataLoader draws its workers' base seed from torch's RNG when the pass
+            # starts. The uninterrupted run drew it before the saved RNG state, so the
+            # resumed pass must not draw again (dropout masks would shift).
+            self._resumed_mid_pass = False
+            rng = torch.get_rng_state()
+            batches = iter(self.loader)
+            torch.set_rng_state(rng)
+        else:
+            batches = iter(self.loader)
         on_batch, to_device = self._on_batch, self._to_device
         while True:
             on_batch()
             batch = next(batches, _END)
             if batch is _END:
+                self._ended = True
                 return
             n = batch_size_of(batch)
             self.consumed += n
@@ -133,10 +147,11 @@ class FleetLoader:
             raise ConfigError("this loader was set up with use_distributed_sampler=False: "
                               "gpufleet does not know its position. Save your own sampler's "
                               "state instead, or let setup_dataloaders shard the loader.")
-        sampler = self.sampler
-        if sampler.epoch != sampler._pass_epoch and self.consumed >= sampler._live_len:
-            return sampler.state_dict()  # the pass was read to its end: the next epoch
-        return sampler.state_dict(consumed=min(self.consumed, sampler._live_len))
+        if self._ended:  # the loop left the pass: the next one starts the next epoch
+            return self.sampler.state_dict()
+        # Inside a pass (its last batch included): the samples taken, not the sampler's
+        # own count, which a DataLoader runs ahead of the batches handed out.
+        return self.sampler.state_dict(consumed=self.consumed)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue, at the next ``iter()``, right after the saved position."""
@@ -144,6 +159,8 @@ class FleetLoader:
             raise ConfigError("this loader was set up with use_distributed_sampler=False "
                               "and has no position to load.")
         self.sampler.load_state_dict(state)
+        self._resumed_mid_pass = state["samples"] > 0
+        self._ended = False
         self.consumed = 0  # the resumed pass's items begin after the saved position
 
 
