@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from typing import Any
 
@@ -77,7 +78,12 @@ def spec_from_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> O
     if any(optimizer.state.values()):
         log.warning("the optimizer given already has state (it has stepped); gpufleet builds "
                     "it anew on the placed parameters, so that state is not carried over")
-    defaults = {k: v for k, v in optimizer.defaults.items() if k != "params"}
+    # Only what the class's constructor takes: some keep more in their defaults
+    # (torch's AdamW records decoupled_weight_decay, which AdamW() refuses).
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+    defaults = {k: v for k, v in optimizer.defaults.items()
+                if k != "params" and (takes_any or k in accepted)}
 
     def param_groups(placed: nn.Module) -> list[dict[str, Any]]:
         by_name = {plain_name(n): p for n, p in placed.named_parameters()}
