@@ -53,6 +53,11 @@ def saveable(state: Mapping[str, Any], strategy: Any) -> dict[str, Any]:
             # A FleetModule's is your module's own; a module you placed yourself unwraps.
             out[key] = value.state_dict() if isinstance(value, FleetModule) \
                 else strategy.unwrap(value).state_dict()
+        elif hasattr(value, "consolidate_state_dict"):  # ZeRO: a shard per rank
+            raise ConfigError(
+                f"Fleet.save got a sharded optimizer ({type(value).__name__}) under {key!r}; "
+                "Fleet writes one file from rank 0. Use strategy='ddp' with Fleet.save, or "
+                "gpufleet.fit, whose checkpoints gather the shards.")
         elif _has_state(value):  # optimizers, schedulers, Fleet loaders, scalers
             out[key] = value.state_dict()
         else:
