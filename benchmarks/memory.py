@@ -11,7 +11,7 @@ largest to ddp at the same world size. Target: fsdp about 1/N of ddp plus small
 overhead.
 
 Not counted: activations (freed after backward), DDP's gradient buckets (ddp and zero1
-keep a second copy of the gradients in them unless parallel.gradient_as_bucket_view),
+keep a second copy of the gradients in them unless parallel.ddp.gradient_as_bucket_view),
 and FSDP's transient all-gather buffers. "RSS" is the rank's resident memory after the
 step, for orientation: it includes the Python interpreter and torch itself.
 

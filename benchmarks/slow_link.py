@@ -5,8 +5,8 @@ Builds a 2-node network bed (gpufleet.bench.netbed; needs root), limits node 1's
 of fp32 gradients) across the two nodes with ``ddp``, once per setting:
 
 * baseline: plain ddp (and once with the link unlimited, for reference);
-* parallel.ddp_comm_hook=fp16 (half the bytes) and powersgd (rank-2 low-rank gradients);
-* parallel.bucket_cap_mb=100 (fewer, larger messages);
+* parallel.ddp.comm_hook=fp16 (half the bytes) and powersgd (rank-2 low-rank gradients);
+* parallel.ddp.bucket_cap_mb=100 (fewer, larger messages);
 * optim.grad_accum=4 (one all-reduce per 4 micro-batches: 4x the samples per step);
 * strategy local_sgd (ranks step alone, models averaged every 4 steps).
 
@@ -34,11 +34,11 @@ from gpufleet.bench.runs import small_gpt_job
 
 SETTINGS = {
     "baseline": [],
-    "fp16 hook": ["--parallel.ddp_comm_hook", "fp16"],
-    "powersgd hook": ["--parallel.ddp_comm_hook", "powersgd", "--parallel.powersgd_rank", "2"],
-    "bucket 100 MB": ["--parallel.bucket_cap_mb", "100"],
+    "fp16 hook": ["--parallel.ddp.comm_hook", "fp16"],
+    "powersgd hook": ["--parallel.ddp.comm_hook", "powersgd", "--parallel.ddp.powersgd_rank", "2"],
+    "bucket 100 MB": ["--parallel.ddp.bucket_cap_mb", "100"],
     "grad_accum 4": ["--optim.grad_accum", "4"],
-    "local_sgd /4": ["--strategy", "local_sgd", "--parallel.local_sgd_period", "4"],
+    "local_sgd /4": ["--strategy", "local_sgd", "--parallel.local_sgd.period", "4"],
 }
 
 
@@ -78,7 +78,7 @@ def main() -> None:
         sys.exit(f"cannot run: {reason}")
     batch = 8
     base = [*small_gpt_job(args.steps, batch_size=batch, n_embd=96, n_layer=2),
-            "--strategy", "ddp", "--parallel.powersgd_start_step", "10"]
+            "--strategy", "ddp", "--parallel.ddp.powersgd_start_step", "10"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     print(machine_summary())
     print(f"2 nodes (network namespaces), node 1's link at {args.mbit:g} Mbit/s; GPT n_embd "

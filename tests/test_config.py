@@ -101,3 +101,22 @@ def test_auto_values_resolve_per_machine():
     # Under Horovod the process group only carries book-keeping: gloo, also on GPUs.
     hvd = resolve(load_config(overrides={"parallel.strategy": "horovod"}), GPU4, world_size=4)
     assert (hvd.run.device, hvd.dist.backend) == ("cuda", "gloo")
+
+
+def test_each_parallelism_has_its_own_table_and_old_flat_keys_name_the_new_one(tmp_path):
+    cfg = load_config(overrides=["parallel.ddp.comm_hook=fp16", "parallel.pipeline.schedule=gpipe",
+                                 "parallel.fsdp.cpu_offload=true", "parallel.local_sgd.period=2"])
+    assert (cfg.parallel.ddp.comm_hook, cfg.parallel.pipeline.schedule) == ("fp16", "gpipe")
+    assert cfg.parallel.fsdp.cpu_offload and cfg.parallel.local_sgd.period == 2
+    path = write_config(cfg, tmp_path / "config.toml")
+    assert "[parallel.ddp]" in path.read_text() and load_config(path) == cfg
+    for old, new in (("ddp_comm_hook", "ddp.comm_hook"), ("pipeline_schedule", "pipeline.schedule"),
+                     ("bucket_cap_mb", "ddp.bucket_cap_mb"), ("fsdp_wrap", "fsdp.wrap"),
+                     ("local_sgd_period", "local_sgd.period")):
+        with pytest.raises(ConfigError, match=rf"parallel\.{old} is now parallel\.{new}"):
+            load_config(overrides=[f"parallel.{old}=1"])
+    (tmp_path / "old.toml").write_text('[parallel]\nstrategy = "ddp"\nddp_comm_hook = "fp16"\n')
+    with pytest.raises(ConfigError, match=r"--parallel\.ddp\.comm_hook=fp16"):
+        load_config(tmp_path / "old.toml")
+    with pytest.raises(ConfigError, match=r"Did you mean 'comm_hook'"):
+        load_config(overrides=["parallel.ddp.comm_hok=fp16"])

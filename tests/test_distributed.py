@@ -153,17 +153,17 @@ def test_ddp_fp16_comm_hook_stays_close_and_bf16_on_gloo_names_the_fix(run_cli, 
     for NCCL only, is refused before any rank starts."""
     plain = _train(run_cli, tmp_path, "plain", "--nproc", "2", "--batch-size", "16")
     fp16 = _train(run_cli, tmp_path, "fp16", "--nproc", "2", "--batch-size", "16",
-                  "--parallel.ddp_comm_hook", "fp16")
+                  "--parallel.ddp.comm_hook", "fp16")
     _assert_same_params(plain, fp16, atol=2e-3)
-    refused = run_cli("train", *TOY, "--nproc", "2", "--parallel.ddp_comm_hook", "bf16",
+    refused = run_cli("train", *TOY, "--nproc", "2", "--parallel.ddp.comm_hook", "bf16",
                       expect=2)
-    assert "needs NCCL" in refused.stderr and "ddp_comm_hook=fp16" in refused.stderr
+    assert "needs NCCL" in refused.stderr and "parallel.ddp.comm_hook=fp16" in refused.stderr
 
 
 @pytest.mark.slow
 def test_ddp_powersgd_comm_hook_trains(run_cli, tmp_path):
     psgd = _train(run_cli, tmp_path, "psgd", "--nproc", "2", "--batch-size", "16",
-                  "--parallel.ddp_comm_hook", "powersgd", "--parallel.powersgd_start_step", "4")
+                  "--parallel.ddp.comm_hook", "powersgd", "--parallel.ddp.powersgd_start_step", "4")
     losses = [loss for _, loss in _losses(psgd)]
     assert losses[-1] < losses[0]
 

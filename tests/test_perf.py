@@ -21,14 +21,21 @@ def _fit(tmp_path, overrides, model, data):
     return gpufleet.fit(model, data, loss_fn=F.mse_loss, overrides={**base, **overrides})
 
 
-def test_compile_compiles_in_place_and_matches_eager(tmp_path):
+@pytest.mark.parametrize("scope", ["model", "blocks"])
+def test_compile_compiles_in_place_and_matches_eager(tmp_path, scope):
     torch.manual_seed(0)
     eager_model = toyjob.make_model()
     torch.manual_seed(0)
     compiled_model = toyjob.make_model()
     eager = _fit(tmp_path / "a", {}, eager_model, toyjob.make_data())
-    compiled = _fit(tmp_path / "b", {"perf.compile": True}, compiled_model, toyjob.make_data())
-    assert compiled_model._compiled_call_impl is not None  # forward goes through dynamo
+    compiled = _fit(tmp_path / "b", {"perf.compile": True, "perf.compile_scope": scope},
+                    compiled_model, toyjob.make_data())
+    if scope == "model":
+        assert compiled_model._compiled_call_impl is not None  # forward goes through dynamo
+    else:  # the two Linear blocks each through dynamo, the container eager
+        assert compiled_model._compiled_call_impl is None
+        assert [m._compiled_call_impl is not None for m in compiled_model] == [
+            True, False, False, True]
     assert eager_model._compiled_call_impl is None
     # Same state-dict names as the eager model: checkpoints load either way.
     saved = torch.load(compiled.checkpoint, weights_only=True)["model"]

@@ -92,6 +92,7 @@ def resolve_with_dims(cfg: Config, machine: Machine, world_size: int,
                           "gloo), or single.")
     dims = plan_for(dataclasses.replace(par, strategy=strategy), traits, world_size,
                     local_world_size)
+    _check_tensor_split(cfg, dims)
     if traits.copies_module_each_step and cfg.perf.compile:
         raise ConfigError("perf.compile with parallel.strategy = 'dp': nn.DataParallel "
                           "copies the module to every GPU each step, which a compiled module "
@@ -111,14 +112,14 @@ def resolve_with_dims(cfg: Config, machine: Machine, world_size: int,
     if max_steps == 0 and run.max_epochs == 0:
         raise ConfigError("run.max_steps = 0 and run.max_epochs = 0: the run would never end. "
                           "Set --max-steps N or --max-epochs N.")
-    if par.ddp_comm_hook != "none" and not traits.comm_hooks:
-        raise ConfigError(f"parallel.ddp_comm_hook = {par.ddp_comm_hook!r} compresses ddp's "
+    if par.ddp.comm_hook != "none" and not traits.comm_hooks:
+        raise ConfigError(f"parallel.ddp.comm_hook = {par.ddp.comm_hook!r} compresses ddp's "
                           f"gradient all-reduce, but the strategy is {strategy!r}. Use "
-                          "--strategy ddp, or parallel.ddp_comm_hook=none.")
-    if par.ddp_comm_hook == "bf16" and backend != "nccl":
-        raise ConfigError("parallel.ddp_comm_hook = 'bf16': torch's bf16 hook needs NCCL "
+                          "--strategy ddp, or parallel.ddp.comm_hook=none.")
+    if par.ddp.comm_hook == "bf16" and backend != "nccl":
+        raise ConfigError("parallel.ddp.comm_hook = 'bf16': torch's bf16 hook needs NCCL "
                           f"(CUDA GPUs), and this run uses {backend}. Use "
-                          "parallel.ddp_comm_hook=fp16 (the same bytes) or powersgd.")
+                          "parallel.ddp.comm_hook=fp16 (the same bytes) or powersgd.")
     workers = cfg.data.num_workers
     if workers < 0:
         workers = default_num_workers(device, local_world_size)
@@ -131,3 +132,17 @@ def resolve_with_dims(cfg: Config, machine: Machine, world_size: int,
         dist=dataclasses.replace(dist, backend=backend),
     )
     return resolved, dims
+
+
+def _check_tensor_split(cfg: Config, dims: ParallelDims) -> None:
+    """The built-in GPT gives every tensor parallel rank whole attention heads: a ``tp``
+    that does not divide ``model.n_head`` fails here, before any rank starts."""
+    model, tp = cfg.model, dims.tp
+    if tp <= 1 or model.name != "gpt" or model.n_head % tp == 0:
+        return
+    fits = max(d for d in range(1, tp) if model.n_head % d == 0)
+    raise ConfigError(
+        f"parallel.tp = {tp} does not divide model.n_head = {model.n_head}: tensor "
+        f"parallelism gives every tp rank whole attention heads. Use parallel.tp = {fits} "
+        f"(a divisor of {model.n_head}), or model.n_head = "
+        f"{model.n_head + (-model.n_head) % tp} (and n_embd a multiple of it).")

@@ -101,7 +101,7 @@ def test_planned_memory_is_near_a_real_gpu_steps_peak():
     from gpufleet.models.gpt import build_gpt
 
     cfg = load_config(overrides={"data.batch_size": 8, "precision.mode": "bf16-mixed",
-                                 "parallel.gradient_as_bucket_view": True})
+                                 "parallel.ddp.gradient_as_bucket_view": True})
 
     def model() -> torch.nn.Module:
         return build_gpt(n_layer=12, n_head=12, n_embd=768, block_size=1024)

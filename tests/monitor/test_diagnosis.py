@@ -68,7 +68,7 @@ def test_communication_bound_when_backward_is_mostly_waiting():
     (f,) = diagnose(s, facts)
     assert f.rule == "communication-bound" and "10.0 ms of each 20.0 ms step" in f.message
     assert "optim.grad_accum from 1 to 2" in f.fix and "bucket_cap_mb from 25 to 50" in f.fix
-    assert "parallel.ddp_comm_hook=powersgd" in f.fix and "local_sgd" in f.fix
+    assert "parallel.ddp.comm_hook=powersgd" in f.fix and "local_sgd" in f.fix
     assert "Find the node" not in f.fix  # one node: no link to single out
 
 
@@ -78,7 +78,7 @@ def test_communication_bound_across_nodes_points_at_finding_the_slow_node():
     s = _summary(*[(0.001, 0.002, 0.014, 0.002, 0.001)] * 4)
     (f,) = diagnose(s, facts)
     assert f.rule == "communication-bound" and "optim.grad_accum from 2 to 4" in f.fix
-    assert "ddp_comm_hook" not in f.fix  # the hooks are ddp's alone
+    assert "comm_hook" not in f.fix  # the hooks are ddp's alone
     assert "Find the node behind the slowest link with `gpufleet bench allreduce`" in f.fix
 
 

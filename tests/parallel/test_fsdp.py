@@ -117,9 +117,9 @@ def test_fsdp_bf16_with_cpu_offload_and_class_wrapping_tracks_single(run_cli, tm
     bf16 = ["--precision.mode", "bf16-mixed", "--max-steps", "12"]
     single = _train(run_cli, tmp_path, "single", *bf16, "--batch-size", "32")
     fsdp = _train(run_cli, tmp_path, "fsdp", *bf16, "--nproc", "2", "--strategy", "fsdp",
-                  "--batch-size", "16", "--parallel.fsdp_cpu_offload", "true",
-                  "--parallel.fsdp_reshard_after_forward", "false",
-                  "--parallel.fsdp_wrap", "Linear")
+                  "--batch-size", "16", "--parallel.fsdp.cpu_offload", "true",
+                  "--parallel.fsdp.reshard_after_forward", "false",
+                  "--parallel.fsdp.wrap", "Linear")
     # bf16 compute: close, not equal (FSDP casts per module, autocast per operation).
     for (_, l1, _), (_, l2, _) in zip(_evals(single), _evals(fsdp), strict=True):
         assert l1 == pytest.approx(l2, rel=2e-2)

@@ -12,6 +12,7 @@ from torch import nn
 
 from conftest import final_params
 from gpufleet.config import ParallelConfig
+from gpufleet.config.parallel import LocalSGDOptions
 from gpufleet.errors import ConfigError
 from gpufleet.launch import DistEnv, destroy_process_group, init_process_group, launch
 from gpufleet.parallel import OptimizerSpec
@@ -29,8 +30,8 @@ TOY = ["--model", "toyjob:make_model", "--data", "toyjob:make_data",
 @pytest.mark.slow  # the resume-at-an-averaging-step test below proves local_sgd in the default run
 def test_local_sgd_with_period_one_equals_ddp(run_cli, tmp_path):
     run_cli("train", *TOY, "--strategy", "ddp", "--run-dir", "runs/ddp")
-    run_cli("train", *TOY, "--strategy", "local_sgd", "--parallel.local_sgd_period", "1",
-            "--parallel.local_sgd_warmup_steps", "3", "--run-dir", "runs/local")
+    run_cli("train", *TOY, "--strategy", "local_sgd", "--parallel.local_sgd.period", "1",
+            "--parallel.local_sgd.warmup_steps", "3", "--run-dir", "runs/local")
     ddp, local = final_params(tmp_path / "runs/ddp"), final_params(tmp_path / "runs/local")
     assert ddp.keys() == local.keys()
     for key in ddp:
@@ -42,8 +43,8 @@ def test_local_sgd_resumed_at_an_averaging_step_goes_on_as_if_uninterrupted(run_
     # Warm-up 1, period 2: the models are averaged after steps 2, 4, 6 and 8, so at the
     # step-4 checkpoint both ranks hold rank 0's model. Plain SGD keeps no per-rank state.
     # The resumed run must take step 5 without gradient all-reduce, like the first run.
-    args = [*TOY, "--strategy", "local_sgd", "--parallel.local_sgd_period", "2",
-            "--parallel.local_sgd_warmup_steps", "1", "--optim.momentum", "0",
+    args = [*TOY, "--strategy", "local_sgd", "--parallel.local_sgd.period", "2",
+            "--parallel.local_sgd.warmup_steps", "1", "--optim.momentum", "0",
             "--checkpoint.every", "4"]
     run_cli("train", *args, "--run-dir", "runs/straight")
     step4 = tmp_path / "runs/straight/checkpoints/step-0000004.pt"
@@ -62,7 +63,7 @@ def _hierarchical_rank() -> list[bool]:
     init_process_group(env, "gloo", timeout_s=60)
     try:
         torch.manual_seed(0)
-        cfg = ParallelConfig(local_sgd_period=2, local_sgd_inter_node_period=4)
+        cfg = ParallelConfig(local_sgd=LocalSGDOptions(period=2, inter_node_period=4))
         strategy = LocalSGD(cfg, torch.device("cpu"))
         model = strategy.setup_model(nn.Linear(3, 1))
         spec = OptimizerSpec(torch.optim.SGD, lambda m: [{"params": list(m.parameters())}],

@@ -59,7 +59,7 @@ def test_presets_give_the_rest_of_the_ranks_to_their_own_dimension():
     (4, ["parallel.strategy=zero1", "parallel.tp=2"], ["parallel.tp = 2 cannot"]),
     (2, ["parallel.strategy=single"], ["independent copies", "ddp"]),
     # The communication hooks are a trait of ddp alone.
-    (2, ["parallel.strategy=fsdp", "parallel.ddp_comm_hook=powersgd"],
+    (2, ["parallel.strategy=fsdp", "parallel.ddp.comm_hook=powersgd"],
      ["compresses ddp's", "'fsdp'", "--strategy ddp"]),
 ])
 def test_impossible_degrees_are_refused_by_resolve_with_the_product(world, overrides, words):
@@ -221,7 +221,7 @@ def test_fsdp_with_pipeline_2x2_equals_single(run_cli, tmp_path):
     # 2 stages x 2 shards: each pipeline reads 16 samples a step, two pipelines 32.
     both = _train(run_cli, tmp_path, "both", TOY, "--nproc", "4", "--strategy", "pipeline",
                   "--parallel.dp_shard", "2", "--batch-size", "16",
-                  "--parallel.pipeline_schedule", "gpipe")
+                  "--parallel.pipeline.schedule", "gpipe")
     _assert_same(single, both, 4)
     _assert_same(single, both)
 

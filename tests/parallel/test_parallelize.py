@@ -16,6 +16,7 @@ from gpufleet.errors import ConfigError
 from gpufleet.parallel import build_strategy
 from gpufleet.parallel.dims import ParallelDims
 from gpufleet.parallel.fsdp import ReplicatedTensorParallel
+from gpufleet.plan import make_plan
 from gpufleet.resolve import Machine, resolve
 from gpufleet.train import checkpoint as ckpt
 
@@ -48,8 +49,8 @@ def test_ddp_with_tensor_parallel_is_a_preset_of_degrees():
     strategy = build_strategy("ddp", cfg.parallel, torch.device("cpu"), None, dims)
     # DDP cannot hold DTensor parameters: the replicas are FSDP2 over a replicate mesh.
     assert isinstance(strategy, ReplicatedTensorParallel) and strategy.saves_on_every_rank
-    with pytest.raises(ConfigError, match="ddp_comm_hook = 'powersgd'"):
-        build_strategy("ddp", load_config(overrides=["parallel.ddp_comm_hook=powersgd"]).parallel,
+    with pytest.raises(ConfigError, match=r"parallel\.ddp\.comm_hook = 'powersgd'"):
+        build_strategy("ddp", load_config(overrides=["parallel.ddp.comm_hook=powersgd"]).parallel,
                        torch.device("cpu"), None, dims)
 
 
@@ -60,6 +61,14 @@ def test_a_layout_torch_cannot_do_fails_in_resolve_naming_the_degrees():
     with pytest.raises(ConfigError, match="dp_shard=3 x tp=2 multiply to 6"):
         resolve(load_config(overrides=["parallel.strategy=pipeline", "parallel.tp=2",
                                        "parallel.dp_shard=3"]), CPU, 8, 8)
+
+
+def test_a_tensor_split_that_cuts_attention_heads_fails_before_ranks_start():
+    with pytest.raises(ConfigError) as e:  # the GPT's 4 heads over 3 tensor parallel ranks
+        make_plan(load_config(overrides=["parallel.strategy=ddp", "parallel.tp=3",
+                                         "dist.nproc=6", "run.device=cpu"]))
+    assert "parallel.tp = 3 does not divide model.n_head = 4" in str(e.value)
+    assert "parallel.tp = 2" in str(e.value) and "model.n_head = 6" in str(e.value)
 
 
 def test_ddp_2_x_tp_4_on_eight_ranks_equals_single(run_cli, tmp_path):

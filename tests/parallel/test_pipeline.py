@@ -100,8 +100,8 @@ def test_gpipe_and_1f1b_on_two_ranks_equal_single(run_cli, tmp_path):
     for schedule in ("gpipe", "1f1b"):
         run, proc = _train(run_cli, tmp_path, schedule, *common, "--nproc", "2",
                            "--launcher", "spawn",
-                           "--strategy", "pipeline", "--parallel.pipeline_microbatches", "4",
-                           "--parallel.pipeline_schedule", schedule)
+                           "--strategy", "pipeline", "--parallel.pipeline.microbatches", "4",
+                           "--parallel.pipeline.schedule", schedule)
         _same(single, run)
         assert _losses(run) == pytest.approx(_losses(single), rel=1e-4)
         assert _losses(run, "eval") == pytest.approx(_losses(single, "eval"), rel=1e-4)
@@ -121,7 +121,7 @@ def test_gpipe_and_1f1b_on_two_ranks_equal_single(run_cli, tmp_path):
 
 @pytest.mark.slow
 def test_pipeline_resumes_from_its_checkpoint_and_evaluates(run_cli, tmp_path):
-    args = ["--nproc", "2", "--strategy", "pipeline", "--parallel.pipeline_schedule",
+    args = ["--nproc", "2", "--strategy", "pipeline", "--parallel.pipeline.schedule",
             "1f1b", "--optim.decay", "constant", "--name", "pp",
             "--data", "toyjob:make_data", "--data.kwargs={n_eval = 40}", "--run.eval_every", "3"]
     straight, _ = _train(run_cli, tmp_path, "straight", *args)

@@ -163,3 +163,17 @@ def test_your_optimizer_factory_from_the_config_under_two_ranks_equals_single(
         torch.testing.assert_close(two[key], value, rtol=1e-5, atol=1e-6, msg=key)
     recipe = load_config(tmp_path / "runs/two/config.toml").optim.recipe
     assert "SGD(lr=0.05, momentum=0.9" in recipe and f"strategy {strategy} on 2" in recipe
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD,
+                                 torch.optim.RMSprop])
+def test_every_torch_optimizer_object_is_rebuilt_with_its_groups(cls):
+    from gpufleet.train.recipe import spec_from_optimizer
+
+    model = toyjob.make_model()
+    given = cls([{"params": model[0].parameters(), "weight_decay": 0.0},
+                 {"params": model[3].parameters()}], lr=0.02)
+    rebuilt = spec_from_optimizer(given, model).build(model)
+    assert type(rebuilt) is cls
+    assert [{k: v for k, v in g.items() if k != "params"} for g in rebuilt.param_groups] == [
+        {k: v for k, v in g.items() if k != "params"} for g in given.param_groups]

@@ -16,13 +16,18 @@ from typing import Any
 
 import tomli_w
 
+from gpufleet.config.parallel import RENAMED as _PARALLEL_RENAMED
 from gpufleet.config.schema import SECTIONS, Config
+from gpufleet.config.section import tables
 from gpufleet.errors import ConfigError, unknown_choice
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
+
+#: old flat keys -> their new dotted place, refused with the new name
+RENAMED = {f"parallel.{old}": f"parallel.{new}" for old, new in _PARALLEL_RENAMED.items()}
 
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
                dict: "a table such as {key = 1}"}
@@ -53,16 +58,27 @@ def load_config(path: str | Path | None = None,
             from_file = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from e
-        for section, values in from_file.items():
-            if isinstance(values, Mapping) and isinstance(data.get(section), dict):
-                data[section].update(values)
-            else:
-                data[section] = values
+        _merge(data, from_file)
     pairs = overrides.items() if isinstance(overrides, Mapping) else map(parse_override, overrides)
     for dotted, value in pairs:
-        section, key = _split_key(dotted)
-        data.setdefault(section, {})[key] = value
+        *tables, key = _split_key(dotted)
+        place = data
+        for name in tables:
+            place = place.setdefault(name, {})
+            if not isinstance(place, dict):
+                raise ConfigError(f"config key {dotted!r}: {name!r} is a value, not a "
+                                  "table. Fix the key.")
+        place[key] = value
     return config_from_dict(data)
+
+
+def _merge(into: dict[str, Any], update: Mapping[str, Any]) -> None:
+    """``update``'s tables merged key by key into ``into``'s (a file over a base)."""
+    for name, value in update.items():
+        if isinstance(value, Mapping) and isinstance(into.get(name), dict):
+            _merge(into[name], value)
+        else:
+            into[name] = value
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -105,14 +121,32 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
 def _build_section(name: str, cls: type, values: Mapping[str, Any]) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
+    subtables = tables(cls)
     kwargs = {}
     for key, value in values.items():
-        if key not in fields:
+        if key in subtables:
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{name}.{key} is a table of keys, got {value!r}. Write "
+                                  f"it as [{name}.{key}] with key = value lines, or "
+                                  f"--{name}.{key}.KEY=VALUE.")
+            kwargs[key] = _build_section(f"{name}.{key}", subtables[key], value)
+        elif f"{name}.{key}" in RENAMED:
+            new = RENAMED[f"{name}.{key}"]
+            raise ConfigError(
+                f"{name}.{key} is now {new}: each parallelism has its own table. Write "
+                f"--{new}={_flag_value(value)}, or in a config file {new.rpartition('.')[2]} = "
+                f"... under [{new.rpartition('.')[0]}].")
+        elif key not in fields:
             raise ConfigError(unknown_choice(f"{name}.{key}", key, sorted(fields),
                                              f"Valid keys of [{name}] are listed; "
                                              "`gpufleet train --help` explains each."))
-        kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
+        else:
+            kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
     return cls(**kwargs)
+
+
+def _flag_value(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _coerce(dotted: str, value: Any, kind: type) -> Any:
@@ -132,14 +166,15 @@ def _example(kind: type) -> str:
     return {bool: "true", int: "8", float: "0.5", str: "name", dict: "{key=1}"}[kind]
 
 
-def _split_key(dotted: str) -> tuple[str, str]:
+def _split_key(dotted: str) -> list[str]:
     parts = dotted.split(".")
-    if len(parts) != 2 or not all(parts):
+    if len(parts) not in (2, 3) or not all(parts):
         raise ConfigError(
-            f"config key {dotted!r} is not of the form section.key. "
-            f"Sections: {', '.join(SECTIONS)}; e.g. optim.lr or run.max_steps."
+            f"config key {dotted!r} is not of the form section.key (or section.table.key). "
+            f"Sections: {', '.join(SECTIONS)}; e.g. optim.lr, run.max_steps or "
+            "parallel.ddp.comm_hook."
         )
-    return parts[0], parts[1]
+    return parts
 
 
 def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
@@ -156,12 +191,21 @@ def write_config(cfg: Config, path: str | Path) -> Path:
 
 def help_rows() -> list[tuple[str, str, str]]:
     """``(flag, default, help)`` for every config key, for ``--help``."""
-    rows = []
+    rows: list[tuple[str, str, str]] = []
     for section, cls in SECTIONS.items():
-        for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            text = f.metadata["help"]
-            if f.metadata["choices"]:
-                text += f" [{'|'.join(f.metadata['choices'])}]"
-            rows.append((f"--{section}.{f.name}", repr(default), text))
+        _help_rows(section, cls, rows)
     return rows
+
+
+def _help_rows(prefix: str, cls: type, rows: list[tuple[str, str, str]]) -> None:
+    subtables = tables(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in subtables:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        text = f.metadata["help"]
+        if f.metadata["choices"]:
+            text += f" [{'|'.join(f.metadata['choices'])}]"
+        rows.append((f"--{prefix}.{f.name}", repr(default), text))
+    for name, sub in subtables.items():
+        _help_rows(f"{prefix}.{name}", sub, rows)

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from gpufleet.config.parallel import STRATEGY_NAMES, ParallelConfig
-from gpufleet.config.section import AUTO, Section, opt
+from gpufleet.config.section import AUTO, Section, opt, tables
 from gpufleet.errors import ConfigError, unknown_choice
 
 
@@ -194,6 +194,11 @@ class PerfConfig(Section):
     compile_mode: str = opt("default", "torch.compile mode; reduce-overhead replays CUDA "
                             "graphs (best for small models whose steps are launch-bound).",
                             choices=("default", "reduce-overhead", "max-autotune"))
+    compile_scope: str = opt("blocks", "What perf.compile compiles: blocks (each of the "
+                             "model's repeated blocks on its own, as FSDP shards them: small "
+                             "graphs that compile once and are reused; the whole model when it "
+                             "repeats none) or model (one graph for the whole model).",
+                             choices=("blocks", "model"))
     tf32: bool = opt(True, "TF32 tensor cores for fp32 matmuls and convolutions on CUDA "
                      "(Ampere and newer): about 8x fp32 speed, 10-bit mantissa.")
     cudnn_benchmark: bool = opt(False, "cuDNN times its convolution algorithms and keeps the "
@@ -376,3 +381,5 @@ SECTIONS: dict[str, type] = {
 SECTION_NAMES: dict[type, str] = {cls: name for name, cls in SECTIONS.items()}
 for _name, _cls in SECTIONS.items():
     _cls._section_name = _name  # what a section's errors call it
+    for _table, _sub in tables(_cls).items():
+        _sub._section_name = f"{_name}.{_table}"

@@ -19,6 +19,17 @@ def opt(default: Any, help: str, *, choices: tuple[str, ...] = (), min: float | 
     return field(default=default, metadata=meta)
 
 
+def table(cls: type) -> Any:
+    """A sub-table of a section (``[parallel.ddp]``): its own :class:`Section` class."""
+    return field(default_factory=cls, metadata={"help": cls.__doc__ or "", "table": cls})
+
+
+def tables(cls: type) -> dict[str, type]:
+    """``{field name: Section class}`` of a section's sub-tables."""
+    return {f.name: f.metadata["table"] for f in dataclasses.fields(cls)
+            if "table" in f.metadata}
+
+
 AUTO = -1.0  # an optimizer setting whose default depends on the model (train.optim)
 
 
@@ -31,6 +42,8 @@ class Section:
     def __post_init__(self) -> None:
         section = self._section_name
         for f in dataclasses.fields(self):
+            if "table" in f.metadata:
+                continue  # a sub-table checked itself when it was made
             value = getattr(self, f.name)
             choices = f.metadata.get("choices")
             if choices and value not in choices:

@@ -121,18 +121,18 @@ def estimate_layout(cfg: Config, dims: ParallelDims, build_model: Any,
     par = cfg.parallel
     micro_batch, in_flight = cfg.data.batch_size, 1
     if dims.pp > 1:
-        m = par.pipeline_microbatches
+        m = par.pipeline.microbatches
         if cfg.data.batch_size % m:
             raise ConfigError(f"data.batch_size = {cfg.data.batch_size} does not split into "
-                              f"parallel.pipeline_microbatches = {m}. Make the batch a "
+                              f"parallel.pipeline.microbatches = {m}. Make the batch a "
                               "multiple of the micro-batches.")
         micro_batch = cfg.data.batch_size // m
     ranks = []
     per_stage = dims.world_size // dims.pp
     for stage in range(dims.pp):
         if dims.pp > 1:  # micro-batches whose activations a stage holds at once
-            m = par.pipeline_microbatches
-            in_flight = m if par.pipeline_schedule == "gpipe" else min(dims.pp - stage, m)
+            m = par.pipeline.microbatches
+            in_flight = m if par.pipeline.schedule == "gpipe" else min(dims.pp - stage, m)
         ranks.append(_estimate_rank(cfg, dims, stage * per_stage, stage, build_model,
                                     sample, micro_batch, in_flight))
     return LayoutEstimate(dims, micro_batch, ranks)
@@ -167,8 +167,8 @@ def _estimate_rank(cfg: Config, dims: ParallelDims, rank: int, stage: int, build
     if dims.dp_shard > 1:  # two gathered blocks in flight, one block's gradients
         buffers = 2 * block_full * compute + block_full * FP32
     else:  # DDP's buckets hold a second copy of the gradients
-        buffers = 0 if cfg.parallel.gradient_as_bucket_view else local * FP32
-    micro_steps = ((cfg.parallel.pipeline_microbatches if dims.pp > 1 else 1)
+        buffers = 0 if cfg.parallel.ddp.gradient_as_bucket_view else local * FP32
+    micro_steps = ((cfg.parallel.pipeline.microbatches if dims.pp > 1 else 1)
                    * cfg.optim.grad_accum)
     return RankEstimate(
         rank=rank, stage=stage, params=local * FP32, grads=local * FP32,
@@ -191,7 +191,7 @@ def _stage(model: nn.Module, cfg: Config, dims: ParallelDims, stage: int, micro_
 
         modules = dict(model.named_modules())
         return Stage(model, meta, [modules[n] for n in find_blocks(model)], None, 0)
-    return sequential_stage(model, stage, dims.pp, cfg.parallel.pipeline_split, meta)
+    return sequential_stage(model, stage, dims.pp, cfg.parallel.pipeline.split, meta)
 
 
 def _forward(part: Stage, precision: str) -> tuple[int, int]:
@@ -261,7 +261,7 @@ def _comm(cfg: Config, dims: ParallelDims, stage: int, part: Stage, local: int, 
         comm["tp"] = 4 * blocks * 2 * (dims.tp - 1) / dims.tp * activation * micro_steps
     n = dims.dp_shard
     if n > 1:  # all-gather in forward and (resharded) backward; reduce-scatter once
-        gathers = 2 if cfg.parallel.fsdp_reshard_after_forward else 1
+        gathers = 2 if cfg.parallel.fsdp.reshard_after_forward else 1
         share = (n - 1) / n
         comm["dp_shard"] = (gathers * share * full * compute * micro_steps
                             + share * full * FP32)

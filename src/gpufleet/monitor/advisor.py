@@ -172,7 +172,7 @@ def run_facts(trainer: Any, links: dict[str, Any] | None = None) -> RunFacts:
         precision=cfg.precision.mode, strategy=cfg.parallel.strategy,
         comm_hooks=trainer.strategy.traits.comm_hooks,
         copies_module_each_step=trainer.strategy.traits.copies_module_each_step,
-        bucket_cap_mb=cfg.parallel.bucket_cap_mb, compile=cfg.perf.compile,
+        bucket_cap_mb=cfg.parallel.ddp.bucket_cap_mb, compile=cfg.perf.compile,
         cores=usable_cores(), torch_threads=torch.get_num_threads(),
         log_every=cfg.log.every, eval_every=cfg.run.eval_every,
         checkpoint_every=cfg.checkpoint.every, links=dict(links or {}))

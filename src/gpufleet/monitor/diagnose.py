@@ -165,10 +165,10 @@ def _communication_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None
         message += " " + link_sentence(facts.links)
     fix = (f"raise optim.grad_accum from {facts.grad_accum} to {2 * facts.grad_accum} (one "
            f"all-reduce per {2 * facts.grad_accum} micro-batches) or data.batch_size, raise "
-           f"parallel.bucket_cap_mb from {facts.bucket_cap_mb:g} to "
+           f"parallel.ddp.bucket_cap_mb from {facts.bucket_cap_mb:g} to "
            f"{max(50.0, 2 * facts.bucket_cap_mb):g} (fewer, larger messages)")
     if facts.comm_hooks:  # the strategy's traits: resolve refuses the hooks elsewhere
-        fix += (", send fewer bytes with parallel.ddp_comm_hook=powersgd (low-rank) or "
+        fix += (", send fewer bytes with parallel.ddp.comm_hook=powersgd (low-rank) or "
                 "fp16 (half the bytes), or average less often with --strategy local_sgd")
     if slow_node_fix(facts.links):  # the probe named the node behind the slow link
         fix += ". Or " + slow_node_fix(facts.links)

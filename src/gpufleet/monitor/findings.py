@@ -91,7 +91,7 @@ class RunFacts:
     grad_accum: int = 1
     precision: str = "fp32"
     strategy: str = "single"
-    comm_hooks: bool = False  # the strategy takes parallel.ddp_comm_hook (its traits)
+    comm_hooks: bool = False  # the strategy takes parallel.ddp.comm_hook (its traits)
     # One process copies the module to every GPU each step (nn.DataParallel; its traits).
     copies_module_each_step: bool = False
     bucket_cap_mb: float = 25.0

@@ -39,14 +39,14 @@ class DistributedDataParallel(Strategy):
             model,
             # None on CPU: the module stays where it is, gloo reduces host tensors.
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            bucket_cap_mb=cfg.bucket_cap_mb,
-            static_graph=cfg.static_graph,
-            gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-            find_unused_parameters=cfg.find_unused_parameters,
-            **{_SYNC_BUFFERS: cfg.broadcast_buffers},
+            bucket_cap_mb=cfg.ddp.bucket_cap_mb,
+            static_graph=cfg.ddp.static_graph,
+            gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view,
+            find_unused_parameters=cfg.ddp.find_unused_parameters,
+            **{_SYNC_BUFFERS: cfg.ddp.broadcast_buffers},
         )
-        register_comm_hook(ddp, cfg.ddp_comm_hook, cfg.powersgd_rank,
-                           cfg.powersgd_start_step)
+        register_comm_hook(ddp, cfg.ddp.comm_hook, cfg.ddp.powersgd_rank,
+                           cfg.ddp.powersgd_start_step)
         return ddp
 
     def unwrap(self, model: nn.Module) -> nn.Module:

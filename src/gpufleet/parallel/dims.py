@@ -104,7 +104,7 @@ class StrategyTraits:
         wraps: the torch class it is built on, named in errors (``nn.DataParallel``).
         reduces_in_backward: every step's backward ends waiting for a gradient
             all-reduce or reduce-scatter (what a communication-bound run waits on).
-        comm_hooks: takes torch's DDP communication hooks (``parallel.ddp_comm_hook``:
+        comm_hooks: takes torch's DDP communication hooks (``parallel.ddp.comm_hook``:
             fp16, bf16, powersgd compress its gradient all-reduce).
         copies_module_each_step: the module is copied to every device each step
             (``nn.DataParallel``), which a compiled module does not survive; one process

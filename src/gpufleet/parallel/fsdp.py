@@ -4,7 +4,7 @@ Each rank keeps 1/N of every parameter (a ``DTensor`` sharded on dim 0). Before 
 block's forward its parameters are all-gathered, after its backward the gradients are
 reduce-scattered, so a rank holds the full parameters of only the block it is running.
 
-* Wrapping: ``fully_shard`` on each block, then on the root. ``parallel.fsdp_wrap =
+* Wrapping: ``fully_shard`` on each block, then on the root. ``parallel.fsdp.wrap =
   "auto"`` takes the model's blocks (:mod:`gpufleet.parallel.blocks`: the transformer
   blocks of a GPT, the residual blocks of a ResNet); class names
   (``"Block,Embedding"``) pick modules by type instead. One block is the unit of
@@ -20,9 +20,9 @@ reduce-scattered, so a rank holds the full parameters of only the block it is ru
   Every forward all-gathers block by block on every rank, so the ranks run the same
   number of evaluation forwards: the evaluation sampler may give one rank a batch less,
   and that rank repeats a batch whose loss is not counted (``eval_in_lockstep``).
-* ``parallel.fsdp_cpu_offload`` keeps the sharded parameters, gradients and optimizer
+* ``parallel.fsdp.cpu_offload`` keeps the sharded parameters, gradients and optimizer
   state in host memory (the optimizer step runs on the CPU).
-* ``parallel.fsdp_reshard_after_forward = false`` keeps each block's gathered
+* ``parallel.fsdp.reshard_after_forward = false`` keeps each block's gathered
   parameters from forward until its backward (one all-gather less, more memory).
 * The mesh (:mod:`gpufleet.parallel.dims`): ``fsdp`` shards over ``dp_shard`` (all
   ranks by default); with ``dp_replicate > 1`` it is HSDP over a 2-D (replicate,
@@ -183,20 +183,20 @@ def shard_model(model: nn.Module, dp_mesh: Any, cfg: ParallelConfig, device: tor
     common: dict[str, Any] = {"mesh": dp_mesh}
     if tp_split:
         common["shard_placement_fn"] = shard_beside_heads
-    if cfg.fsdp_cpu_offload:
+    if cfg.fsdp.cpu_offload:
         # Pinned host memory makes the copies to the GPU asynchronous (CUDA only).
         common["offload_policy"] = api.CPUOffloadPolicy(pin_memory=device.type == "cuda")
     if compute_dtype is not None:
         common["mp_policy"] = api.MixedPrecisionPolicy(
             param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    blocks = blocks_to_shard(model, cfg.fsdp_wrap)
+    blocks = blocks_to_shard(model, cfg.fsdp.wrap)
     for block in blocks:
-        api.fully_shard(block, reshard_after_forward=cfg.fsdp_reshard_after_forward, **common)
+        api.fully_shard(block, reshard_after_forward=cfg.fsdp.reshard_after_forward, **common)
     if compute_dtype is not None:  # the loss is computed from float32 outputs
         common["mp_policy"] = api.MixedPrecisionPolicy(
             param_dtype=compute_dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
     # The root's parameters are gathered in forward and kept for backward.
-    api.fully_shard(model, reshard_after_forward=cfg.fsdp_reshard_after_forward, **common)
+    api.fully_shard(model, reshard_after_forward=cfg.fsdp.reshard_after_forward, **common)
     return len(blocks)
 
 
@@ -229,11 +229,11 @@ class ReplicatedTensorParallel(FullyShardedDataParallel):
 
     def __init__(self, cfg: ParallelConfig, device: torch.device,
                  precision: Any = None, dims: ParallelDims | None = None) -> None:
-        if cfg.ddp_comm_hook != "none":
+        if cfg.ddp.comm_hook != "none":
             raise ConfigError(
-                f"parallel.ddp_comm_hook = {cfg.ddp_comm_hook!r} compresses DDP's own "
+                f"parallel.ddp.comm_hook = {cfg.ddp.comm_hook!r} compresses DDP's own "
                 "all-reduce, and with parallel.tp > 1 the replicas are kept in step by "
-                "FSDP2 over the replicate dimension instead. Set parallel.ddp_comm_hook = "
+                "FSDP2 over the replicate dimension instead. Set parallel.ddp.comm_hook = "
                 "none, or parallel.tp = 1.")
         super().__init__(cfg, device, precision, dims)
 
@@ -264,7 +264,7 @@ def blocks_to_shard(model: nn.Module, wrap: str) -> list[nn.Module]:
             guess = did_you_mean(name, sorted(present))
             hint = f" Did you mean {guess!r}?" if guess else ""
             raise ConfigError(
-                f"parallel.fsdp_wrap: the model has no module of class {name!r}.{hint} "
+                f"parallel.fsdp.wrap: the model has no module of class {name!r}.{hint} "
                 f"Its classes: {', '.join(sorted(present))}. Name block classes (comma-"
                 "separated), or use 'auto'.")
     # Reversed pre-order: a nested match is sharded before the module that holds it.

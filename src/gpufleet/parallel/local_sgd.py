@@ -2,13 +2,13 @@
 
 Plain DDP all-reduces every gradient every step. Local SGD (post-local SGD, Lin et al.
 2018) lets every rank take optimizer steps on its own gradients and averages the
-*parameters* every ``local_sgd_period`` steps with torch's ``PeriodicModelAverager``:
+*parameters* every ``parallel.local_sgd.period`` steps with torch's ``PeriodicModelAverager``:
 one all-reduce of the parameters per period instead of one of the gradients per step.
 
-Hierarchical averaging (``local_sgd_inter_node_period > 0``) uses torch's
+Hierarchical averaging (``parallel.local_sgd.inter_node_period > 0``) uses torch's
 ``HierarchicalModelAverager``: the ranks of a node (``LOCAL_WORLD_SIZE`` consecutive
-ranks) average every ``local_sgd_period`` steps over the fast intra-node links, and all
-ranks average every ``local_sgd_inter_node_period`` steps over the network.
+ranks) average every ``parallel.local_sgd.period`` steps over the fast intra-node links, and all
+ranks average every ``parallel.local_sgd.inter_node_period`` steps over the network.
 
 Collectives, in order:
 
@@ -68,24 +68,24 @@ class LocalSGD(DistributedDataParallel):
 
         ddp = super().setup_model(model)
         cfg, env = self.cfg, DistEnv.detect()
-        self._state = _HookState(warmup_steps=cfg.local_sgd_warmup_steps)
+        self._state = _HookState(warmup_steps=cfg.local_sgd.warmup_steps)
         ddp.register_comm_hook(self._state, _local_after_warmup_hook)
-        plan = averaging_plan(cfg.local_sgd_period, cfg.local_sgd_inter_node_period,
+        plan = averaging_plan(cfg.local_sgd.period, cfg.local_sgd.inter_node_period,
                               env.world_size, env.local_world_size)
         # The averagers count their own steps; their warm-up matches the hook's, so the
         # first averaging comes on the first step without a gradient all-reduce.
         if len(plan) == 1:
             self.averager: Any = PeriodicModelAverager(
-                period=cfg.local_sgd_period, warmup_steps=cfg.local_sgd_warmup_steps)
+                period=cfg.local_sgd.period, warmup_steps=cfg.local_sgd.warmup_steps)
         else:
             # COLLECTIVE (once): every rank creates the intra-node subgroups.
             self.averager = HierarchicalModelAverager(
-                period_group_size_dict=plan, warmup_steps=cfg.local_sgd_warmup_steps)
+                period_group_size_dict=plan, warmup_steps=cfg.local_sgd.warmup_steps)
         if env.is_main:
             levels = ", ".join(f"{size} ranks every {period} step(s)"
                                for period, size in plan.items())
             log.info("local_sgd: gradient all-reduce for %d warm-up step(s), then model "
-                     "averaging over %s", cfg.local_sgd_warmup_steps, levels)
+                     "averaging over %s", cfg.local_sgd.warmup_steps, levels)
         return ddp
 
     def setup_optimizer(self, model: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
@@ -119,9 +119,9 @@ class LocalSGD(DistributedDataParallel):
     def describe(self) -> dict[str, Any]:
         """Settings worth a line in the run's report."""
         cfg = self.cfg
-        return {"strategy": self.name, "local_sgd_period": cfg.local_sgd_period,
-                "local_sgd_inter_node_period": cfg.local_sgd_inter_node_period,
-                "local_sgd_warmup_steps": cfg.local_sgd_warmup_steps}
+        return {"strategy": self.name, "local_sgd_period": cfg.local_sgd.period,
+                "local_sgd_inter_node_period": cfg.local_sgd.inter_node_period,
+                "local_sgd_warmup_steps": cfg.local_sgd.warmup_steps}
 
 
 class _HookState:
@@ -161,20 +161,20 @@ def averaging_plan(period: int, inter_node_period: int, world_size: int,
         {2: 4}
     """
     if period < 1:
-        raise ConfigError(f"parallel.local_sgd_period = {period}: must be at least 1.")
+        raise ConfigError(f"parallel.local_sgd.period = {period}: must be at least 1.")
     if not inter_node_period:
         return OrderedDict([(period, world_size)])
     if inter_node_period <= period or inter_node_period % period:
         raise ConfigError(
-            f"parallel.local_sgd_inter_node_period = {inter_node_period} must be a multiple "
-            f"of parallel.local_sgd_period = {period} and larger than it (e.g. "
+            f"parallel.local_sgd.inter_node_period = {inter_node_period} must be a multiple "
+            f"of parallel.local_sgd.period = {period} and larger than it (e.g. "
             f"{period * 4}): the ranks of a node average every {period} step(s), all ranks "
             "less often.")
     if world_size % local_world_size:
         raise ConfigError(
             f"hierarchical local_sgd needs the same number of ranks on every node: "
             f"{world_size} ranks do not split into nodes of {local_world_size}. Start the "
-            "same --nproc on every node, or set parallel.local_sgd_inter_node_period=0.")
+            "same --nproc on every node, or set parallel.local_sgd.inter_node_period=0.")
     if local_world_size == world_size:
         log.warning("local_sgd: one node only, so the inter-node period %d adds nothing; "
                     "averaging over all %d ranks every %d step(s)", inter_node_period,

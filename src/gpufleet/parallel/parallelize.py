@@ -8,7 +8,7 @@ the module the loop calls. The order is fixed, and each step runs only when the 
                             (rank 0's weights first reach every rank, then the split)
     2. layer options        parallel.sync_batchnorm, parallel.activation_checkpointing
     3. memory format and    perf.channels_last, perf.compile (in place: the state-dict
-       compilation          names stay)
+       compilation          names stay), block by block (perf.compile_scope)
     4. data parallel        dp_shard > 1: FSDP (HSDP with dp_replicate > 1 too);
                             dp_replicate > 1: DDP replication (over the tensor parallel
                             split: FSDP2 over a replicate-only mesh, which all-reduces
@@ -38,6 +38,7 @@ from torch import nn
 
 from gpufleet.config import PerfConfig
 from gpufleet.parallel.activation_checkpointing import apply_layer_options
+from gpufleet.parallel.blocks import describe_blocks, find_blocks
 from gpufleet.parallel.tensor import apply_tensor_parallel
 
 log = logging.getLogger(__name__)
@@ -79,14 +80,28 @@ def broadcast_weights(model: nn.Module) -> None:
 def compile_model(model: nn.Module, perf: PerfConfig) -> nn.Module:
     """Memory format and compilation, before the model is wrapped.
 
-    ``nn.Module.compile`` compiles in place: the module keeps its class and its
+    ``nn.Module.compile`` compiles in place: each module keeps its class and its
     state-dict names, so checkpoints load with or without compilation, and DDP or FSDP
-    wrap the compiled module as they would any other.
+    wrap the compiled module as they would any other. With ``perf.compile_scope =
+    "blocks"`` each of the model's blocks (:func:`gpufleet.parallel.blocks.find_blocks`,
+    the units FSDP shards one by one) is compiled on its own: one small graph that the
+    blocks share once it is compiled, and FSDP's per-block hooks sit between graphs
+    instead of breaking one.
     """
     if perf.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    if perf.compile:
-        model.compile(mode=None if perf.compile_mode == "default" else perf.compile_mode)
-        log.info("model compiled with torch.compile (mode %s); the first steps are slow "
-                 "while it compiles", perf.compile_mode)
+    if not perf.compile:
+        return model
+    mode = None if perf.compile_mode == "default" else perf.compile_mode
+    blocks = find_blocks(model) if perf.compile_scope == "blocks" else []
+    if blocks:
+        modules = dict(model.named_modules())
+        for name in blocks:
+            modules[name].compile(mode=mode)
+        scope = f"each block ({describe_blocks(model, blocks)})"
+    else:
+        model.compile(mode=mode)
+        scope = "the whole model"
+    log.info("torch.compile (mode %s) of %s; the first steps are slow while it compiles",
+             perf.compile_mode, scope)
     return model

@@ -2,7 +2,7 @@
 
 Every rank holds one stage (see :mod:`gpufleet.parallel.pipeline_split` for how the
 model is cut) and moves only that stage to its device. A training step runs a
-``torch.distributed.pipelining`` schedule over ``pipeline_microbatches`` micro-batches:
+``torch.distributed.pipelining`` schedule over ``parallel.pipeline.microbatches`` micro-batches:
 ``gpipe`` (all forwards, then all backwards) or ``1f1b`` (one forward, one backward in
 the steady state: the same bubble, activations of at most ``stages`` micro-batches
 alive instead of all). The pipeline spans all ranks, so all ranks read the same
@@ -36,7 +36,7 @@ scaler; use bf16-mixed); batches must be ``(inputs, target)`` with the batch siz
 multiple of the micro-batch count and the same shape every step.
 
 Example:
-    >>> # gpufleet train --nproc 2 --strategy pipeline --parallel.pipeline_schedule gpipe
+    >>> # gpufleet train --nproc 2 --strategy pipeline --parallel.pipeline.schedule gpipe
 """
 
 from __future__ import annotations
@@ -102,10 +102,10 @@ class PipelineParallel(Strategy):
         else:
             self._group, self.rank = None, dist.get_rank()
         self.stages = dims.pp
-        self.microbatches = cfg.pipeline_microbatches
+        self.microbatches = cfg.pipeline.microbatches
         own = callable(getattr(model, "pipeline_stage", None))
         units = model.pipeline_units() if own else sequential_units(model)
-        starts = [*plan_stages(units, self.stages, cfg.pipeline_split), len(units)]
+        starts = [*plan_stages(units, self.stages, cfg.pipeline.split), len(units)]
         first, stop = starts[self.rank], starts[self.rank + 1]
         stage = (model.pipeline_stage([n for n, _ in units[first:stop]]) if own
                  else stage_module(model, units, first, stop)).to(self.device)
@@ -129,7 +129,7 @@ class PipelineParallel(Strategy):
         self._loss_scale = 1.0
         if self.is_first:
             log.info("pipeline: %d stages x %d micro-batches (%s), bubble share %.1f%%; "
-                     "stage layers: %s", self.stages, self.microbatches, cfg.pipeline_schedule,
+                     "stage layers: %s", self.stages, self.microbatches, cfg.pipeline.schedule,
                      100 * self.bubble_share,
                      " | ".join(f"{s[0]}..{s[-1]}" if len(s) > 1 else s[0] for s in self.layers))
         return stage
@@ -164,7 +164,7 @@ class PipelineParallel(Strategy):
     def _build_schedule(self) -> Any:
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.cfg.pipeline_schedule]
+        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.cfg.pipeline.schedule]
         kwargs: dict[str, Any] = {}
         if "scale_grads" in inspect.signature(cls.__init__).parameters:
             # Off: dividing the gradients after every schedule would also shrink the ones
@@ -197,7 +197,7 @@ class PipelineParallel(Strategy):
 
     def describe(self) -> dict[str, Any]:
         """The pipeline's shape for the run's report (``bubble_share`` in 0..1)."""
-        return {"strategy": self.name, "schedule": self.cfg.pipeline_schedule,
+        return {"strategy": self.name, "schedule": self.cfg.pipeline.schedule,
                 "stages": self.stages, "microbatches": self.microbatches,
                 "bubble_share": self.bubble_share, "stage_layers": self.layers}
 
@@ -256,7 +256,7 @@ class PipelineParallel(Strategy):
         if inputs.shape[0] % self.microbatches:
             raise ConfigError(
                 f"batch of {inputs.shape[0]} samples does not split into "
-                f"parallel.pipeline_microbatches = {self.microbatches} equal micro-batches. "
+                f"parallel.pipeline.microbatches = {self.microbatches} equal micro-batches. "
                 "Make data.batch_size a multiple of the micro-batch count.")
         return inputs, target
 

@@ -69,7 +69,7 @@ def plan_stages(units: list[tuple[str, nn.Module]], stages: int, split: str) -> 
                               stages)
     if len(wanted) != stages - 1:
         raise ConfigError(
-            f"parallel.pipeline_split = {split!r} names {len(wanted)} split point(s), and "
+            f"parallel.pipeline.split = {split!r} names {len(wanted)} split point(s), and "
             f"{stages} stages need {stages - 1}: the layers where stages 2..{stages} begin "
             f"(layers: {', '.join(names)}).")
     starts = [0]
@@ -79,10 +79,10 @@ def plan_stages(units: list[tuple[str, nn.Module]], stages: int, split: str) -> 
         if index is None:
             guess = did_you_mean(name, names)
             hint = f" Did you mean {guess!r}?" if guess else ""
-            raise ConfigError(f"parallel.pipeline_split: no layer {name!r} in the model."
+            raise ConfigError(f"parallel.pipeline.split: no layer {name!r} in the model."
                               f"{hint} Layers in order: {', '.join(names)}.")
         if index <= starts[-1]:
-            raise ConfigError(f"parallel.pipeline_split = {split!r}: {name!r} does not come "
+            raise ConfigError(f"parallel.pipeline.split = {split!r}: {name!r} does not come "
                               "after the previous split point; list the layers in model "
                               "order, each stage holding at least one layer.")
         starts.append(index)

@@ -110,15 +110,21 @@ def check_picklable(extra: tuple, nproc: int) -> None:
                 f"--nproc-per-node {nproc} so that every rank builds its own.") from None
 
 
-def preflight_job(cfg: Config, job: Any = None) -> None:
+def preflight_job(cfg: Config, job: Any = None) -> Any:
     """:func:`preflight` for ``job`` (a :class:`gpufleet.job.Job`), or for the job the
-    config names, built here for the check only."""
+    config names, built here under the run's seed (the weights every rank would build).
+
+    Returns:
+        The job checked (None when the preflight is off and no job was given), for the
+        ranks to take instead of building it again.
+    """
     if not cfg.run.preflight:
-        return
+        return job
     if job is None:
         from gpufleet.job import build_job
-        from gpufleet.train.seed import seed_everything
+        from gpufleet.train.seed import seeded
 
-        seed_everything(cfg.run.seed)
-        job = build_job(cfg)
+        with seeded(cfg.run.seed):  # as each rank builds it (gpufleet.entry.run_rank)
+            job = build_job(cfg)
     preflight(job.model, job.train_data, job.loss_fn, cfg)
+    return job

@@ -78,12 +78,7 @@ def spec_from_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> O
     if any(optimizer.state.values()):
         log.warning("the optimizer given already has state (it has stepped); gpufleet builds "
                     "it anew on the placed parameters, so that state is not carried over")
-    # Only what the class's constructor takes: some keep more in their defaults
-    # (torch's AdamW records decoupled_weight_decay, which AdamW() refuses).
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    takes_any = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
-    defaults = {k: v for k, v in optimizer.defaults.items()
-                if k != "params" and (takes_any or k in accepted)}
+    defaults = _constructor_defaults(type(optimizer), optimizer.defaults)
 
     def param_groups(placed: nn.Module) -> list[dict[str, Any]]:
         by_name = {plain_name(n): p for n, p in placed.named_parameters()}
@@ -95,6 +90,16 @@ def spec_from_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> O
         return out
 
     return OptimizerSpec(type(optimizer), param_groups, defaults)
+
+
+def _constructor_defaults(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer's defaults its constructor takes back. Some classes keep settings
+    the constructor fixes (AdamW's ``decoupled_weight_decay``): those stay in the
+    parameter groups, which carry every setting, and out of the keyword arguments."""
+    accepted = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return {k: v for k, v in defaults.items() if k != "params"}
+    return {k: v for k, v in defaults.items() if k != "params" and k in accepted}
 
 
 def place_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
