@@ -1,8 +1,8 @@
 """Run on each of 2 ranks by tests/examples/test_own_loop.py (``gpufleet run``).
 
 ``twin OUT``: the plain PyTorch loop, then the same loop on Fleet (saving a checkpoint
-every 4 steps), then a short Fleet loop whose rank 1 loss turns NaN at step 2; each
-rank writes what it saw to ``OUT/twin-rank<R>.pt``.
+every 4 steps), then a short Fleet loop whose rank 1 loss turns NaN at step 2, then the Fleet loop
+with strategy fsdp; each rank writes what it saw to ``OUT/twin-rank<R>.pt``.
 ``crash OUT``: the Fleet loop again; on the first attempt rank 1 kills itself (SIGKILL)
 during step 7, after the checkpoint of step 4; the elastic agent restarts both ranks,
 which resume from it. Rank 0 writes the final weights to ``OUT/crash-final.pt``.
@@ -57,9 +57,12 @@ def twin(out: Path) -> None:
     model, ours = fleet.launch(own_loop_fleet.train, EPOCHS, BATCH,
                                str(out / "twin.pt"))
     nan = _nonfinite_loop(out)
+    sharded = gpufleet.Fleet(accelerator="cpu", strategy="fsdp", seed=own_loop.SEED,
+                             run_dir=str(out / "fsdp-run"), log_every=4)
+    _, fsdp = sharded.launch(own_loop_fleet.train, EPOCHS, BATCH)
     rank = int(os.environ["RANK"])
     torch.save({"plain": plain, "fleet": ours, "plain_weights": plain_model.state_dict(),
-                "fleet_weights": model.state_dict(), "nan": nan},
+                "fleet_weights": model.state_dict(), "nan": nan, "fsdp": fsdp},
                out / f"twin-rank{rank}.pt")
 
 

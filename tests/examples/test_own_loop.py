@@ -60,6 +60,12 @@ def test_two_ranks_fleet_equals_the_plain_ddp_loop(twin):
             torch.testing.assert_close(seen["fleet_weights"][name], value, msg=name)
 
 
+def test_the_same_loop_shards_with_fsdp(twin):
+    for rank in (0, 1):
+        seen = torch.load(twin / f"twin-rank{rank}.pt", weights_only=True)
+        torch.testing.assert_close(seen["fsdp"], seen["fleet"], rtol=1e-5, atol=1e-6)
+
+
 def test_two_ranks_leave_the_diagnosis_and_the_report(twin):
     run = twin / "twin-run"
     diagnosis = json.loads((run / "diagnosis.json").read_text())
