@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import logging
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,9 +37,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpufleet.config import Config, load_config, write_config
-from gpufleet.core.callbacks import Callback, CallbackList
-from gpufleet.core.phases import Phase, PhaseAnnouncer
+from gpufleet.config import Config, load_config
+from gpufleet.core.callbacks import Callback
+from gpufleet.core.phases import Phase
 from gpufleet.core.tree import to_device
 from gpufleet.entry import setup_logging
 from gpufleet.errors import ConfigError, unknown_choice
@@ -48,18 +48,16 @@ from gpufleet.fleet.args import fleet_overrides
 from gpufleet.fleet.loader import FleetLoader, shard_loader
 from gpufleet.fleet.run import FleetRun
 from gpufleet.fleet.state import load_state, save_state
+from gpufleet.fleet.steps import StepTracker
 from gpufleet.fleet.wrappers import FleetModule, hook_step
 from gpufleet.launch import DistEnv, barrier, destroy_process_group, is_initialized, launch
 from gpufleet.plan import RunPlan, make_plan
-from gpufleet.procs import forget_process
 from gpufleet.train.build import (
     _device,
     _monitors,
-    _own_callbacks,
     _precision_and_strategy,
     _run_dir,
 )
-from gpufleet.train.interval import LogInterval
 from gpufleet.train.nonfinite import NonFiniteGuard
 from gpufleet.train.perf import share_cores
 from gpufleet.train.rank import join_process_group
@@ -91,7 +89,7 @@ class Fleet:
             and the loaders' shuffling (``run.seed``); None: your random state is left
             as it is and the loaders shuffle from ``run.seed``'s default.
         run_dir: the run directory (default: a new ``runs/<name>-<time>``).
-        name: the run's name (default: the script's name).
+        name: the run's name (default: the script's name, else ``fleet``).
         log_every: reduce the loss and phase times across ranks, log them and run the
             diagnosis every this many optimizer steps.
         overrides: more config keys, ``{"section.key": value}``.
@@ -99,10 +97,9 @@ class Fleet:
         callbacks: yours, heard after the run's own.
 
     Example:
-        >>> fleet = Fleet(accelerator="cpu", devices=1)
-        >>> fleet.world_size, fleet.global_rank, str(fleet.device)
-        (1, 0, 'cpu')
-        >>> fleet.finish()
+        >>> fleet = Fleet(accelerator="cpu", devices=1)  # doctest: +SKIP
+        >>> model, optimizer = fleet.setup(model, optimizer)  # doctest: +SKIP
+        >>> loader = fleet.setup_dataloaders(loader)  # doctest: +SKIP
     """
 
     def __init__(self, accelerator: str = "auto", devices: int | str = "auto",
@@ -123,8 +120,8 @@ class Fleet:
             keys["run.seed"] = seed
         if run_dir:
             keys["run.dir"] = str(run_dir)
-        if name:
-            keys["run.name"] = name
+        if name or config is None or not config.run.name:
+            keys["run.name"] = name or _script_name()
         keys.update(overrides or {})
         cfg = load_config(overrides=keys, base=config)
         self.plan: RunPlan = make_plan(cfg)  # the one resolve of this run
@@ -157,12 +154,7 @@ class Fleet:
                             monitors=_monitors(cfg, env, device, run_dir))
         self.run.result.run_dir = str(run_dir)
         self.run.view = RunView(self.run)
-        self._announce: Callable[[Phase], None] = self._first_announce
-        self._interval: LogInterval | None = None
-        self._step_loss: torch.Tensor | None = None
-        self._micro = 0
-        self._prepared = False  # unscaled and inspected since the last step
-        self._finished = False
+        self._steps = StepTracker(self.run, self._user_callbacks)
         atexit.register(self._at_exit)
 
     def launch(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -271,7 +263,8 @@ class Fleet:
         from gpufleet.parallel.parallelize import parallelize  # heavy: layer options
 
         placed = parallelize(model, run.strategy, run.cfg, run.env.world_size)
-        wrapped = FleetModule(placed, run.strategy.unwrap(placed), self._phase_announce,
+        steps = self._steps
+        wrapped = FleetModule(placed, run.strategy.unwrap(placed), steps.phase_announce,
                               run.precision)
         built = [run.strategy.setup_optimizer(placed, spec) for spec in specs]
         for opt in built:
@@ -282,7 +275,7 @@ class Fleet:
                 if run.cfg.fault.skip_nonfinite:
                     run.nonfinite = NonFiniteGuard(run.cfg.fault, run.strategy,
                                                    run.precision)
-            hook_step(opt, self._primary_step if primary else self._other_step)
+            hook_step(opt, steps.primary_step if primary else steps.other_step)
         return wrapped if not built else (wrapped, *built)
 
     def setup_module(self, model: nn.Module) -> FleetModule:
@@ -312,7 +305,7 @@ class Fleet:
             if move_to_device and run.device.type != "cpu":
                 device = run.device
                 mover = lambda batch, d=device: to_device(batch, d, non_blocking=True)  # noqa: E731
-            fleet_loader = FleetLoader(loader, sampler, self._on_batch, mover)
+            fleet_loader = FleetLoader(loader, sampler, self._steps.on_batch, mover)
             run.data.loaders.append(fleet_loader)
             run.data.pin_memory = run.data.pin_memory or bool(loader.pin_memory)
             out.append(fleet_loader)
@@ -322,12 +315,8 @@ class Fleet:
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` through the run: the backward phase, the precision's loss
         scaling, and the loss kept for the log line and the non-finite guard."""
-        run = self._rank_run()
-        self._announce(Phase.BACKWARD)
-        run.precision.backward(loss)
-        detached = loss.detach()
-        self._step_loss = detached if self._step_loss is None else self._step_loss + detached
-        self._micro += 1
+        self._rank_run()
+        self._steps.backward(loss)
 
     @contextlib.contextmanager
     def no_backward_sync(self, model: nn.Module, enabled: bool = True) -> Iterator[None]:
@@ -346,86 +335,9 @@ class Fleet:
         clipping (a device tensor) when clipping by norm."""
         if max_norm is None and clip_val is None:
             raise ConfigError("clip_gradients needs max_norm=... or clip_val=...")
-        run = self._rank_run()
-        self._announce(Phase.OPTIMIZER)
+        self._rank_run()
         placed = model.placed if isinstance(model, FleetModule) else model
-        if optimizer is run.optimizer:
-            self._prepare_step(optimizer)
-        else:
-            run.precision.unscale(optimizer)
-        if clip_val is not None:
-            torch.nn.utils.clip_grad_value_(placed.parameters(), clip_val)
-        if max_norm is None:
-            return None
-        norm = run.strategy.clip_grad_norm(placed, max_norm)  # COLLECTIVE with sharding
-        if optimizer is run.optimizer and self._interval is not None:
-            self._interval.grad_norm = norm
-            if not run.cfg.optim.clip_norm:  # the log line shows the norm from now on
-                run.cfg = dataclasses.replace(run.cfg, optim=dataclasses.replace(
-                    run.cfg.optim, clip_norm=float(max_norm)))
-        return norm
-
-    def _prepare_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Once per step, before clipping or stepping: unscale, then let the guard see
-        the gradients as backward left them."""
-        if self._prepared:
-            return
-        run = self._rank_run()
-        run.precision.unscale(optimizer)
-        guard = run.nonfinite
-        if guard is not None and (guard.on_device is None or guard.inspects):
-            guard.inspect(run.model, self._loss_or_zero(), optimizer)
-        self._prepared = True
-
-    def _loss_or_zero(self) -> torch.Tensor:
-        if self._step_loss is None:
-            return torch.zeros((), device=self._rank_run().device)
-        return self._step_loss
-
-    def _primary_step(self, optimizer: torch.optim.Optimizer, original: Any,
-                      closure: Any) -> Any:
-        """The first optimizer's step: the guard, the step, then the step's end."""
-        run = self._rank_run()
-        self._announce(Phase.OPTIMIZER)
-        self._prepare_step(optimizer)
-        step_loss, guard, out = self._loss_or_zero(), run.nonfinite, None
-        # COLLECTIVE (+ SYNC off the device path): every rank agrees on skipping.
-        skip = guard is not None and guard.should_skip(run.model, step_loss, None, optimizer)
-        if not skip:
-            out = (original(closure) if closure is not None else
-                   run.precision.step(optimizer))  # SYNC with fp16 (found_inf)
-            if self._micro:
-                self._interval.add(step_loss, self._micro)
-        run.strategy.after_optimizer_step(run.model, run.state.step)
-        run.state.step += 1
-        self._step_loss, self._micro, self._prepared = None, 0, False
-        if skip:
-            guard.report(run.state.step, run.env.is_main)  # stops after too many in a row
-        self._end_step()
-        return out
-
-    def _other_step(self, optimizer: torch.optim.Optimizer, original: Any,
-                    closure: Any) -> Any:
-        """Another optimizer's step (a GAN's second one): unscaled, then stepped."""
-        run = self._rank_run()
-        self._announce(Phase.OPTIMIZER)
-        run.precision.unscale(optimizer)
-        return original(closure) if closure is not None else run.precision.step(optimizer)
-
-    def _end_step(self) -> None:
-        run = self._rank_run()
-        self._announce(Phase.END)
-        run.callbacks.on_step_end(run.view, run.state.step)
-        if run.state.step % run.cfg.log.every == 0:
-            self._log()
-
-    def _log(self) -> None:
-        """The log interval's one all-reduce (COLLECTIVE + SYNC), then the callbacks."""
-        run = self._rank_run()
-        run.phases.announce(Phase.LOG)
-        metrics = self._interval.close()
-        run.result.losses.append((run.state.step, metrics["loss"]))
-        run.callbacks.on_log(run.view, run.state.step, metrics)
+        return self._steps.clip(placed, optimizer, max_norm, clip_val)
 
     # -- phases -----------------------------------------------------------------------
     def phase(self, name: str) -> contextlib.AbstractContextManager:
@@ -436,43 +348,7 @@ class Fleet:
             phase = Phase(name)
         except ValueError:
             raise ConfigError(unknown_choice("phase", name, [p.value for p in Phase])) from None
-        return _Marked(self._phase_announce, phase)
-
-    def _phase_announce(self, phase: Phase) -> None:
-        self._announce(phase)
-
-    def _on_batch(self) -> None:
-        """A loader is asked for its next batch: the data phase (inside evaluation,
-        still evaluation)."""
-        if self._rank_run().phases.current != Phase.EVAL:
-            self._announce(Phase.DATA)
-
-    def _first_announce(self, phase: Phase) -> None:
-        """The loop's first step begins: build the monitors, then announce as usual."""
-        self._begin()
-        self._announce(phase)
-
-    def _begin(self) -> None:
-        """The run's own callbacks (phase timer, watchdog, system sampler, metrics file,
-        advisor, as the built-in loop has them), told the loop has started."""
-        run = self._rank_run()
-        first = run.data.loaders[0].loader if run.data.loaders else None
-        if first is not None:  # the diagnosis reads the batch and worker settings
-            run.cfg = dataclasses.replace(run.cfg, data=dataclasses.replace(
-                run.cfg.data, batch_size=first.batch_size or run.cfg.data.batch_size,
-                num_workers=first.num_workers))
-            if run.env.is_main:
-                write_config(run.cfg, run.run_dir / "config.toml")
-        run.callbacks = CallbackList(_own_callbacks(run) + self._user_callbacks)
-        if run.monitors.system_sampler is None:
-            from gpufleet.monitor.system import SystemSampler
-
-            run.monitors.system_sampler = next(
-                (cb for cb in self._user_callbacks if isinstance(cb, SystemSampler)), None)
-        run.phases = PhaseAnnouncer(run.callbacks.phase_listeners, run.view)
-        self._announce = run.phases.announce
-        self._interval = LogInterval(run)
-        run.callbacks.on_fit_start(run.view)
+        return _Marked(self._steps.phase_announce, phase)
 
     # -- collectives ------------------------------------------------------------------
     def all_reduce(self, value: Any, reduce_op: str = "mean") -> Any:
@@ -527,30 +403,14 @@ class Fleet:
             self._end(collective=False)
 
     def _end(self, collective: bool) -> None:
-        run = self.run
-        if run is None or self._finished:
+        if self.run is None or self._steps.finished:
             return
-        self._finished = True
         atexit.unregister(self._at_exit)
         try:
-            if self._interval is not None:
-                if collective and run.state.step % run.cfg.log.every:
-                    self._log()  # the steps since the last log line
-                result = run.result
-                result.steps = run.state.step
-                result.skipped_steps = self.skipped_steps
-                result.train_time_s = run.state.train_time_s
-                if run.state.train_time_s > 0:
-                    result.samples_per_s = run.state.samples / run.state.train_time_s
-                run.callbacks.on_fit_end(run.view, result)
-                if run.env.is_main and run.cfg.monitor.report:
-                    _write_report(run.run_dir)
-            forget_process(run.run_dir)
+            self._steps.end(collective)
         finally:
-            run.close()
-            if collective and getattr(self, "_owns_group", False):
+            if collective and self._owns_group:
                 destroy_process_group()
-
 
 class _Marked:
     """``with fleet.phase(...)``: announces the phase on entry."""
@@ -565,17 +425,13 @@ class _Marked:
         return None
 
 
+def _script_name() -> str:
+    """The running script's name (``train`` for ``train.py``), or ``fleet``."""
+    script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else ""
+    return script if script and script not in ("-c", "__main__") else "fleet"
+
+
 def _rank_main(init_args: dict[str, Any], fn: Callable[..., Any], args: tuple) -> Any:
     """What each started rank runs: its own Fleet, then ``fn(fleet, *args)``."""
     fleet = Fleet(**init_args)
     return fleet._run_here(fn, args)
-
-
-def _write_report(run_dir: Path) -> None:
-    """report.html for the run (not essential: a failure is reported, not raised)."""
-    from gpufleet.monitor.report import write_report
-
-    try:
-        write_report(run_dir)
-    except Exception as e:
-        log.error("the HTML report could not be written: %s: %s", type(e).__name__, e)
