@@ -100,4 +100,3 @@ def test_a_killed_rank_resumes_to_the_same_weights(twin):
     whole = torch.load(twin / "twin-rank0.pt", weights_only=True)["fleet_weights"]
     for name, value in whole.items():
         assert torch.equal(resumed[name], value), name
-    assert (twin / "crash-run" / "crash" / "rank-0.txt").is_file()  # the survivor's

@@ -179,3 +179,20 @@ def test_all_reduce_in_one_process_is_the_value(tmp_path):
     with pytest.raises(ConfigError, match="reduce_op"):
         fleet.all_reduce(1.0, "avg")
     fleet.finish()
+
+
+def test_an_error_in_the_loop_leaves_a_crash_report(tmp_path):
+    fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run"))
+
+    def loop(fleet):
+        net = _net()
+        model, optimizer = fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        fleet.backward(model(torch.ones(2, 4)).sum())
+        optimizer.step()
+        raise RuntimeError("the loop broke")
+
+    with pytest.raises(RuntimeError, match="the loop broke"):
+        fleet.launch(loop)
+    report = (tmp_path / "run" / "crash" / "rank-0.txt").read_text()
+    assert "RuntimeError: the loop broke" in report and "step: 1" in report
+    fleet.finish()

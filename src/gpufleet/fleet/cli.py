@@ -1,9 +1,10 @@
 """``gpufleet run script.py --nproc N``: start N ranks of your own script.
 
-Each rank runs the script as ``python script.py ARGS`` would, with the variables
-torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...), started by torch's
-elastic agent as ``gpufleet train`` starts its ranks (restarts with
-``--max-restarts``). A :class:`~gpufleet.fleet.Fleet` made in the script finds its rank
+Each rank runs ``python script.py ARGS`` with the variables torchrun sets (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...), started by torch's elastic agent through
+:func:`gpufleet.launch.launch`, as ``gpufleet train`` starts its ranks (restarts with
+``--max-restarts``); ``--launcher spawn`` runs the script in each process that
+``torch.multiprocessing`` starts. A :class:`~gpufleet.fleet.Fleet` made in the script finds its rank
 there. The standard library only at the top: building the CLI's parser stays fast.
 """
 
@@ -53,8 +54,15 @@ def run(args: argparse.Namespace) -> int:
         raise LaunchError(f"script {args.script!r} does not exist. Pass the path of a "
                           "Python file: gpufleet run train.py --nproc 2.")
     nproc = args.nproc or _visible_gpus() or 1
-    launch(run_script, (script, list(args.script_args)), nproc=nproc,
-           launcher=args.launcher, max_restarts=args.max_restarts)
+    if args.launcher == "elastic":
+        # As torchrun does: the agent starts ``python SCRIPT ARGS`` per rank (a command,
+        # which torch's elastic_launch takes besides a function), so a rank imports only
+        # what the script imports.
+        entry, entry_args = sys.executable, (script, *args.script_args)
+    else:  # torch.multiprocessing runs a function in each rank
+        entry, entry_args = run_script, (script, list(args.script_args))
+    launch(entry, entry_args, nproc=nproc, launcher=args.launcher,
+           max_restarts=args.max_restarts)
     return 0
 
 
