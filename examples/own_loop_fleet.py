@@ -36,7 +36,8 @@ def train(fleet: gpufleet.Fleet, epochs: int = 3, batch_size: int = 16,
           checkpoint: str | None = None, save_every: int = 4,
           after_step: Callable[[int], None] | None = None) -> tuple[nn.Module, list[float]]:
     """Train on each rank; with ``checkpoint``, save there every ``save_every`` steps
-    and continue from it when it exists. Returns the model and this session's losses."""
+    and continue from it when it exists. Returns the model and the losses of the steps
+    run here (after a resume: from there on)."""
     torch.manual_seed(SEED)
     model = build_model()
     model, optimizer = fleet.setup(model, build_optimizer(model.parameters()))
@@ -84,7 +85,7 @@ def main() -> None:
     args = p.parse_args()
     fleet = gpufleet.Fleet(accelerator="cpu", seed=SEED, run_dir=args.run_dir, log_every=4)
     _, losses = fleet.launch(train, args.epochs, args.batch_size, args.checkpoint)
-    fleet.print(f"{len(losses)} steps this session, final loss {losses[-1]:.4f}")
+    fleet.print(f"{len(losses)} steps run here, final loss {losses[-1]:.4f}")
 
 
 if __name__ == "__main__":
