@@ -2,14 +2,15 @@
 
 Every loop trains the same model with the same recipe on the same batches in the same
 order: a hand-written PyTorch loop, Lightning Fabric, Accelerate and the Lightning
-Trainer (each when installed: ``pip install -e '.[bench]'``), and gpufleet with its
+Trainer (each when installed: ``pip install -e '.[bench]'``), gpufleet with its
 defaults, with monitoring off, and bare (also without the non-finite guard and the
-watchdog). Each loop runs in a thread of its own and the loops take turns a step at a
-time (a baton passes after every step), so a noisy machine slows them alike. A step is
-timed from the moment its loop gets the baton to the end of its step, on the wall clock
-and on the loop thread's CPU clock; the figure is the median over blocks of 50 steps of
-the block's mean. Also printed: the time from a loop's first line to the end of its
-first step.
+watchdog), and the hand-written loop on ``gpufleet.Fleet`` (defaults, and monitoring
+off), changed where Fabric's is. Each loop runs in a thread of its own and the loops
+take turns a step at a time (a baton passes after every step), so a noisy machine slows
+them alike. A step is timed from the moment its loop gets the baton to the end of its
+step, on the wall clock and on the loop thread's CPU clock; the figure is the median
+over blocks of 50 steps of the block's mean. Also printed: the time from a loop's first
+line to the end of its first step.
 
     python benchmarks/peers.py                      # MLP 256-256-10, batch 32, SGD
     python benchmarks/peers.py --job gpt --steps 300   # the built-in GPT's recipe
@@ -251,6 +252,22 @@ def gpufleet_loop(extra: dict[str, Any]) -> Callable[[Job, Callable[[], None]], 
     return run
 
 
+def fleet_loop(extra: dict[str, Any]) -> Callable[[Job, Callable[[], None]], None]:
+    """The hand-driven loop on ``gpufleet.Fleet`` (your own loop; the lines Fabric's
+    row changes, changed the same way)."""
+    def run(job: Job, done: Callable[[], None]) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            f = gpufleet.Fleet(accelerator="cpu", devices=1, precision="32-true",
+                               run_dir=tmp, overrides={"log.level": "WARNING", **extra})
+            model, opt, _ = _parts(job)
+            model, opt = f.setup(model, opt)  # rebuilt on the placed parameters
+            sched = job.make_sched(opt) if job.make_sched else None
+            _steps(job, model, opt, sched, f.setup_dataloaders(loader(job)), f.backward,
+                   lambda: f.clip_gradients(model, opt, max_norm=job.clip), done)
+            f.finish()
+    return run
+
+
 def installed(module: str) -> bool:
     try:
         importlib.import_module(module)
@@ -280,6 +297,8 @@ def main() -> None:
     loops["gpufleet defaults"] = gpufleet_loop({})
     loops["gpufleet monitoring off"] = gpufleet_loop(MONITORING_OFF)
     loops["gpufleet bare"] = gpufleet_loop(BARE)
+    loops["gpufleet Fleet"] = fleet_loop({})
+    loops["gpufleet Fleet mon. off"] = fleet_loop(MONITORING_OFF)
     print(machine_summary())
     print(f"job: {job.name}; {args.steps} steps each, turns of one step, first "
           f"{args.warmup} not timed, blocks of {BLOCK}; 1 torch thread")

@@ -34,6 +34,7 @@ COMMANDS: dict[str, str] = {
     "tune": "gpufleet.monitor.tune",
     "plan": "gpufleet.layout.cli",
     "sbatch": "gpufleet.launch.sbatch",
+    "run": "gpufleet.fleet.cli",
 }
 
 

@@ -1,0 +1,85 @@
+"""``gpufleet run script.py --nproc N``: start N ranks of your own script.
+
+Each rank runs ``python script.py ARGS`` with the variables torchrun sets (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...), started by torch's elastic agent through
+:func:`gpufleet.launch.launch`, as ``gpufleet train`` starts its ranks (restarts with
+``--max-restarts``); ``--launcher spawn`` runs the script in each process that
+``torch.multiprocessing`` starts. A :class:`~gpufleet.fleet.Fleet` made in the script finds its rank
+there. The standard library only at the top: building the CLI's parser stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+from typing import Any
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add ``gpufleet run`` to the CLI's subparsers.
+
+    Example:
+        >>> parser = argparse.ArgumentParser(prog="gpufleet")
+        >>> add_parser(parser.add_subparsers(dest="command"))
+        >>> args = parser.parse_args(["run", "--nproc", "2", "train.py", "--lr", "0.1"])
+        >>> args.nproc, args.script, args.script_args
+        (2, 'train.py', ['--lr', '0.1'])
+    """
+    p = sub.add_parser(
+        "run", help="run your own training script on N local ranks (like torchrun)",
+        description="Run SCRIPT on N ranks of this node, started by torch's elastic agent "
+                    "(the machinery behind torchrun). A gpufleet.Fleet in the script "
+                    "finds its rank; so does plain torch.distributed code.")
+    p.add_argument("--nproc", type=int, default=0, metavar="N",
+                   help="ranks on this node (default: one per visible GPU, 1 on a CPU)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="restart every rank up to K times after a rank fails")
+    p.add_argument("--launcher", default="elastic", choices=("elastic", "spawn"),
+                   help="torch's elastic agent (default) or torch.multiprocessing")
+    p.add_argument("script", metavar="SCRIPT", help="your Python script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                   help="arguments for the script")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the ranks and wait for them; returns the exit code (0: every rank ended
+    well)."""
+    from gpufleet.errors import LaunchError
+    from gpufleet.launch import launch
+
+    script = os.path.abspath(args.script)
+    if not os.path.isfile(script):
+        raise LaunchError(f"script {args.script!r} does not exist. Pass the path of a "
+                          "Python file: gpufleet run train.py --nproc 2.")
+    nproc = args.nproc or _visible_gpus() or 1
+    if args.launcher == "elastic":
+        # As torchrun does: the agent starts ``python SCRIPT ARGS`` per rank (a command,
+        # which torch's elastic_launch takes besides a function), so a rank imports only
+        # what the script imports.
+        entry, entry_args = sys.executable, (script, *args.script_args)
+    else:  # torch.multiprocessing runs a function in each rank
+        entry, entry_args = run_script, (script, list(args.script_args))
+    launch(entry, entry_args, nproc=nproc, launcher=args.launcher,
+           max_restarts=args.max_restarts)
+    return 0
+
+
+def _visible_gpus() -> int:
+    import torch  # deferred: the parser is built without it
+
+    return torch.cuda.device_count()
+
+
+def run_script(path: str, argv: list[str]) -> Any:
+    """What each rank runs: ``path`` as ``__main__`` with ``argv`` (a script that exits
+    with status 0 ended well)."""
+    sys.argv = [path, *argv]
+    sys.path.insert(0, os.path.dirname(path))
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
+    return None

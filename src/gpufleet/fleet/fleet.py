@@ -1,0 +1,437 @@
+"""Your own training loop on gpufleet: :class:`Fleet`.
+
+A Lightning Fabric or Accelerate loop moves over by changing a few lines: build a
+``Fleet``, pass the model, optimizer and loaders through :meth:`Fleet.setup` and
+:meth:`Fleet.setup_dataloaders`, call :meth:`Fleet.backward` instead of
+``loss.backward()``. The loop stays yours; gpufleet's parts come with it:
+
+* the run is planned once (:func:`gpufleet.plan.make_plan`: device, precision,
+  strategy, backend, ranks) and each rank joins the process group the way every
+  gpufleet rank does (:func:`gpufleet.train.rank.join_process_group`);
+* the model is placed by :func:`gpufleet.parallel.parallelize.parallelize` and your
+  optimizer rebuilt on the placed parameters by name (:mod:`gpufleet.train.recipe`);
+* your loop's calls mark each step's phases on every rank (a loader's next batch:
+  data; a forward: forward; ``backward``; ``optimizer.step``: optimizer), so the phase
+  timer, watchdog, system sampler, metrics file and advisor work as in the built-in
+  loop, and ``diagnosis.json`` and ``report.html`` are written at the end;
+* a step whose loss or gradients are not finite is skipped on every rank, naming the
+  rank and parameter (:class:`~gpufleet.train.nonfinite.NonFiniteGuard`);
+* :meth:`Fleet.save` records the loaders' exact position, so a resumed loop reads the
+  samples the uninterrupted one would have read.
+
+Example:
+    >>> fleet = Fleet(accelerator="cpu", devices=2, strategy="ddp")  # doctest: +SKIP
+    >>> fleet.launch(train)  # train(fleet) on each of 2 ranks  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpufleet.config import Config, load_config
+from gpufleet.core.callbacks import Callback
+from gpufleet.core.phases import Phase
+from gpufleet.core.tree import to_device
+from gpufleet.entry import setup_logging
+from gpufleet.errors import ConfigError, unknown_choice
+from gpufleet.fault.crash import crash_reported
+from gpufleet.fleet.args import fleet_overrides
+from gpufleet.fleet.loader import FleetLoader, shard_loader
+from gpufleet.fleet.run import FleetRun
+from gpufleet.fleet.state import load_state, save_state
+from gpufleet.fleet.steps import StepTracker
+from gpufleet.fleet.wrappers import FleetModule, hook_step
+from gpufleet.launch import DistEnv, barrier, destroy_process_group, is_initialized, launch
+from gpufleet.plan import RunPlan, make_plan
+from gpufleet.train.build import (
+    _device,
+    _monitors,
+    _precision_and_strategy,
+    _run_dir,
+)
+from gpufleet.train.nonfinite import NonFiniteGuard
+from gpufleet.train.perf import share_cores
+from gpufleet.train.rank import join_process_group
+from gpufleet.train.recipe import spec_from_optimizer
+from gpufleet.train.seed import seed_everything
+from gpufleet.train.view import RunView
+
+log = logging.getLogger(__name__)
+
+# What Fleet sets in the config it plans: your loop owns the recipe and the signals.
+_OWN_LOOP = {
+    "optim.preset": "none", "optim.clip_norm": 0.0,  # clip_gradients is yours to call
+    "fault.preempt_check_every": 0,  # SIGTERM / Ctrl-C reach your loop as usual
+}
+
+
+class Fleet:
+    """Run your own training loop on one or many ranks with gpufleet underneath.
+
+    Args:
+        accelerator: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"gpu"``.
+        devices: ranks per node (``"auto"``: one per visible GPU, 1 on a CPU).
+        precision: ``"auto"``, ``"32-true"``/``"fp32"``, ``"bf16-mixed"``,
+            ``"16-mixed"``/``"fp16-mixed"``.
+        strategy: ``"auto"`` (ddp on several ranks, single on one), ``"single"``,
+            ``"ddp"``, ``"fsdp"``, and gpufleet's other strategy names.
+        num_nodes: nodes (the ranks of each are started there).
+        seed: seeds python, numpy and torch on every rank (the same seed everywhere)
+            and the loaders' shuffling (``run.seed``); None: your random state is left
+            as it is and the loaders shuffle from ``run.seed``'s default.
+        run_dir: the run directory (default: a new ``runs/<name>-<time>``).
+        name: the run's name (default: the script's name, else ``fleet``).
+        log_every: reduce the loss and phase times across ranks, log them and run the
+            diagnosis every this many optimizer steps.
+        overrides: more config keys, ``{"section.key": value}``.
+        config: a whole :class:`~gpufleet.config.Config` to start from.
+        callbacks: yours, heard after the run's own.
+
+    Example:
+        >>> fleet = Fleet(accelerator="cpu", devices=1)  # doctest: +SKIP
+        >>> model, optimizer = fleet.setup(model, optimizer)  # doctest: +SKIP
+        >>> loader = fleet.setup_dataloaders(loader)  # doctest: +SKIP
+    """
+
+    def __init__(self, accelerator: str = "auto", devices: int | str = "auto",
+                 precision: str | int = "auto", strategy: str = "auto", num_nodes: int = 1,
+                 *, seed: int | None = None, run_dir: str | None = None,
+                 name: str | None = None, log_every: int = 10,
+                 overrides: dict[str, Any] | None = None, config: Config | None = None,
+                 callbacks: Sequence[Callback] = ()) -> None:
+        self._init_args = dict(accelerator=accelerator, devices=devices, precision=precision,
+                               strategy=strategy, num_nodes=num_nodes, seed=seed,
+                               run_dir=run_dir,
+                               name=name, log_every=log_every, overrides=overrides,
+                               config=config, callbacks=list(callbacks))
+        keys: dict[str, Any] = {**_OWN_LOOP, "log.every": log_every,
+                                **fleet_overrides(accelerator, devices, precision, strategy,
+                                                  num_nodes)}
+        if seed is not None:
+            keys["run.seed"] = seed
+        if run_dir:
+            keys["run.dir"] = str(run_dir)
+        if name or config is None or not config.run.name:
+            keys["run.name"] = name or _script_name()
+        keys.update(overrides or {})
+        cfg = load_config(overrides=keys, base=config)
+        self.plan: RunPlan = make_plan(cfg)  # the one resolve of this run
+        self._user_callbacks = list(callbacks)
+        self._seed = seed
+        self.run: FleetRun | None = None
+        if self.plan.launcher in ("none", "external"):  # this process is a rank
+            self._start_rank()
+
+    # -- starting ---------------------------------------------------------------------
+    def _start_rank(self) -> None:
+        """Join the process group and build what the run needs on this rank, once."""
+        env = DistEnv.detect()
+        plan = self.plan.for_world(env)
+        cfg = plan.cfg
+        if not logging.getLogger().handlers:  # the caller's logging stays as it is
+            setup_logging(cfg.log.level, env)
+        self._owns_group = env.is_distributed and not is_initialized()
+        join_process_group(plan, env)  # the way every gpufleet rank joins
+        share_cores(env.local_world_size, env.is_main)
+        if self._seed is not None:  # the same seed on every rank, as you asked
+            seed_everything(self._seed)
+        device = _device(cfg, env)
+        precision, strategy = _precision_and_strategy(cfg, plan.dims, device)
+        cfg, _, run_lock = _run_dir(cfg, env)  # COLLECTIVE: rank 0 chooses and locks it
+        run_dir = Path(cfg.run.dir)
+        self.plan = plan.with_config(cfg)
+        self.run = FleetRun(cfg=cfg, env=env, device=device, run_dir=run_dir,
+                            precision=precision, strategy=strategy, run_lock=run_lock,
+                            monitors=_monitors(cfg, env, device, run_dir))
+        self.run.result.run_dir = str(run_dir)
+        self.run.view = RunView(self.run)
+        self._steps = StepTracker(self.run, self._user_callbacks)
+        atexit.register(self._at_exit)
+
+    def launch(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(fleet, *args)`` on every rank and return rank 0's result.
+
+        When this process is a rank already (one device, torchrun, ``gpufleet run``),
+        ``fn`` runs here. Otherwise the ranks are started now with torch's elastic agent
+        (as ``gpufleet train --nproc N`` starts them): ``fn`` must then be a module-level
+        function and ``args`` picklable. The run ends (:meth:`finish`) when ``fn``
+        returns; an error leaves a crash report in the run directory.
+        """
+        if self.run is not None:
+            return self._run_here(fn, args)
+        plan, dist = self.plan, self.plan.cfg.dist
+        results = launch(
+            _rank_main, (self._init_args, fn, args), nproc=plan.nproc,
+            launcher=plan.launcher, nnodes=plan.nnodes, node_rank=plan.node_rank,
+            master_addr=dist.master_addr, master_port=dist.master_port,
+            rdzv_endpoint=dist.rdzv_endpoint, rdzv_backend=dist.rdzv_backend,
+            rdzv_id=dist.rdzv_id or plan.name, max_restarts=dist.max_restarts,
+            rdzv_timeout=dist.rdzv_timeout)
+        return results.get(0)
+
+    def _run_here(self, fn: Callable[..., Any], args: tuple) -> Any:
+        with crash_reported(self._rank_run().view):
+            out = fn(self, *args)
+            self.finish()
+        return out
+
+    def _rank_run(self) -> FleetRun:
+        if self.run is None:
+            raise ConfigError(
+                f"this Fleet plans {self.plan.nproc} ranks and this process is not one of "
+                "them yet. Put your loop in a function and call fleet.launch(fn), or start "
+                "the script with `gpufleet run script.py --nproc N` or torchrun.")
+        return self.run
+
+    # -- facts ------------------------------------------------------------------------
+    @property
+    def global_rank(self) -> int:
+        """This rank's index in the job (0 before the ranks are started)."""
+        return self.run.env.rank if self.run is not None else 0
+
+    @property
+    def local_rank(self) -> int:
+        return self.run.env.local_rank if self.run is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the job."""
+        return self.run.env.world_size if self.run is not None else self.plan.world_size
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device."""
+        return self._rank_run().device
+
+    @property
+    def run_dir(self) -> Path:
+        """Where the run writes metrics.jsonl, diagnosis.json and report.html."""
+        return self._rank_run().run_dir
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done (of the first optimizer set up)."""
+        return self._rank_run().state.step
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped on every rank for non-finite loss or gradients."""
+        guard = self._rank_run().nonfinite
+        return guard.skipped if guard is not None else 0
+
+    @property
+    def skip_records(self) -> list[Any]:
+        """Each skipped step: its step, the ranks, the first bad parameter."""
+        guard = self._rank_run().nonfinite
+        return list(guard.records) if guard is not None else []
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on rank 0 only."""
+        if self.is_global_zero:
+            print(*args, **kwargs)
+
+    def seed_everything(self, seed: int) -> None:
+        """Seed python, numpy and torch with ``seed`` on this rank."""
+        seed_everything(seed)
+
+    # -- setup ------------------------------------------------------------------------
+    def setup(self, model: nn.Module, *optimizers: torch.optim.Optimizer
+              ) -> Any:
+        """Place ``model`` as the run's strategy says and rebuild ``optimizers`` on the
+        placed parameters (by parameter name: groups and settings kept, state not).
+        COLLECTIVE (ddp broadcasts rank 0's weights).
+
+        Returns:
+            The model (a :class:`FleetModule`), or ``(model, *optimizers)``. Build an
+            LR scheduler on the optimizer returned here.
+        """
+        run = self._rank_run()
+        specs = [spec_from_optimizer(opt, model) for opt in optimizers]
+        from gpufleet.parallel.parallelize import parallelize  # heavy: layer options
+
+        placed = parallelize(model, run.strategy, run.cfg, run.env.world_size)
+        steps = self._steps
+        wrapped = FleetModule(placed, run.strategy.unwrap(placed), steps.phase_announce,
+                              run.precision)
+        built = [run.strategy.setup_optimizer(placed, spec) for spec in specs]
+        for opt in built:
+            primary = run.optimizer is None
+            if primary:
+                run.model, run.optimizer = placed, opt
+                run.scheduler.optimizer = opt
+                if run.cfg.fault.skip_nonfinite:
+                    run.nonfinite = NonFiniteGuard(run.cfg.fault, run.strategy,
+                                                   run.precision)
+            hook_step(opt, steps.primary_step if primary else steps.other_step)
+        return wrapped if not built else (wrapped, *built)
+
+    def setup_module(self, model: nn.Module) -> FleetModule:
+        """:meth:`setup` without an optimizer."""
+        return self.setup(model)
+
+    def setup_dataloaders(self, *loaders: Any, use_distributed_sampler: bool = True,
+                          move_to_device: bool = True) -> Any:
+        """Each loader sharded over the ranks with a resumable sampler (its position is
+        saved by :meth:`save`), its batches moved to this rank's device.
+
+        A loader that shuffled is shuffled per epoch from the run's seed
+        (``run.seed``), as torch's ``DistributedSampler(seed=...)`` would.
+
+        Returns:
+            One :class:`~gpufleet.fleet.loader.FleetLoader`, or a tuple of them.
+        """
+        run = self._rank_run()
+        shard, shards = run.strategy.data_shard(run.env.rank, run.env.world_size)
+        out = []
+        for loader in loaders:
+            sampler = None
+            if use_distributed_sampler:
+                loader, sampler = shard_loader(loader, rank=shard, world_size=shards,
+                                               seed=run.cfg.run.seed)
+            mover = None
+            if move_to_device and run.device.type != "cpu":
+                device = run.device
+                mover = lambda batch, d=device: to_device(batch, d, non_blocking=True)  # noqa: E731
+            fleet_loader = FleetLoader(loader, sampler, self._steps.on_batch, mover)
+            run.data.loaders.append(fleet_loader)
+            run.data.pin_memory = run.data.pin_memory or bool(loader.pin_memory)
+            out.append(fleet_loader)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    # -- the step ---------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` through the run: the backward phase, the precision's loss
+        scaling, and the loss kept for the log line and the non-finite guard."""
+        self._rank_run()
+        self._steps.backward(loss)
+
+    @contextlib.contextmanager
+    def no_backward_sync(self, model: nn.Module, enabled: bool = True) -> Iterator[None]:
+        """Backward passes inside do not synchronise gradients across ranks (ddp's
+        ``no_sync``): for gradient accumulation, all but the last micro-batch."""
+        placed = model.placed if isinstance(model, FleetModule) else model
+        with self._rank_run().strategy.no_sync(placed) if enabled \
+                else contextlib.nullcontext():
+            yield
+
+    def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                       max_norm: float | None = None, clip_val: float | None = None
+                       ) -> torch.Tensor | None:
+        """Clip by value and/or by global norm (unscaled first; the non-finite guard
+        looks at the gradients before they are clipped). Returns the norm before
+        clipping (a device tensor) when clipping by norm."""
+        if max_norm is None and clip_val is None:
+            raise ConfigError("clip_gradients needs max_norm=... or clip_val=...")
+        self._rank_run()
+        placed = model.placed if isinstance(model, FleetModule) else model
+        return self._steps.clip(placed, optimizer, max_norm, clip_val)
+
+    # -- phases -----------------------------------------------------------------------
+    def phase(self, name: str) -> contextlib.AbstractContextManager:
+        """``with fleet.phase("data"): ...`` marks a part of your step yourself (data,
+        forward, backward, optimizer, eval, checkpoint); your loop's calls mark them
+        without it."""
+        try:
+            phase = Phase(name)
+        except ValueError:
+            raise ConfigError(unknown_choice("phase", name, [p.value for p in Phase])) from None
+        return _Marked(self._steps.phase_announce, phase)
+
+    # -- collectives ------------------------------------------------------------------
+    def all_reduce(self, value: Any, reduce_op: str = "mean") -> Any:
+        """``value`` (a tensor or a number) reduced over every rank: ``"mean"``,
+        ``"sum"``, ``"max"`` or ``"min"``. COLLECTIVE; a number comes back as a float
+        (SYNC)."""
+        run = self._rank_run()
+        ops = ("mean", "sum", "max", "min")
+        if reduce_op not in ops:
+            raise ConfigError(unknown_choice("reduce_op", reduce_op, ops))
+        number = not isinstance(value, torch.Tensor)
+        tensor = torch.tensor(float(value), device=run.device) if number \
+            else value.detach().clone()
+        run.strategy.all_reduce(tensor, "sum" if reduce_op == "mean" else reduce_op)
+        if reduce_op == "mean":
+            tensor = tensor / run.env.world_size
+        return float(tensor) if number else tensor
+
+    def barrier(self) -> None:
+        """Wait until every rank is here (COLLECTIVE)."""
+        self._rank_run()
+        barrier()
+
+    # -- checkpoints ------------------------------------------------------------------
+    def save(self, path: str | Path, state: dict[str, Any]) -> Path:
+        """Save ``state`` (models, optimizers, schedulers, set-up loaders, plain values)
+        to ``path``: rank 0 writes it atomically with a checksum, with every rank's RNG
+        states and each loader's exact position. COLLECTIVE: call it on every rank."""
+        run = self._rank_run()
+        with run.phases(Phase.CHECKPOINT):
+            return save_state(path, state, run.strategy, run.env.rank)
+
+    def load(self, path: str | Path, state: dict[str, Any]) -> dict[str, Any]:
+        """Restore what :meth:`save` wrote into ``state`` (in place: objects load their
+        state dicts, plain values are replaced), read with ``weights_only=True``.
+        Returns what the file holds beyond ``state``'s keys."""
+        run = self._rank_run()
+        return load_state(path, state, run.strategy, run.env.rank, run.env.world_size)
+
+    # -- the end ----------------------------------------------------------------------
+    def finish(self) -> None:
+        """End the run: the last log interval (COLLECTIVE), diagnosis.json, report.html,
+        the watchdog stopped, the run directory unlocked and the process group left (if
+        Fleet joined it). :meth:`launch` calls it; call it at the end of a loop that
+        runs without ``launch``."""
+        self._end(collective=True)
+
+    def _at_exit(self) -> None:
+        """At interpreter exit, a loop that never called :meth:`finish` still gets its
+        diagnosis and report (without the last partial log interval: no collective)."""
+        with contextlib.suppress(Exception):
+            self._end(collective=False)
+
+    def _end(self, collective: bool) -> None:
+        if self.run is None or self._steps.finished:
+            return
+        atexit.unregister(self._at_exit)
+        try:
+            self._steps.end(collective)
+        finally:
+            if collective and self._owns_group:
+                destroy_process_group()
+
+class _Marked:
+    """``with fleet.phase(...)``: announces the phase on entry."""
+
+    def __init__(self, announce: Callable[[Phase], None], phase: Phase) -> None:
+        self._announce, self._phase = announce, phase
+
+    def __enter__(self) -> None:
+        self._announce(self._phase)
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _script_name() -> str:
+    """The running script's name (``train`` for ``train.py``), or ``fleet``."""
+    script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else ""
+    return script if script and script not in ("-c", "__main__") else "fleet"
+
+
+def _rank_main(init_args: dict[str, Any], fn: Callable[..., Any], args: tuple) -> Any:
+    """What each started rank runs: its own Fleet, then ``fn(fleet, *args)``."""
+    fleet = Fleet(**init_args)
+    return fleet._run_here(fn, args)

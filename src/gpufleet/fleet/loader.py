@@ -1,0 +1,167 @@
+"""Your DataLoader, sharded over the ranks and resumable at any batch: :class:`FleetLoader`.
+
+:meth:`gpufleet.fleet.Fleet.setup_dataloaders` rebuilds your loader around gpufleet's
+:class:`~gpufleet.data.sampler.ResumableDistributedSampler` (every rank draws the same
+permutation and takes every ``world_size``-th index of it, as torch's
+``DistributedSampler`` does with the same seed). The loader counts the samples your loop
+has taken, so that :meth:`~gpufleet.fleet.Fleet.save` records the exact position, and
+tells the run that a batch is being waited for (the data phase).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+
+from gpufleet.core.tree import batch_size_of
+from gpufleet.data.sampler import ResumableDistributedSampler
+from gpufleet.errors import ConfigError
+
+# DataLoader arguments carried over to the rebuilt loader as they were.
+_KEPT = ("batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout",
+         "worker_init_fn", "multiprocessing_context", "generator", "prefetch_factor",
+         "persistent_workers", "pin_memory_device")
+
+
+def shard_loader(loader: DataLoader, *, rank: int, world_size: int, seed: int
+                 ) -> tuple[DataLoader, ResumableDistributedSampler]:
+    """``loader`` rebuilt to read this rank's shard through a resumable sampler.
+
+    A loader that shuffled (a ``RandomSampler``) gets a shuffled permutation per epoch,
+    drawn from ``seed + epoch``; any other sampler's order becomes ``0..n-1``.
+
+    Raises:
+        ConfigError: the loader cannot be sharded this way (an iterable dataset, a
+            batch sampler of its own).
+    """
+    if not isinstance(loader, DataLoader):
+        raise ConfigError(f"setup_dataloaders got {type(loader).__name__}; give a "
+                          "torch.utils.data.DataLoader.")
+    if isinstance(loader.dataset, IterableDataset):
+        raise ConfigError("setup_dataloaders got a DataLoader over an IterableDataset; "
+                          "gpufleet shards and resumes map-style datasets (__len__ and "
+                          "__getitem__). Shard the stream yourself and pass "
+                          "use_distributed_sampler=False.")
+    if loader.batch_size is None:
+        raise ConfigError("setup_dataloaders got a DataLoader with a batch_sampler of its "
+                          "own; give batch_size= instead, or pass "
+                          "use_distributed_sampler=False and shard it yourself.")
+    shuffle = isinstance(loader.sampler, RandomSampler)
+    sampler = ResumableDistributedSampler(len(loader.dataset), rank=rank,
+                                          world_size=world_size, shuffle=shuffle, seed=seed)
+    kwargs = {k: getattr(loader, k) for k in _KEPT if hasattr(loader, k)}
+    if not kwargs.get("num_workers"):  # torch refuses these without workers
+        kwargs.pop("prefetch_factor", None)
+        kwargs["persistent_workers"] = False
+    return DataLoader(loader.dataset, sampler=sampler, **kwargs), sampler
+
+
+class FleetLoader:
+    """Iterates like the loader it wraps; knows its position in the data.
+
+    Args:
+        loader: the loader to iterate (already sharded, or yours as it was).
+        sampler: its resumable sampler, or None when the loader was left as it was
+            (then there is no position to save).
+        on_batch: called before each batch is fetched (the data phase begins).
+        to_device: moves a batch to the run's device (None: leave it).
+
+    Attributes:
+        consumed: batches' samples this rank has taken in the current epoch.
+        samples: samples taken since the run last counted them (throughput).
+    """
+
+    def __init__(self, loader: DataLoader, sampler: ResumableDistributedSampler | None,
+                 on_batch: Callable[[], None], to_device: Callable[[Any], Any] | None = None
+                 ) -> None:
+        self.loader, self.sampler = loader, sampler
+        self._on_batch, self._to_device = on_batch, to_device
+        self.consumed = 0
+        self.samples = 0
+        self._ended = False  # the last pass was read to its end (StopIteration)
+        self._resumed_mid_pass = False  # loaded a position inside an epoch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    @property
+    def dataset(self) -> Any:
+        return self.loader.dataset
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.loader.batch_size
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being read (0 before the first batch)."""
+        return self.sampler.epoch if self.sampler is not None else 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start the next pass at the beginning of ``epoch``; the epoch being read (or
+        resumed) keeps its position. Not needed: a pass read to its end moves to the
+        next epoch by itself."""
+        if self.sampler is not None and epoch != self.sampler.epoch:
+            self.sampler.set_epoch(epoch)
+            self.consumed = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.sampler is not None:
+            # Counted from where this pass starts in the sampler's items (0 for a new
+            # epoch and for a resumed one, whose items begin after the saved position).
+            self.consumed = self.sampler.position
+        self._ended = False
+        if self._resumed_mid_pass:
+            # A DataLoader draws its workers' base seed from torch's RNG when the pass
+            # starts. The uninterrupted run drew it before the saved RNG state, so the
+            # resumed pass must not draw again (dropout masks would shift).
+            self._resumed_mid_pass = False
+            rng = torch.get_rng_state()
+            batches = iter(self.loader)
+            torch.set_rng_state(rng)
+        else:
+            batches = iter(self.loader)
+        on_batch, to_device = self._on_batch, self._to_device
+        while True:
+            on_batch()
+            batch = next(batches, _END)
+            if batch is _END:
+                self._ended = True
+                return
+            n = batch_size_of(batch)
+            self.consumed += n
+            self.samples += n
+            yield batch if to_device is None else to_device(batch)
+
+    def take_samples(self) -> int:
+        """Samples taken since the last call."""
+        n, self.samples = self.samples, 0
+        return n
+
+    def state_dict(self) -> dict[str, int]:
+        """The position to resume from (see ``ResumableDistributedSampler.state_dict``)."""
+        if self.sampler is None:
+            raise ConfigError("this loader was set up with use_distributed_sampler=False: "
+                              "gpufleet does not know its position. Save your own sampler's "
+                              "state instead, or let setup_dataloaders shard the loader.")
+        if self._ended:  # the loop left the pass: the next one starts the next epoch
+            return self.sampler.state_dict()
+        # Inside a pass (its last batch included): the samples taken, not the sampler's
+        # own count, which a DataLoader runs ahead of the batches handed out.
+        return self.sampler.state_dict(consumed=self.consumed)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue, at the next ``iter()``, right after the saved position."""
+        if self.sampler is None:
+            raise ConfigError("this loader was set up with use_distributed_sampler=False "
+                              "and has no position to load.")
+        self.sampler.load_state_dict(state)
+        self._resumed_mid_pass = state["samples"] > 0
+        self._ended = False
+        self.consumed = 0  # the resumed pass's items begin after the saved position
+
+
+_END = object()

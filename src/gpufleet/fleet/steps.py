@@ -1,0 +1,213 @@
+"""What each step of your own loop goes through: :class:`StepTracker`.
+
+Your loop's calls reach it through :class:`~gpufleet.fleet.Fleet` and the objects
+``setup`` hands back: a loader asked for a batch, a forward, ``backward``,
+``clip_gradients`` and ``optimizer.step``. It announces each phase to the run's
+callbacks (built at the first one: then the loaders are known), keeps the step's loss,
+runs the non-finite guard and the optimizer step, ends the step and, every
+``log.every`` steps, reduces the log interval over the ranks (the one collective a step
+adds, besides the guard's off the device path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpufleet.config import write_config
+from gpufleet.core.callbacks import Callback, CallbackList
+from gpufleet.core.phases import Phase, PhaseAnnouncer
+from gpufleet.fleet.run import FleetRun
+from gpufleet.procs import forget_process
+from gpufleet.train.build import _own_callbacks
+from gpufleet.train.interval import LogInterval
+
+log = logging.getLogger(__name__)
+
+
+class StepTracker:
+    """Follows your loop's steps on this rank.
+
+    Args:
+        run: this rank's run.
+        callbacks: yours, heard after the run's own.
+    """
+
+    def __init__(self, run: FleetRun, callbacks: Sequence[Callback]) -> None:
+        self.run = run
+        self._user_callbacks = list(callbacks)
+        #: tells the run which phase begins (builds the monitors the first time)
+        self.announce: Callable[[Phase], None] = self._first_announce
+        self.interval: LogInterval | None = None
+        self._step_loss: torch.Tensor | None = None
+        self._micro = 0  # backward passes in this step
+        self._prepared = False  # unscaled and inspected since the last step
+        self.finished = False
+
+    # -- phases -------------------------------------------------------------------------
+    def phase_announce(self, phase: Phase) -> None:
+        """Announce ``phase`` (a stable function to hand to wrappers and loaders)."""
+        self.announce(phase)
+
+    def on_batch(self) -> None:
+        """A loader is asked for its next batch: the data phase (inside evaluation,
+        still evaluation)."""
+        if self.run.phases.current != Phase.EVAL:
+            self.announce(Phase.DATA)
+
+    def _first_announce(self, phase: Phase) -> None:
+        """The loop's first step begins: build the monitors, then announce as usual."""
+        self._begin()
+        self.announce(phase)
+
+    def _begin(self) -> None:
+        """The run's own callbacks (phase timer, watchdog, system sampler, metrics file,
+        advisor, as the built-in loop has them), told the loop has started."""
+        run = self.run
+        first = run.data.loaders[0].loader if run.data.loaders else None
+        if first is not None:  # the diagnosis reads the batch and worker settings
+            run.cfg = dataclasses.replace(run.cfg, data=dataclasses.replace(
+                run.cfg.data, batch_size=first.batch_size or run.cfg.data.batch_size,
+                num_workers=first.num_workers))
+            if run.env.is_main:
+                write_config(run.cfg, run.run_dir / "config.toml")
+        run.callbacks = CallbackList(_own_callbacks(run) + self._user_callbacks)
+        if run.monitors.system_sampler is None:  # one the caller added (its own interval)
+            from gpufleet.monitor.system import SystemSampler  # psutil, NVML: deferred
+
+            run.monitors.system_sampler = next(
+                (cb for cb in self._user_callbacks if isinstance(cb, SystemSampler)), None)
+        run.phases = PhaseAnnouncer(run.callbacks.phase_listeners, run.view)
+        self.announce = run.phases.announce
+        self.interval = LogInterval(run)
+        run.callbacks.on_fit_start(run.view)
+
+    # -- the step -----------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        """The backward phase, the precision's backward, the loss kept."""
+        self.announce(Phase.BACKWARD)
+        self.run.precision.backward(loss)
+        detached = loss.detach()
+        self._step_loss = detached if self._step_loss is None else self._step_loss + detached
+        self._micro += 1
+
+    def clip(self, placed: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             max_norm: float | None, clip_val: float | None) -> torch.Tensor | None:
+        """Unscale (and let the guard see the gradients first), then clip."""
+        run = self.run
+        self.announce(Phase.OPTIMIZER)
+        primary = optimizer is run.optimizer
+        if primary:
+            self.prepare_step(optimizer)
+        else:
+            run.precision.unscale(optimizer)
+        if clip_val is not None:
+            torch.nn.utils.clip_grad_value_(placed.parameters(), clip_val)
+        if max_norm is None:
+            return None
+        norm = run.strategy.clip_grad_norm(placed, max_norm)  # COLLECTIVE with sharding
+        if primary and self.interval is not None:
+            self.interval.grad_norm = norm
+            if not run.cfg.optim.clip_norm:  # the log line shows the norm from now on
+                run.cfg = dataclasses.replace(run.cfg, optim=dataclasses.replace(
+                    run.cfg.optim, clip_norm=float(max_norm)))
+        return norm
+
+    def prepare_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Once per step, before clipping or stepping: unscale, then let the guard see
+        the gradients as backward left them."""
+        if self._prepared:
+            return
+        run = self.run
+        run.precision.unscale(optimizer)
+        guard = run.nonfinite
+        if guard is not None and (guard.on_device is None or guard.inspects):
+            guard.inspect(run.model, self._loss_or_zero(), optimizer)
+        self._prepared = True
+
+    def _loss_or_zero(self) -> torch.Tensor:
+        if self._step_loss is None:
+            return torch.zeros((), device=self.run.device)
+        return self._step_loss
+
+    def primary_step(self, optimizer: torch.optim.Optimizer, original: Any,
+                     closure: Any) -> Any:
+        """The first optimizer's step: the guard, the step, then the step's end."""
+        run = self.run
+        self.announce(Phase.OPTIMIZER)
+        self.prepare_step(optimizer)
+        step_loss, guard, out = self._loss_or_zero(), run.nonfinite, None
+        # COLLECTIVE (+ SYNC off the device path): every rank agrees on skipping.
+        skip = guard is not None and guard.should_skip(run.model, step_loss, None, optimizer)
+        if not skip:
+            out = (original(closure) if closure is not None else
+                   run.precision.step(optimizer))  # SYNC with fp16 (found_inf)
+            if self._micro:
+                self.interval.add(step_loss, self._micro)
+        run.strategy.after_optimizer_step(run.model, run.state.step)
+        run.state.step += 1
+        self._step_loss, self._micro, self._prepared = None, 0, False
+        if skip:
+            guard.report(run.state.step, run.env.is_main)  # stops after too many in a row
+        self.announce(Phase.END)
+        run.callbacks.on_step_end(run.view, run.state.step)
+        if run.state.step % run.cfg.log.every == 0:
+            self._log()
+        return out
+
+    def other_step(self, optimizer: torch.optim.Optimizer, original: Any,
+                   closure: Any) -> Any:
+        """Another optimizer's step (a GAN's second one): unscaled, then stepped."""
+        self.announce(Phase.OPTIMIZER)
+        self.run.precision.unscale(optimizer)
+        return original(closure) if closure is not None else \
+            self.run.precision.step(optimizer)
+
+    def _log(self) -> None:
+        """The log interval's one all-reduce (COLLECTIVE + SYNC), then the callbacks."""
+        run = self.run
+        run.phases.announce(Phase.LOG)
+        metrics = self.interval.close()
+        run.result.losses.append((run.state.step, metrics["loss"]))
+        run.callbacks.on_log(run.view, run.state.step, metrics)
+
+    # -- the end ------------------------------------------------------------------------
+    def end(self, collective: bool) -> None:
+        """The last log interval (``collective``: every rank is here), the result, the
+        callbacks' end (diagnosis.json), report.html; the watchdog stopped and the run
+        directory unlocked, also when this fails."""
+        run = self.run
+        if self.finished:
+            return
+        self.finished = True
+        try:
+            if self.interval is not None:
+                if collective and run.state.step % run.cfg.log.every:
+                    self._log()  # the steps since the last log line
+                result = run.result
+                result.steps = run.state.step
+                result.skipped_steps = run.nonfinite.skipped if run.nonfinite else 0
+                result.train_time_s = run.state.train_time_s
+                if run.state.train_time_s > 0:
+                    result.samples_per_s = run.state.samples / run.state.train_time_s
+                run.callbacks.on_fit_end(run.view, result)
+                if run.env.is_main and run.cfg.monitor.report:
+                    _write_report(run.run_dir)
+            forget_process(run.run_dir)
+        finally:
+            run.close()
+
+
+def _write_report(run_dir: Path) -> None:
+    """report.html for the run (not essential: a failure is reported, not raised)."""
+    from gpufleet.monitor.report import write_report  # the report's renderer: deferred
+
+    try:
+        write_report(run_dir)
+    except Exception as e:
+        log.error("the HTML report could not be written: %s: %s", type(e).__name__, e)

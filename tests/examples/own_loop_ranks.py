@@ -1,0 +1,85 @@
+"""Run on each of 2 ranks by tests/examples/test_own_loop.py (``gpufleet run``).
+
+``twin OUT``: the plain PyTorch loop, then the same loop on Fleet (saving a checkpoint
+every 4 steps), then a short Fleet loop whose rank 1 loss turns NaN at step 2, then the Fleet loop
+with strategy fsdp; each rank writes what it saw to ``OUT/twin-rank<R>.pt``.
+``crash OUT``: the Fleet loop again; on the first attempt rank 1 kills itself (SIGKILL)
+during step 7, after the checkpoint of step 4; the elastic agent restarts both ranks,
+which resume from it. Rank 0 writes the final weights to ``OUT/crash-final.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import own_loop  # noqa: E402
+import own_loop_fleet  # noqa: E402
+
+import gpufleet  # noqa: E402
+
+EPOCHS, BATCH = 2, 16
+
+
+def _nonfinite_loop(out: Path) -> dict:
+    """Three steps of SGD; rank 1's loss is NaN at step 2."""
+    fleet = gpufleet.Fleet(accelerator="cpu", seed=0, run_dir=str(out / "nan-run"),
+                           log_every=1)
+    torch.manual_seed(0)
+    model = own_loop.build_model()
+    model, optimizer = fleet.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(8, own_loop.FEATURES), torch.randn(8, 1)
+    seen = []
+    for step in (1, 2, 3):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if step == 2 and fleet.global_rank == 1:
+            loss = loss * float("nan")
+        fleet.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        seen.append({k: v.clone() for k, v in model.state_dict().items()})
+    records = [vars(r) for r in fleet.skip_records]
+    fleet.finish()
+    return {"weights": seen, "skipped": fleet.skipped_steps, "records": records}
+
+
+def twin(out: Path) -> None:
+    plain_model, plain = own_loop.train(EPOCHS, BATCH)  # joins the process group
+    fleet = gpufleet.Fleet(accelerator="cpu", seed=own_loop.SEED,
+                           run_dir=str(out / "twin-run"), log_every=4)
+    model, ours = fleet.launch(own_loop_fleet.train, EPOCHS, BATCH,
+                               str(out / "twin.pt"))
+    nan = _nonfinite_loop(out)
+    sharded = gpufleet.Fleet(accelerator="cpu", strategy="fsdp", seed=own_loop.SEED,
+                             run_dir=str(out / "fsdp-run"), log_every=4)
+    _, fsdp = sharded.launch(own_loop_fleet.train, EPOCHS, BATCH)
+    rank = int(os.environ["RANK"])
+    torch.save({"plain": plain, "fleet": ours, "plain_weights": plain_model.state_dict(),
+                "fleet_weights": model.state_dict(), "nan": nan, "fsdp": fsdp},
+               out / f"twin-rank{rank}.pt")
+
+
+def crash(out: Path) -> None:
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    fleet = gpufleet.Fleet(accelerator="cpu", seed=own_loop.SEED,
+                           run_dir=str(out / "crash-run"), log_every=4)
+
+    def kill_rank_1(step: int) -> None:
+        if step == 6 and first_attempt and fleet.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # no clean-up, no last words
+
+    model, _ = fleet.launch(own_loop_fleet.train, EPOCHS, BATCH, str(out / "crash.pt"),
+                            4, kill_rank_1)
+    if fleet.global_rank == 0:
+        torch.save(model.state_dict(), out / "crash-final.pt")
+
+
+if __name__ == "__main__":
+    {"twin": twin, "crash": crash}[sys.argv[1]](Path(sys.argv[2]))

@@ -1,0 +1,198 @@
+"""Fleet on one rank, in this process: Fabric-style arguments, setup, the phases a loop
+marks by its calls, the non-finite guard on the device path, save/load, and the errors
+a user can cause."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import gpufleet
+from gpufleet.core.callbacks import Callback
+from gpufleet.errors import CheckpointError, ConfigError
+from gpufleet.fleet.args import fleet_overrides
+from gpufleet.fleet.wrappers import FleetModule
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g))
+
+
+def test_fabric_arguments_map_onto_the_config():
+    assert fleet_overrides("gpu", 4, "bf16-mixed", "fsdp", num_nodes=2) == {
+        "run.device": "cuda", "dist.nproc": 4, "precision.mode": "bf16-mixed",
+        "parallel.strategy": "fsdp", "dist.nnodes": "2"}
+    assert fleet_overrides(precision="16-mixed")["precision.mode"] == "fp16-mixed"
+    with pytest.raises(ConfigError, match="Did you mean 'ddp'"):
+        fleet_overrides(strategy="ddq")
+    with pytest.raises(ConfigError, match="devices = 0"):
+        fleet_overrides(devices=0)
+
+
+class _Phases(Callback):
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def on_phase(self, view, phase) -> None:
+        self.seen.append(str(phase))
+
+
+def test_a_loop_marks_its_phases_by_its_calls(tmp_path):
+    spy = _Phases()
+    fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run"), log_every=2,
+                           callbacks=[spy])
+    net = _net()
+    model, optimizer = fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    assert isinstance(model, FleetModule) and model.state_dict().keys() == \
+        _net().state_dict().keys()  # no wrapper prefix
+    loader = fleet.setup_dataloaders(DataLoader(_data(), batch_size=8))
+    for x, y in loader:
+        fleet.backward(F.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    with fleet.phase("eval"):
+        pass
+    assert spy.seen[:5] == ["data", "forward", "backward", "optimizer", "end"]
+    assert spy.seen.count("end") == fleet.step == 4
+    assert spy.seen[-1] == "eval"
+    with pytest.raises(ConfigError, match="unknown value 'dta'"):
+        fleet.phase("dta")
+    fleet.finish()
+    run = tmp_path / "run"
+    assert {"diagnosis.json", "report.html", "metrics.jsonl"} <= {p.name for p in run.iterdir()}
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if r.get("kind") == "train"] == [2, 4]
+
+
+def test_the_optimizer_is_rebuilt_by_name_and_stays_an_optimizer(tmp_path):
+    fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run"))
+    net = _net()
+    groups = [{"params": net[0].parameters(), "lr": 0.5}, {"params": net[2].parameters()}]
+    model, optimizer = fleet.setup(net, torch.optim.SGD(groups, lr=0.1, momentum=0.9))
+    assert isinstance(optimizer, torch.optim.SGD)
+    assert [g["lr"] for g in optimizer.param_groups] == [0.5, 0.1]
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    fleet.backward(model(torch.ones(2, 4)).sum())
+    optimizer.step()
+    scheduler.step()  # no warning about the order: the step was seen
+    assert [g["lr"] for g in optimizer.param_groups] == [0.25, 0.05]
+    fleet.finish()
+
+
+def test_a_nonfinite_step_is_skipped_on_the_device_path(tmp_path):
+    """A fused optimizer takes the guard's flag: the skipped step changes nothing and
+    is counted at the log interval, with the parameter named."""
+    fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run"), log_every=3)
+    net = _net()
+    model, optimizer = fleet.setup(net, torch.optim.AdamW(net.parameters(), lr=0.1,
+                                                          fused=True))
+    x, y = torch.randn(4, 4), torch.randn(4, 1)
+    weights = []
+    for step in (1, 2, 3):
+        loss = F.mse_loss(model(x), y)
+        fleet.backward(loss * float("nan") if step == 2 else loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        weights.append({k: v.clone() for k, v in model.state_dict().items()})
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert not all(torch.equal(weights[1][k], weights[2][k]) for k in weights[0])
+    assert fleet.run.nonfinite.on_device
+    assert fleet.skipped_steps == 1 and fleet.skip_records[0].step == 2
+    assert fleet.skip_records[0].first_bad_param == "0.weight"
+    fleet.finish()
+
+
+def test_save_and_load_restore_everything(tmp_path):
+    fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run"))
+    net = _net()
+    model, optimizer = fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1,
+                                                        momentum=0.9))
+    loader = fleet.setup_dataloaders(DataLoader(_data(), batch_size=8, shuffle=True))
+    batches = iter(loader)
+    x, y = next(batches)
+    fleet.backward(F.mse_loss(model(x), y))
+    optimizer.step()
+    path = fleet.save(tmp_path / "ck.pt", {"model": model, "optimizer": optimizer,
+                                           "loader": loader, "note": "hello"})
+    assert (tmp_path / "ck.pt.sha256").is_file()
+    assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name]  # renamed in place
+    draw = torch.rand(3)
+    torch.load(path, weights_only=True)  # tensors and plain data only
+
+    other = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run2"))
+    net2 = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    model2, optimizer2 = other.setup(net2, torch.optim.SGD(net2.parameters(), lr=0.1,
+                                                           momentum=0.9))
+    loader2 = other.setup_dataloaders(DataLoader(_data(), batch_size=8, shuffle=True))
+    state = {"model": model2, "optimizer": optimizer2, "loader": loader2, "note": None}
+    assert other.load(path, state) == {}
+    assert state["note"] == "hello"
+    assert torch.equal(torch.rand(3), draw)  # the RNG continues where it was saved
+    for k, v in model.state_dict().items():
+        assert torch.equal(model2.state_dict()[k], v)
+    assert optimizer2.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
+    assert [b[0].tolist() for b in loader2] == [b[0].tolist() for b in batches]
+    with pytest.raises(CheckpointError, match="holds no 'epoch'"):
+        other.load(path, {"epoch": 0})
+    (tmp_path / "ck.pt").write_bytes(b"damaged")
+    with pytest.raises(CheckpointError):
+        other.load(path, {})
+    fleet.finish()
+    other.finish()
+
+
+def test_a_fleet_of_several_ranks_asks_for_launch(tmp_path):
+    fleet = gpufleet.Fleet(accelerator="cpu", devices=2, run_dir=str(tmp_path / "run"))
+    assert fleet.world_size == 2 and fleet.run is None  # the ranks are not started yet
+    with pytest.raises(ConfigError, match=r"fleet.launch\(fn\)"):
+        fleet.setup(_net())
+
+
+def test_clip_gradients_clips_and_returns_the_norm(tmp_path):
+    fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run"))
+    net = _net()
+    model, optimizer = fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    fleet.backward(model(torch.full((2, 4), 100.0)).sum())
+    norm = fleet.clip_gradients(model, optimizer, max_norm=1.0)
+    after = torch.linalg.vector_norm(torch.stack(
+        [p.grad.norm() for p in model.parameters()]))
+    assert float(norm) > 1.0 and float(after) == pytest.approx(1.0, rel=1e-4)
+    with pytest.raises(ConfigError, match="max_norm"):
+        fleet.clip_gradients(model, optimizer)
+    fleet.finish()
+
+
+def test_all_reduce_in_one_process_is_the_value(tmp_path):
+    fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run"))
+    assert fleet.all_reduce(3.0) == 3.0
+    assert torch.equal(fleet.all_reduce(torch.ones(2), "sum"), torch.ones(2))
+    with pytest.raises(ConfigError, match="reduce_op"):
+        fleet.all_reduce(1.0, "avg")
+    fleet.finish()
+
+
+def test_an_error_in_the_loop_leaves_a_crash_report(tmp_path):
+    fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run"))
+
+    def loop(fleet):
+        net = _net()
+        model, optimizer = fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        fleet.backward(model(torch.ones(2, 4)).sum())
+        optimizer.step()
+        raise RuntimeError("the loop broke")
+
+    with pytest.raises(RuntimeError, match="the loop broke"):
+        fleet.launch(loop)
+    report = (tmp_path / "run" / "crash" / "rank-0.txt").read_text()
+    assert "RuntimeError: the loop broke" in report and "step: 1" in report
+    fleet.finish()
