@@ -84,7 +84,8 @@ class Liveness:
         done = threading.Thread(target=self._say_done, daemon=True)
         done.start()
         done.join(timeout=1)
-        self._threads[1].join(timeout=2)
+        if self._threads[1].ident is not None:  # started (fit may fail before it)
+            self._threads[1].join(timeout=2)
 
     def _say_done(self) -> None:
         try:
