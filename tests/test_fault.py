@@ -322,7 +322,8 @@ def test_a_silent_rank_is_named_by_its_process_state_when_its_node_answers():
     beat = {"rank": 1, "step": 8, "phase": "forward", "phase_since": 80.0, "age_s": 16.0,
             "node": 0, "host": "a", "pid": 7}
     words = {"T": "is alive but stopped (state T", "D": "stuck in the kernel (state D",
-             GONE: "is dead (it no longer runs)", "S": "alive (state S) but its heartbeat"}
+             GONE: "is dead (it no longer runs)",
+             "S": "alive (state S) but its heartbeats do not arrive"}
     for state, expect in words.items():
         first = stall_report([{**beat, "rank": 0, "age_s": 0.1},
                               {**beat, "proc_state": state}], 100.0,

@@ -52,6 +52,7 @@ def state_words(state: str, pid: Any = "?", host: str = "?") -> str | None:
                 "node is up")
     if state:
         return (f"its process (pid {pid} on {host}) is alive (state {state}) but its "
-                "heartbeat thread does not run: native code holds Python's interpreter "
-                "lock, or the process is starved of CPU; see its stack")
+                "heartbeats do not arrive: its heartbeat thread does not run (native code "
+                "holds Python's interpreter lock, or the process is starved of CPU) or its "
+                "connection to the store is cut")
     return None
