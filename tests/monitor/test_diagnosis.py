@@ -95,7 +95,8 @@ def test_communication_bound_on_one_node_only_when_the_all_reduce_is_measured_sl
     (f,) = diagnose(s, facts)
     assert f.rule == "communication-bound" and "waits 10.0 ms of each 20.0 ms step" in f.message
     assert "optim.grad_accum from 1 to 2" in f.fix and "bucket_cap_mb from 25 to 50" in f.fix
-    assert f.confidence == "medium" and f.measurements["comm_s"] == 0.010
+    # Nothing to measure the all-reduce against on one node: said, but unsure.
+    assert (f.severity, f.confidence) == ("info", "low") and f.measurements["comm_s"] == 0.010
     # One node, no link measured slow: no compression, no cross-node advice.
     assert "powersgd" not in f.fix and "local_sgd" not in f.fix and "node" not in f.fix
 

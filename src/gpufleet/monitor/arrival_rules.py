@@ -144,8 +144,17 @@ def communication_bound(s: Summary, facts: RunFacts) -> Finding | None:
         fix += (". Measure each node's link with `gpufleet bench allreduce` run on every "
                 "node with the run's --nnodes/--node-rank/--master-addr")
     fix += "."
-    confidence = "high" if measured_slow else "medium"
-    return Finding("communication-bound", "warn", "communication-bound", message, fix,
+    if several:
+        severity, confidence = "warn", "high" if measured_slow else "medium"
+    else:
+        # One node: nothing says the all-reduce is slow for its bytes (no link to
+        # measure it against); gloo reduces on a CPU that may be busy with other work.
+        severity, confidence = "info", "low"
+        message += (" On one node no link was measured slow: a busy CPU (gloo reduces "
+                    "on the CPU) or the gradients' size may be the cause; "
+                    "`gpufleet bench allreduce` measures what this node's all-reduce can "
+                    "do.")
+    return Finding("communication-bound", severity, "communication-bound", message, fix,
                    changes={"optim.grad_accum": 2 * facts.grad_accum},
                    confidence=confidence,
                    measurements={"comm_s": comm, "wait_s": waits, "grad_bytes": grad_bytes,
