@@ -19,9 +19,14 @@ with this folder on PYTHONPATH).
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
 import json
 import os
+import random
+import re
 import statistics
+import string
 import subprocess
 import sys
 import tempfile
@@ -34,6 +39,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import Dataset
 
 HERE = Path(__file__).resolve().parent
@@ -64,6 +70,73 @@ def make_mlp(dim: int = 256, width: int = 512, depth: int = 3, extra: int = 0,
     return _Mlp(dim, width, depth, extra, slow_rank)
 
 
+def _mine(rank: int) -> bool:
+    return int(os.environ.get("RANK", "0")) == rank
+
+
+class _ExtraBackward(torch.autograd.Function):
+    """Identity whose backward does ``n`` extra matmuls of real arithmetic."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, n: int) -> torch.Tensor:
+        ctx.n = n
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        _busy(ctx.n)
+        return grad, None, None
+
+
+class _Variant(nn.Module):
+    """The MLP with one kind of extra cost on rank ``rank`` (see :func:`make_variant`)."""
+
+    def __init__(self, kind: str, rank: int, amount: int, dim: int = 256) -> None:
+        super().__init__()
+        self.inner = make_mlp(dim=dim)
+        self.kind, self.amount, self.dim = kind, amount if _mine(rank) else 0, dim
+        self.garbage: list[dict[str, int]] = []
+        self.calls = 0
+        self.last = 0.0
+        if kind == "optimizer" and self.amount:
+            register_optimizer_step_post_hook(functools.partial(_busy, self.amount))
+        if kind == "threads" and self.amount:
+            torch.set_num_threads(1)  # this rank alone runs on one thread
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        batch = x.shape[0]
+        out = self.inner(x.reshape(-1, self.dim))  # uneven: items of several rows
+        out = out.view(batch, -1).mean(-1, keepdim=True)
+        if self.kind == "backward" and self.amount:
+            out = _ExtraBackward.apply(out, None, self.amount)
+        if self.kind == "gc" and self.amount:
+            # Many live Python objects and a full collection every 4th step: the pauses
+            # a long-lived cache of small objects brings.
+            if not self.garbage:
+                self.garbage = [{"i": i} for i in range(self.amount * 100_000)]
+            if self.calls % 4 == 0:
+                gc.collect()
+        if self.kind == "item":
+            self.last = out.mean().item()  # a user metric read every step (a host sync)
+        return out
+
+
+def _busy(n: int, *_: Any) -> None:
+    """``n`` 256x256 matmuls (about 2 ms each on one core): extra work."""
+    g = torch.ones(256, 256) / 256
+    for _ in range(n):
+        g = torch.tanh(g @ g)
+
+
+def make_variant(kind: str, rank: int = 1, amount: int = 1) -> nn.Module:
+    """The MLP with ``kind`` of extra cost on rank ``rank``: ``backward`` (extra
+    arithmetic in backward), ``optimizer`` (in the optimizer step), ``gc`` (full
+    collections over many live objects), ``threads`` (one torch thread on that rank),
+    ``item`` (a ``.item()`` every step, every rank)."""
+    return _Variant(kind, rank, amount)
+
+
 class _Data(Dataset):
     def __init__(self, n: int, dim: int, delay: float) -> None:
         g = torch.Generator().manual_seed(0)
@@ -83,6 +156,53 @@ class _Data(Dataset):
 def make_data(n: int = 16384, dim: int = 256, delay: float = 0.0) -> Dataset:
     """Random inputs; each item takes ``delay`` seconds to read."""
     return _Data(n, dim, delay)
+
+
+class _Rows(Dataset):
+    """Items of ``rows`` x ``dim`` (``rows`` per rank: uneven work across ranks)."""
+
+    def __init__(self, n: int, dim: int, rows: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, rows, dim, generator=g)
+        self.y = self.x[:, 0, :1].tanh()
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+def make_uneven_data(n: int = 4096, dim: int = 256, rank: int = 1, rows: int = 4) -> Dataset:
+    """Rank ``rank``'s items hold ``rows`` rows each, the others' one (a rank whose
+    batches hold more work, as with unsorted variable-length samples)."""
+    return _Rows(n, dim, rows if _mine(rank) else 1)
+
+
+class _Texts(Dataset):
+    """Items tokenized on read in the main process (a Python tokenizer per item)."""
+
+    def __init__(self, n: int, dim: int, words: int) -> None:
+        rng = random.Random(0)
+        vocab = ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 9)))
+                 for _ in range(5000)]
+        self.texts = [" ".join(rng.choices(vocab, k=words)) for _ in range(n)]
+        self.dim = dim
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = [sum(map(ord, w)) % self.dim for w in re.findall(r"\w+", self.texts[i].lower())]
+        x = torch.zeros(self.dim)
+        for t in ids:  # a bag of words, built the slow way a Python tokenizer does
+            x[t] += 1.0
+        return x, x[:1].tanh()
+
+
+def make_text_data(n: int = 8192, dim: int = 256, words: int = 30) -> Dataset:
+    """Text tokenized in ``__getitem__``: with data.num_workers=0 it runs in the loop."""
+    return _Texts(n, dim, words)
 
 
 # -- the scenarios -----------------------------------------------------------------------
@@ -137,9 +257,52 @@ def scenarios() -> list[Scenario]:
                  ["--checkpoint.every=1", "--model.kwargs={width = 1024}"], quick=True),
         Scenario("slow metrics sink (50 ms per log, every step)", "slow-logging",
                  ["--log.every=1"], launcher="slow-sink", quick=True),
+        # Designed from users' reports, not from the rules.
+        *_user_reports(cores),
         Scenario("data-loader workers restarted every epoch", "input-bound",
                  needs="not buildable: gpufleet keeps its workers for the whole run "
                        "(persistent_workers) and takes no user DataLoader"),
+    ]
+
+
+def _variant(kind: str, amount: int, *more: str) -> list[str]:
+    return ["--model=diagnosis_zoo:make_variant",
+            f'--model.kwargs={{kind = "{kind}", amount = {amount}}}', *more]
+
+
+def _user_reports(cores: int) -> list[Scenario]:
+    """Slowdowns as users describe them in bug reports."""
+    two = ["--nproc=2", "--batch-size=32"]
+    return [
+        Scenario("backward straggler (rank 1: extra arithmetic in backward)", "straggler",
+                 [*two, *_variant("backward", 4)], quick=True,
+                 cause_removed=([*two, *_variant("backward", 0)], {}, 0)),
+        Scenario("optimizer-step straggler (rank 1's optimizer does extra work)",
+                 "straggler", [*two, *_variant("optimizer", 4)],
+                 cause_removed=([*two, *_variant("optimizer", 0)], {}, 0)),
+        Scenario("GC pauses on rank 1 (300k live objects, a full collection every 4th "
+                 "step)", "straggler", [*two, *_variant("gc", 3)],
+                 cause_removed=([*two, *_variant("gc", 0)], {}, 0)),
+        Scenario("one rank with fewer threads (rank 1 on 1 thread, rank 0 on half the "
+                 "cores)", "straggler", [*two, *_variant("threads", 1)],
+                 env={"OMP_NUM_THREADS": str(max(1, cores // 2))},
+                 cause_removed=([*two, *_variant("threads", 0)],
+                                {"OMP_NUM_THREADS": str(max(1, cores // 2))}, 0),
+                 needs=None if cores >= 4 else f"skipped: needs 4 cores ({cores} here: "
+                       "each of 2 ranks already runs on one thread)"),
+        # On a CPU an .item() waits for no device: there is nothing to find.
+        Scenario("a user metric read with .item() every step (CPU: no device to wait "
+                 "for)", None, _variant("item", 1)),
+        Scenario("uneven batches (rank 1's items hold 4x the rows)", "straggler",
+                 [*two, *_variant("uneven", 0), "--data=diagnosis_zoo:make_uneven_data"],
+                 cause_removed=([*two, *_variant("uneven", 0),
+                                 "--data=diagnosis_zoo:make_uneven_data",
+                                 "--data.kwargs={rows = 1}"], {}, 0)),
+        Scenario("tokenizer in the main process (num_workers=0)", "input-bound",
+                 ["--data=diagnosis_zoo:make_text_data"]),
+        Scenario("checkpoints to a slow file system", "time-outside-steps",
+                 needs="not built: needs a cgroup io.max limit or a dm-delay loop device"),
+        Scenario("clean, 2 ranks", None, two),
     ]
 
 
@@ -198,6 +361,9 @@ def run_scenario(scn: Scenario, out: Path, repeats: int) -> dict[str, Any]:
     first = slow[0].findings[0] if slow[0].findings else None
     row["first"] = first.rule if first else "(none)"
     row["correct"] = row["first"] == row["expected"]
+    row["confident_wrong"] = _confident_wrong(first, row["correct"])
+    if first is not None and first.confidence:
+        row["first"] += f" ({first.confidence})"
     if scn.expected is None:
         return {**row, "fix": "-", "speedup": None, "note": _titles(slow[0])}
     if scn.cause_removed is not None:
@@ -259,19 +425,36 @@ def _slow_link(out: Path, repeats: int, mbit: float = 20.0) -> dict[str, Any]:
             "speedup": after / before if before else None}
 
 
+def _confident_wrong(first: Any, correct: bool) -> bool:
+    """A wrong first finding that does not say it is unsure: a warning whose confidence
+    is not "low" (rules that do not grade themselves count as sure)."""
+    return first is not None and not correct and first.severity == "warn" and \
+        first.confidence != "low"
+
+
 def _titles(m: Any) -> str:
     return "; ".join(f.title for f in m.findings)
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print("| scenario | expected | first finding | correct? | fix applied | speed-up |")
-    print("|---|---|---|---|---|---|")
+    print("| scenario | expected | first finding | correct? | wrong but confident? | "
+          "fix applied | speed-up |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         speed = f"{r['speedup']:.2f}x ({r['before']:.0f} -> {r['after']:.0f} samples/s)" \
             if r.get("speedup") else (r.get("note") or "-")
         correct = {True: "yes", False: "NO"}.get(r["correct"], r["correct"])
-        print(f"| {r['scenario']} | {r['expected']} | {r['first']} | {correct} | "
+        wrong = {True: "YES", False: "no"}.get(r.get("confident_wrong", "-"), "-")
+        print(f"| {r['scenario']} | {r['expected']} | {r['first']} | {correct} | {wrong} | "
               f"{r['fix']} | {speed} |")
+    ran = [r for r in rows if r["correct"] in (True, False)]
+    said = [r for r in ran if r["first"] != "(none)"]
+    due = [r for r in ran if r["expected"] != "(none)"]
+    hits = [r for r in said if r["correct"]]
+    print(f"\nprecision (first findings that are right): {len(hits)}/{len(said)}; recall "
+          f"(slowdowns named first): {sum(r['correct'] for r in due)}/{len(due)}; "
+          f"wrong but confident: {sum(bool(r.get('confident_wrong')) for r in ran)}/"
+          f"{len(ran)}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,8 @@ import gc
 import hashlib
 import json
 import logging
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -310,6 +312,66 @@ def test_stall_report_tells_a_silent_rank_from_one_that_is_behind():
     assert "still answering: rank 0" in text and "behind" not in text
     # Without the ages, the same beats read as a rank that is behind.
     assert stall_report(beats, 100.0).startswith("rank 1 is behind")
+
+
+def test_a_silent_rank_is_named_by_its_process_state_when_its_node_answers():
+    from gpufleet.fault.procstate import GONE, process_state
+
+    me = process_state(os.getpid())
+    assert me in ("R", "S")
+    beat = {"rank": 1, "step": 8, "phase": "forward", "phase_since": 80.0, "age_s": 16.0,
+            "node": 0, "host": "a", "pid": 7}
+    words = {"T": "is alive but stopped (state T", "D": "stuck in the kernel (state D",
+             GONE: "is dead (it no longer runs)",
+             "S": "alive (state S) but its heartbeats do not arrive"}
+    for state, expect in words.items():
+        first = stall_report([{**beat, "rank": 0, "age_s": 0.1},
+                              {**beat, "proc_state": state}], 100.0,
+                             silent_after=15.0).splitlines()[0]
+        assert expect in first and "down or cut off" not in first, first
+        assert "its process (pid 7 on a)" in first
+
+
+def test_a_quiet_ranks_process_state_is_read_on_its_own_node_and_relayed():
+    """Rank 1 (on "node-b") goes silent; rank 2, also on "node-b", reads its process
+    (a real stopped one) from /proc and answers rank 0 through the store."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from gpufleet.fault.liveness import Liveness
+
+    frozen = subprocess.Popen(["sleep", "60"])
+    os.kill(frozen.pid, signal.SIGSTOP)
+    host = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                    timeout=timedelta(seconds=5))
+    verdicts: dict[int, object] = {}
+    watches = []
+    try:
+        for rank in range(3):
+            store = host if rank == 0 else TCPStore("127.0.0.1", host.port, is_master=False,
+                                                    timeout=timedelta(seconds=2))
+            beat = {"rank": rank, "step": 1, "phase": "data", "host": "node-b",
+                    "pid": frozen.pid if rank == 1 else os.getpid()}
+            w = Liveness(store, "q", rank, 3, lambda b=beat: b, 0.05, 1.0,
+                         lambda v, r=rank: verdicts.setdefault(r, v))
+            if rank == 2:
+                w._host = "node-b"
+            watches.append(w)
+            w.start()
+        time.sleep(0.3)
+        watches[1]._stop.set()  # rank 1 goes silent
+        deadline = time.monotonic() + 10
+        while 0 not in verdicts and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(verdicts[0].silent) == [1]
+        assert verdicts[0].beats[1]["proc_state"] == "T"
+        assert watches[0].limit(1) == 1.0  # beats every 50 ms: the floor holds
+    finally:
+        for w in watches:
+            w._stop.set()
+        frozen.kill()
+        frozen.wait()
 
 
 def test_liveness_names_a_rank_that_stops_beating_and_the_rank_that_lost_the_store():

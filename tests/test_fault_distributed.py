@@ -4,6 +4,7 @@ agent is in test_distributed.)"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -57,6 +58,51 @@ def test_a_stalled_rank_is_named_with_every_stack_saved(run_cli, tmp_path):
     assert "time.sleep(self.sleep)" in (hangs / "rank-1.txt").read_text()
     rank0 = (hangs / "rank-0.txt").read_text()
     assert "in phase 'backward'" in rank0 and "backward" in rank0
+
+
+def test_a_stopped_rank_is_named_as_stopped_within_20_s_and_the_run_ends(tmp_path):
+    """SIGSTOP freezes rank 1 (alive, sockets open, heartbeat thread stopped): with the
+    default heartbeat timeout, rank 0 names it as stopped, read from /proc, not as a
+    node that is down; the run then ends instead of waiting out the collective."""
+    run = tmp_path / "runs" / "frozen"
+    cmd = [sys.executable, "-m", "gpufleet", "train", *TOY, "--max-steps", "100000",
+           "--data", "toyjob:make_slow_data", "--data.kwargs={delay = 0.002}",
+           "--run-dir", "runs/frozen", "--checkpoint.save_final", "false"]
+    job = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    rank1 = None
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.jsonl").is_file() or rank1 is None:
+            assert job.poll() is None and time.monotonic() < deadline, "the run did not start"
+            records = [json.loads(p.read_text()) for p in (run / "procs").glob("*.json")] \
+                if (run / "procs").is_dir() else []
+            rank1 = next((r["pid"] for r in records if r.get("rank") == 1), None)
+            time.sleep(0.2)
+        os.kill(rank1, signal.SIGSTOP)
+        stopped = time.monotonic()
+        reports = run / "hangs" / "lost-rank0" / "report.txt"
+        while not reports.is_file():
+            assert time.monotonic() - stopped < 40, "no report"
+            time.sleep(0.2)
+        named_after = time.monotonic() - stopped
+        first = reports.read_text().splitlines()[0]
+        assert f"its process (pid {rank1} on " in first and "is alive but stopped" in first
+        assert "down or cut off" not in first
+        assert named_after < 20.0, named_after
+        # The run ends at once: the stopped rank is ended with SIGKILL (the launcher's
+        # SIGTERM would wait its 30 s grace), and nobody waits for dist.timeout.
+        reported = time.monotonic()
+        _, err = job.communicate(timeout=90)
+        assert job.returncode != 0 and time.monotonic() - reported < 25, err[-3000:]
+        assert "exit code 69" in err
+    finally:
+        if rank1 is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank1, signal.SIGKILL)
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
 
 
 # Slow: tests/test_procs.py ends real recorded process trees in the default run.

@@ -10,6 +10,7 @@ import time
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import Dataset, TensorDataset
 
 from gpufleet.core.callbacks import Callback
@@ -238,3 +239,41 @@ class StopOnOneRank(Callback):
 def plain_sgd(params):
     """Plain SGD at lr 0.2: an update that is linear in the gradient."""
     return torch.optim.SGD(params, lr=0.2)
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps ``delay`` seconds (extra work in backward)."""
+
+    @staticmethod
+    def forward(ctx, x, delay):
+        ctx.delay = delay
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.delay)
+        return grad, None
+
+
+class _BackwardStraggler(nn.Module):
+    def __init__(self, inner: nn.Module, delay: float) -> None:
+        super().__init__()
+        self.inner, self.delay = inner, delay
+
+    def forward(self, x):
+        out = self.inner(x)
+        return _SlowBackward.apply(out, self.delay) if self.delay else out
+
+
+def make_model_slow_backward(rank: int = 1, delay: float = 0.015) -> nn.Module:
+    """The toy model; on rank ``rank`` its backward does ``delay`` s of extra work."""
+    mine = int(os.environ.get("RANK", "0")) == rank
+    return _BackwardStraggler(make_model(), delay if mine else 0.0)
+
+
+def make_model_slow_optimizer(rank: int = 1, delay: float = 0.015) -> nn.Module:
+    """The toy model; on rank ``rank`` every optimizer step takes ``delay`` s longer."""
+    if int(os.environ.get("RANK", "0")) == rank:
+        register_optimizer_step_post_hook(
+            lambda *_: time.sleep(delay))
+    return make_model()

@@ -304,11 +304,12 @@ class FaultConfig(Section):
                                    "checkpoint and exit 75 (requeue; 130 for Ctrl-C). Each "
                                    "check is a one-int CPU all-reduce (about 1 ms on a busy "
                                    "2-core host); 0: signals are not caught.", min=0)
-    heartbeat_timeout_s: float = opt(60.0, "A rank whose heartbeat has not moved for this "
-                                     "many seconds stopped answering (a node down or cut "
-                                     "off): it is named and the run ends or restarts "
-                                     "elastically, instead of waiting dist.timeout.",
-                                     min=0.5)
+    heartbeat_timeout_s: float = opt(15.0, "A rank whose heartbeat has not moved for this "
+                                     "many seconds (or three times the longest gap its "
+                                     "beats showed, when longer) stopped answering "
+                                     "(stopped, dead, or its node down or cut off): it is "
+                                     "named and the run ends or restarts elastically, "
+                                     "instead of waiting dist.timeout.", min=0.5)
 
 
 @dataclass

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from gpufleet.fault.procstate import process_state
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +35,9 @@ class Verdict:
     Attributes:
         silent: Ranks that stopped answering (seen from rank 0), with their last beats.
         cut_off_s: Seconds this rank has not reached the store (0 when it has).
-        beats: Every rank's last heartbeat (None: never seen), with ``age_s`` added.
+        beats: Every rank's last heartbeat (None: never seen), with ``age_s`` added,
+            and ``proc_state`` for a quiet rank whose node answered what its process is
+            doing (:func:`gpufleet.fault.procstate.process_state`).
     """
 
     silent: dict[int, dict[str, Any] | None]
@@ -65,6 +70,10 @@ class Liveness:
         self._last_ok = start  # this rank's last successful store round trip
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it moved)
         self._beats: dict[int, dict[str, Any]] = {}
+        self._gaps: dict[int, float] = {}  # rank -> longest time its beat took to move
+        self._states: dict[int, str] = {}  # quiet rank -> its process state (its node's)
+        self._asked = ""
+        self._host = socket.gethostname()
         self._start = start
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._beat_loop, daemon=True,
@@ -84,7 +93,8 @@ class Liveness:
         done = threading.Thread(target=self._say_done, daemon=True)
         done.start()
         done.join(timeout=1)
-        self._threads[1].join(timeout=2)
+        if self._threads[1].ident is not None:  # started (fit may fail before it)
+            self._threads[1].join(timeout=2)
 
     def _say_done(self) -> None:
         try:
@@ -103,6 +113,9 @@ class Liveness:
                                json.dumps({**self.beat(), "beat": count}))
                 if self.rank == 0:
                     self._read_all()
+                    self._ask_about_quiet()
+                else:
+                    self._answer_asks()
                 with self._lock:
                     self._last_ok = time.monotonic()
             except Exception as e:  # a dead link: the judge notices the silence
@@ -118,12 +131,58 @@ class Liveness:
             for key, raw in zip(present, values, strict=True):
                 beat = json.loads(raw)
                 rank = int(key.rsplit("/", 1)[1])
-                if self._seen.get(rank, (None, 0.0))[0] != beat["beat"]:
+                count, moved = self._seen.get(rank, (None, 0.0))
+                if count != beat["beat"]:
+                    if count is not None:  # a gap between two beats (not start-up)
+                        self._gaps[rank] = max(self._gaps.get(rank, 0.0), now - moved)
                     self._seen[rank] = (beat["beat"], now)
+                    self._states.pop(rank, None)
                 self._beats[rank] = beat
 
     def _key(self, rank: int) -> str:
         return f"{self.prefix}/alive/{rank}"
+
+    def limit(self, rank: int) -> float:
+        """Seconds of silence after which ``rank`` counts as lost: ``timeout_s``, or
+        three times the longest gap its beats showed so far when that is longer (a
+        loaded machine, a long checkpoint write holding the interpreter)."""
+        return max(self.timeout_s, 3.0 * self._gaps.get(rank, 0.0))
+
+    def _ask_about_quiet(self) -> None:
+        """Rank 0: find out what the processes of ranks quiet for a third of their
+        limit are doing: read /proc for those on this node; ask the others' nodes
+        through the store (:meth:`_answer_asks`), and read what they answered."""
+        now = time.monotonic()
+        with self._lock:
+            quiet = {r: self._beats[r] for r, (_, moved) in self._seen.items()
+                     if r != 0 and r in self._beats and not self._beats[r].get("done")
+                     and now - moved > self.limit(r) / 3}
+        remote = {}
+        for r, beat in quiet.items():
+            if beat.get("host") == self._host:
+                state = process_state(int(beat.get("pid", -1)))
+                with self._lock:
+                    self._states[r] = state
+            else:
+                remote[str(r)] = [beat.get("host"), beat.get("pid")]
+        asked = json.dumps(remote, sort_keys=True)
+        if asked != self._asked:
+            self.store.set(f"{self.prefix}/ask", asked)
+            self._asked = asked
+        for r in remote:
+            key = f"{self.prefix}/proc/{r}"
+            if self.store.check([key]):
+                with self._lock:
+                    self._states[int(r)] = self.store.get(key).decode()
+
+    def _answer_asks(self) -> None:
+        """Any other rank: answer rank 0's questions about processes on this node."""
+        key = f"{self.prefix}/ask"
+        if not self.store.check([key]):
+            return
+        for r, (host, pid) in json.loads(self.store.get(key)).items():
+            if host == self._host and int(r) != self.rank:
+                self.store.set(f"{self.prefix}/proc/{r}", process_state(int(pid)))
 
     # -- the judging thread (no I/O) ------------------------------------------------------
     def verdict(self) -> Verdict:
@@ -136,9 +195,10 @@ class Liveness:
                 _, moved = self._seen.get(r, (None, self._start))
                 beat = self._beats.get(r)
                 age = now - moved
-                beats.append({**beat, "age_s": age} if beat else None)
+                extra = {"proc_state": self._states[r]} if r in self._states else {}
+                beats.append({**beat, "age_s": age, **extra} if beat else None)
                 finished = bool(beat and beat.get("done"))
-                if self.rank == 0 and r != 0 and age > self.timeout_s and not finished:
+                if self.rank == 0 and r != 0 and age > self.limit(r) and not finished:
                     silent[r] = beats[-1]
             cut_off = now - self._last_ok
         return Verdict(silent, cut_off if cut_off > self.timeout_s else 0.0, beats)

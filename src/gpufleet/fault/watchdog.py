@@ -14,9 +14,11 @@ dumps its Python stacks to ``<run_dir>/hangs/<id>/rank-<R>.txt``, and rank 0 wri
 makes every rank's *step* slow, so "behind" is read from how far each rank got
 (steps done, then the phase within the step), not from step times.
 
-A rank that stopped answering (its node died or was cut off) is told apart from one
-that is slow by :mod:`gpufleet.fault.liveness`: after ``fault.heartbeat_timeout_s`` of
-silence, rank 0 writes a report naming the silent rank(s) and their node, and the rank
+A rank that stopped answering is told apart from one that is slow by
+:mod:`gpufleet.fault.liveness`: after ``fault.heartbeat_timeout_s`` of silence, rank 0
+writes a report naming the silent rank(s), their node and what their process is doing
+(stopped, stuck in the kernel, dead, or alive without a running heartbeat thread, read
+from ``/proc`` on its node; nothing from its node: the node is down or cut off), and the rank
 that lost the store says it is the one cut off. Either then ends its process (exit code
 :data:`EXIT_RANK_LOST`) instead of waiting out the collective timeout: the launcher
 fails with that report, or the elastic agent restarts without the lost node.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import statistics
 import sys
@@ -41,6 +44,7 @@ from gpufleet.config import FaultConfig
 from gpufleet.core.callbacks import Callback
 from gpufleet.core.phases import Phase
 from gpufleet.fault.liveness import Liveness, Verdict
+from gpufleet.fault.procstate import state_words
 
 log = logging.getLogger(__name__)
 
@@ -253,6 +257,7 @@ class Watchdog(Callback):
         text += (f"\nEnding rank {self.rank} (exit code {EXIT_RANK_LOST}) rather than "
                  f"waiting out the collective timeout; with --max-restarts and an elastic "
                  "--nnodes MIN:MAX the agent restarts without the lost node.")
+        text += _end_stopped(verdict)
         try:
             self._dump_stacks(folder)
             (folder / "report.txt").write_text(text + "\n")
@@ -272,6 +277,26 @@ class Watchdog(Callback):
         self.reports.append(path)
         log.error("stalled step: %s (stacks and report in %s)", text.splitlines()[0],
                   folder)
+
+
+def _end_stopped(verdict: Verdict) -> str:
+    """SIGKILL the silent ranks found stopped (state T) on this node: a stopped process
+    cannot take the launcher's SIGTERM, which would hold the end of the run back by the
+    launcher's grace period. Returns what was done, for the report."""
+    ended = []
+    for beat in verdict.silent.values():
+        if not beat or beat.get("proc_state") not in ("T", "t") or \
+                beat.get("host") != socket.gethostname():
+            continue
+        try:
+            os.kill(int(beat["pid"]), signal.SIGKILL)
+            ended.append(f"rank {beat['rank']} (pid {beat['pid']})")
+        except (OSError, KeyError, ValueError) as e:
+            log.debug("could not end stopped rank %s: %s", beat.get("rank"), e)
+    if not ended:
+        return ""
+    return (f"\nEnded the stopped {', '.join(ended)} with SIGKILL (a stopped process "
+            "cannot take the launcher's SIGTERM).")
 
 
 def _where(beat: dict[str, Any]) -> str:
@@ -302,9 +327,11 @@ def stall_report(beats: list[dict[str, Any] | None], now: float,
     where = {b["rank"]: b["step"] * 10 + _OFFSET.get(b["phase"], 0) for b in known}
     lines = []
     for b in gone:
+        why = state_words(b.get("proc_state", ""), b.get("pid", "?"), b.get("host", "?"))
         lines.append(f"rank {b['rank']} ({_where(b)}) stopped answering: no heartbeat for "
                      f"{b['age_s']:.0f} s (last seen with {b['step']} steps done, phase "
-                     f"{b['phase']!r}); its node is down or cut off, it is not slow")
+                     f"{b['phase']!r}); {why or 'its node is down or cut off'}, it is not "
+                     "slow")
     if known:
         low = min(where.values())
         behind = [b for b in known if where[b["rank"]] == low]

@@ -20,6 +20,7 @@ import torch
 
 from gpufleet.core.callbacks import Callback
 from gpufleet.core.machine import cores_per_rank, usable_cores
+from gpufleet.monitor.arrival import ARRIVAL
 from gpufleet.monitor.diagnose import (
     DIAGNOSIS_FILE,
     Finding,
@@ -63,6 +64,7 @@ class Advisor(Callback):
         self.intervals = 0
         self.steps = 0
         self._sums: dict[int, list[float]] = {}
+        self._arrival: dict[int, list[float]] = {}  # per rank: ARRIVAL sums x steps
         self._step_s = 0.0
         self._flop_s = 0.0  # sum of tflops x steps
         self._mem_peak = 0.0
@@ -92,6 +94,10 @@ class Advisor(Callback):
             sums = self._sums.setdefault(row["rank"], [0.0] * len(PHASES))
             for i, name in enumerate(PHASES):
                 sums[i] += row[name] * steps
+        for row in metrics.get("rank_arrival", ()):
+            sums = self._arrival.setdefault(row["rank"], [0.0] * len(ARRIVAL))
+            for i, name in enumerate(ARRIVAL):
+                sums[i] += row[name] * steps
         if "tflops" in metrics:
             self._flop_s += metrics["tflops"] * steps
         self._mem_peak = max(self._mem_peak, metrics.get("mem_peak_gb", 0.0))
@@ -111,7 +117,10 @@ class Advisor(Callback):
         n = self.steps
         rows = [{"rank": r, **{name: v / n for name, v in zip(PHASES, sums)}}
                 for r, sums in sorted(self._sums.items())]
+        arrival = [{"rank": r, **{name: v / n for name, v in zip(ARRIVAL, sums)}}
+                   for r, sums in sorted(self._arrival.items())]
         return Summary(steps=n, step_s=self._step_s / n, rank_phases=rows,
+                       rank_arrival=arrival,
                        tflops=self._flop_s / n or None, mem_peak_gb=self._mem_peak or None,
                        train_s=self._step_s, outside=dict(self._outside),
                        log_callbacks=dict(self._log_callbacks))

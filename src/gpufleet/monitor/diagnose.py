@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from gpufleet.monitor.arrival_rules import communication_bound, measured_waits, straggler
 from gpufleet.monitor.findings import (
     DIAGNOSIS_FILE,
     Finding,
@@ -79,8 +80,10 @@ def _input_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
 def _straggler(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
     if len(s.rank_phases) < 2:
         return None
-    # The gradient all-reduce evens out step times, so compare what each rank does
-    # before it: data wait + forward.
+    if measured_waits(s) is not None:  # when each rank arrives at the all-reduce
+        return straggler(s, facts)
+    # Not measured (no DDP all-reduce to time): the gradient all-reduce evens out step
+    # times, so compare what each rank does before it: data wait + forward.
     before = [p["data"] + p["forward"] for p in s.rank_phases]
     slow = max(range(len(before)), key=before.__getitem__)
     others = [b for i, b in enumerate(before) if i != slow]
@@ -150,36 +153,7 @@ def _reduces_in_backward(strategy: str) -> bool:
 def _communication_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
     if facts.world < 2 or not _reduces_in_backward(facts.strategy):
         return None
-    # Backward computes about twice what forward does; the rest of it is waiting for
-    # the gradient all-reduce (on the fastest rank, so a straggler does not count).
-    waits = [p["backward"] - 2 * p["forward"] for p in s.rank_phases]
-    wait = min(waits)
-    if wait < max(0.3 * s.step_s, 2e-3):
-        return None
-    message = (f"about {_ms(wait)} of each {_ms(s.step_s)} step ({wait / s.step_s:.0%}) goes "
-               "to the gradient all-reduce (backward takes "
-               f"{_ms(min(p['backward'] for p in s.rank_phases))} against "
-               f"{_ms(min(p['forward'] for p in s.rank_phases))} of forward; backward "
-               "usually computes about twice the forward).")
-    if facts.links:  # the link probe ran (several nodes): what it measured
-        message += " " + link_sentence(facts.links)
-    fix = (f"raise optim.grad_accum from {facts.grad_accum} to {2 * facts.grad_accum} (one "
-           f"all-reduce per {2 * facts.grad_accum} micro-batches) or data.batch_size, raise "
-           f"parallel.ddp.bucket_cap_mb from {facts.bucket_cap_mb:g} to "
-           f"{max(50.0, 2 * facts.bucket_cap_mb):g} (fewer, larger messages)")
-    if facts.comm_hooks:  # the strategy's traits: resolve refuses the hooks elsewhere
-        fix += (", send fewer bytes with parallel.ddp.comm_hook=powersgd (low-rank) or "
-                "fp16 (half the bytes), or average less often with --strategy local_sgd")
-    if slow_node_fix(facts.links):  # the probe named the node behind the slow link
-        fix += ". Or " + slow_node_fix(facts.links)
-    elif facts.world > facts.local_world:  # several nodes: one link may be the slow one
-        fix += (". Find the node behind the slowest link with `gpufleet bench allreduce` "
-                "run on every node with the run's --nnodes/--node-rank/--master-addr")
-    else:
-        fix += ", and measure the link with `gpufleet bench allreduce`"
-    fix += ". docs/across-nodes.md lists what each fix gained on a 20 Mbit/s link."
-    return Finding("communication-bound", "warn", "communication-bound", message, fix,
-                   changes={"optim.grad_accum": 2 * facts.grad_accum})
+    return communication_bound(s, facts)
 
 
 def _slow_link(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:

@@ -25,6 +25,10 @@ class Finding:
         step: the optimizer step at which it was found.
         changes: the fix as settings to try (config keys, and ``env.NAME`` for an
             environment variable), when it is one; ``gpufleet tune`` measures them.
+        confidence: ``high`` (measured directly), ``medium`` (measured, one cause
+            likely) or ``low`` (inferred; another cause is as plausible); "" for rules
+            that do not grade themselves.
+        measurements: the numbers the finding rests on (seconds, bytes, ranks).
     """
 
     rule: str
@@ -34,6 +38,8 @@ class Finding:
     fix: str
     step: int = 0
     changes: dict[str, Any] = field(default_factory=dict)
+    confidence: str = ""
+    measurements: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -41,7 +47,9 @@ class Finding:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Finding:
         return cls(**{k: data[k] for k in ("rule", "severity", "title", "message", "fix")},
-                   step=int(data.get("step", 0)), changes=dict(data.get("changes") or {}))
+                   step=int(data.get("step", 0)), changes=dict(data.get("changes") or {}),
+                   confidence=str(data.get("confidence", "")),
+                   measurements=dict(data.get("measurements") or {}))
 
 
 def findings_for_run(run_dir: str | Path) -> list[Finding]:
@@ -121,3 +129,6 @@ class Summary:
     train_s: float = 0.0  # seconds in training steps
     outside: dict[str, tuple[float, int]] = field(default_factory=dict)  # eval, checkpoint
     log_callbacks: dict[str, float] = field(default_factory=dict)  # seconds in on_log
+    # per rank: wait (s waiting at the end of backward; -1 not measured), gc (s in GC
+    # pauses), grad_bytes (all-reduced), per step (gpufleet.monitor.arrival)
+    rank_arrival: list[dict[str, float]] = field(default_factory=list)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpufleet.monitor.arrival import ARRIVAL
 from gpufleet.monitor.phases import PHASES
 
 
@@ -32,6 +33,18 @@ def phase_metrics(table: list[float], world: int, rank: int,
     if device is not None:
         out["device_phases"] = dict(zip(PHASES, device))
     return out
+
+
+def arrival_metrics(table: list[float], world: int) -> list[dict[str, Any]]:
+    """Every rank's all-reduce wait, GC pauses and gradient bytes (a flat
+    ``[world, ARRIVAL]`` table, mean per step); a wait of -1 means not measured.
+
+    Example:
+        >>> arrival_metrics([0.01, 0.0, 4e6, 0.002, 0.001, 4e6], 2)[1]["wait"]
+        0.002
+    """
+    n = len(ARRIVAL)
+    return [{"rank": r, **dict(zip(ARRIVAL, table[r * n:(r + 1) * n]))} for r in range(world)]
 
 
 def flops_metrics(flops_per_step: float, step_time_s: float,

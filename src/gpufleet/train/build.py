@@ -352,11 +352,13 @@ def _monitors(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path) ->
     """The phase timer, the stall watchdog and the preemption watch, as configured."""
     from gpufleet.fault.preempt import PreemptionWatch
     from gpufleet.fault.watchdog import Watchdog
+    from gpufleet.monitor.arrival import ArrivalTimer
     from gpufleet.monitor.phases import PhaseTimer
 
     fault = cfg.fault
     return Monitors(
         phase_timer=PhaseTimer(device) if cfg.monitor.phases else None,
+        arrival=ArrivalTimer() if cfg.monitor.phases else None,
         watchdog=(Watchdog(fault, run_dir, env.rank, env.world_size, job_store(),
                            env.restart_count, node=(env.node_rank, node_address(env)))
                   if fault.watchdog else None),
@@ -376,7 +378,8 @@ def _own_callbacks(run: Run) -> list[Callback]:
     from gpufleet.monitor.system import SystemSampler
 
     cfg, env, mon, monitors = run.cfg, run.env, run.cfg.monitor, run.monitors
-    own: list[Callback] = [cb for cb in (monitors.phase_timer, monitors.watchdog) if cb]
+    own: list[Callback] = [cb for cb in (monitors.phase_timer, monitors.arrival,
+                                          monitors.watchdog) if cb]
     if cfg.early_stop.metric:
         own.append(EarlyStopping(cfg.early_stop))
     if cfg.profile.steps:  # every rank writes its own trace

@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
-from gpufleet.monitor.metrics import flops_metrics, phase_metrics
+from gpufleet.monitor.arrival import ARRIVAL
+from gpufleet.monitor.metrics import arrival_metrics, flops_metrics, phase_metrics
+from gpufleet.monitor.phases import PHASES
 from gpufleet.train.run import Run
 
 
@@ -70,6 +72,11 @@ class LogInterval:
             table = torch.zeros(world, len(host), dtype=torch.float32)
             table[run.env.rank] = torch.tensor(host)
             parts.append(table.flatten().to(run.device))
+        arrival = run.monitors.arrival
+        if arrival is not None:  # each rank's all-reduce wait and GC pauses, likewise
+            waits = torch.zeros(world, len(ARRIVAL), dtype=torch.float32)
+            waits[run.env.rank] = torch.tensor(arrival.take())
+            parts.append(waits.flatten().to(run.device))
         stats = torch.cat(parts)
         # COLLECTIVE + SYNC, once per log interval: mean loss over ranks and micro-steps,
         # the exact global sample and token counts, and every rank's phase times.
@@ -110,6 +117,9 @@ class LogInterval:
             metrics["tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
         if timer is not None:
             metrics.update(phase_metrics(rest, world, run.env.rank, timer.device_times()))
+            rest = rest[world * len(PHASES):]
+        if arrival is not None:
+            metrics["rank_arrival"] = arrival_metrics(rest, world)
         if run.device.type == "cuda":  # the allocator's own counter: no sync
             metrics["mem_peak_gb"] = torch.cuda.max_memory_reserved(run.device) / 2**30
         if state.flops_per_step and seconds > 0:

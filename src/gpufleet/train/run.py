@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from gpufleet.fault.preempt import PreemptionWatch
     from gpufleet.fault.watchdog import Watchdog
     from gpufleet.monitor.advisor import Advisor
+    from gpufleet.monitor.arrival import ArrivalTimer
     from gpufleet.monitor.phases import PhaseTimer
     from gpufleet.monitor.system import SystemSampler
     from gpufleet.parallel.base import Strategy
@@ -68,6 +69,7 @@ class Monitors:
     not run on this rank (one system sampler per node, the advisor on rank 0)."""
 
     phase_timer: PhaseTimer | None = None
+    arrival: ArrivalTimer | None = None  # the all-reduce wait and GC pauses
     watchdog: Watchdog | None = None
     preemption: PreemptionWatch | None = None
     system_sampler: SystemSampler | None = None

@@ -1,0 +1,100 @@
+"""When each rank arrives at the gradient all-reduce, apart from how long it waits there.
+
+DDP's all-reduce runs inside backward, so every rank's backward lasts as long as the
+slowest rank's: phase lengths alone cannot tell a rank whose backward (or optimizer step,
+or callback, or GC pause) does extra work from the ranks that wait for it. What tells
+them apart is the wait itself. :class:`ArrivalTimer` wraps DDP's default all-reduce hook
+(the math is unchanged: it calls torch's ``allreduce_hook``) to note when this rank's
+last gradient bucket is ready; the time from there to the end of backward is what this
+rank waited for the others (plus the last bucket's own transfer). The all-reduce ends at
+the same moment on every rank, so the waits are comparable across ranks without
+comparing clocks: a rank that waits ``x`` ms less than the others arrived ``x`` ms later.
+
+It also adds up garbage-collection pauses (``gc.callbacks``) and the bytes the gradient
+buckets carry. Per step that is a clock read per bucket, a float add per phase change and
+two per GC pass; the sums are reduced with the phase table once per log interval.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from typing import Any
+
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gpufleet.core.callbacks import Callback
+from gpufleet.core.phases import Phase
+
+log = logging.getLogger(__name__)
+
+#: What each rank adds to the log interval's table (mean per step): seconds waiting at
+#: the end of backward, seconds in GC pauses, gradient bytes all-reduced.
+ARRIVAL = ("wait", "gc", "grad_bytes")
+
+
+class ArrivalTimer(Callback):
+    """Measures this rank's wait in the gradient all-reduce and its GC pauses (see the
+    module docs). Measures no wait when the model is not a DDP module, or when another
+    communication hook (compression, local SGD) is registered already."""
+
+    def __init__(self) -> None:
+        self._ready = 0.0  # when this backward's last bucket was ready (0: none yet)
+        self._bytes = 0
+        self._gc_start = 0.0
+        self._sums = [0.0] * len(ARRIVAL)
+        self._steps = 0
+        #: whether the all-reduce wait is measured (a DDP model took the hook)
+        self.measures_wait = False
+
+    # -- hooks ----------------------------------------------------------------------------
+    def on_fit_start(self, trainer: Any) -> None:
+        self._steps, self._sums = 0, [0.0] * len(ARRIVAL)
+        model = trainer.model
+        if isinstance(model, DDP):
+            try:
+                model.register_comm_hook(model.process_group, self._allreduce)
+                self.measures_wait = True
+            except RuntimeError as e:  # a hook is registered already: DDP takes one
+                log.debug("all-reduce arrival not measured: %s", e)
+        gc.callbacks.append(self._on_gc)
+
+    def on_fit_end(self, trainer: Any, result: Any) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    def _allreduce(self, group, bucket):
+        """torch's default all-reduce hook, with the time this bucket was ready noted.
+        Unannotated: DDP refuses a hook whose annotations are not its own classes."""
+        self._ready = time.perf_counter()
+        buffer = bucket.buffer()
+        self._bytes += buffer.numel() * buffer.element_size()
+        return default_hooks.allreduce_hook(group, bucket)
+
+    def on_phase(self, trainer: Any, phase: str) -> None:
+        if phase == Phase.OPTIMIZER:
+            if self._ready:  # backward (with its all-reduce) just ended
+                self._sums[0] += time.perf_counter() - self._ready
+                self._sums[2] += self._bytes
+                self._ready, self._bytes = 0.0, 0
+        elif phase == Phase.END:
+            self._steps += 1
+
+    def _on_gc(self, stage: str, info: dict[str, Any]) -> None:
+        if stage == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start:
+            self._sums[1] += time.perf_counter() - self._gc_start
+            self._gc_start = 0.0
+
+    # -- at the log interval ----------------------------------------------------------------
+    def take(self) -> list[float]:
+        """Mean per step of each :data:`ARRIVAL` value since the last call; resets."""
+        steps = max(1, self._steps)
+        means = [v / steps for v in self._sums]
+        self._sums, self._steps = [0.0] * len(ARRIVAL), 0
+        if not self.measures_wait:
+            means[0] = -1.0  # not measured (no DDP all-reduce): the rules skip it
+        return means
