@@ -105,11 +105,8 @@ def _launch_ranks(plan: RunPlan, job: Job | None, callbacks: list[Callback],
     cfg, dist = plan.cfg, plan.cfg.dist
     multi_node = plan.world_size > plan.nproc
     # Before any rank starts: what the ranks are sent, and one batch through the job.
-    if job is not None:
-        check_picklable(_sent(job, callbacks), plan.nproc)
-        preflight_job(cfg, job)
-    else:  # the job the config names, built once here: the ranks take it, built
-        job = _reusable(preflight_job(cfg), callbacks)
+    check_picklable(() if job is None else _sent(job, callbacks), plan.nproc)
+    preflight_job(cfg, job)
     if multi_node and owns_process:
         setup_logging(cfg.log.level, DistEnv.detect())  # which interface and store host
     run_id_before, lock, made = os.environ.get(runlock.RUN_ID_ENV), None, []
@@ -154,29 +151,6 @@ def _sent(job: Job, callbacks: Sequence[Callback]) -> tuple:
     """What a rank is sent of ``job``, in :func:`check_picklable`'s order."""
     return (job.model, job.train_data, job.eval_data, job.loss_fn, callbacks,
             job.optimizer, job.scheduler, job.training_step)
-
-
-def _reusable(job: Job | None, callbacks: Sequence[Callback]) -> Job | None:
-    """``job`` (built by the preflight from the config's factories) when the ranks can be
-    sent it, so that none builds its model and data again; None lets every rank build
-    its own, as it does when the preflight is off."""
-    if job is None:
-        return None
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing  # noqa: F401  (tensors pickle through shared memory)
-
-    class _Sink:  # checked by pickling, without holding the bytes
-        def write(self, data: bytes) -> int:
-            return len(data)
-
-    try:
-        ForkingPickler(_Sink()).dump(_sent(job, callbacks))
-    except Exception as e:  # e.g. a factory's model holding a lambda: each rank builds
-        log.debug("the preflight's job cannot be sent to the ranks (%s: %s); each rank "
-                  "builds its own", type(e).__name__, e)
-        return None
-    return job
 
 
 def _plan_and_lock(cfg: Config, multi_node: bool) -> tuple[Config, Any, list[Path]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -97,6 +98,13 @@ class FleetRun:
     callbacks: CallbackList = field(default_factory=lambda: CallbackList([]))
     phases: PhaseAnnouncer = field(default_factory=lambda: PhaseAnnouncer([], None))
     view: Any = None
+    #: the built-in loop's training step: none here, your loop is the step
+    user_step: Any = None
+
+    @property
+    def parts(self) -> list[Any]:
+        """The guarded model, as the log interval reads a run's parts (their guards)."""
+        return [SimpleNamespace(guard=self.nonfinite)]
 
     def request_stop(self, reason: str) -> None:
         """Keep the reason; an own loop decides itself when to stop (see

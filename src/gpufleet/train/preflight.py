@@ -125,13 +125,12 @@ def check_picklable(extra: tuple, nproc: int) -> None:
 
 def preflight_job(cfg: Config, job: Any = None) -> Any:
     """:func:`preflight` for ``job`` (a :class:`gpufleet.job.Job`), or for the job the
-    config names, built here under the run's seed (the weights every rank would build);
-    before it, what the strategy cannot train (a training step, several models) is
-    refused.
+    config names, built here for the check only (each rank builds its own: a factory
+    may build differently on each rank); before it, what the strategy cannot train (a
+    training step, several models) is refused.
 
     Returns:
-        The job checked (None when the preflight is off and no job was given), for the
-        ranks to take instead of building it again.
+        The job checked (None when the preflight is off and no job was given).
     """
     _check_strategy(cfg, job)
     if not cfg.run.preflight:
