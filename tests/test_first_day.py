@@ -211,7 +211,8 @@ def _train_without_loss(run_cli, tmp_path, *args: str) -> str:
 
 def test_a_config_mistake_is_one_line_before_any_rank_starts(run_cli, tmp_path):
     error = _train_without_loss(run_cli, tmp_path, "--nproc", "2")
-    assert error.startswith("gpufleet: error: preflight: a batch of 2 sample(s)")
+    assert error.startswith("gpufleet: error: preflight: calling the model with the batch")
+    assert "pass a loss function" in error and "\n" not in error.strip()
     assert not (tmp_path / "runs").exists()  # no run directory, no crash report
 
 

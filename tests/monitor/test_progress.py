@@ -1,5 +1,6 @@
 import logging
 import re
+import time
 from io import StringIO
 
 import pytest
@@ -37,6 +38,9 @@ def gpu_sampler(tmp_path, monkeypatch):
                           FakeGpu(util=12, mem_used_mb=2048.0, power_mw=None)])
     sampler = SystemSampler(tmp_path / "sys", interval_s=0.05)
     sampler.start()
+    deadline = time.monotonic() + 10
+    while sampler.latest() is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # the first reading, before the run's first log line wants it
     yield sampler
     sampler.stop()
 
