@@ -24,6 +24,7 @@ from torch.utils.data import Dataset
 
 from gpufleet.config import Config, load_config
 from gpufleet.core.callbacks import Callback
+from gpufleet.data.hf import hf_train_eval
 from gpufleet.entry import run_rank, run_training, setup_logging, start_ranks, train
 from gpufleet.train.loop import FitResult
 
@@ -44,7 +45,8 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
 
     Args:
         model: your module. Its forward returns a scalar loss, or give ``loss_fn``.
-        train_data: a map-style Dataset of ``(inputs, target)``, tuples or dicts.
+        train_data: a map-style Dataset of ``(inputs, target)``, tuples or dicts; or a
+            Hugging Face ``datasets.Dataset`` / ``DatasetDict`` (train + validation).
         eval_data: optional evaluation Dataset (evaluated every ``run.eval_every``).
         loss_fn: ``loss(output, target)``, e.g. ``torch.nn.functional.cross_entropy``.
         config: a :class:`Config`, a TOML path, or None for the defaults.
@@ -81,6 +83,8 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
     # process trains, as the run's one rank or as its rank of a torchrun job.
     asks_for_ranks = cfg.dist.nproc > 1 or cfg.dist.nnodes != "1"
     plan = make_plan(cfg, env, model=model, here=not asks_for_ranks)  # the one resolve
+    # A Hugging Face DatasetDict gives its train and validation splits.
+    train_data, eval_data = hf_train_eval(train_data, eval_data)
     job = Job(model, train_data, eval_data, loss_fn, optimizer, scheduler)
     return start_ranks(plan, job, callbacks,
                        eval_metrics, owns_process=False)
