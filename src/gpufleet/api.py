@@ -24,6 +24,7 @@ from torch.utils.data import Dataset
 
 from gpufleet.config import Config, load_config
 from gpufleet.core.callbacks import Callback
+from gpufleet.data.hf import hf_train_eval
 from gpufleet.entry import run_rank, run_training, setup_logging, start_ranks, train
 from gpufleet.train.loop import FitResult
 
@@ -47,7 +48,8 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
         model: your module. Its forward returns a scalar loss, or give ``loss_fn`` or
             ``training_step``. Several models (a GAN): a dict ``{name: module}`` with a
             ``training_step`` (ddp or single).
-        train_data: a map-style Dataset of ``(inputs, target)``, tuples or dicts.
+        train_data: a map-style Dataset of ``(inputs, target)``, tuples or dicts; or a
+            Hugging Face ``datasets.Dataset`` / ``DatasetDict`` (train + validation).
         eval_data: optional evaluation Dataset (evaluated every ``run.eval_every``).
         loss_fn: ``loss(output, target)``, e.g. ``torch.nn.functional.cross_entropy``.
         config: a :class:`Config`, a TOML path, or None for the defaults.
@@ -93,6 +95,8 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
     # What the strategy cannot train is refused here, before any rank starts.
     check_strategy(plan.cfg.parallel.strategy, isinstance(model, Mapping) and len(model) > 1,
                    training_step is not None or bool(plan.cfg.model.training_step))
+    # A Hugging Face DatasetDict gives its train and validation splits.
+    train_data, eval_data = hf_train_eval(train_data, eval_data)
     job = Job(model, train_data, eval_data, loss_fn, optimizer, scheduler, training_step)
     return start_ranks(plan, job, callbacks,
                        eval_metrics, owns_process=False)

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from gpufleet.config import Config
+from gpufleet.data.hf import hf_train_eval, is_hf_dataset, is_hf_dataset_dict
 from gpufleet.errors import ConfigError, GpufleetError
 
 log = logging.getLogger(__name__)
@@ -173,6 +174,8 @@ def build_data(cfg: Config) -> tuple[Dataset, Dataset | None]:
                               "data.eval_fraction, or raise data.corpus_bytes.") from e
     _check_import_string(d.name, "data.name", BUILTIN_DATA)
     out = _call_factory(import_object(d.name, "data.name"), d.kwargs, "data", d.name)
+    if is_hf_dataset_dict(out) or is_hf_dataset(out):  # memory-mapped Arrow, as it is
+        return hf_train_eval(out, None)
     if isinstance(out, dict):
         return out["train"], out.get("eval")
     if isinstance(out, (tuple, list)) and len(out) == 2:
@@ -180,7 +183,8 @@ def build_data(cfg: Config) -> tuple[Dataset, Dataset | None]:
     if isinstance(out, Dataset) or hasattr(out, "__getitem__"):
         return out, None
     raise ConfigError(f"data.name = {d.name!r} returned {type(out).__name__}. Return a "
-                      "Dataset, a (train, eval) pair, or {'train': ..., 'eval': ...}.")
+                      "Dataset, a (train, eval) pair, {'train': ..., 'eval': ...}, or a "
+                      "Hugging Face Dataset or DatasetDict.")
 
 
 def _call_factory(factory: Any, kwargs: dict, section: str, spec: str = "") -> Any:
