@@ -1,6 +1,7 @@
 """What a hostile or careless client cannot do to the server: freeze the event loop with
 a large JSON body, get a 500 with a strange shape, fill the log with tracebacks by
-disconnecting, or grow the server's memory without bound with large bodies at once."""
+disconnecting, or grow the server's memory without bound with large bodies at once
+(413 over the body limit, 429 past the bytes in flight, both through tritonclient)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import time
 
 import numpy as np
 import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from gpufleet.serve.app import ServeOptions, create_app
 from gpufleet.serve.model import TensorSpec, from_module
@@ -98,7 +101,7 @@ def test_a_client_that_disconnects_mid_body_is_one_log_line(model, caplog):
     assert not [r for r in caplog.records if r.exc_info]
 
 
-def test_requests_past_the_inflight_byte_cap_get_503_not_memory(model):
+def test_requests_past_the_inflight_byte_cap_get_429_not_memory(model):
     options = ServeOptions(max_body_bytes=2**20, max_inflight_bytes=2**20)
     with BackgroundServer(create_app([model], options)) as srv:
         port = int(srv.url.rsplit(":", 1)[1])
@@ -108,7 +111,7 @@ def test_requests_past_the_inflight_byte_cap_get_503_not_memory(model):
                             b"Content-Length: 800000\r\n\r\n" + b'{"inputs": [')
             time.sleep(0.3)
             status, headers, reply = request(srv.url, "POST", INFER, _body(40_000))
-            assert status == 503, reply
+            assert status == 429, reply
             assert "the server is busy" in error_of(reply)
             assert {k.lower(): v for k, v in headers.items()}["retry-after"] == "1"
             assert request(srv.url, "POST", INFER, _body(10))[0] == 200  # small still fits
@@ -118,3 +121,55 @@ def test_requests_past_the_inflight_byte_cap_get_503_not_memory(model):
         while request(srv.url, "POST", INFER, _body(40_000))[0] != 200:
             assert time.monotonic() < deadline, "the bytes of the closed request stay held"
             time.sleep(0.1)
+
+
+def _triton_input(n: int) -> list:
+    x = httpclient.InferInput("x", [1, n], "FP32")
+    x.set_data_from_numpy(np.random.default_rng(1).random((1, n), dtype=np.float32),
+                          binary_data=False)  # JSON: the body tritonclient sends by default
+    return [x]
+
+
+def test_tritonclient_gets_413_naming_the_limit_and_the_option(model):
+    options = ServeOptions(max_body_bytes=64 * 1024)
+    with BackgroundServer(create_app([model], options)) as srv:
+        client = httpclient.InferenceServerClient(srv.address)
+        try:
+            with pytest.raises(InferenceServerException) as caught:
+                client.infer("total", _triton_input(20_000))
+            assert caught.value.status() == "413"
+            assert "limit of 65536" in caught.value.message()
+            assert "--max-body-bytes" in caught.value.message()
+            small = client.infer("total", _triton_input(100))  # a normal request still works
+            assert small.as_numpy("OUTPUT__0").shape == (1, 1)
+        finally:
+            client.close()
+
+
+def test_tritonclient_gets_429_while_large_bodies_fill_the_inflight_cap(model):
+    options = ServeOptions(max_body_bytes=2**20, max_inflight_bytes=2**20)
+    with BackgroundServer(create_app([model], options)) as srv:
+        port = int(srv.url.rsplit(":", 1)[1])
+        client = httpclient.InferenceServerClient(srv.address)
+        holding = socket.create_connection(("127.0.0.1", port))
+        try:  # a large body in flight: 800 KiB announced, a few bytes sent
+            holding.sendall(b"POST " + INFER.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+                            b"Content-Length: 800000\r\n\r\n" + b'{"inputs": [')
+            time.sleep(0.3)
+            with pytest.raises(InferenceServerException) as caught:
+                client.infer("total", _triton_input(40_000))
+            assert caught.value.status() == "429"
+            assert "--max-inflight-bytes" in caught.value.message()
+        finally:
+            holding.close()
+        deadline = time.monotonic() + 10
+        while True:  # the held bytes come back: the same request goes through
+            try:
+                result = client.infer("total", _triton_input(40_000))
+                break
+            except InferenceServerException as e:
+                assert e.status() == "429" and time.monotonic() < deadline, e
+                time.sleep(0.1)
+        client.close()
+    want = np.random.default_rng(1).random((1, 40_000), dtype=np.float32).sum()
+    np.testing.assert_allclose(result.as_numpy("OUTPUT__0")[0, 0], want, rtol=1e-5)

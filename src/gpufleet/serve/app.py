@@ -14,7 +14,10 @@ The event loop stays free for health and metadata requests: each model runs in i
 batcher's thread, and a large body (over ``PARSE_INLINE_BYTES``) is parsed into arrays in
 a separate process (JSON parsing holds the GIL, so a thread would not help). The bytes of
 the requests in flight are capped (``max_inflight_bytes``): past the cap a request gets
-503 with a Retry-After instead of growing the server's memory. Every error a client can
+429 with a Retry-After instead of growing the server's memory. A body is read into one
+buffer of its declared length, its number arrays go straight into numpy
+(:mod:`gpufleet.serve.jsonnum`), and after a large request the freed heap is handed back
+to the operating system (:mod:`gpufleet.serve.trim`). Every error a client can
 cause is a 4xx with ``{"error": "..."}``; a client that disconnects mid-request is one
 log line.
 """
@@ -40,6 +43,7 @@ from starlette.routing import Route
 
 from gpufleet.errors import unknown_choice
 from gpufleet.serve.batcher import DynamicBatcher, ModelError
+from gpufleet.serve.body import Body, parse_shared
 from gpufleet.serve.metrics import CONTENT_TYPE, ServerMetrics
 from gpufleet.serve.model import ServedModel
 from gpufleet.serve.protocol import (
@@ -50,11 +54,13 @@ from gpufleet.serve.protocol import (
     encode_infer_response,
     parse_infer_request,
 )
+from gpufleet.serve.trim import fix_mmap_threshold, parse_and_trim, trim_heap
 
 log = logging.getLogger(__name__)
 
 EXTENSIONS = ["binary_tensor_data", "model_repository"]
 PARSE_INLINE_BYTES = 256 * 1024  # larger bodies are parsed in another process
+TRIM_AFTER_BYTES = 1 * 2**20  # after a larger request the freed heap goes back to the OS
 
 
 @dataclass
@@ -64,7 +70,7 @@ class ServeOptions:
     max_batch_size: int = 8  # most rows per model call; 1 turns batching off
     max_queue_delay_us: int = 1000  # longest the oldest request waits for others to join
     max_body_bytes: int = 64 * 2**20  # larger request bodies get 413
-    max_inflight_bytes: int = 256 * 2**20  # bytes of all requests being handled; past: 503
+    max_inflight_bytes: int = 256 * 2**20  # bytes of all requests being handled; past: 429
     parse_workers: int = 2  # processes that parse large bodies
 
     def __post_init__(self) -> None:
@@ -105,15 +111,19 @@ class _Server:
             self._parser.shutdown(cancel_futures=True)
             self._parser = None
 
-    async def parse(self, body: bytes, header_length: str | None) -> InferRequest:
+    async def parse(self, body: Body, header_length: str | None) -> InferRequest:
         """Parse a request body; a large one in the parse processes, off the event loop."""
-        if len(body) <= PARSE_INLINE_BYTES:
-            return parse_infer_request(body, header_length)
+        if body.shm is None and body.size <= PARSE_INLINE_BYTES:
+            return parse_infer_request(body.bytes(), header_length)
         if self._parser is None:
             self._parser = ProcessPoolExecutor(self.options.parse_workers,
-                                               mp_context=mp.get_context("spawn"))
+                                               mp_context=mp.get_context("spawn"),
+                                               initializer=fix_mmap_threshold)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._parser, parse_infer_request, body,
+        if body.shm is not None:  # the process maps the block: no copy of the body
+            return await loop.run_in_executor(self._parser, parse_shared, body.shm.name,
+                                              body.size, header_length)
+        return await loop.run_in_executor(self._parser, parse_and_trim, body.bytes(),
                                           header_length)
 
     def model(self, request: Request) -> ServedModel:
@@ -175,21 +185,27 @@ class _Server:
         m = self.model(request)
         self.metrics.requests.inc(m.name)
         held = self.inflight.holder()
+        body = Body()
         try:
-            return await self._infer(request, m, start, held)
+            return await self._infer(request, m, start, held, body)
         except ClientDisconnect:
             log.info("client %s disconnected before its request to %r was complete",
                      request.client.host if request.client else "?", m.name)
             self.metrics.failures.inc(m.name, "request")
             return Response(status_code=400)  # nobody reads it
         finally:
+            large = held.held > TRIM_AFTER_BYTES
+            body.release()
             held.release()
+            if large:  # the body, its text and arrays are freed: give the heap back
+                trim_heap()
 
     async def _infer(self, request: Request, m: ServedModel, start: float,
-                     held: InflightBytes.Holder) -> Response:
+                     held: InflightBytes.Holder, body: Body) -> Response:
         try:
-            body = await self._read_body(request, held)
+            body = await self._read_body(request, held, body)
             req = await self.parse(body, request.headers.get(HEADER_LENGTH))
+            body.release()  # parsed: the arrays are all the request holds now
             inputs = check_inputs(m, req, self.options.max_batch_size)
             wanted = _wanted_outputs(m, req)
         except ProtocolError:
@@ -213,33 +229,38 @@ class _Server:
         return Response(payload, media_type="application/octet-stream",
                         headers={HEADER_LENGTH: str(header_length)})
 
-    async def _read_body(self, request: Request, held: InflightBytes.Holder) -> bytes:
+    async def _read_body(self, request: Request, held: InflightBytes.Holder,
+                         body: Body) -> Body:
+        """The body, read into ``body`` (or a new one, for a compressed body)."""
         limit = self.options.max_body_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise ProtocolError(f"the request body has {int(declared)} bytes, more than the "
                                 f"server's limit of {limit}. Send smaller batches, or start "
                                 "the server with a larger --max-body-bytes.", status=413)
+        encoding = request.headers.get("content-encoding")
         if declared.isdigit():
             held.hold(int(declared))  # reserved before any byte is read
-        chunks, size = [], 0
+            size = int(declared)
+            body.allocate(size, shared=size > PARSE_INLINE_BYTES and not encoding)
         async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
+            if body.size + len(chunk) > limit:
                 raise ProtocolError(f"the request body exceeds the server's limit of {limit} "
                                     "bytes. Send smaller batches, or start the server with a "
                                     "larger --max-body-bytes.", status=413)
-            held.hold(size)
-            chunks.append(chunk)
-        body = _decompress(b"".join(chunks), request.headers.get("content-encoding"), limit)
-        if len(body) != size:  # decompressed: both are in memory until this returns
-            held.hold(len(body) + size)
-        return body
-
+            held.hold(body.size + len(chunk))
+            body.append(chunk)
+        if not encoding or encoding == "identity":
+            return body
+        raw_size = body.size
+        data = _decompress(body.bytes(), encoding, limit)
+        body.release()
+        held.hold(len(data) + raw_size)  # both were in memory at once
+        return Body(data)
 
 class InflightBytes:
     """The bytes of the request bodies being handled, against a limit (one event loop:
-    no lock needed). Past the limit a request gets 503 and is not read."""
+    no lock needed). Past the limit a request gets 429 and is not read."""
 
     def __init__(self, limit: int) -> None:
         self.limit, self.used = limit, 0
@@ -262,7 +283,7 @@ class InflightBytes:
                     f"the server is busy: {self.pool.used:,} bytes of requests are in flight "
                     f"and this one needs {n:,} more than the limit of {self.pool.limit:,} "
                     "allows (--max-inflight-bytes). Retry shortly, or send smaller requests.",
-                    status=503)
+                    status=429)
             self.pool.used += extra
             self.held = n
 
@@ -271,9 +292,7 @@ class InflightBytes:
             self.held = 0
 
 
-def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
-    if not encoding or encoding == "identity":
-        return body
+def _decompress(body: bytes | bytearray, encoding: str, limit: int) -> bytes | bytearray:
     wbits = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}.get(encoding.lower())
     if wbits is None:
         raise ProtocolError(unknown_choice("Content-Encoding", encoding,
@@ -379,7 +398,7 @@ def create_app(models: Sequence[ServedModel], options: ServeOptions | None = Non
     async def protocol_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ProtocolError)
         response = _error(str(exc), exc.status)
-        if exc.status == 503:
+        if exc.status in (429, 503):
             response.headers["Retry-After"] = "1"
         return response
 

@@ -55,7 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="larger request bodies get 413 (default 64 MiB)")
     p.add_argument("--max-inflight-bytes", type=int, default=256 * 2**20, metavar="N",
                    help="bytes of all requests being handled at once; past it requests get "
-                        "503 with Retry-After (default 256 MiB)")
+                        "429 with Retry-After (default 256 MiB)")
     p.add_argument("--model-name", metavar="NAME", help="name clients use (default: the "
                    "run's name, or the file/factory name)")
     add_input_arg(p)
@@ -94,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     from gpufleet.serve.app import ServeOptions, create_app
     from gpufleet.serve.model import load_model
     from gpufleet.serve.runner import bind, make_server, url_of
+    from gpufleet.serve.trim import fix_mmap_threshold
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -111,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         raise ConfigError(f"cannot listen on {args.host}:{args.port} ({e}). Pick another "
                           "--port (0: any free port) or --host.") from None
+    fix_mmap_threshold()  # this process only serves: large buffers go back when freed
     server = make_server(create_app([model], options), log_level=args.log_level)
     url = url_of(sock)
     print(f"serving model {model.name!r} at {url} (v2 protocol; metrics at {url}/metrics; "

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from gpufleet.errors import GpufleetError, unknown_choice
+from gpufleet.serve import jsonnum
 
 try:  # bfloat16 for numpy; shipped with tritonclient, optional here
     from ml_dtypes import bfloat16 as _bfloat16
@@ -108,7 +109,8 @@ def datatype_of(dtype: np.dtype) -> str:
                         f"{', '.join(DTYPES)}.", status=500)
 
 
-def parse_infer_request(body: bytes, header_length: str | None = None) -> InferRequest:
+def parse_infer_request(body: bytes | bytearray,
+                        header_length: str | None = None) -> InferRequest:
     """Parse an inference request body (JSON, or JSON + binary tensor data).
 
     Args:
@@ -123,7 +125,7 @@ def parse_infer_request(body: bytes, header_length: str | None = None) -> InferR
     """
     json_part, binary = _split_body(body, header_length)
     try:
-        doc = json.loads(json_part)
+        doc = jsonnum.loads(json_part)  # large number arrays straight into numpy
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ProtocolError(f"the request body is not valid JSON: {e}. Send a JSON object "
                             "with an 'inputs' list (KServe v2 protocol).") from None
@@ -158,9 +160,11 @@ def parse_infer_request(body: bytes, header_length: str | None = None) -> InferR
     return InferRequest(request_id, inputs, outputs, binary_output)
 
 
-def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
+def _split_body(body: bytes | bytearray,
+                header_length: str | None) -> tuple[memoryview, bytes]:
+    view = memoryview(body)  # the JSON part is read in place, not copied
     if header_length is None:
-        return body, b""
+        return view, b""
     try:
         n = int(header_length)
     except ValueError:
@@ -168,7 +172,7 @@ def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     if not 0 <= n <= len(body):
         raise ProtocolError(f"{HEADER_LENGTH} = {header_length!r} is not a length within the "
                             f"{len(body)}-byte body. Give the byte length of the JSON part.")
-    return body[:n], body[n:]
+    return view[:n], bytes(view[n:])
 
 
 def _dict_field(doc: dict, key: str, where: str) -> dict:
@@ -283,6 +287,8 @@ def _flatten(data: Any) -> list:
 
 
 def _from_json(data: Any, datatype: str, count: int, where: str) -> np.ndarray:
+    if isinstance(data, jsonnum.Numbers):
+        return _from_numbers(data, datatype, count, where)
     flat = _flatten(data)
     if len(flat) != count:
         raise ProtocolError(f"{where}: 'data' has {len(flat)} elements, but its shape "
@@ -312,6 +318,31 @@ def _from_json(data: Any, datatype: str, count: int, where: str) -> np.ndarray:
     except OverflowError:
         raise ProtocolError(f"{where}: a value in 'data' is out of range for "
                             f"{datatype}.") from None
+
+
+def _from_numbers(data: jsonnum.Numbers, datatype: str, count: int,
+                  where: str) -> np.ndarray:
+    """The checks and conversion of :func:`_from_json`, on numbers already in numpy."""
+    flat = data.array
+    if len(flat) != count:
+        raise ProtocolError(f"{where}: 'data' has {len(flat)} elements, but its shape "
+                            f"needs {count}.")
+    if datatype in ("BYTES", "BOOL"):
+        kind = "strings" if datatype == "BYTES" else "true/false"
+        raise ProtocolError(f"{where}: datatype {datatype} needs {kind} in 'data', got "
+                            f"numbers such as {flat[0].item()!r}.")
+    if datatype in _INTS and not data.integral:
+        raise ProtocolError(f"{where}: datatype {datatype} needs integers in 'data', got "
+                            "numbers written with a decimal point or an exponent.")
+    dtype = DTYPES[datatype]
+    if datatype in _INTS:
+        info = np.iinfo(dtype)
+        if count and (flat.min() < info.min or flat.max() > info.max):
+            raise ProtocolError(f"{where}: a value in 'data' is out of range for "
+                                f"{datatype}.")
+    if datatype == "BF16":
+        return flat.astype(np.float32).astype(dtype)
+    return flat.astype(dtype)
 
 
 def _fits_kind(v: Any, datatype: str) -> bool:
