@@ -4,11 +4,16 @@ Rank 0 writes a single file (``train/checkpoint.py``); sharded strategies (fsdp)
 directory, every rank its shards and rank 0 the rest (``train/sharded.py``). Every
 rank's RNG states and the sampler's position go in, so a resumed run continues the
 uninterrupted one exactly.
+
+With ``checkpoint.async_save`` the single file is written in the background
+(:mod:`gpufleet.train.async_writer`): the training thread only copies the state into host
+memory. Every save logs how long it blocked training and how long the write took.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +24,7 @@ from gpufleet.errors import CheckpointError
 from gpufleet.launch import DistEnv, broadcast_object, gather_objects
 from gpufleet.train import checkpoint as ckpt
 from gpufleet.train import sharded as sharded_ckpt
+from gpufleet.train.async_writer import BackgroundWriter, to_host
 from gpufleet.train.keeping import BestCheckpoints
 from gpufleet.train.seed import rng_state, set_rng_state
 
@@ -57,6 +63,19 @@ class Checkpointer:
         keeping = cfg.checkpoint
         self.best = (BestCheckpoints(run_dir, keeping.keep_best, keeping.mode)
                      if keeping.keep_best else None)
+        if keeping.async_save and strategy.saves_on_every_rank:
+            raise ValueError(
+                "checkpoint.async_save=true writes the single checkpoint file in the "
+                f"background; strategy {type(strategy).__name__} writes sharded "
+                "checkpoints, which are written synchronously. Set "
+                "checkpoint.async_save=false, or use a strategy that saves one file "
+                "(single, ddp, zero1, local_sgd).")
+        # Rank 0 writes; the writer thread only exists there.
+        self.writer = BackgroundWriter() if keeping.async_save and env.is_main else None
+        self.async_save = keeping.async_save
+        self.written: Path | None = None  # the newest checkpoint complete on disk
+        self._in_flight: Path | None = None  # the one being written in the background
+        self._background_errors: list[str] = []
 
     def save(self, at: Position, last_good: str | None,
              score: float | None = None) -> tuple[Path | None, str | None]:
@@ -68,6 +87,7 @@ class Checkpointer:
         Returns:
             ``(path, None)``, or ``(None, error)`` on every rank when the write failed.
         """
+        start = time.perf_counter()
         rngs = gather_objects(rng_state())  # COLLECTIVE: every rank's RNG states
         sharded = self.strategy.saves_on_every_rank  # fsdp: a directory, a shard per rank
         path = (sharded_ckpt.sharded_checkpoint_path if sharded else ckpt.checkpoint_path)(
@@ -95,6 +115,9 @@ class Checkpointer:
                     sharded_ckpt.save_sharded_checkpoint(
                         self.run_dir, at.step, model_state, state,
                         self.cfg.checkpoint.keep_last, keep)
+                elif self.writer is not None:
+                    self._write_in_background(at.step, path, {**model_state, **state},
+                                              keep, start)
                 else:
                     ckpt.save_checkpoint(self.run_dir, at.step, {**model_state, **state},
                                          self.cfg.checkpoint.keep_last, keep)
@@ -108,9 +131,61 @@ class Checkpointer:
             if self.env.is_main:
                 log.error("%s", error)
             return None, error
-        if self.env.is_main:
-            log.info("checkpoint saved: %s", path)
+        if self.env.is_main and self.writer is None:
+            _log_saved(path, at.step, time.perf_counter() - start, None)
+        if self.writer is None:
+            self.written = path
         return path, None
+
+    def _write_in_background(self, step: int, path: Path, state: dict[str, Any],
+                             keep: set[int], start: float) -> None:
+        """Wait for the write in flight, copy ``state`` into host memory (the part that
+        blocks training) and hand the copy to the writer thread."""
+        assert self.writer is not None
+        self._collect()  # a second save waits for the first
+        host = to_host(state)  # training may change the live tensors from now on
+        blocking = time.perf_counter() - start
+        keep_last = self.cfg.checkpoint.keep_last
+
+        def write() -> None:
+            ckpt.save_checkpoint(self.run_dir, step, host, keep_last, keep)
+            _log_saved(path, step, time.perf_counter() - start, blocking)
+
+        self.writer.submit(step, write, blocking)
+        self._in_flight = path
+
+    def _collect(self) -> None:
+        """Wait for the background write in flight; record it as written or as failed."""
+        if self.writer is None or self._in_flight is None:
+            return
+        error, path, self._in_flight = self.writer.wait(), self._in_flight, None
+        if error is None:
+            self.written = path
+            return
+        message = (f"checkpoint {path.name} could not be written in the background: "
+                   f"{error}. Training goes on; the last good checkpoint is "
+                   f"{self.written or 'none'}. Free space in (or fix) the run "
+                   "directory's file system.")
+        log.error("%s", message)
+        self._background_errors.append(message)
+
+    def wait(self) -> None:
+        """Wait for the background write in flight, if any (this rank only)."""
+        self._collect()
+
+    def finish(self, result: Any) -> None:
+        """At the end of a run (also after a preemption signal): wait for the background
+        write, then give every rank's ``result`` the background writes that failed and
+        the newest checkpoint complete on disk (COLLECTIVE with ``async_save``)."""
+        if not self.async_save:
+            return
+        self._collect()
+        # COLLECTIVE: every rank learns rank 0's failed writes and newest checkpoint.
+        errors, written = broadcast_object((self._background_errors, self.written))
+        self._background_errors = []
+        result.checkpoint_errors.extend(errors)
+        result.checkpoint = str(written) if written is not None else None
+
 
     def load(self, path: Path) -> Position:
         """Restore model, optimizer, scheduler, scaler, data position and RNG; returns
@@ -195,3 +270,14 @@ class Checkpointer:
                     "position restarts at the beginning of epoch %d", path, saved_world,
                     self.env.world_size, epoch)
         return 0
+
+
+def _log_saved(path: Path, step: int, total_s: float, blocking_s: float | None) -> None:
+    """Log a written checkpoint with how long training was blocked (all of ``total_s``
+    for a synchronous save); the values also ride on the record for tools."""
+    blocking = total_s if blocking_s is None else blocking_s
+    how = "" if blocking_s is None else " in the background"
+    log.info("checkpoint saved: %s (training blocked %.3f s; written%s in %.3f s)", path,
+             blocking, how, total_s,
+             extra={"checkpoint_step": step, "checkpoint_blocking_s": blocking,
+                    "checkpoint_total_s": total_s})

@@ -370,6 +370,9 @@ class Trainer:
         if run.cfg.checkpoint.save_final and state.saved_step != state.step:
             with phase(Phase.CHECKPOINT):
                 self.save_checkpoint()
+        # COLLECTIVE with checkpoint.async_save: the background write ends before the run
+        # does (also after a preemption signal); a failed one is reported in the result.
+        run.checkpointer.finish(result)
         result.steps = state.step
         result.epochs = run.data.epochs_done
         result.skipped_steps = sum(p.guard.skipped for p in run.parts if p.guard is not None)

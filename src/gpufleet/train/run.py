@@ -167,6 +167,7 @@ class Run:
         """Stop the watchdog's thread, let go of the run directory and the signal
         handlers; called once when training ends, however it ends."""
         mon = self.monitors
+        self.checkpointer.wait()  # a checkpoint written in the background is complete
         if mon.watchdog is not None:
             mon.watchdog.stop()
         if self.run_lock is not None:

@@ -1,0 +1,104 @@
+"""Checkpoints written in the background (``checkpoint.async_save``).
+
+The step's critical path pays only for a copy of the state into host memory
+(:func:`to_host`); a thread then writes the copy exactly as a synchronous save would
+(temporary name, fsync, SHA-256, atomic rename, then pruning). One write is in flight at
+a time: a second save first waits for the first, so the checkpoint written last is
+always complete and verified before another starts. The thread is not a daemon, so an
+ending interpreter waits for it; the loop waits for it explicitly at the end of a run
+and after a preemption signal (:meth:`BackgroundWriter.wait`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def to_host(obj: Any) -> Any:
+    """A copy of ``obj`` whose tensors live in host memory and share nothing with the
+    originals (training may change the originals while the copy is written); containers
+    (dict, list, tuple) are rebuilt, other values are kept as they are (plain, immutable
+    data in a checkpoint's state)."""
+    if isinstance(obj, torch.Tensor):
+        # On a GPU this is a device-to-host copy (a sync point); on the CPU a clone.
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: to_host(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [to_host(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(to_host(v) for v in obj)
+    return obj
+
+
+@dataclass
+class WriteTimes:
+    """How long one checkpoint took: ``blocking_s`` on the training thread (the copy to
+    host memory), ``total_s`` until the file was complete under its name."""
+
+    step: int
+    blocking_s: float
+    total_s: float
+
+
+class BackgroundWriter:
+    """Runs one checkpoint write at a time in a thread of its own.
+
+    Example:
+        >>> writer = BackgroundWriter()
+        >>> writer.submit(400, lambda: None, blocking_s=0.01)
+        >>> writer.wait() is None
+        True
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: Exception | None = None
+        self.times: list[WriteTimes] = []  # every finished write, oldest first
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, step: int, write: Callable[[], Any], blocking_s: float) -> None:
+        """Start ``write()`` in the background after the previous write has finished.
+
+        ``blocking_s`` is what the caller spent on the training thread so far (the copy
+        to host memory); it is recorded with the write's total time.
+
+        Raises:
+            RuntimeError: the previous write's error was not collected with :meth:`wait`.
+        """
+        if self.wait() is not None:
+            raise RuntimeError("the previous background write failed and nobody "
+                               "collected its error with wait()")
+        start = time.perf_counter() - blocking_s
+
+        def run() -> None:
+            try:
+                write()
+            except Exception as e:  # a full disk, a lost mount: reported by wait()
+                self._error = e
+                return
+            self.times.append(WriteTimes(step, blocking_s, time.perf_counter() - start))
+
+        # Not a daemon: an interpreter that ends mid-write waits for the file.
+        self._thread = threading.Thread(target=run, name=f"checkpoint-{step}", daemon=False)
+        self._thread.start()
+
+    def wait(self) -> Exception | None:
+        """Wait for the write in flight (if any); returns its error, once, or None."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        return error
