@@ -60,6 +60,10 @@ def test_a_stalled_rank_is_named_with_every_stack_saved(run_cli, tmp_path):
     assert "in phase 'backward'" in rank0 and "backward" in rank0
 
 
+# Slow: on a loaded machine the step watchdog's stall report can come first (seen once);
+# the default run keeps tests/test_fault.py's real SIGSTOPped process read through a
+# real store.
+@pytest.mark.slow
 def test_a_stopped_rank_is_named_as_stopped_within_20_s_and_the_run_ends(tmp_path):
     """SIGSTOP freezes rank 1 (alive, sockets open, heartbeat thread stopped): with the
     default heartbeat timeout, rank 0 names it as stopped, read from /proc, not as a
