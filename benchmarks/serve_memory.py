@@ -9,7 +9,9 @@ parse processes together, from the kernel's counters:
 - one request: the peak PSS above the baseline (sampled every few ms; PSS counts a page
   shared by the server and a parse process once);
 - N at once: the same for N concurrent bodies (the in-flight cap refuses some with 429);
-- after K: PSS above the baseline after K requests one after another.
+- after K: private dirty memory (what the processes wrote: heap and buffers) above the
+  baseline's after K requests one after another (PSS moves with other processes on a
+  shared machine mapping the same libraries).
 
 Modes, side by side in one run:
 
@@ -95,6 +97,17 @@ def _pss(pid: int) -> int:
     return total
 
 
+def _private_dirty(pid: int) -> int:
+    """Memory the server's processes wrote themselves (heap, buffers): unlike PSS, not
+    moved by other processes on the machine mapping the same libraries."""
+    total = 0
+    for p in _procs(pid):
+        with open(f"/proc/{p.pid}/smaps_rollup") as f:
+            total += 1024 * int(next(line.split()[1] for line in f
+                                     if line.startswith("Private_Dirty:")))
+    return total
+
+
 class PeakSampler:
     """The highest :func:`_pss` seen while the block runs, sampled every few ms."""
 
@@ -131,7 +144,7 @@ def measure(mode: str, body: bytes, warm: bytes, concurrent: int,
         for t in warmers:
             t.join()
         time.sleep(0.5)
-        base = _pss(proc.pid)
+        base, base_dirty = _pss(proc.pid), _private_dirty(proc.pid)
         with PeakSampler(proc.pid) as one:
             assert _post(address, body) == 200
         time.sleep(0.5)
@@ -146,7 +159,7 @@ def measure(mode: str, body: bytes, warm: bytes, concurrent: int,
         for _ in range(sequential):
             assert _post(address, body) == 200
         time.sleep(0.5)
-        after = _pss(proc.pid) - base
+        after = _private_dirty(proc.pid) - base_dirty
         one, many = one.peak - base, many.peak - base
         return {"base": base / MiB, "one": one / MiB, "many": many / MiB,
                 "ok": statuses.count(200), "refused": statuses.count(429),
