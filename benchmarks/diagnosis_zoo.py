@@ -230,6 +230,7 @@ class Scenario:
     quick: bool = False
     launcher: str = "train"  # or "slow-sink": a callback that takes 50 ms per log
     needs: str | None = None  # why it cannot run here (None: it can)
+    write_bps: int = 0  # the run's writes to its disk limited to this (0: no limit)
 
 
 def scenarios() -> list[Scenario]:
@@ -300,8 +301,12 @@ def _user_reports(cores: int) -> list[Scenario]:
                                  "--data.kwargs={rows = 1}"], {}, 0)),
         Scenario("tokenizer in the main process (num_workers=0)", "input-bound",
                  ["--data=diagnosis_zoo:make_text_data"]),
-        Scenario("checkpoints to a slow file system", "time-outside-steps",
-                 needs="not built: needs a cgroup io.max limit or a dm-delay loop device"),
+        # About 10 MiB a checkpoint every 5 steps, the run's disk writes held to 8 MiB/s
+        # by the kernel's block-I/O throttle (the checkpoint's fsync waits for them).
+        Scenario("checkpoints to a slow file system (writes held to 8 MiB/s)",
+                 "time-outside-steps", ["--checkpoint.every=5",
+                                        "--model.kwargs={width = 640, depth = 3}"],
+                 write_bps=8 * 2**20, needs=slow_disk_missing()),
         Scenario("clean, 2 ranks", None, two),
     ]
 
@@ -340,10 +345,71 @@ def _measure(scn: Scenario, args: list[str], env: dict[str, str], hogs: int,
     from gpufleet.monitor.tune import measure
 
     path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
-    with hogging(hogs):
+    launcher = _launcher(scn.launcher)
+    with hogging(hogs), slow_disk(run_dir.parent, scn.write_bps) as enter:
+        if enter:  # the run (and every process it starts) joins the limited group
+            launcher = [*enter, *(launcher or [sys.executable, "-m", "gpufleet", "train"])]
         return measure(args, run_dir,
                        {**BASE_ENV, **scn.env, **env, "PYTHONPATH": path},
-                       launcher=_launcher(scn.launcher))
+                       launcher=launcher)
+
+
+# -- a slow file system: the kernel's block-I/O throttle on the run's disk ---------------
+_BLKIO = Path("/sys/fs/cgroup/blkio")  # cgroup v1
+_UNIFIED = next((p for p in (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup"))
+                 if (p / "cgroup.controllers").exists()), None)  # cgroup v2
+
+
+def _disk_of(path: Path) -> str:
+    """``MAJOR:MINOR`` of the whole disk holding ``path`` (the throttle takes disks, not
+    partitions)."""
+    dev = os.stat(path).st_dev
+    node = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    if (node / "partition").exists():
+        node = node.resolve().parent
+    return (node / "dev").read_text().strip()
+
+
+def slow_disk_missing() -> str | None:
+    """Why writes cannot be limited here (None: they can)."""
+    if os.geteuid() != 0:
+        return "skipped: limiting a disk's writes needs root"
+    if _BLKIO.is_dir() and os.access(_BLKIO, os.W_OK):
+        return None
+    if _UNIFIED is not None and "io" in (_UNIFIED / "cgroup.controllers").read_text().split():
+        return None
+    return "skipped: no cgroup block-I/O controller (blkio v1 or io v2) here"
+
+
+@contextmanager
+def slow_disk(path: Path, write_bps: int) -> Iterator[list[str] | None]:
+    """A cgroup whose writes to ``path``'s disk are held to ``write_bps`` bytes/s; yields
+    the command prefix that starts a program inside it (None with no limit). The group is
+    removed afterwards, also on failure; its processes have ended by then."""
+    if not write_bps:
+        yield None
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    disk = _disk_of(path)
+    if _BLKIO.is_dir():
+        group = _BLKIO / f"gpufleet-zoo-{os.getpid()}"
+        group.mkdir(exist_ok=True)
+        (group / "blkio.throttle.write_bps_device").write_text(f"{disk} {write_bps}")
+    else:
+        assert _UNIFIED is not None
+        (_UNIFIED / "cgroup.subtree_control").write_text("+io")
+        group = _UNIFIED / f"gpufleet-zoo-{os.getpid()}"
+        group.mkdir(exist_ok=True)
+        (group / "io.max").write_text(f"{disk} wbps={write_bps}")
+    try:
+        yield ["sh", "-c", f'echo $$ > {group / "cgroup.procs"} && exec "$@"', "sh"]
+    finally:
+        for _ in range(50):  # the run's last processes may still be leaving
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
 
 
 def run_scenario(scn: Scenario, out: Path, repeats: int) -> dict[str, Any]:

@@ -72,6 +72,9 @@ def test_frequent_checkpoints_eating_the_run_get_a_larger_interval():
     assert found[0].rule == "time-outside-steps"
     assert "checkpoint writes take 0.30 s each, 20 so far, every 5 step(s)" in found[0].message
     assert found[0].fix.startswith("raise checkpoint.every from 5 to 500")  # 19 x 0.3 / 0.015
+    assert "checkpoint.async_save=true" in found[0].fix
+    written_behind = diagnose(s, RunFacts(checkpoint_every=5, checkpoint_async=True))
+    assert "async_save" not in written_behind[0].fix  # on already: nothing more to turn on
     assert not diagnose(_summary(outside={"checkpoint": (0.1, 2)}), RunFacts(checkpoint_every=50))
 
 

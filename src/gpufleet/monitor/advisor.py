@@ -212,7 +212,9 @@ def run_facts(trainer: Any, links: dict[str, Any] | None = None) -> RunFacts:
         bucket_cap_mb=cfg.parallel.ddp.bucket_cap_mb, compile=cfg.perf.compile,
         cores=usable_cores(), torch_threads=torch.get_num_threads(),
         log_every=cfg.log.every, eval_every=cfg.run.eval_every,
-        checkpoint_every=cfg.checkpoint.every, links=dict(links or {}))
+        checkpoint_every=cfg.checkpoint.every, checkpoint_async=cfg.checkpoint.async_save,
+        async_save_possible=not trainer.strategy.saves_on_every_rank,
+        links=dict(links or {}))
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         facts.device_name = props.name

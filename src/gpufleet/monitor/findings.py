@@ -84,6 +84,9 @@ class RunFacts:
         cores: CPU cores this node's ranks may use; torch_threads: each rank's torch
             intra-op threads.
         log_every / eval_every / checkpoint_every: the run's intervals, in steps.
+        checkpoint_async: checkpoints are written in the background already
+            (``checkpoint.async_save``); async_save_possible: the strategy saves one
+            file, so ``checkpoint.async_save`` can be turned on.
         links: the link probe's result on several nodes
             (:func:`gpufleet.monitor.links.probe_node_links`); empty otherwise.
     """
@@ -113,6 +116,8 @@ class RunFacts:
     log_every: int = 10
     eval_every: int = 0
     checkpoint_every: int = 0
+    checkpoint_async: bool = False
+    async_save_possible: bool = True
     links: dict[str, Any] = field(default_factory=dict)
 
 
