@@ -56,15 +56,19 @@ def _steps(run_dir: Path) -> list[int]:
 
 
 # -- through the CLI: two gloo ranks ----------------------------------------------------
-def test_fsdp_with_accumulation_equals_single_and_its_checkpoint_loads_at_one_rank(
+def test_fsdp_with_accumulation_equals_single_and_its_async_checkpoint_loads_at_one_rank(
         run_cli, tmp_path):
     single = _train(run_cli, tmp_path, "single", "--max-steps", "12", "--batch-size", "32",
                     "--checkpoint.every", "6")
     # 2 ranks x 8 samples x 2 micro-steps = the single run's 32 samples per step.
+    # Written in the background (every rank its shards; the synchronous sharded save
+    # runs in the resume test below and in-process further down): the files hold the
+    # state of the step they were taken at.
     fsdp = _train(run_cli, tmp_path, "fsdp", "--max-steps", "12", "--nproc", "2",
                   "--strategy", "fsdp", "--batch-size", "8", "--grad-accum", "2",
-                  "--checkpoint.every", "6")
+                  "--checkpoint.every", "6", "--checkpoint.async_save", "true")
     _assert_same(single, fsdp)
+    sharded.verify_sharded(fsdp / "checkpoints" / "step-0000012")
     for (s1, l1, n1), (s2, l2, n2) in zip(_evals(single), _evals(fsdp), strict=True):
         assert (s1, n1) == (s2, n2) == (s1, 17)  # uneven eval shards: every sample once
         assert l1 == pytest.approx(l2, rel=1e-5)

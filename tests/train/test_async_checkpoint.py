@@ -149,15 +149,3 @@ def test_a_run_that_ends_mid_write_leaves_the_checkpoint_complete(tmp_path):
     assert files[-1].name == "step-0000004.pt"
     ckpt.verify_checkpoint(files[-1])
     assert not [p for p in files[-1].parent.iterdir() if ".tmp-" in p.name]
-
-
-def test_sharded_strategies_refuse_async_save_with_the_fix():
-    from gpufleet.train.checkpointer import Checkpointer
-
-    class Sharded:
-        saves_on_every_rank = True
-
-    cfg = gpufleet.load_config(overrides={"checkpoint.async_save": True})
-    env = type("Env", (), {"is_main": True})()
-    with pytest.raises(ValueError, match=r"checkpoint\.async_save=false"):
-        Checkpointer(None, env, cfg, None, None, None, Sharded(), None, None)

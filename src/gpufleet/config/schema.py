@@ -222,9 +222,10 @@ class CheckpointConfig(Section):
                     choices=("min", "max"))
     every_epochs: int = opt(0, "Also save at the end of every N epochs (0: off).", min=0)
     save_final: bool = opt(True, "Save when training ends.")
-    async_save: bool = opt(False, "Write the checkpoint file in a background thread: "
-                           "training only waits for a copy of the state in host memory "
-                           "(single-file strategies; a second save waits for the first).")
+    async_save: bool = opt(False, "Write checkpoints in a background thread: training "
+                           "only waits for a copy of the state in host memory (sharded "
+                           "strategies: every rank its shards; a second save waits for "
+                           "the first).")
     resume: str = opt("", "'latest' (newest checkpoint of this run name), 'auto' (latest if "
                       "any, else a fresh start: for requeued jobs) or a path.")
 

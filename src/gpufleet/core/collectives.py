@@ -37,8 +37,9 @@ def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
     return box[0]
 
 
-def gather_objects(obj: T) -> list[T]:
-    """Every rank's ``obj``, in rank order, on every rank (picklable objects only).
+def gather_objects(obj: T, group: Any = None) -> list[T]:
+    """Every rank's ``obj``, in rank order, on every rank of ``group`` (default: all;
+    picklable objects only).
 
     Without a process group the list holds ``obj`` alone.
 
@@ -48,8 +49,8 @@ def gather_objects(obj: T) -> list[T]:
     """
     if not is_initialized():
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)  # collective; pickles through the backend
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)  # collective; pickles through the backend
     return out
 
 

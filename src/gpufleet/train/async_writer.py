@@ -2,11 +2,12 @@
 
 The step's critical path pays only for a copy of the state into host memory
 (:func:`to_host`); a thread then writes the copy exactly as a synchronous save would
-(temporary name, fsync, SHA-256, atomic rename, then pruning). One write is in flight at
-a time: a second save first waits for the first, so the checkpoint written last is
-always complete and verified before another starts. The thread is not a daemon, so an
-ending interpreter waits for it; the loop waits for it explicitly at the end of a run
-and after a preemption signal (:meth:`BackgroundWriter.wait`).
+(temporary name, fsync, SHA-256, atomic rename, then pruning; for a sharded checkpoint
+every rank's thread writes its shards, over a process group of the writers' own). One
+write is in flight at a time: a second save first waits for the first, so the checkpoint
+written last is always complete and verified before another starts. The thread is not a
+daemon, so an ending interpreter waits for it; the loop waits for it explicitly at the
+end of a run and after a preemption signal (:meth:`BackgroundWriter.wait`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ def to_host(obj: Any) -> Any:
     (dict, list, tuple) are rebuilt, other values are kept as they are (plain, immutable
     data in a checkpoint's state)."""
     if isinstance(obj, torch.Tensor):
+        if _is_dtensor(obj):  # a rank's shard: copy the local part, keep its layout
+            from torch.distributed.tensor import DTensor
+
+            local = obj.to_local().detach().to("cpu", copy=True)
+            return DTensor.from_local(local, obj.device_mesh, obj.placements,
+                                      run_check=False, shape=obj.shape, stride=obj.stride())
         # On a GPU this is a device-to-host copy (a sync point); on the CPU a clone.
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
@@ -38,6 +45,14 @@ def to_host(obj: Any) -> Any:
     if isinstance(obj, tuple):
         return tuple(to_host(v) for v in obj)
     return obj
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.5 keeps it under _tensor; sharded saves need 2.5
+        return False
+    return isinstance(t, DTensor)
 
 
 @dataclass

@@ -5,9 +5,10 @@ directory, every rank its shards and rank 0 the rest (``train/sharded.py``). Eve
 rank's RNG states and the sampler's position go in, so a resumed run continues the
 uninterrupted one exactly.
 
-With ``checkpoint.async_save`` the single file is written in the background
+With ``checkpoint.async_save`` the checkpoint is written in the background
 (:mod:`gpufleet.train.async_writer`): the training thread only copies the state into host
-memory. Every save logs how long it blocked training and how long the write took.
+memory (a sharded run: every rank its shards, then every rank's thread writes them).
+Every save logs how long it blocked training and how long the write took.
 """
 
 from __future__ import annotations
@@ -63,15 +64,13 @@ class Checkpointer:
         keeping = cfg.checkpoint
         self.best = (BestCheckpoints(run_dir, keeping.keep_best, keeping.mode)
                      if keeping.keep_best else None)
-        if keeping.async_save and strategy.saves_on_every_rank:
-            raise ValueError(
-                "checkpoint.async_save=true writes the single checkpoint file in the "
-                f"background; strategy {type(strategy).__name__} writes sharded "
-                "checkpoints, which are written synchronously. Set "
-                "checkpoint.async_save=false, or use a strategy that saves one file "
-                "(single, ddp, zero1, local_sgd).")
-        # Rank 0 writes; the writer thread only exists there.
-        self.writer = BackgroundWriter() if keeping.async_save and env.is_main else None
+        sharded = strategy.saves_on_every_rank
+        # The writer thread exists where files are written: rank 0, or every rank of a
+        # sharded run. A sharded write's collectives run over a group of its own (gloo:
+        # the shards are in host memory by then), never between the step's collectives.
+        self.writer = (BackgroundWriter() if keeping.async_save and (env.is_main or sharded)
+                       else None)
+        self._group = _writers_group() if keeping.async_save and sharded else None
         self.async_save = keeping.async_save
         self.written: Path | None = None  # the newest checkpoint complete on disk
         self._in_flight: Path | None = None  # the one being written in the background
@@ -111,7 +110,10 @@ class Checkpointer:
                 if self.best is not None and self.env.is_main:  # the best k outlive
                     self.best.record(at.step, score)            # keep_last
                     keep = self.best.keep()
-                if sharded:  # COLLECTIVE: every rank writes its shards, rank 0 the rest
+                if sharded and self.writer is not None:  # every rank, in the background
+                    self._write_sharded_in_background(at.step, path, model_state, state,
+                                                      keep, start)
+                elif sharded:  # COLLECTIVE: every rank writes its shards, rank 0 the rest
                     sharded_ckpt.save_sharded_checkpoint(
                         self.run_dir, at.step, model_state, state,
                         self.cfg.checkpoint.keep_last, keep)
@@ -154,6 +156,27 @@ class Checkpointer:
         self.writer.submit(step, write, blocking)
         self._in_flight = path
 
+    def _write_sharded_in_background(self, step: int, path: Path, shards: dict[str, Any],
+                                     state: dict[str, Any] | None, keep: set[int],
+                                     start: float) -> None:
+        """Every rank: wait for the write in flight, copy this rank's shards (and on rank
+        0 the rest of the state) into host memory, then write them in the background
+        over the writers' own process group."""
+        assert self.writer is not None
+        self._collect()
+        host, rest = to_host(shards), to_host(state)
+        blocking = time.perf_counter() - start
+        keep_last, group, main = self.cfg.checkpoint.keep_last, self._group, self.env.is_main
+
+        def write() -> None:  # COLLECTIVE over the writers' group, in every rank's thread
+            sharded_ckpt.save_sharded_checkpoint(self.run_dir, step, host, rest, keep_last,
+                                                 keep, group=group)
+            if main:
+                _log_saved(path, step, time.perf_counter() - start, blocking)
+
+        self.writer.submit(step, write, blocking)
+        self._in_flight = path
+
     def _collect(self) -> None:
         """Wait for the background write in flight; record it as written or as failed."""
         if self.writer is None or self._in_flight is None:
@@ -185,7 +208,6 @@ class Checkpointer:
         self._background_errors = []
         result.checkpoint_errors.extend(errors)
         result.checkpoint = str(written) if written is not None else None
-
 
     def load(self, path: Path) -> Position:
         """Restore model, optimizer, scheduler, scaler, data position and RNG; returns
@@ -270,6 +292,15 @@ class Checkpointer:
                     "position restarts at the beginning of epoch %d", path, saved_world,
                     self.env.world_size, epoch)
         return 0
+
+
+def _writers_group() -> Any:
+    """A gloo process group of every rank for background sharded writes (None alone)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(backend="gloo")  # COLLECTIVE: every rank, once, in one order
 
 
 def _log_saved(path: Path, step: int, total_s: float, blocking_s: float | None) -> None:

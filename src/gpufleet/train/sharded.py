@@ -48,13 +48,16 @@ def sharded_checkpoint_path(run_dir: str | Path, step: int) -> Path:
 
 def save_sharded_checkpoint(run_dir: str | Path, step: int, shards: dict[str, Any],
                             state: dict[str, Any] | None, keep_last: int,
-                            keep: Collection[int] = ()) -> Path:
+                            keep: Collection[int] = (), group: Any = None) -> Path:
     """Write a sharded checkpoint for ``step``, then prune all but the newest ``keep_last``
     and the steps in ``keep``.
 
     COLLECTIVE: every rank calls it with its own ``shards`` (``{"model": ...,
     "optimizer": ...}`` of DTensors, as ``get_state_dict`` returns them); ``state`` (the
-    rest of the training state) is used on rank 0 only.
+    rest of the training state) is used on rank 0 only. ``group``: the process group of
+    every rank that the write's own collectives run over (default: the default group);
+    a background write passes a group of its own, so that its collectives never stand
+    between the training step's.
 
     Example:
         >>> save_sharded_checkpoint(run_dir, 100, strategy.state_dict(model, opt),
@@ -75,18 +78,20 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, shards: dict[str, An
             staging.mkdir(parents=True)
         except OSError as e:
             error = str(e)
-    _raise_if(broadcast_object(error))  # COLLECTIVE: the folder exists for everyone
+    _raise_if(broadcast_object(error, group=group))  # COLLECTIVE: the folder exists
     digests: dict[str, str] = {}
     try:
         with warnings.catch_warnings():  # without a process group: one process, as meant
             warnings.filterwarnings("ignore", ".*single process.*")
-            dcp.save(shards, checkpoint_id=str(staging))  # COLLECTIVE: each rank its shards
+            # COLLECTIVE: each rank its shards (given no process group, DCP's default).
+            dcp.save(shards, checkpoint_id=str(staging),
+                     **({"process_group": group} if group is not None else {}))
         # Each rank hashes what it wrote (in parallel); rank 0 hashes the rest.
         digests = {p.name: _sha256(p) for p in staging.glob(f"__{rank}_*")}
     except (OSError, dcp.api.CheckpointException) as e:
         # DCP reports a failed write on any rank to all ranks.
         error = f"{type(e).__name__}: {e}"
-    reports = gather_objects((error, digests))  # COLLECTIVE: a few bytes per rank
+    reports = gather_objects((error, digests), group)  # COLLECTIVE: a few bytes per rank
     error = next((e for e, _ in reports if e), None)
     if rank == 0 and error is None:
         try:
@@ -95,7 +100,7 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, shards: dict[str, An
             prune(run_dir, keep_last, keep)
         except (OSError, RuntimeError) as e:  # torch.save: a failed write is a RuntimeError
             error = str(e)
-    error = broadcast_object(error)  # COLLECTIVE: everyone learns how it ended
+    error = broadcast_object(error, group=group)  # COLLECTIVE: everyone learns the end
     if error is not None and rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
     _raise_if(error)
