@@ -96,6 +96,26 @@ def test_a_long_step_with_almost_no_arithmetic_is_host_bound():
     assert diagnose(busy, facts) == []
 
 
+def test_host_bound_counts_neither_the_all_reduce_wait_nor_cores_others_take():
+    # 7% of the yardstick over the whole step, but 36% of the step waits in the gradient
+    # all-reduce and another process takes 0.9 of the 2 cores the 2 ranks ask for: their
+    # own work runs at about 24% of what the cores left to them can do.
+    facts = RunFacts(device_flops=1e11, device_flops_source="measured matmul",
+                     world=2, local_world=2, cores=2, torch_threads=1)
+    rows = [dict(_ROW, rank=0), dict(_ROW, rank=1)]
+    arrival = [{"rank": 0, "wait": 0.0064, "gc": 0.0, "grad_bytes": 2.6e6},
+               {"rank": 1, "wait": 0.0070, "gc": 0.0, "grad_bytes": 2.6e6}]
+    s = _summary(step_s=0.0177, tflops=7.4e-3, rank_phases=rows, rank_arrival=arrival)
+    system = {"host_view": {"cores": 2, "busy": 1.96, "ours": 1.0,
+                            "others": [{"pid": 9, "name": "python", "cores": 0.9}]}}
+    assert "host-bound" not in [f.rule for f in diagnose(s, facts, system)]
+    # Alone on the node the same step still does too little arithmetic for its time.
+    tiny = _summary(step_s=0.0177, tflops=7.4e-4, rank_phases=rows, rank_arrival=arrival)
+    found = [f for f in diagnose(tiny, facts, system) if f.rule == "host-bound"]
+    assert found and "outside the gradient all-reduce" in found[0].message
+    assert found[0].measurements["cpu_share"] == pytest.approx(0.55)
+
+
 @pytest.fixture
 def busy_process():
     proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])

@@ -111,24 +111,38 @@ def _straggler(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
                    message, fix)
 
 
-def _host_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
+def _host_bound(s: Summary, facts: RunFacts, system: dict[str, Any] | None = None,
+                *_: Any) -> Finding | None:
     if not s.tflops or not facts.device_flops:
         return None
     worst_data = max(p["data"] for p in s.rank_phases)
     if worst_data >= 0.25 * s.step_s:  # input-bound is its own rule
         return None
-    use = s.tflops * 1e12 / facts.device_flops
+    # The step's own work: the wait in the gradient all-reduce is neither arithmetic nor
+    # per-operation overhead (the communication rules judge it).
+    waits = measured_waits(s)
+    waited = sorted(waits)[len(waits) // 2] if waits else 0.0
+    busy_s = max(s.step_s - waited, 1e-9)
+    # On a CPU the yardstick is what the run's cores can do; when other processes take
+    # some of them, the ranks get only a share of it.
+    share = _cpu_share(facts, system)
+    use = s.tflops * 1e12 * (s.step_s / busy_s) / (facts.device_flops * share)
     # A short step below 15% of the yardstick is overhead-bound; a long one (over 50 ms,
     # where per-operation overhead is a smaller share) must fall below 5%.
-    if use >= (0.15 if s.step_s <= 0.05 else 0.05):
+    if use >= (0.15 if busy_s <= 0.05 else 0.05):
         return None
     what = ("its peak" if facts.device_flops_source == "peak"
             else "a plain matmul on this CPU")
     message = (f"a step does {s.tflops * s.step_s * 1e3:.3g} GFLOP in {_ms(s.step_s)}: "
                f"{s.tflops * 1e3:.3g} GFLOP/s, {use:.1%} of the "
-               f"{facts.device_flops / 1e9:.3g} GFLOP/s of {what}, while data is ready "
-               f"({worst_data / s.step_s:.0%} of the step waits for it). The time goes to "
-               "Python and per-operation overhead, not to arithmetic.")
+               f"{facts.device_flops / 1e9:.3g} GFLOP/s of {what}")
+    if waited:
+        message += f" (counting the {_ms(busy_s)} outside the gradient all-reduce)"
+    if share < 1.0:
+        message += f" and of the {share:.0%} of it other processes leave to the run"
+    message += (f", while data is ready ({worst_data / s.step_s:.0%} of the step waits "
+                "for it). The time goes to Python and per-operation overhead, not to "
+                "arithmetic.")
     fix = (f"raise data.batch_size from {facts.batch_size} (to {4 * facts.batch_size}, "
            "say: the overhead per step stays, the work grows)")
     if not facts.compile:
@@ -136,7 +150,24 @@ def _host_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
     if facts.device == "cuda":
         fix += ", and perf.compile_mode=reduce-overhead (CUDA graphs: one launch per step)"
     return Finding("host-bound", "warn", "host-bound", message, fix + ".",
-                   changes={"data.batch_size": 4 * facts.batch_size})
+                   changes={"data.batch_size": 4 * facts.batch_size},
+                   measurements={"use": use, "step_s": s.step_s, "busy_s": busy_s,
+                                 "cpu_share": share})
+
+
+def _cpu_share(facts: RunFacts, system: dict[str, Any] | None) -> float:
+    """The share of the cores its threads ask for that other processes leave to a CPU
+    run (1.0 on a GPU, or with no sample of the node)."""
+    if facts.device != "cpu" or not system:
+        return 1.0
+    from gpufleet.monitor.host_rules import host_view
+
+    view = system.get("host_view") or host_view([system])
+    wanted = min(facts.cores, facts.local_world * facts.torch_threads)
+    if not view or wanted <= 0:
+        return 1.0
+    taken = sum(p["cores"] for p in view["others"])
+    return min(1.0, max(0.05, (view["cores"] - taken) / wanted))
 
 
 def _reduces_in_backward(strategy: str) -> bool:
