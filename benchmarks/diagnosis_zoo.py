@@ -340,8 +340,15 @@ def _launcher(kind: str) -> list[str] | None:
     return None
 
 
+def slow_disk_missing() -> str | None:
+    from gpufleet.bench.slowdisk import slow_disk_missing as missing
+
+    return missing()
+
+
 def _measure(scn: Scenario, args: list[str], env: dict[str, str], hogs: int,
              run_dir: Path) -> Any:
+    from gpufleet.bench.slowdisk import slow_disk
     from gpufleet.monitor.tune import measure
 
     path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
@@ -352,64 +359,6 @@ def _measure(scn: Scenario, args: list[str], env: dict[str, str], hogs: int,
         return measure(args, run_dir,
                        {**BASE_ENV, **scn.env, **env, "PYTHONPATH": path},
                        launcher=launcher)
-
-
-# -- a slow file system: the kernel's block-I/O throttle on the run's disk ---------------
-_BLKIO = Path("/sys/fs/cgroup/blkio")  # cgroup v1
-_UNIFIED = next((p for p in (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup"))
-                 if (p / "cgroup.controllers").exists()), None)  # cgroup v2
-
-
-def _disk_of(path: Path) -> str:
-    """``MAJOR:MINOR`` of the whole disk holding ``path`` (the throttle takes disks, not
-    partitions)."""
-    dev = os.stat(path).st_dev
-    node = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
-    if (node / "partition").exists():
-        node = node.resolve().parent
-    return (node / "dev").read_text().strip()
-
-
-def slow_disk_missing() -> str | None:
-    """Why writes cannot be limited here (None: they can)."""
-    if os.geteuid() != 0:
-        return "skipped: limiting a disk's writes needs root"
-    if _BLKIO.is_dir() and os.access(_BLKIO, os.W_OK):
-        return None
-    if _UNIFIED is not None and "io" in (_UNIFIED / "cgroup.controllers").read_text().split():
-        return None
-    return "skipped: no cgroup block-I/O controller (blkio v1 or io v2) here"
-
-
-@contextmanager
-def slow_disk(path: Path, write_bps: int) -> Iterator[list[str] | None]:
-    """A cgroup whose writes to ``path``'s disk are held to ``write_bps`` bytes/s; yields
-    the command prefix that starts a program inside it (None with no limit). The group is
-    removed afterwards, also on failure; its processes have ended by then."""
-    if not write_bps:
-        yield None
-        return
-    path.mkdir(parents=True, exist_ok=True)
-    disk = _disk_of(path)
-    if _BLKIO.is_dir():
-        group = _BLKIO / f"gpufleet-zoo-{os.getpid()}"
-        group.mkdir(exist_ok=True)
-        (group / "blkio.throttle.write_bps_device").write_text(f"{disk} {write_bps}")
-    else:
-        assert _UNIFIED is not None
-        (_UNIFIED / "cgroup.subtree_control").write_text("+io")
-        group = _UNIFIED / f"gpufleet-zoo-{os.getpid()}"
-        group.mkdir(exist_ok=True)
-        (group / "io.max").write_text(f"{disk} wbps={write_bps}")
-    try:
-        yield ["sh", "-c", f'echo $$ > {group / "cgroup.procs"} && exec "$@"', "sh"]
-    finally:
-        for _ in range(50):  # the run's last processes may still be leaving
-            try:
-                group.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
 
 
 def run_scenario(scn: Scenario, out: Path, repeats: int) -> dict[str, Any]:

@@ -133,8 +133,8 @@ def _time_outside_steps(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
     elif not facts.checkpoint_async and facts.async_save_possible:
         # The write itself (a slow or shared file system) then leaves the step's path;
         # only the copy to host memory still stops training.
-        fix += (", or set checkpoint.async_save=true: the file is then written in the "
-                "background while training goes on")
+        fix += (", or set checkpoint.async_save=true: the file is then written by a "
+                "writer thread while training goes on")
     return Finding("time-outside-steps", "warn", f"{what} eat the run", message, fix + ".",
                    changes=changes)
 
