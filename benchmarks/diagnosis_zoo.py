@@ -310,6 +310,8 @@ def _user_reports(cores: int) -> list[Scenario]:
                                         "--model.kwargs={width = 640, depth = 3}"],
                  write_bps=8 * 2**20, needs=slow_disk_missing()),
         Scenario("clean, 2 ranks", None, two),
+        Scenario("clean, 2 nodes (network bed, links unlimited)", None,
+                 launcher="two-nodes-clean", needs=_netbed_missing()),
     ]
 
 
@@ -373,6 +375,8 @@ def run_scenario(scn: Scenario, out: Path, repeats: int) -> dict[str, Any]:
                 "note": scn.needs}
     if scn.launcher == "two-nodes":
         return {**row, **_slow_link(out, repeats)}
+    if scn.launcher == "two-nodes-clean":
+        return {**row, **_two_nodes_clean(out)}
     given = [*BASE, *scn.args]
     slow = [_measure(scn, given, {}, scn.hogs, out / "slow-0")]
     first = slow[0].findings[0] if slow[0].findings else None
@@ -431,6 +435,7 @@ def _slow_link(out: Path, repeats: int, mbit: float = 20.0) -> dict[str, Any]:
         row: dict[str, Any] = {"first": first.rule if first else "(none)",
                                "note": "; ".join(f.title for f in findings)}
         row["correct"] = row["first"] == "communication-bound"
+        row["confident_wrong"] = _confident_wrong(first, row["correct"])
         if first is None or not first.changes:
             return {**row, "fix": "(none suggested)", "speedup": None}
         args, _ = apply_changes(given, first.changes)
@@ -444,6 +449,28 @@ def _slow_link(out: Path, repeats: int, mbit: float = 20.0) -> dict[str, Any]:
     before, after = statistics.median(slow), statistics.median(fixed)
     return {**row, "fix": describe_changes(first.changes), "before": before, "after": after,
             "speedup": after / before if before else None}
+
+
+def _two_nodes_clean(out: Path) -> dict[str, Any]:
+    """The clean 2-node row: ddp across two bed nodes, no link limited; right when
+    nothing warns."""
+    from slow_link import run_two_nodes  # benchmarks/slow_link.py
+
+    from gpufleet.bench.netbed import NetBed
+    from gpufleet.bench.runs import small_gpt_job
+    from gpufleet.monitor.diagnose import findings_for_run
+
+    given = [*small_gpt_job(30, batch_size=8, n_embd=96, n_layer=2), "--strategy", "ddp"]
+    with NetBed(2) as bed:
+        run_two_nodes(bed, given, out / "clean", {**os.environ, **BASE_ENV})
+    findings = findings_for_run(out / "clean")
+    first = findings[0] if findings else None
+    correct = not any(f.severity == "warn" for f in findings)
+    return {"first": (first.rule if first else "(none)") + (
+                f" ({first.confidence})" if first and first.confidence else ""),
+            "correct": correct, "confident_wrong": _confident_wrong(first, correct),
+            "fix": "-", "speedup": None,
+            "note": "; ".join(f.title for f in findings) or "-"}
 
 
 def _confident_wrong(first: Any, correct: bool) -> bool:
