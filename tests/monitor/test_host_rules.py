@@ -134,3 +134,20 @@ def test_the_sampler_names_a_real_busy_process(busy_process):
     # In the list (>= 5% of a core; a shared machine may give it little more).
     assert busy_process.pid in found and found[busy_process.pid]["name"].startswith("python")
     assert psutil.Process().pid not in found
+
+
+def test_a_small_straggler_on_a_node_others_load_is_low_confidence_with_both_causes():
+    # Rank 0's own work is 8 ms (17%) longer, split over forward and backward, on a node
+    # where another process takes 0.7 of 2 cores: unequal CPU shares are as plausible.
+    facts = RunFacts(world=2, local_world=2, cores=2, torch_threads=1)
+    rows = [dict(_ROW, rank=0, forward=0.017, backward=0.031),
+            dict(_ROW, rank=1, forward=0.013, backward=0.035)]
+    arrival = [{"rank": 0, "wait": 0.003, "gc": 0.0, "grad_bytes": 1e6},
+               {"rank": 1, "wait": 0.0115, "gc": 0.0, "grad_bytes": 1e6}]
+    s = _summary(step_s=0.05, rank_phases=rows, rank_arrival=arrival)
+    loaded = {"host_view": {"cores": 2, "busy": 2.0, "ours": 1.3,
+                            "others": [{"pid": 9, "name": "python", "cores": 0.7}]}}
+    alone = {"host_view": {"cores": 2, "busy": 1.9, "ours": 1.9, "others": []}}
+    found = {f.rule: f for f in diagnose(s, facts, loaded)}["straggler"]
+    assert found.confidence == "low" and "scheduler can share that out" in found.message
+    assert {f.rule: f for f in diagnose(s, facts, alone)}["straggler"].confidence == "medium"

@@ -7,6 +7,7 @@ for ``gpufleet report``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -77,7 +78,23 @@ def _input_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
                    changes=changes)
 
 
-def _straggler(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
+def _straggler(s: Summary, facts: RunFacts, system: dict[str, Any] | None = None,
+               *_: Any) -> Finding | None:
+    found = _straggler_found(s, facts)
+    share = _cpu_share(facts, system)
+    if found is None or share >= 1.0 or found.confidence == "high":
+        return found
+    # Other processes take cores the ranks ask for: the scheduler can give the ranks
+    # unequal shares of what is left, which looks like a straggler as well.
+    return dataclasses.replace(
+        found, confidence="low",
+        message=found.message + (f" Other processes leave this run {share:.0%} of the CPU "
+                                 "its ranks ask for, and the scheduler can share that out "
+                                 "unevenly: that is as plausible a cause of a difference "
+                                 "this size."))
+
+
+def _straggler_found(s: Summary, facts: RunFacts) -> Finding | None:
     if len(s.rank_phases) < 2:
         return None
     if measured_waits(s) is not None:  # when each rank arrives at the all-reduce
