@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+import toyjob
 from conftest import _env, final_params
 
 TOY = ["--model", "toyjob:make_model", "--model.loss", "torch.nn.functional:mse_loss",
@@ -42,6 +43,9 @@ def test_a_nan_on_one_rank_is_skipped_on_both_without_a_hang(run_cli, tmp_path):
     assert (run / "procs").is_dir() and not list((run / "procs").glob("*.json"))
 
 
+# Slow: test_a_rank_held_in_forward_is_named_at_its_line_with_the_collectives names the
+# rank that is behind, with both stacks saved, in the default run.
+@pytest.mark.slow
 def test_a_stalled_rank_is_named_with_every_stack_saved(run_cli, tmp_path):
     # Rank 1 sleeps 6 s reading its 5th batch (step 5); the watchdog allows 1.5 s.
     run_cli("train", *TOY, "--data", "toyjob:make_data_stalling_rank",
@@ -58,6 +62,72 @@ def test_a_stalled_rank_is_named_with_every_stack_saved(run_cli, tmp_path):
     assert "time.sleep(self.sleep)" in (hangs / "rank-1.txt").read_text()
     rank0 = (hangs / "rank-0.txt").read_text()
     assert "in phase 'backward'" in rank0 and "backward" in rank0
+
+
+def test_a_rank_held_in_forward_is_named_at_its_line_with_the_collectives(run_cli,
+                                                                          tmp_path):
+    # Rank 1 sleeps 6 s in its 5th forward; rank 0 waits in the gradient all-reduce.
+    run_cli("train", *TOY, "--model", "toyjob:make_model_held_in_forward",
+            "--model.kwargs={rank = 1, at = 5, sleep = 6.0}", "--data", "toyjob:make_data",
+            "--run-dir", "runs/held", "--fault.stall_min_s", "1.5",
+            "--fault.watchdog_poll_s", "0.2", timeout=180)
+    hangs = tmp_path / "runs" / "held" / "hangs" / "1"
+    report = (hangs / "report.txt").read_text()
+    assert report.startswith("rank 1 is behind: step 5, the forward pass"), report
+    line = next(i for i, text in enumerate(open(toyjob.__file__), 1)
+                if "held here: the hang report names this line" in text)
+    said = re.search(r"rank 0 waits in all_reduce #(\d+) \(step 5, gradient bucket 0, "
+                     r"(\d+) bytes, for [\d.]+ s\); rank 1 last entered #(\d+) \(all_reduce, "
+                     rf"step 4, log, \d+ bytes\) and is at toyjob.py:{line} in forward\n",
+                     report)
+    assert said, report
+    waits, grad_bytes, entered = map(int, said.groups())
+    assert grad_bytes == 4 * sum(p.numel() for p in toyjob.make_model().parameters())
+    # Rank 1 entered every collective up to the log all-reduce ending step 4; rank 0 the
+    # next one, the first of step 5. The numbers are those of the ranks' own records.
+    assert entered == waits - 1
+    rings = {r: json.loads((hangs / f"collectives-rank-{r}.json").read_text())["ring"]
+             for r in (0, 1)}
+    assert (rings[0]["seq"], rings[0]["done"]) == (waits, entered)
+    assert (rings[1]["seq"], rings[1]["done"]) == (entered, entered)
+    assert "Mismatched" not in report and "flight recorder" not in report  # gloo
+    assert "time.sleep(self.sleep)" in (hangs / "rank-1.txt").read_text()
+    assert "in phase 'backward'" in (hangs / "rank-0.txt").read_text()
+
+
+def test_a_collective_made_on_rank_0_only_is_named_as_mismatched(tmp_path):
+    """A user's all-reduce under `if rank == 0` in forward: rank 0 blocks in it while
+    rank 1 goes on to the gradient all-reduce. The report names the mismatch and where
+    each rank is; the hung run is then ended here."""
+    run = tmp_path / "runs" / "mismatch"
+    cmd = [sys.executable, "-m", "gpufleet", "train", *TOY, "--model",
+           "toyjob:make_model_rank0_collective", "--model.kwargs={at = 4}", "--data",
+           "toyjob:make_data", "--run-dir", "runs/mismatch", "--fault.stall_min_s", "1.5",
+           "--fault.watchdog_poll_s", "0.2"]
+    job = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    report = run / "hangs" / "1" / "report.txt"
+    try:
+        deadline = time.monotonic() + 150
+        while not report.is_file():
+            assert job.poll() is None, job.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no hang report"
+            time.sleep(0.2)
+        time.sleep(0.5)  # written in one call; let it land
+        text = report.read_text()
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    line = next(i for i, t in enumerate(open(toyjob.__file__), 1) if "# the bug" in t)
+    said = re.search(r"Mismatched collectives: rank 0 is blocked in all_reduce called at "
+                     rf"toyjob.py:{line} in forward, a collective gpufleet did not record "
+                     r"\(its last recorded is #(\d+)\); rank 1 waits in all_reduce #(\d+) "
+                     r"\(step 4, gradient bucket 0, ", text)
+    assert said, text
+    last0, waits1 = map(int, said.groups())
+    assert waits1 == last0 + 1  # rank 1 is one collective further: the one rank 0 lacks
+    assert "if rank == 0" in text
 
 
 # Slow: on a loaded machine the step watchdog's stall report can come first (seen once);

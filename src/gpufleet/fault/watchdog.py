@@ -10,7 +10,10 @@ built on), which answers from its own thread even while every rank is blocked in
 collective. Each watchdog publishes a heartbeat (step, phase, since when) there. The
 first rank to see a stall bumps a hang counter; every rank that sees the counter move
 dumps its Python stacks to ``<run_dir>/hangs/<id>/rank-<R>.txt``, and rank 0 writes
-``report.txt``: which rank is behind and what the others are waiting in. An all-reduce
+``report.txt``: which rank is behind and what the others are waiting in, then each
+rank's position in collectives and in code (:mod:`gpufleet.fault.forensics`: "rank 0
+waits in all_reduce #41 (step 5, gradient bucket 0); rank 1 last entered #38 and is at
+model.py:123 in forward"), naming collectives the ranks disagree on. An all-reduce
 makes every rank's *step* slow, so "behind" is read from how far each rank got
 (steps done, then the phase within the step), not from step times.
 
@@ -43,6 +46,8 @@ from typing import Any
 from gpufleet.config import FaultConfig
 from gpufleet.core.callbacks import Callback
 from gpufleet.core.phases import Phase
+from gpufleet.core.ring import RING
+from gpufleet.fault import forensics
 from gpufleet.fault.liveness import Liveness, Verdict
 from gpufleet.fault.procstate import state_words
 
@@ -114,7 +119,7 @@ class Watchdog(Callback):
 
     # -- called by the loop (main thread): clock reads only ---------------------------
     def on_fit_start(self, trainer: Any) -> None:
-        self.step = trainer.step
+        self.step = RING.step = trainer.step
         self._restart_clock("step")
         self._thread = threading.Thread(target=self._run, name="gpufleet-watchdog",
                                         daemon=True)
@@ -124,7 +129,7 @@ class Watchdog(Callback):
 
     def on_phase(self, trainer: Any, phase: str) -> None:
         if phase == Phase.END:  # a training step is done: time it, start the next one
-            self.step = trainer.step
+            self.step = RING.step = trainer.step
             now = time.monotonic()
             self._durations[self._activity].append(now - self._activity_start)
             self._activity, self._activity_start, self._flagged = "step", now, False
@@ -133,6 +138,7 @@ class Watchdog(Callback):
             self._restart_clock(_ACTIVITY.get(phase, "step"))
         # Kept as given (a Phase is its name); heartbeats and reports write the name.
         self.phase, self.phase_since = phase, time.time()
+        RING.phase = phase  # what this rank's next collectives are noted under
 
     def on_fit_end(self, trainer: Any, result: Any) -> None:
         self.stop()
@@ -241,7 +247,20 @@ class Watchdog(Callback):
             lines.append(f"--- thread {names.get(ident, ident)} ---")
             lines.extend(line.rstrip("\n") for line in traceback.format_stack(frame))
             lines.append("")
+        found = forensics.capture(self.rank)
+        lines.extend(forensics.ring_lines(found["ring"]))
         (folder / f"rank-{self.rank}.txt").write_text("\n".join(lines))
+        forensics.write_capture(folder, found)
+
+    def _captures(self, folder: Path, ranks: list[int]) -> list[dict[str, Any]]:
+        """Every answering rank's capture in ``folder``, waiting a few more polls for
+        those not written yet (a rank's watchdog thread may run late on a loaded host)."""
+        deadline = time.monotonic() + 10 * self.cfg.watchdog_poll_s + 2.0
+        while True:
+            captures = forensics.read_captures(folder)
+            if {c["rank"] for c in captures} >= set(ranks) or time.monotonic() > deadline:
+                return captures
+            time.sleep(self.cfg.watchdog_poll_s)
 
     def _lost(self, verdict: Verdict) -> None:
         """A peer or the store stopped answering: report it, then end this rank."""
@@ -270,8 +289,19 @@ class Watchdog(Callback):
         self.exit(EXIT_RANK_LOST)  # the training thread sits in a collective: end here
 
     def _write_report(self, folder: Path) -> None:
-        text = stall_report(self._heartbeats(), time.time(),
-                            silent_after=self.cfg.heartbeat_timeout_s / 2)
+        beats = self._heartbeats()
+        text = stall_report(beats, time.time(), silent_after=self.cfg.heartbeat_timeout_s / 2)
+        answering = [b["rank"] for b in beats
+                     if b and b.get("age_s", 0.0) <= self.cfg.heartbeat_timeout_s / 2]
+        captures = self._captures(folder, answering)
+        merged = forensics.merge(captures)
+        if merged:
+            text += "\n\nCollectives and code:\n" + "\n".join(merged)
+        note = forensics.flight_recorder_note(
+            next((c["backend"] for c in captures if c.get("backend")), ""),
+            list(range(self.world_size)))
+        if note:
+            text += "\n" + note
         path = folder / "report.txt"
         path.write_text(text + f"\nStacks: {folder}/rank-*.txt\n")
         self.reports.append(path)
