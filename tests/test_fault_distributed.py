@@ -120,10 +120,11 @@ def test_a_collective_made_on_rank_0_only_is_named_as_mismatched(tmp_path):
             os.killpg(job.pid, signal.SIGKILL)
         job.wait()
     line = next(i for i, t in enumerate(open(toyjob.__file__), 1) if "# the bug" in t)
-    said = re.search(r"Mismatched collectives: rank 0 is blocked in all_reduce called at "
-                     rf"toyjob.py:{line} in forward, a collective gpufleet did not record "
-                     r"\(its last recorded is #(\d+)\); rank 1 waits in all_reduce #(\d+) "
-                     r"\(step 4, gradient bucket 0, ", text)
+    # Said first: the cause is the mismatch, not a slow rank.
+    said = re.match(r"Mismatched collectives: rank 0 is blocked in all_reduce called at "
+                    rf"toyjob.py:{line} in forward, a collective gpufleet did not record "
+                    r"\(last recorded: #(\d+)\); rank 1 waits in all_reduce #(\d+) "
+                    r"\(step 4, gradient bucket 0, ", text)
     assert said, text
     last0, waits1 = map(int, said.groups())
     assert waits1 == last0 + 1  # rank 1 is one collective further: the one rank 0 lacks

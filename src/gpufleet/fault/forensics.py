@@ -13,8 +13,8 @@ number with a different operation or bucket, two ranks waiting in different numb
 a rank blocked in a collective gpufleet did not record (a user's ``all_reduce`` under
 ``if rank == 0``) while another waits in one it did.
 
-On NCCL, torch's flight recorder keeps its own record of each rank's collectives on the
-device side; :func:`flight_recorder_files` finds its dumps for the report.
+On NCCL, torch's flight recorder keeps its own record of the device side;
+:mod:`gpufleet.fault.flight_recorder` points the report to its dumps.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import sysconfig
 import threading
 import time
 import traceback
-from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +42,6 @@ _IN_STEP = {"data", "forward", "backward", "optimizer"}
 _C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
 _TORCH_DIST = os.path.join("torch", "distributed") + os.sep
 _STDLIB = sysconfig.get_paths()["stdlib"]
-# Where torch's flight recorder writes its dumps: the variable (newer name first) and
-# torch's default prefix; each rank's file is the prefix followed by its rank.
-FLIGHT_RECORDER_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
-FLIGHT_RECORDER_DEFAULT = "/tmp/nccl_trace_rank_"
 
 
 # -- on each rank: what is written ---------------------------------------------------
@@ -138,35 +134,93 @@ def _waiting(d: dict[str, Any]) -> dict[str, Any] | None:
     return next((e for e in ring["entries"] if e["seq"] > ring["done"]), None)
 
 
-def _position(d: dict[str, Any], now: float) -> tuple[str, str, int | None]:
-    """(kind, sentence, number): kind is "ring" (waits in a recorded collective),
-    "other" (blocked in a collective gpufleet did not record) or "code" (in no
-    collective); number is the recorded collective it waits in, if any."""
-    r, ring = d["rank"], d["ring"]
-    wait, call = _waiting(d), _collective_call(d.get("stack", []))
+@dataclass(frozen=True)
+class _Where:
+    """Where one rank is: ``kind`` "ring" (waits in recorded collective ``seq``),
+    "other" (blocked in a collective gpufleet did not record) or "code" (in none).
+    ``text`` follows "rank R", with ``{s}``/``{is_}`` for the verb and ``{for_}`` for
+    how long it has waited (since ``since``)."""
+
+    kind: str
+    seq: int
+    text: str
+    since: float | None = None
+
+
+def _where(d: dict[str, Any]) -> _Where:
+    ring, stack = d["ring"], d.get("stack", [])
+    wait, call = _waiting(d), _collective_call(stack)
     if wait is not None:
-        return "ring", (f"rank {r} waits in {wait['op']} #{wait['seq']} ({_label(wait)}, "
-                        f"for {now - wait['time']:.1f} s)"), wait["seq"]
-    last = (f"#{ring['seq']}" if ring["seq"] else "no collective yet")
+        return _Where("ring", wait["seq"], f"wait{{s}} in {wait['op']} #{wait['seq']} "
+                      f"({_label(wait)}{{for_}})", wait["time"])
+    last = f"#{ring['seq']}" if ring["seq"] else "no collective yet"
     if call is not None:
         op, at = call
-        return "other", (f"rank {r} is blocked in {op} called at {at}, a collective "
-                         f"gpufleet did not record (its last recorded is {last})"), None
+        return _Where("other", ring["seq"], f"{{is_}} blocked in {op} called at {at}, a "
+                      f"collective gpufleet did not record (last recorded: {last})")
     if ring["seq"]:
         e = ring["entries"][-1]
         last += f" ({e['op']}, {_label(e)})"
-    return "code", (f"rank {r} last entered {last} and is at "
-                    f"{_code_position(d.get('stack', []))}"), None
+    return _Where("code", ring["seq"],
+                  f"last entered {last} and {{is_}} at {_code_position(stack)}")
+
+
+def _sentences(where: dict[int, _Where], ranks: list[int], now: float) -> str:
+    """One clause per distinct position of ``ranks``, ranks at the same one together."""
+    groups: dict[tuple[str, int, str], list[int]] = {}
+    for r in ranks:
+        w = where[r]
+        groups.setdefault((w.kind, w.seq, w.text), []).append(r)
+    clauses = []
+    for (_, _, text), members in groups.items():
+        one = len(members) == 1
+        since = min((where[r].since for r in members if where[r].since is not None),
+                    default=None)
+        clauses.append(f"rank {', '.join(map(str, members))} " + text.format(
+            s="s" if one else "", is_="is" if one else "are",
+            for_="" if since is None else f", for {now - since:.1f} s"))
+    return "; ".join(clauses)
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return a["op"] == b["op"] and a["bucket"] == b["bucket"]
+    return a["seq"] == b["seq"] and a["op"] == b["op"] and a["bucket"] == b["bucket"]
 
 
-def merge(captures: list[dict[str, Any]], now: float | None = None) -> list[str]:
-    """The hang in sentences from every rank's :func:`capture`: first where each rank
-    is (who waits in which collective, who is elsewhere and at which line), then, when
-    the ranks disagree on the collective they are in, that they took different paths.
+def _mismatched(captures: list[dict[str, Any]], where: dict[int, _Where]) -> list[int]:
+    """The ranks in different collectives from each other (none when they agree): two
+    ranks waiting in different recorded collectives, or a rank blocked in one gpufleet
+    did not record while another waits in any collective."""
+    waits = {d["rank"]: _waiting(d) for d in captures if where[d["rank"]].kind == "ring"}
+    others = {r for r, w in where.items() if w.kind == "other"}
+    named = set()
+    for a in waits:
+        for b in waits:
+            if a < b and not _same(waits[a], waits[b]):
+                named |= {a, b}
+    if others and (waits or len(others) > 1):
+        named |= others | set(waits)
+    return sorted(named)
+
+
+@dataclass(frozen=True)
+class Merged:
+    """Every rank's position, merged: ``where`` (one sentence for all ranks),
+    ``mismatch`` (a sentence naming ranks in different collectives, or "") and
+    ``stuck`` (every rank waits in the same collective, or "")."""
+
+    where: str
+    mismatch: str = ""
+    stuck: str = ""
+
+    def lines(self) -> list[str]:
+        """The sentences for the report: the mismatch first when there is one."""
+        return [x for x in (self.mismatch, self.where, self.stuck) if x]
+
+
+def merge(captures: list[dict[str, Any]], now: float | None = None) -> Merged | None:
+    """The hang in sentences from every rank's :func:`capture` (None without any): who
+    waits in which collective, who is elsewhere and at which line, and whether the ranks
+    disagree on the collective they are in.
 
     Example:
         >>> ring = lambda seq, done, phase, bucket: {"seq": seq, "done": done, "entries": [
@@ -174,81 +228,26 @@ def merge(captures: list[dict[str, Any]], now: float | None = None) -> list[str]
         ...      "bucket": bucket, "time": 0.0}]}
         >>> merge([{"rank": 0, "ring": ring(9, 8, "backward", 0), "stack": []},
         ...        {"rank": 1, "ring": ring(8, 8, "log", -1),
-        ...         "stack": [["/src/model.py", 12, "forward"]]}], now=2.0)[0]
+        ...         "stack": [["/src/model.py", 12, "forward"]]}], now=2.0).where
         'rank 0 waits in all_reduce #9 (step 5, gradient bucket 0, 4 bytes, for 2.0 s); \
 rank 1 last entered #8 (all_reduce, step 4, log, 4 bytes) and is at model.py:12 in forward'
     """
     if not captures:
-        return []
+        return None
     now = time.time() if now is None else now
-    where = {d["rank"]: _position(d, now) for d in captures}
-    lines = ["; ".join(w[1] for w in where.values())]
-    mismatch = _mismatch(captures, where)
-    if mismatch:
-        lines.append(mismatch)
-    elif all(w[0] == "ring" for w in where.values()) and len(where) > 1:
-        lines.append("Every rank waits in the same collective: the transfer itself is "
-                     "stuck (the network or the device), not a rank.")
-    return lines
-
-
-def _mismatch(captures: list[dict[str, Any]],
-              where: dict[int, tuple[str, str, int | None]]) -> str:
-    """A sentence naming ranks that are in different collectives, or ""."""
-    waits = {d["rank"]: _waiting(d) for d in captures if where[d["rank"]][0] == "ring"}
-    others = [r for r, w in where.items() if w[0] == "other"]
-    pairs: list[tuple[int, int]] = []
-    ranks = sorted(waits)
-    for i, a in enumerate(ranks):
-        for b in ranks[i + 1:]:
-            ea, eb = waits[a], waits[b]
-            if ea and eb and (ea["seq"] != eb["seq"] or not _same(ea, eb)):
-                pairs.append((a, b))
-    if not pairs and not (others and (waits or len(others) > 1)):
-        return ""
-    named = sorted({r for p in pairs for r in p} | set(others) |
-                   (set(waits) if others else set()))
-    return ("Mismatched collectives: " + "; ".join(where[r][1] for r in named) +
-            ". The ranks took different paths through the code: a collective under a "
-            "rank-dependent condition (e.g. `if rank == 0: all_reduce(...)`) or in a "
-            "different order on some ranks. Every rank must make the same collectives "
-            "in the same order.")
-
-
-# -- NCCL's flight recorder ------------------------------------------------------------
-def flight_recorder_files(ranks: list[int],
-                          environ: Mapping[str, str] | None = None) -> list[Path]:
-    """The flight recorder dumps that exist for ``ranks`` (torch writes
-    ``<prefix><rank>``, the prefix from :data:`FLIGHT_RECORDER_VARS` or torch's
-    default), in rank order.
-
-    Example:
-        >>> flight_recorder_files([0, 1], {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/nowhere/t-"})
-        []
-    """
-    environ = os.environ if environ is None else environ
-    prefix = next((environ[k] for k in FLIGHT_RECORDER_VARS if environ.get(k)),
-                  FLIGHT_RECORDER_DEFAULT)
-    return [Path(f"{prefix}{r}") for r in ranks if Path(f"{prefix}{r}").is_file()]
-
-
-def flight_recorder_note(backend: str, ranks: list[int],
-                         environ: Mapping[str, str] | None = None) -> str:
-    """What the report says about torch's flight recorder: its dumps on NCCL (or where
-    they will appear), nothing on other backends."""
-    if backend.lower() != "nccl":
-        return ""
-    environ = os.environ if environ is None else environ
-    found = flight_recorder_files(ranks, environ)
-    if found:
-        return ("NCCL flight recorder dumps (each rank's last collectives on the device "
-                "side; read them with torch's `torchfrtrace`): " +
-                ", ".join(map(str, found)))
-    size = environ.get("TORCH_FR_BUFFER_SIZE") or environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")
-    if not size or size == "0":
-        return ("NCCL flight recorder: off (TORCH_NCCL_TRACE_BUFFER_SIZE is not set); set "
-                "it to e.g. 2000 to get each rank's device-side record on a timeout.")
-    prefix = next((environ[k] for k in FLIGHT_RECORDER_VARS if environ.get(k)),
-                  FLIGHT_RECORDER_DEFAULT)
-    return (f"NCCL flight recorder: no dump yet; at the collective timeout each rank "
-            f"writes {prefix}<rank> (read them with torch's `torchfrtrace`).")
+    where = {d["rank"]: _where(d) for d in captures}
+    ranks = sorted(where)
+    named = _mismatched(captures, where)
+    if named:
+        rest = [r for r in ranks if r not in named]
+        return Merged(_sentences(where, rest, now) if rest else "",
+                      mismatch="Mismatched collectives: " + _sentences(where, named, now) +
+                      ". The ranks took different paths through the code: a collective "
+                      "under a rank-dependent condition (e.g. `if rank == 0: "
+                      "all_reduce(...)`) or in a different order on some ranks. Every rank "
+                      "must make the same collectives in the same order.")
+    stuck = ""
+    if len(ranks) > 1 and all(w.kind == "ring" for w in where.values()):
+        stuck = ("Every rank waits in the same collective: the transfer itself is stuck "
+                 "(the network or the device), not one rank.")
+    return Merged(_sentences(where, ranks, now), stuck=stuck)

@@ -47,7 +47,7 @@ from gpufleet.config import FaultConfig
 from gpufleet.core.callbacks import Callback
 from gpufleet.core.phases import Phase
 from gpufleet.core.ring import RING
-from gpufleet.fault import forensics
+from gpufleet.fault import flight_recorder, forensics
 from gpufleet.fault.liveness import Liveness, Verdict
 from gpufleet.fault.procstate import state_words
 
@@ -295,9 +295,11 @@ class Watchdog(Callback):
                      if b and b.get("age_s", 0.0) <= self.cfg.heartbeat_timeout_s / 2]
         captures = self._captures(folder, answering)
         merged = forensics.merge(captures)
-        if merged:
-            text += "\n\nCollectives and code:\n" + "\n".join(merged)
-        note = forensics.flight_recorder_note(
+        if merged is not None:
+            text += "\n\nCollectives and code:\n" + "\n".join(merged.lines())
+            if merged.mismatch:  # the cause, not a slow rank: said first
+                text = merged.mismatch + "\n\n" + text
+        note = flight_recorder.report_note(
             next((c["backend"] for c in captures if c.get("backend")), ""),
             list(range(self.world_size)))
         if note:
