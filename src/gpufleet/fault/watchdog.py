@@ -247,10 +247,13 @@ class Watchdog(Callback):
             lines.append(f"--- thread {names.get(ident, ident)} ---")
             lines.extend(line.rstrip("\n") for line in traceback.format_stack(frame))
             lines.append("")
-        found = forensics.capture(self.rank)
-        lines.extend(forensics.ring_lines(found["ring"]))
+        try:  # this rank's collectives, for the report's merge
+            found = forensics.capture(self.rank)
+            lines.extend(forensics.ring_lines(found["ring"]))
+            forensics.write_capture(folder, found)
+        except Exception as e:  # the stacks matter more: write them whatever happens
+            log.warning("rank %d: could not record its collectives: %s", self.rank, e)
         (folder / f"rank-{self.rank}.txt").write_text("\n".join(lines))
-        forensics.write_capture(folder, found)
 
     def _captures(self, folder: Path, ranks: list[int]) -> list[dict[str, Any]]:
         """Every answering rank's capture in ``folder``, waiting a few more polls for
