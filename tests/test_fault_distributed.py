@@ -131,6 +131,27 @@ def test_a_collective_made_on_rank_0_only_is_named_as_mismatched(tmp_path):
     assert "if rank == 0" in text
 
 
+# Slow: tests/fault/test_signal_stacks.py asks a real process stuck the same way for its
+# stacks in the default run.
+@pytest.mark.slow
+def test_a_rank_stuck_in_native_code_is_asked_for_its_stacks(run_cli, tmp_path):
+    """Rank 1 sleeps in libc holding the interpreter lock: its heartbeat and watchdog
+    threads cannot run. Rank 0 names it silent and gets its stacks through a signal."""
+    proc = run_cli("train", *TOY, "--model", "toyjob:make_model_stuck_in_native",
+                   "--model.kwargs={rank = 1, at = 5, sleep = 60}", "--data",
+                   "toyjob:make_data", "--run-dir", "runs/native",
+                   "--fault.heartbeat_timeout_s", "4", "--fault.watchdog_poll_s", "0.2",
+                   expect=None, timeout=180)
+    assert proc.returncode != 0
+    run = tmp_path / "runs" / "native"
+    report = (run / "hangs" / "lost-rank0" / "report.txt").read_text()
+    stacks = run / "hangs" / "signal-stacks-rank-1.txt"
+    assert "rank 1's Python stacks, written on a signal (its own threads did not " \
+           "answer): runs/native/hangs/signal-stacks-rank-1.txt" in report, report
+    line = next(i for i, t in enumerate(open(toyjob.__file__), 1) if "lock held" in t)
+    assert f"toyjob.py\", line {line} in forward" in stacks.read_text()
+
+
 # Slow: on a loaded machine the step watchdog's stall report can come first (seen once);
 # the default run keeps tests/test_fault.py's real SIGSTOPped process read through a
 # real store.

@@ -324,3 +324,27 @@ class _RankZeroCollective(nn.Module):
 def make_model_rank0_collective(at: int = 4) -> nn.Module:
     """The toy model whose ``at``-th forward makes an all-reduce on rank 0 only."""
     return _RankZeroCollective(at)
+
+
+class _StuckInNative(nn.Module):
+    """The toy model; its ``at``-th forward on rank ``rank`` sleeps ``sleep`` s in libc
+    while holding the interpreter lock (no Python thread of the rank runs meanwhile)."""
+
+    def __init__(self, rank: int, at: int, sleep: int) -> None:
+        super().__init__()
+        self.inner = make_model()
+        self.mine = int(os.environ.get("RANK", "-1")) == rank
+        self.at, self.sleep, self.calls = at, sleep, 0
+
+    def forward(self, x):
+        self.calls += self.mine
+        if self.mine and self.calls == self.at:
+            import ctypes
+
+            ctypes.PyDLL(None).sleep(self.sleep)  # stuck in native code, lock held
+        return self.inner(x)
+
+
+def make_model_stuck_in_native(rank: int = 1, at: int = 5, sleep: int = 60) -> nn.Module:
+    """The toy model; rank ``rank``'s ``at``-th forward is stuck in native code."""
+    return _StuckInNative(rank, at, sleep)

@@ -47,9 +47,10 @@ from gpufleet.config import FaultConfig
 from gpufleet.core.callbacks import Callback
 from gpufleet.core.phases import Phase
 from gpufleet.core.ring import RING
-from gpufleet.fault import flight_recorder, forensics
+from gpufleet.fault import flight_recorder, forensics, signal_stacks
 from gpufleet.fault.liveness import Liveness, Verdict
 from gpufleet.fault.procstate import state_words
+from gpufleet.fault.signal_stacks import SignalStacks
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class Watchdog(Callback):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.reports: list[Path] = []  # report.txt files written (rank 0)
+        self.signal_stacks = SignalStacks(run_dir, rank)
         self.liveness = (Liveness(store, self.prefix, rank, world_size, self.heartbeat,
                                   cfg.watchdog_poll_s, cfg.heartbeat_timeout_s, self._lost)
                          if store is not None and world_size > 1 else None)
@@ -125,6 +127,7 @@ class Watchdog(Callback):
                                         daemon=True)
         self._thread.start()
         if self.liveness is not None:
+            self.signal_stacks.start()  # a peer asks for them if this rank goes silent
             self.liveness.start()
 
     def on_phase(self, trainer: Any, phase: str) -> None:
@@ -145,6 +148,7 @@ class Watchdog(Callback):
 
     def stop(self) -> None:
         self._stop.set()
+        self.signal_stacks.stop()
         if self.liveness is not None:
             self.liveness.stop()
         if self._thread is not None:
@@ -279,7 +283,7 @@ class Watchdog(Callback):
         text += (f"\nEnding rank {self.rank} (exit code {EXIT_RANK_LOST}) rather than "
                  f"waiting out the collective timeout; with --max-restarts and an elastic "
                  "--nnodes MIN:MAX the agent restarts without the lost node.")
-        text += _end_stopped(verdict)
+        text += signal_stacks.ask_silent(self.run_dir, verdict.silent) + _end_stopped(verdict)
         try:
             self._dump_stacks(folder)
             (folder / "report.txt").write_text(text + "\n")
