@@ -64,14 +64,37 @@ def test_a_stalled_rank_is_named_with_every_stack_saved(run_cli, tmp_path):
     assert "in phase 'backward'" in rank0 and "backward" in rank0
 
 
-def test_a_rank_held_in_forward_is_named_at_its_line_with_the_collectives(run_cli,
-                                                                          tmp_path):
-    # Rank 1 sleeps 6 s in its 5th forward; rank 0 waits in the gradient all-reduce.
-    run_cli("train", *TOY, "--model", "toyjob:make_model_held_in_forward",
-            "--model.kwargs={rank = 1, at = 5, sleep = 6.0}", "--data", "toyjob:make_data",
-            "--run-dir", "runs/held", "--fault.stall_min_s", "1.5",
-            "--fault.watchdog_poll_s", "0.2", timeout=180)
-    hangs = tmp_path / "runs" / "held" / "hangs" / "1"
+@pytest.fixture(scope="module")
+def two_hangs(tmp_path_factory):
+    """One 2-rank run, two hangs: rank 1 sleeps 6 s in its 5th forward (rank 0 waits in
+    the gradient all-reduce; the run then goes on), then rank 0's 8th forward makes an
+    all-reduce on rank 0 only (hangs/2: a hang that does not end, so the run is ended
+    here once both reports are written). Returns the run's hangs/ folder."""
+    tmp = tmp_path_factory.mktemp("hangs")
+    run = tmp / "runs" / "two"
+    cmd = [sys.executable, "-m", "gpufleet", "train", *TOY, "--model",
+           "toyjob:make_model_held_then_rank0_collective", "--model.kwargs={held_at = 5, "
+           "sleep = 6.0, lone_at = 8}", "--data", "toyjob:make_data", "--run-dir",
+           "runs/two", "--fault.stall_min_s", "1.5", "--fault.watchdog_poll_s", "0.2"]
+    job = subprocess.Popen(cmd, cwd=tmp, env=_env(), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    second = run / "hangs" / "2" / "report.txt"
+    try:
+        deadline = time.monotonic() + 180
+        while not second.is_file():
+            assert job.poll() is None, job.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no second hang report"
+            time.sleep(0.2)
+        time.sleep(0.5)  # written in one call; let it land
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    return run / "hangs"
+
+
+def test_a_rank_held_in_forward_is_named_at_its_line_with_the_collectives(two_hangs):
+    hangs = two_hangs / "1"
     report = (hangs / "report.txt").read_text()
     assert report.startswith("rank 1 is behind: step 5, the forward pass"), report
     line = next(i for i, text in enumerate(open(toyjob.__file__), 1)
@@ -91,40 +114,23 @@ def test_a_rank_held_in_forward_is_named_at_its_line_with_the_collectives(run_cl
     assert (rings[0]["seq"], rings[0]["done"]) == (waits, entered)
     assert (rings[1]["seq"], rings[1]["done"]) == (entered, entered)
     assert "Mismatched" not in report and "flight recorder" not in report  # gloo
+    # Named while rank 1 was still asleep, well before its 6 s; both stacks saved.
+    stalled_for = float(re.search(r"for ([\d.]+) s", report).group(1))
+    assert 1.5 <= stalled_for < 6.0
     assert "time.sleep(self.sleep)" in (hangs / "rank-1.txt").read_text()
     assert "in phase 'backward'" in (hangs / "rank-0.txt").read_text()
 
 
-def test_a_collective_made_on_rank_0_only_is_named_as_mismatched(tmp_path):
+def test_a_collective_made_on_rank_0_only_is_named_as_mismatched(two_hangs):
     """A user's all-reduce under `if rank == 0` in forward: rank 0 blocks in it while
-    rank 1 goes on to the gradient all-reduce. The report names the mismatch and where
-    each rank is; the hung run is then ended here."""
-    run = tmp_path / "runs" / "mismatch"
-    cmd = [sys.executable, "-m", "gpufleet", "train", *TOY, "--model",
-           "toyjob:make_model_rank0_collective", "--model.kwargs={at = 4}", "--data",
-           "toyjob:make_data", "--run-dir", "runs/mismatch", "--fault.stall_min_s", "1.5",
-           "--fault.watchdog_poll_s", "0.2"]
-    job = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, text=True, start_new_session=True)
-    report = run / "hangs" / "1" / "report.txt"
-    try:
-        deadline = time.monotonic() + 150
-        while not report.is_file():
-            assert job.poll() is None, job.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "no hang report"
-            time.sleep(0.2)
-        time.sleep(0.5)  # written in one call; let it land
-        text = report.read_text()
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
+    rank 1 goes on to the gradient all-reduce."""
+    text = (two_hangs / "2" / "report.txt").read_text()
     line = next(i for i, t in enumerate(open(toyjob.__file__), 1) if "# the bug" in t)
     # Said first: the cause is the mismatch, not a slow rank.
     said = re.match(r"Mismatched collectives: rank 0 is blocked in all_reduce called at "
                     rf"toyjob.py:{line} in forward, a collective gpufleet did not record "
                     r"\(last recorded: #(\d+)\); rank 1 waits in all_reduce #(\d+) "
-                    r"\(step 4, gradient bucket 0, ", text)
+                    r"\(step 8, gradient bucket 0, ", text)
     assert said, text
     last0, waits1 = map(int, said.groups())
     assert waits1 == last0 + 1  # rank 1 is one collective further: the one rank 0 lacks

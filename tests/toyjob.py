@@ -295,20 +295,15 @@ class _HeldForward(nn.Module):
         return self.inner(x)
 
 
-def make_model_held_in_forward(rank: int = 1, at: int = 5, sleep: float = 6.0) -> nn.Module:
-    """The toy model; rank ``rank`` sleeps ``sleep`` s in its ``at``-th forward."""
-    return _HeldForward(rank, at, sleep)
-
-
 class _RankZeroCollective(nn.Module):
     """The toy model with a user's bug: its ``at``-th forward makes an all-reduce on
     rank 0 only. It goes over a gloo group of its own, so that the ranks hang as they
     would on NCCL (on one gloo group the sizes would not match and gloo would fail at
     once)."""
 
-    def __init__(self, at: int) -> None:
+    def __init__(self, at: int, inner: nn.Module) -> None:
         super().__init__()
-        self.inner = make_model()
+        self.inner = inner
         self.at, self.calls, self.group = at, 0, None
 
     def forward(self, x):
@@ -321,9 +316,12 @@ class _RankZeroCollective(nn.Module):
         return self.inner(x)
 
 
-def make_model_rank0_collective(at: int = 4) -> nn.Module:
-    """The toy model whose ``at``-th forward makes an all-reduce on rank 0 only."""
-    return _RankZeroCollective(at)
+def make_model_held_then_rank0_collective(held_at: int = 5, sleep: float = 6.0,
+                                          lone_at: int = 8) -> nn.Module:
+    """The toy model with two hangs: rank 1 sleeps ``sleep`` s in its ``held_at``-th
+    forward; rank 0's ``lone_at``-th forward makes an all-reduce on rank 0 only (a hang
+    that does not end)."""
+    return _RankZeroCollective(lone_at, _HeldForward(1, held_at, sleep))
 
 
 class _StuckInNative(nn.Module):
