@@ -206,15 +206,12 @@ def _mismatched(captures: list[dict[str, Any]], where: dict[int, _Where]) -> lis
 class Merged:
     """Every rank's position, merged: ``where`` (one sentence for all ranks),
     ``mismatch`` (a sentence naming ranks in different collectives, or "") and
-    ``stuck`` (every rank waits in the same collective, or "")."""
+    ``stuck`` (every rank waits in the same collective, or ""). With a mismatch,
+    ``where`` speaks only of the ranks it does not name."""
 
     where: str
     mismatch: str = ""
     stuck: str = ""
-
-    def lines(self) -> list[str]:
-        """The sentences for the report: the mismatch first when there is one."""
-        return [x for x in (self.mismatch, self.where, self.stuck) if x]
 
 
 def merge(captures: list[dict[str, Any]], now: float | None = None) -> Merged | None:

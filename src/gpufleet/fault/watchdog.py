@@ -303,9 +303,11 @@ class Watchdog(Callback):
         captures = self._captures(folder, answering)
         merged = forensics.merge(captures)
         if merged is not None:
-            text += "\n\nCollectives and code:\n" + "\n".join(merged.lines())
             if merged.mismatch:  # the cause, not a slow rank: said first
                 text = merged.mismatch + "\n\n" + text
+            said = [x for x in (merged.where, merged.stuck) if x]
+            if said:
+                text += "\n\nCollectives and code:\n" + "\n".join(said)
         note = flight_recorder.report_note(
             next((c["backend"] for c in captures if c.get("backend")), ""),
             list(range(self.world_size)))
