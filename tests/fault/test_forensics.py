@@ -141,3 +141,22 @@ def test_flight_recorder_dumps_are_found_on_nccl_only(tmp_path):
 def test_doctests():
     for module in (ring_module, forensics, flight_recorder):
         assert doctest.testmod(module).failed == 0, module.__name__
+
+
+def test_a_crash_report_lists_the_last_collectives(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from gpufleet.fault import crash
+
+    ring = CollectiveRing(size=8)
+    ring.leave(ring.enter("all_reduce", 84))
+    ring.enter("all_reduce", 644, bucket=0)  # the one that failed
+    monkeypatch.setattr(crash, "RING", ring)
+    view = SimpleNamespace(env=SimpleNamespace(rank=1, world_size=2), run_dir=tmp_path,
+                           step=7, epoch=0, phase="backward", device=torch.device("cpu"))
+    path = crash.write_crash_report(view, RuntimeError("Connection reset by peer"))
+    text = path.read_text()
+    assert "collectives: #2 entered, up to #1 returned\n" in text
+    assert "#2 all_reduce (setup, gradient bucket 0, 644 bytes): not returned" in text

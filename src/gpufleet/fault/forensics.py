@@ -91,11 +91,13 @@ def ring_lines(snapshot: dict[str, Any], last: int = 8) -> list[str]:
 def _label(e: dict[str, Any]) -> str:
     """Where a ring entry was made: "step 5, gradient bucket 0" or "step 4, log"."""
     phase = e["phase"]
-    if phase == "setup":
-        where = "setup"
-    else:
-        where = f"step {e['step'] + (1 if phase in _IN_STEP else 0)}, "
-        where += f"gradient bucket {e['bucket']}" if e["bucket"] >= 0 else phase
+    parts = ["setup" if phase == "setup" else
+             f"step {e['step'] + (1 if phase in _IN_STEP else 0)}"]
+    if e["bucket"] >= 0:
+        parts.append(f"gradient bucket {e['bucket']}")
+    elif phase != "setup":
+        parts.append(phase)
+    where = ", ".join(parts)
     if e["bytes"] >= 0:
         where += f", {e['bytes']} bytes"
     return where
