@@ -44,8 +44,9 @@ def test_the_ring_keeps_the_last_collectives_and_what_returned():
 def test_a_rank_held_in_code_and_one_waiting_are_said_with_numbers_and_line():
     waits = _rank(0, [_entry(12, phase="log", bucket=-1), _entry(13, t=10.0)], done=12)
     held = _rank(1, [_entry(12, phase="log", bucket=-1)], done=12,
-                 stack=[("/usr/lib/python3.11/runpy.py", 1, "_run_module"),
-                        ("/src/train.py", 40, "main"), ("/src/model.py", 123, "forward")])
+                 stack=[("/src/train.py", 40, "main"),
+                        (f"{forensics._STDLIB}/site-packages/lib/model.py", 123, "forward"),
+                        (f"{forensics._STDLIB}/threading.py", 320, "wait")])
     merged = merge([waits, held], now=12.5)
     assert merged.where == (
         "rank 0 waits in all_reduce #13 (step 5, gradient bucket 0, 64 bytes, for 2.5 s); "

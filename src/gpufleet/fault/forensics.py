@@ -124,8 +124,8 @@ def _code_position(stack: list[list[Any]]) -> str:
         return "an unknown place (no stack was taken)"
     torch_dir = os.sep + "torch" + os.sep
     for f in reversed(stack):
-        if torch_dir not in f[0] and not f[0].startswith(_STDLIB) and \
-                not f[0].startswith("<"):
+        stdlib = f[0].startswith(_STDLIB) and "-packages" not in f[0]  # not site-packages
+        if torch_dir not in f[0] and not stdlib and not f[0].startswith("<"):
             return _frame(f)
     return _frame(stack[-1])
 
