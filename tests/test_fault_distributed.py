@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+import toyjob
 from conftest import _env, final_params
 
 TOY = ["--model", "toyjob:make_model", "--model.loss", "torch.nn.functional:mse_loss",
@@ -42,6 +43,9 @@ def test_a_nan_on_one_rank_is_skipped_on_both_without_a_hang(run_cli, tmp_path):
     assert (run / "procs").is_dir() and not list((run / "procs").glob("*.json"))
 
 
+# Slow: test_a_rank_held_in_forward_is_named_at_its_line_with_the_collectives names the
+# rank that is behind, with both stacks saved, in the default run.
+@pytest.mark.slow
 def test_a_stalled_rank_is_named_with_every_stack_saved(run_cli, tmp_path):
     # Rank 1 sleeps 6 s reading its 5th batch (step 5); the watchdog allows 1.5 s.
     run_cli("train", *TOY, "--data", "toyjob:make_data_stalling_rank",
@@ -58,6 +62,100 @@ def test_a_stalled_rank_is_named_with_every_stack_saved(run_cli, tmp_path):
     assert "time.sleep(self.sleep)" in (hangs / "rank-1.txt").read_text()
     rank0 = (hangs / "rank-0.txt").read_text()
     assert "in phase 'backward'" in rank0 and "backward" in rank0
+
+
+@pytest.fixture(scope="module")
+def two_hangs(tmp_path_factory):
+    """One 2-rank run, two hangs: rank 1 sleeps 6 s in its 5th forward (rank 0 waits in
+    the gradient all-reduce; the run then goes on), then rank 0's 8th forward makes an
+    all-reduce on rank 0 only (hangs/2: a hang that does not end, so the run is ended
+    here once both reports are written). Returns the run's hangs/ folder."""
+    tmp = tmp_path_factory.mktemp("hangs")
+    run = tmp / "runs" / "two"
+    cmd = [sys.executable, "-m", "gpufleet", "train", *TOY, "--model",
+           "toyjob:make_model_held_then_rank0_collective", "--model.kwargs={held_at = 5, "
+           "sleep = 6.0, lone_at = 8}", "--data", "toyjob:make_data", "--run-dir",
+           "runs/two", "--fault.stall_min_s", "1.5", "--fault.watchdog_poll_s", "0.2"]
+    job = subprocess.Popen(cmd, cwd=tmp, env=_env(), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    second = run / "hangs" / "2" / "report.txt"
+    try:
+        deadline = time.monotonic() + 180
+        while not second.is_file():
+            assert job.poll() is None, job.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no second hang report"
+            time.sleep(0.2)
+        time.sleep(0.5)  # written in one call; let it land
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    return run / "hangs"
+
+
+def test_a_rank_held_in_forward_is_named_at_its_line_with_the_collectives(two_hangs):
+    hangs = two_hangs / "1"
+    report = (hangs / "report.txt").read_text()
+    assert report.startswith("rank 1 is behind: step 5, the forward pass"), report
+    line = next(i for i, text in enumerate(open(toyjob.__file__), 1)
+                if "held here: the hang report names this line" in text)
+    said = re.search(r"rank 0 waits in all_reduce #(\d+) \(step 5, gradient bucket 0, "
+                     r"(\d+) bytes, for [\d.]+ s\); rank 1 last entered #(\d+) \(all_reduce, "
+                     rf"step 4, log, \d+ bytes\) and is at toyjob.py:{line} in forward\n",
+                     report)
+    assert said, report
+    waits, grad_bytes, entered = map(int, said.groups())
+    assert grad_bytes == 4 * sum(p.numel() for p in toyjob.make_model().parameters())
+    # Rank 1 entered every collective up to the log all-reduce ending step 4; rank 0 the
+    # next one, the first of step 5. The numbers are those of the ranks' own records.
+    assert entered == waits - 1
+    rings = {r: json.loads((hangs / f"collectives-rank-{r}.json").read_text())["ring"]
+             for r in (0, 1)}
+    assert (rings[0]["seq"], rings[0]["done"]) == (waits, entered)
+    assert (rings[1]["seq"], rings[1]["done"]) == (entered, entered)
+    assert "Mismatched" not in report and "flight recorder" not in report  # gloo
+    # Named while rank 1 was still asleep, well before its 6 s; both stacks saved.
+    stalled_for = float(re.search(r"for ([\d.]+) s", report).group(1))
+    assert 1.5 <= stalled_for < 6.0
+    assert "time.sleep(self.sleep)" in (hangs / "rank-1.txt").read_text()
+    assert "in phase 'backward'" in (hangs / "rank-0.txt").read_text()
+
+
+def test_a_collective_made_on_rank_0_only_is_named_as_mismatched(two_hangs):
+    """A user's all-reduce under `if rank == 0` in forward: rank 0 blocks in it while
+    rank 1 goes on to the gradient all-reduce."""
+    text = (two_hangs / "2" / "report.txt").read_text()
+    line = next(i for i, t in enumerate(open(toyjob.__file__), 1) if "# the bug" in t)
+    # Said first: the cause is the mismatch, not a slow rank.
+    said = re.match(r"Mismatched collectives: rank 0 is blocked in all_reduce called at "
+                    rf"toyjob.py:{line} in forward, a collective gpufleet did not record "
+                    r"\(last recorded: #(\d+)\); rank 1 waits in all_reduce #(\d+) "
+                    r"\(step 8, gradient bucket 0, ", text)
+    assert said, text
+    last0, waits1 = map(int, said.groups())
+    assert waits1 == last0 + 1  # rank 1 is one collective further: the one rank 0 lacks
+    assert "if rank == 0" in text and text.count("Mismatched") == 1
+
+
+# Slow: tests/fault/test_signal_stacks.py asks a real process stuck the same way for its
+# stacks in the default run.
+@pytest.mark.slow
+def test_a_rank_stuck_in_native_code_is_asked_for_its_stacks(run_cli, tmp_path):
+    """Rank 1 sleeps in libc holding the interpreter lock: its heartbeat and watchdog
+    threads cannot run. Rank 0 names it silent and gets its stacks through a signal."""
+    proc = run_cli("train", *TOY, "--model", "toyjob:make_model_stuck_in_native",
+                   "--model.kwargs={rank = 1, at = 5, sleep = 60}", "--data",
+                   "toyjob:make_data", "--run-dir", "runs/native",
+                   "--fault.heartbeat_timeout_s", "4", "--fault.watchdog_poll_s", "0.2",
+                   expect=None, timeout=180)
+    assert proc.returncode != 0
+    run = tmp_path / "runs" / "native"
+    report = (run / "hangs" / "lost-rank0" / "report.txt").read_text()
+    stacks = run / "hangs" / "signal-stacks-rank-1.txt"
+    assert "rank 1's Python stacks, written on a signal (its own threads did not " \
+           "answer): runs/native/hangs/signal-stacks-rank-1.txt" in report, report
+    line = next(i for i, t in enumerate(open(toyjob.__file__), 1) if "lock held" in t)
+    assert f"toyjob.py\", line {line} in forward" in stacks.read_text()
 
 
 # Slow: on a loaded machine the step watchdog's stall report can come first (seen once);

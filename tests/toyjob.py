@@ -277,3 +277,72 @@ def make_model_slow_optimizer(rank: int = 1, delay: float = 0.015) -> nn.Module:
         register_optimizer_step_post_hook(
             lambda *_: time.sleep(delay))
     return make_model()
+
+
+class _HeldForward(nn.Module):
+    """The toy model; its ``at``-th forward on rank ``rank`` sleeps ``sleep`` s."""
+
+    def __init__(self, rank: int, at: int, sleep: float) -> None:
+        super().__init__()
+        self.inner = make_model()
+        self.mine = int(os.environ.get("RANK", "-1")) == rank  # -1: the preflight
+        self.at, self.sleep, self.calls = at, sleep, 0
+
+    def forward(self, x):
+        self.calls += self.mine
+        if self.mine and self.calls == self.at:
+            time.sleep(self.sleep)  # held here: the hang report names this line
+        return self.inner(x)
+
+
+class _RankZeroCollective(nn.Module):
+    """The toy model with a user's bug: its ``at``-th forward makes an all-reduce on
+    rank 0 only. It goes over a gloo group of its own, so that the ranks hang as they
+    would on NCCL (on one gloo group the sizes would not match and gloo would fail at
+    once)."""
+
+    def __init__(self, at: int, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.at, self.calls, self.group = at, 0, None
+
+    def forward(self, x):
+        if torch.distributed.is_initialized():  # not in the single-process preflight
+            self.calls += 1
+            if self.group is None:  # every rank, in its first forward
+                self.group = torch.distributed.new_group(backend="gloo")
+            if self.calls == self.at and torch.distributed.get_rank() == 0:
+                torch.distributed.all_reduce(torch.ones(1), group=self.group)  # the bug
+        return self.inner(x)
+
+
+def make_model_held_then_rank0_collective(held_at: int = 5, sleep: float = 6.0,
+                                          lone_at: int = 8) -> nn.Module:
+    """The toy model with two hangs: rank 1 sleeps ``sleep`` s in its ``held_at``-th
+    forward; rank 0's ``lone_at``-th forward makes an all-reduce on rank 0 only (a hang
+    that does not end)."""
+    return _RankZeroCollective(lone_at, _HeldForward(1, held_at, sleep))
+
+
+class _StuckInNative(nn.Module):
+    """The toy model; its ``at``-th forward on rank ``rank`` sleeps ``sleep`` s in libc
+    while holding the interpreter lock (no Python thread of the rank runs meanwhile)."""
+
+    def __init__(self, rank: int, at: int, sleep: int) -> None:
+        super().__init__()
+        self.inner = make_model()
+        self.mine = int(os.environ.get("RANK", "-1")) == rank
+        self.at, self.sleep, self.calls = at, sleep, 0
+
+    def forward(self, x):
+        self.calls += self.mine
+        if self.mine and self.calls == self.at:
+            import ctypes
+
+            ctypes.PyDLL(None).sleep(self.sleep)  # stuck in native code, lock held
+        return self.inner(x)
+
+
+def make_model_stuck_in_native(rank: int = 1, at: int = 5, sleep: int = 60) -> nn.Module:
+    """The toy model; rank ``rank``'s ``at``-th forward is stuck in native code."""
+    return _StuckInNative(rank, at, sleep)

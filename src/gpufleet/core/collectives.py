@@ -12,6 +12,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from gpufleet.core.ring import RING
+
 T = TypeVar("T")
 
 
@@ -33,7 +35,12 @@ def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
     if not is_initialized():
         return obj
     box: list[Any] = [obj]
+    # The ring numbers the default group's collectives alike on every rank; a group of
+    # its own (a background checkpoint write's) runs in another thread, unnumbered.
+    n = RING.enter("broadcast_object", -1) if group is None else 0
     dist.broadcast_object_list(box, src=src, group=group)  # collective; pickles
+    if n:
+        RING.leave(n)
     return box[0]
 
 
@@ -50,7 +57,10 @@ def gather_objects(obj: T, group: Any = None) -> list[T]:
     if not is_initialized():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size(group)
+    n = RING.enter("all_gather_object", -1) if group is None else 0
     dist.all_gather_object(out, obj, group=group)  # collective; pickles through the backend
+    if n:
+        RING.leave(n)
     return out
 
 
@@ -59,7 +69,9 @@ def timed_swap(x: Any, first: int, second: int) -> float:
     ``second`` and receives it back. Returns the seconds on ``first``, 0.0 elsewhere."""
     import torch
 
+    n = RING.enter("barrier", 0)
     dist.barrier()  # the other ranks wait here while this pair swaps
+    RING.leave(n)
     me = dist.get_rank()
     if me == first:
         start = time.perf_counter()

@@ -2,7 +2,8 @@
 
 ``<run_dir>/crash/rank-<R>.txt`` holds what failed, where (step and phase), the likely
 cause and its fix for the failures people meet most (out of memory, a collective that
-failed or timed out), the traceback and the memory state. The error is then raised as
+failed or timed out), the traceback, the rank's last collectives (with peers) and the
+memory state. The error is then raised as
 before, so the launcher (and the elastic agent, which may restart the ranks) sees it.
 """
 
@@ -20,7 +21,9 @@ from typing import Any
 
 import torch
 
+from gpufleet.core.ring import RING
 from gpufleet.errors import ConfigError
+from gpufleet.fault.forensics import ring_lines
 from gpufleet.procs import forget_process
 
 log = logging.getLogger(__name__)
@@ -63,6 +66,7 @@ def write_crash_report(trainer: Any, error: BaseException) -> Path | None:
         "",
         "traceback:",
         "".join(traceback.format_exception(type(error), error, error.__traceback__)),
+        *_collectives(trainer.env.world_size),
         _memory_state(trainer.device),
     ]
     try:
@@ -95,6 +99,15 @@ def crash_reported(view: Any) -> Iterator[None]:
         write_crash_report(view, e)
         raise
     forget_process(view.run_dir)  # a clean end leaves nothing to clean up
+
+
+def _collectives(world_size: int) -> list[str]:
+    """This rank's last collectives (which one failed or never returned), when it has
+    peers."""
+    if world_size < 2 or not RING.seq:
+        return []
+    return ["this rank's last collectives (numbered alike on every rank):",
+            *ring_lines(RING.snapshot()), ""]
 
 
 def _memory_state(device: torch.device) -> str:

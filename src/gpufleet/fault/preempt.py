@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from gpufleet.core.ring import RING
+
 log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -103,7 +105,9 @@ class PreemptionWatch:
         import torch.distributed as dist
 
         flag = torch.tensor([self.received or 0, int(requested)], dtype=torch.int32)
+        n = RING.enter("all_reduce", 8)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)  # COLLECTIVE (CPU)
+        RING.leave(n)
         signum, asked = int(flag[0]), bool(flag[1])
         if signum and self.received is None:
             self.received = signum  # another rank got it: stop for the same reason

@@ -10,7 +10,10 @@ built on), which answers from its own thread even while every rank is blocked in
 collective. Each watchdog publishes a heartbeat (step, phase, since when) there. The
 first rank to see a stall bumps a hang counter; every rank that sees the counter move
 dumps its Python stacks to ``<run_dir>/hangs/<id>/rank-<R>.txt``, and rank 0 writes
-``report.txt``: which rank is behind and what the others are waiting in. An all-reduce
+``report.txt``: which rank is behind and what the others are waiting in, then each
+rank's position in collectives and in code (:mod:`gpufleet.fault.forensics`: "rank 0
+waits in all_reduce #41 (step 5, gradient bucket 0); rank 1 last entered #38 and is at
+model.py:123 in forward"), naming collectives the ranks disagree on. An all-reduce
 makes every rank's *step* slow, so "behind" is read from how far each rank got
 (steps done, then the phase within the step), not from step times.
 
@@ -43,8 +46,11 @@ from typing import Any
 from gpufleet.config import FaultConfig
 from gpufleet.core.callbacks import Callback
 from gpufleet.core.phases import Phase
+from gpufleet.core.ring import RING
+from gpufleet.fault import flight_recorder, forensics, signal_stacks
 from gpufleet.fault.liveness import Liveness, Verdict
 from gpufleet.fault.procstate import state_words
+from gpufleet.fault.signal_stacks import SignalStacks
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +113,7 @@ class Watchdog(Callback):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.reports: list[Path] = []  # report.txt files written (rank 0)
+        self.signal_stacks = SignalStacks(run_dir, rank)
         self.liveness = (Liveness(store, self.prefix, rank, world_size, self.heartbeat,
                                   cfg.watchdog_poll_s, cfg.heartbeat_timeout_s, self._lost)
                          if store is not None and world_size > 1 else None)
@@ -114,17 +121,18 @@ class Watchdog(Callback):
 
     # -- called by the loop (main thread): clock reads only ---------------------------
     def on_fit_start(self, trainer: Any) -> None:
-        self.step = trainer.step
+        self.step = RING.step = trainer.step
         self._restart_clock("step")
         self._thread = threading.Thread(target=self._run, name="gpufleet-watchdog",
                                         daemon=True)
         self._thread.start()
         if self.liveness is not None:
+            self.signal_stacks.start()  # a peer asks for them if this rank goes silent
             self.liveness.start()
 
     def on_phase(self, trainer: Any, phase: str) -> None:
         if phase == Phase.END:  # a training step is done: time it, start the next one
-            self.step = trainer.step
+            self.step = RING.step = trainer.step
             now = time.monotonic()
             self._durations[self._activity].append(now - self._activity_start)
             self._activity, self._activity_start, self._flagged = "step", now, False
@@ -133,12 +141,14 @@ class Watchdog(Callback):
             self._restart_clock(_ACTIVITY.get(phase, "step"))
         # Kept as given (a Phase is its name); heartbeats and reports write the name.
         self.phase, self.phase_since = phase, time.time()
+        RING.phase = phase  # what this rank's next collectives are noted under
 
     def on_fit_end(self, trainer: Any, result: Any) -> None:
         self.stop()
 
     def stop(self) -> None:
         self._stop.set()
+        self.signal_stacks.stop()
         if self.liveness is not None:
             self.liveness.stop()
         if self._thread is not None:
@@ -241,7 +251,23 @@ class Watchdog(Callback):
             lines.append(f"--- thread {names.get(ident, ident)} ---")
             lines.extend(line.rstrip("\n") for line in traceback.format_stack(frame))
             lines.append("")
+        try:  # this rank's collectives, for the report's merge
+            found = forensics.capture(self.rank)
+            lines.extend(forensics.ring_lines(found["ring"]))
+            forensics.write_capture(folder, found)
+        except Exception as e:  # the stacks matter more: write them whatever happens
+            log.warning("rank %d: could not record its collectives: %s", self.rank, e)
         (folder / f"rank-{self.rank}.txt").write_text("\n".join(lines))
+
+    def _captures(self, folder: Path, ranks: list[int]) -> list[dict[str, Any]]:
+        """Every answering rank's capture in ``folder``, waiting a few more polls for
+        those not written yet (a rank's watchdog thread may run late on a loaded host)."""
+        deadline = time.monotonic() + 10 * self.cfg.watchdog_poll_s + 2.0
+        while True:
+            captures = forensics.read_captures(folder)
+            if {c["rank"] for c in captures} >= set(ranks) or time.monotonic() > deadline:
+                return captures
+            time.sleep(self.cfg.watchdog_poll_s)
 
     def _lost(self, verdict: Verdict) -> None:
         """A peer or the store stopped answering: report it, then end this rank."""
@@ -257,7 +283,7 @@ class Watchdog(Callback):
         text += (f"\nEnding rank {self.rank} (exit code {EXIT_RANK_LOST}) rather than "
                  f"waiting out the collective timeout; with --max-restarts and an elastic "
                  "--nnodes MIN:MAX the agent restarts without the lost node.")
-        text += _end_stopped(verdict)
+        text += signal_stacks.ask_silent(self.run_dir, verdict.silent) + _end_stopped(verdict)
         try:
             self._dump_stacks(folder)
             (folder / "report.txt").write_text(text + "\n")
@@ -270,8 +296,23 @@ class Watchdog(Callback):
         self.exit(EXIT_RANK_LOST)  # the training thread sits in a collective: end here
 
     def _write_report(self, folder: Path) -> None:
-        text = stall_report(self._heartbeats(), time.time(),
-                            silent_after=self.cfg.heartbeat_timeout_s / 2)
+        beats = self._heartbeats()
+        text = stall_report(beats, time.time(), silent_after=self.cfg.heartbeat_timeout_s / 2)
+        answering = [b["rank"] for b in beats
+                     if b and b.get("age_s", 0.0) <= self.cfg.heartbeat_timeout_s / 2]
+        captures = self._captures(folder, answering)
+        merged = forensics.merge(captures)
+        if merged is not None:
+            if merged.mismatch:  # the cause, not a slow rank: said first
+                text = merged.mismatch + "\n\n" + text
+            said = [x for x in (merged.where, merged.stuck) if x]
+            if said:
+                text += "\n\nCollectives and code:\n" + "\n".join(said)
+        note = flight_recorder.report_note(
+            next((c["backend"] for c in captures if c.get("backend")), ""),
+            list(range(self.world_size)))
+        if note:
+            text += "\n" + note
         path = folder / "report.txt"
         path.write_text(text + f"\nStacks: {folder}/rank-*.txt\n")
         self.reports.append(path)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from gpufleet.core.collectives import is_initialized
+from gpufleet.core.ring import RING
 from gpufleet.errors import LaunchError, unknown_choice
 from gpufleet.launch.env import DistEnv, export_for_torch
 from gpufleet.launch.netif import choose_socket_ifname
@@ -178,7 +179,9 @@ def barrier() -> None:
         >>> barrier()
     """
     if is_initialized():
+        n = RING.enter("barrier", 0)
         dist.barrier()  # collective: every rank must call it
+        RING.leave(n)
 
 
 def world_size() -> int:
@@ -221,7 +224,7 @@ def rank_zero_first(local: bool = False) -> Iterator[None]:
         return
     first = (DistEnv.detect().local_rank if local else dist.get_rank()) == 0
     if not first:
-        dist.barrier()  # wait for the first rank(s) to finish the body
+        barrier()  # wait for the first rank(s) to finish the body
     yield
     if first:
-        dist.barrier()  # let the others in
+        barrier()  # let the others in

@@ -10,6 +10,9 @@ rank waited for the others (plus the last bucket's own transfer). The all-reduce
 the same moment on every rank, so the waits are comparable across ranks without
 comparing clocks: a rank that waits ``x`` ms less than the others arrived ``x`` ms later.
 
+Each bucket is also noted in this rank's ring of collectives
+(:mod:`gpufleet.core.ring`), which hang reports read.
+
 It also adds up garbage-collection pauses (``gc.callbacks``) and the bytes the gradient
 buckets carry. Per step that is a clock read per bucket, a float add per phase change and
 two per GC pass; the sums are reduced with the phase table once per log interval.
@@ -27,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpufleet.core.callbacks import Callback
 from gpufleet.core.phases import Phase
+from gpufleet.core.ring import RING
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +74,15 @@ class ArrivalTimer(Callback):
         Unannotated: DDP refuses a hook whose annotations are not its own classes."""
         self._ready = time.perf_counter()
         buffer = bucket.buffer()
-        self._bytes += buffer.numel() * buffer.element_size()
+        nbytes = buffer.numel() * buffer.element_size()
+        self._bytes += nbytes
+        RING.enter("all_reduce", nbytes, bucket.index())  # for hang reports
         return default_hooks.allreduce_hook(group, bucket)
 
     def on_phase(self, trainer: Any, phase: str) -> None:
         if phase == Phase.OPTIMIZER:
             if self._ready:  # backward (with its all-reduce) just ended
+                RING.leave_all()  # DDP waited for every bucket before backward returned
                 self._sums[0] += time.perf_counter() - self._ready
                 self._sums[2] += self._bytes
                 self._ready, self._bytes = 0.0, 0

@@ -40,6 +40,7 @@ from torch import nn
 
 from gpufleet.config import ParallelConfig
 from gpufleet.core.collectives import is_initialized
+from gpufleet.core.ring import RING
 from gpufleet.parallel.dims import ParallelDims, StrategyTraits, plan_for
 from gpufleet.parallel.grad_norm import (
     EachNorm,
@@ -222,7 +223,9 @@ class Strategy:
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce ``tensor`` in place over all ranks (no-op in a single process)."""
         if self.reduces():
+            n = RING.enter("all_reduce", tensor.numel() * tensor.element_size())
             dist.all_reduce(tensor, op=_REDUCE_OPS[op])
+            RING.leave(n)
         return tensor
 
 

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from gpufleet.core.ring import RING
 from gpufleet.parallel.dims import ParallelDims
 
 
@@ -54,7 +55,9 @@ def grad_norm(grads: Iterable[torch.Tensor], device: torch.device,
     total = torch.zeros((), dtype=torch.float32, device=device)
     for copies, pieces in sorted(by_copies.items()):
         total = total + _squares(pieces, device) / copies
+    n = RING.enter("all_reduce", 4)
     dist.all_reduce(total)  # COLLECTIVE: one number
+    RING.leave(n)
     return total.sqrt()
 
 
