@@ -14,6 +14,11 @@ metrics.jsonl:
 * rejoin: seconds from node 1's restart to the first step with both nodes again.
 
     sudo python benchmarks/node_loss.py                 # about 2 minutes a repeat
+    sudo python benchmarks/node_loss.py --lose-store    # node 0, the store's host, lost
+
+``--lose-store`` kills node 0 instead, the node whose agent hosts the rendezvous store
+(``--rdzv-endpoint`` points at it): it measures what the survivor does then, whether it
+trains alone, and how long until its launcher exits, with the last lines it printed.
 """
 
 from __future__ import annotations
@@ -87,6 +92,37 @@ def one_loss(bed: NetBed, run_dir: Path, args: argparse.Namespace) -> dict[str, 
             "rejoin_s": both[0]["time"] - rejoined_at}
 
 
+def store_loss(bed: NetBed, run_dir: Path, args: argparse.Namespace,
+               limit: float = 240.0) -> dict[str, object]:
+    """Both nodes train; every process of node 0 (the store's host) is killed. Node 1's
+    launcher is watched for ``limit`` seconds."""
+    job = [*small_gpt_job(args.steps, n_embd=96, n_layer=2), "--log.every", "1",
+           "--strategy", "ddp", "--checkpoint.every", str(args.every), "--run-dir",
+           str(run_dir), "--nproc", "1", "--nnodes", "1:2", "--rdzv-endpoint",
+           f"{bed.addr(0)}:29400", "--rdzv-id", run_dir.name, "--max-restarts", "3",
+           "--dist.rdzv_last_call_s", "2", "--dist.rdzv_keep_alive_s", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    bed.popen(0, job, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)
+    log = run_dir.parent / f"{run_dir.name}-node1.log"
+    with open(log, "w") as out:
+        survivor = bed.popen(1, job, env=env, stdout=out, stderr=subprocess.STDOUT)
+    wait_until(lambda: [r for r in records(run_dir)
+                        if r["step"] >= args.kill_at and len(r["rank_phases"]) == 2], 300)
+    seen = len(records(run_dir))
+    killed_at = time.time()
+    bed.kill_node(0)
+    try:
+        code = survivor.wait(timeout=limit)
+        exited = time.time() - killed_at
+    except subprocess.TimeoutExpired:
+        code, exited = None, float("inf")
+    alone = [r for r in records(run_dir)[seen:] if len(r["rank_phases"]) == 1]
+    tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return {"exit_s": exited, "exit_code": code, "trained_alone": bool(alone),
+            "last_lines": tail[-4:]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
@@ -94,6 +130,8 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--rejoin-after", type=float, default=25.0)
     parser.add_argument("--kill-at", type=int, default=22)
+    parser.add_argument("--lose-store", action="store_true",
+                        help="kill node 0 (the rendezvous store's host) instead of node 1")
     args = parser.parse_args()
     reason = netbed_available()
     if reason:
@@ -101,6 +139,18 @@ def main() -> None:
     print(machine_summary())
     print(f"elastic 1:2 nodes, 1 rank each, checkpoint every {args.every} steps, rendezvous "
           f"heartbeat 1 s, last call 2 s; node 1 killed past step {args.kill_at}")
+    if args.lose_store:
+        with tempfile.TemporaryDirectory() as tmp:
+            for i in range(args.repeats):
+                with NetBed(2) as bed:
+                    row = store_loss(bed, Path(tmp) / f"store{i}", args)
+                print(f"  repeat {i + 1}: node 0 (store host) killed; node 1 trained alone: "
+                      f"{row['trained_alone']}; its launcher exited after "
+                      f"{row['exit_s']:.1f} s with code {row['exit_code']}; last lines:",
+                      flush=True)
+                for line in row["last_lines"]:  # type: ignore[union-attr]
+                    print(f"    {line[:300]}")
+        return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
