@@ -4,7 +4,9 @@ Each rank keeps 1/N of every parameter (a ``DTensor`` sharded on dim 0). Before 
 block's forward its parameters are all-gathered, after its backward the gradients are
 reduce-scattered, so a rank holds the full parameters of only the block it is running.
 
-* Wrapping: ``fully_shard`` on each block, then on the root. ``parallel.fsdp.wrap =
+* Wrapping (:func:`shard_model`, applied by
+  :func:`gpufleet.parallel.parallelize.parallelize`, which first gives every rank
+  rank 0's weights): ``fully_shard`` on each block, then on the root. ``parallel.fsdp.wrap =
   "auto"`` takes the model's blocks (:mod:`gpufleet.parallel.blocks`: the transformer
   blocks of a GPT, the residual blocks of a ResNet); class names
   (``"Block,Embedding"``) pick modules by type instead. One block is the unit of

@@ -72,12 +72,13 @@ class PipelineParallel(Strategy):
 
     name = "pipeline"
     # The stages take the ranks dp_shard leaves (all of them by default); ranks of one
-    # pipeline read the same batches, and dp_shard > 1 shards each stage with FSDP.
+    # pipeline read the same batches, and with dp > 1 parallelize shards each stage.
     traits = StrategyTraits(rest="pp", dims=frozenset({"pp", "dp_replicate", "dp_shard", "tp"}),
                             pipelined=True)
     needs_process_group = True
-    # saves_on_every_rank stays False: state_dict (a collective, called on every rank)
-    # gathers the whole model, and rank 0 writes one ordinary checkpoint file.
+    # saves_on_every_rank stays False for a pipeline alone: state_dict (a collective,
+    # called on every rank) gathers the whole model, and rank 0 writes one ordinary
+    # checkpoint file. With dp or tp > 1 every rank writes its shards (__init__).
 
     def __init__(self, cfg: ParallelConfig, device: torch.device,
                  precision: Any = None, dims: ParallelDims | None = None) -> None:
