@@ -44,8 +44,10 @@ def data_parallel_kind(traits: StrategyTraits, dims: ParallelDims, pipelined: bo
     all-reduces the gradients as DDP does.
     """
     kind = traits.data_parallel
-    if kind in ("threads", "optimizer"):  # one process; or Horovod's optimizer reduces
-        return "threads" if kind == "threads" else ""
+    if kind == "threads":  # one process drives every GPU
+        return "threads"
+    if kind == "optimizer":  # its optimizer reduces the gradients (horovod)
+        return ""
     if not (dims.dp > 1 or kind in ("replicate", "shard")):
         return ""
     if kind == "shard" or dims.dp_shard > 1 or dims.tp > 1 or pipelined:
