@@ -2,7 +2,7 @@
 
 Each configuration starts N gloo ranks on the CPU; every rank builds the same GPT of
 about 50M parameters, wraps it with the gpufleet strategy (the project's own
-``setup_model``/``setup_optimizer``), runs one forward/backward and one AdamW step, and
+``distribute``/``setup_optimizer``), runs one forward/backward and one AdamW step, and
 then counts the bytes of the tensors it actually holds: its parameters, their gradients
 and the optimizer state, each as the local tensor (a DTensor's local shard for fsdp,
 the local optimizer's state for zero1). Nothing is estimated. The table shows the
@@ -40,6 +40,7 @@ from gpufleet.config import OptimConfig, ParallelConfig
 from gpufleet.launch import free_port
 from gpufleet.models.gpt import build_gpt
 from gpufleet.parallel import build_strategy
+from gpufleet.parallel.parallelize import distribute
 from gpufleet.precision import build_precision
 from gpufleet.train.optim import fill_optimizer_defaults, optimizer_spec
 
@@ -77,7 +78,7 @@ def _rank(rank: int, world: int, port: int, strategy: str, args: argparse.Namesp
         precision = build_precision("fp32", "cpu")
         strat = build_strategy(strategy, ParallelConfig(), torch.device("cpu"), precision)
         optim_cfg = fill_optimizer_defaults(OptimConfig(), model)  # the GPT's defaults
-        model = strat.setup_model(model)
+        model = distribute(model, strat)
         optimizer = strat.setup_optimizer(model, optimizer_spec(optim_cfg, "cpu"))
         idx = torch.randint(0, 256, (args.batch, args.seq))
         strat.forward_backward(model, (idx, idx), lambda m, b: m(b[0], targets=b[1]),

@@ -33,6 +33,10 @@ class Precision:
     name = "fp32"
     #: dtype autocast computes in (None: no autocast)
     autocast_dtype: torch.dtype | None = None
+    #: True when backward goes through a loss scaler (``GradScaler``): what sees only a
+    #: shard of the gradients (FSDP) or runs backward itself (a pipeline schedule)
+    #: cannot use it.
+    scales_loss: bool = False
 
     def __init__(self, device_type: str) -> None:
         self.device_type = device_type
@@ -70,6 +74,7 @@ class BF16Mixed(Precision):
 class FP16Mixed(Precision):
     name = "fp16-mixed"
     autocast_dtype = torch.float16
+    scales_loss = True
 
     def __init__(self, device_type: str, init_scale: float = 65536.0,
                  growth_interval: int = 2000) -> None:

@@ -17,6 +17,7 @@ from gpufleet.errors import ConfigError
 from gpufleet.launch import DistEnv, destroy_process_group, init_process_group, launch
 from gpufleet.parallel import OptimizerSpec
 from gpufleet.parallel.local_sgd import LocalSGD, averaging_plan
+from gpufleet.parallel.parallelize import distribute
 
 TOY = ["--model", "toyjob:make_model", "--data", "toyjob:make_data",
        "--model.loss", "torch.nn.functional:mse_loss", "--max-steps", "8",
@@ -65,7 +66,7 @@ def _hierarchical_rank() -> list[bool]:
         torch.manual_seed(0)
         cfg = ParallelConfig(local_sgd=LocalSGDOptions(period=2, inter_node_period=4))
         strategy = LocalSGD(cfg, torch.device("cpu"))
-        model = strategy.setup_model(nn.Linear(3, 1))
+        model = distribute(nn.Linear(3, 1), strategy)
         spec = OptimizerSpec(torch.optim.SGD, lambda m: [{"params": list(m.parameters())}],
                              {"lr": 0.1})
         opt = strategy.setup_optimizer(model, spec)

@@ -20,6 +20,7 @@ from gpufleet.parallel.model_parallel import (
     placement,
     resolve_device_map,
 )
+from gpufleet.parallel.parallelize import distribute
 
 
 class EncDec(nn.Module):
@@ -40,8 +41,8 @@ def _strategy(device_map: dict):
 def test_device_map_places_modules_and_the_forward_matches_the_plain_model():
     torch.manual_seed(0)
     plain = EncDec()
-    mapped = _strategy({"encoder": "cpu", "decoder.2": "cpu:0"}).setup_model(
-        copy.deepcopy(plain))
+    mapped = distribute(copy.deepcopy(plain),
+                        _strategy({"encoder": "cpu", "decoder.2": "cpu:0"}))
     assert placement(mapped) == {"encoder": "cpu", "decoder": "cpu"}
     assert len(mapped.decoder[2]._forward_pre_hooks) == 1  # moves its inputs
     assert len(mapped._forward_hooks) == 1  # brings the output back

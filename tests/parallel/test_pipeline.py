@@ -10,6 +10,7 @@ from torch import nn
 
 from conftest import final_params
 from gpufleet.errors import ConfigError
+from gpufleet.parallel.parallelize import distribute
 from gpufleet.parallel.pipeline_split import (
     balanced_split,
     bubble_share,
@@ -143,4 +144,4 @@ def test_fp16_loss_scaling_is_refused_with_the_alternative():
     fp16 = build_precision("fp16-mixed", "cpu")
     strategy = build_strategy("pipeline", ParallelConfig(), torch.device("cpu"), fp16)
     with pytest.raises(ConfigError, match="bf16-mixed"):
-        strategy.setup_model(_deep())
+        distribute(_deep(), strategy)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
+from torch.optim import Optimizer
 
 from gpufleet.errors import CheckpointError, ConfigError
 from gpufleet.fleet.wrappers import FleetModule
@@ -53,7 +54,8 @@ def saveable(state: Mapping[str, Any], strategy: Any) -> dict[str, Any]:
             # A FleetModule's is your module's own; a module you placed yourself unwraps.
             out[key] = value.state_dict() if isinstance(value, FleetModule) \
                 else strategy.unwrap(value).state_dict()
-        elif hasattr(value, "consolidate_state_dict"):  # ZeRO: a shard per rank
+        elif strategy.traits.consolidates_optimizer and isinstance(value, Optimizer):
+            # zero1: each rank holds a shard of the optimizer state
             raise ConfigError(
                 f"Fleet.save got a sharded optimizer ({type(value).__name__}) under {key!r}; "
                 "Fleet writes one file from rank 0. Use strategy='ddp' with Fleet.save, or "

@@ -5,23 +5,26 @@ a new module plus a registry entry, never a new branch in the loop. Defaults bel
 right for anything that keeps one full model replica per rank; a strategy overrides the
 few that differ.
 
-How the later strategies plug in (each is a small module of its own):
+The model itself is split, sharded and wrapped by
+:func:`gpufleet.parallel.parallelize.parallelize`, by the mesh degrees and the
+strategy's :class:`~gpufleet.parallel.dims.StrategyTraits`; a strategy keeps what
+happens at step time and to state. How the others differ (each is a small module):
 
-* ``fsdp`` (FSDP2): ``setup_model`` calls ``fully_shard`` on each block, then on the
-  root, with a ``MixedPrecisionPolicy``; ``setup_optimizer`` builds the optimizer on the
-  sharded (DTensor) parameters; ``no_sync`` uses ``model.set_requires_gradient_sync``;
+* ``fsdp`` (FSDP2): ``setup_optimizer`` builds the optimizer on the sharded (DTensor)
+  parameters; ``no_sync`` uses ``model.set_requires_gradient_sync``;
   ``state_dict``/``load_state_dict`` go through ``torch.distributed.checkpoint`` and
   ``saves_on_every_rank`` is True; ``eval_model`` returns the sharded model (forward
   needs the all-gather on every rank, so evaluation batches must be even).
-* ``zero1``: ``setup_model`` wraps in DDP; ``setup_optimizer`` builds a
-  ``ZeroRedundancyOptimizer`` from the :class:`OptimizerSpec`'s class and arguments;
-  ``state_dict`` consolidates the optimizer state on rank 0 first.
-* ``pipeline``: ``setup_model`` splits the model into stages and keeps this rank's one;
-  ``forward_backward`` runs a ``torch.distributed.pipelining`` schedule (GPipe or 1F1B)
-  over micro-batches and returns the loss on the last stage; ``clip_grad_norm``
+* ``zero1``: ``setup_optimizer`` builds a ``ZeroRedundancyOptimizer`` from the
+  :class:`OptimizerSpec`'s class and arguments; ``state_dict`` consolidates the
+  optimizer state on rank 0 first.
+* ``pipeline``: :meth:`Strategy.attach` builds the ``torch.distributed.pipelining``
+  schedule (GPipe or 1F1B) over this rank's stage; ``forward_backward`` runs it over
+  micro-batches and returns the loss on the last stage; ``clip_grad_norm``
   all-reduces the squared norms across stages.
-* ``local_sgd``: ``no_sync`` is always on (no per-step gradient all-reduce) and
-  ``after_optimizer_step`` runs torch's periodic / hierarchical model averager.
+* ``local_sgd``: after a warm-up its DDP communication hook (set in ``attach``) sends
+  nothing, and an optimizer step hook runs torch's periodic / hierarchical model
+  averager.
 * ``horovod``: ``setup_optimizer`` wraps in ``hvd.DistributedOptimizer`` and broadcasts
   the initial state; ``forward_backward`` waits for the gradient all-reduce after the
   last micro-step; ``all_reduce`` uses ``hvd.allreduce``.
@@ -115,6 +118,9 @@ class Strategy:
         self._clip_model: nn.Module | None = None
         self._clip_params: list[nn.Parameter] | None = None
         self._mesh: Any = None
+        #: The dtype FSDP's mixed-precision policy gathers parameters in, when the
+        #: strategy lets FSDP cast instead of autocast (``fsdp``); None otherwise.
+        self.compute_dtype: torch.dtype | None = None
 
     @property
     def mesh(self) -> Any:
@@ -126,9 +132,14 @@ class Strategy:
         return self._mesh
 
     # -- building ------------------------------------------------------------------
-    def setup_model(self, model: nn.Module) -> nn.Module:
-        """Move the model to the device and wrap it; returns the model the loop calls."""
-        return model.to(self.device)
+    def attach(self, model: nn.Module, stage: Any = None) -> None:
+        """Called once by :func:`~gpufleet.parallel.parallelize.parallelize` with the
+        module the loop will call, for step-time machinery that must hold that very
+        module: ``local_sgd`` puts its communication hook on the DDP wrapper and builds
+        its averager, ``pipeline`` builds its schedule over this rank's (sharded)
+        stage (``stage``: the :class:`~gpufleet.parallel.pipeline_split.StageSplit`,
+        None when the model is not split). The model is never replaced here.
+        Default: nothing."""
 
     def setup_optimizer(self, model: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
         """Build the optimizer for the wrapped ``model``."""

@@ -35,6 +35,8 @@ from gpufleet.errors import ConfigError
 
 #: Mesh dimensions, outermost first (the rank order of the grid).
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+#: What may keep a strategy's data parallel ranks in step (``StrategyTraits.data_parallel``).
+DATA_PARALLEL = ("none", "replicate", "shard", "threads", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,17 @@ class StrategyTraits:
         tp_by_replicate_mesh: with ``tp > 1`` the whole replicas are kept in step by
             FSDP2 over a replicate-only mesh (torch's DDP cannot hold the split's DTensor
             parameters; ``ddp``).
+        data_parallel: what keeps the data parallel ranks in step, applied by
+            :func:`gpufleet.parallel.parallelize.parallelize` (step 5) even at degree 1:
+            ``"replicate"`` (torch's DistributedDataParallel), ``"shard"`` (FSDP2),
+            ``"threads"`` (``nn.DataParallel``, one process), ``"optimizer"`` (its
+            optimizer reduces the gradients; nothing wraps the module), ``"none"``
+            (only what the degrees ask for).
+        pipelined: runs a pipeline schedule, so the model is split into stages even at
+            ``pp = 1`` (``pipeline``); a training step of the user's cannot run in it.
+        device_map: places the model's modules on devices by ``parallel.device_map``
+            (``model_parallel``).
+        several_models: trains several models (a dict of them) in one run.
     """
 
     rest: str = "dp_replicate"
@@ -130,6 +143,15 @@ class StrategyTraits:
     consolidates_optimizer: bool = False
     tp_by_replicate_mesh: bool = False
     wraps: str = ""
+    data_parallel: str = "none"
+    pipelined: bool = False
+    device_map: bool = False
+    several_models: bool = False
+
+    def __post_init__(self) -> None:
+        if self.data_parallel not in DATA_PARALLEL:
+            raise ValueError(f"StrategyTraits.data_parallel = {self.data_parallel!r}; "
+                             f"valid: {', '.join(DATA_PARALLEL)}.")
 
 
 def plan_for(par: Any, traits: StrategyTraits, world_size: int,

@@ -4,7 +4,9 @@ Each rank keeps 1/N of every parameter (a ``DTensor`` sharded on dim 0). Before 
 block's forward its parameters are all-gathered, after its backward the gradients are
 reduce-scattered, so a rank holds the full parameters of only the block it is running.
 
-* Wrapping: ``fully_shard`` on each block, then on the root. ``parallel.fsdp.wrap =
+* Wrapping (:func:`shard_model`, applied by
+  :func:`gpufleet.parallel.parallelize.parallelize`, which first gives every rank
+  rank 0's weights): ``fully_shard`` on each block, then on the root. ``parallel.fsdp.wrap =
   "auto"`` takes the model's blocks (:mod:`gpufleet.parallel.blocks`: the transformer
   blocks of a GPT, the residual blocks of a ResNet); class names
   (``"Block,Embedding"``) pick modules by type instead. One block is the unit of
@@ -48,7 +50,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from gpufleet.config import ParallelConfig
@@ -100,11 +101,13 @@ def fsdp_api() -> SimpleNamespace:
 
 
 class FullyShardedDataParallel(Strategy):
-    """Shard the model with FSDP2 per block (``[parallel]`` ``fsdp_*`` options)."""
+    """The step-time and state hooks of a model that
+    :func:`gpufleet.parallel.parallelize.parallelize` sharded with FSDP2 per block
+    (:func:`shard_model`, ``[parallel.fsdp]`` options)."""
 
     name = "fsdp"
     traits = StrategyTraits(rest="dp_shard", dims=frozenset({"dp_replicate", "dp_shard", "tp"}),
-                            reduces_in_backward=True)
+                            reduces_in_backward=True, data_parallel="shard")
     saves_on_every_rank = True
     needs_process_group = True
     # Evaluation runs on the sharded model (no full copy): each forward all-gathers.
@@ -114,31 +117,13 @@ class FullyShardedDataParallel(Strategy):
                  precision: Any = None, dims: ParallelDims | None = None) -> None:
         super().__init__(cfg, device, precision, dims)
         self.api = fsdp_api()
-        if getattr(precision, "scaler", None) is not None:  # a loss-scaling precision
+        if getattr(precision, "scales_loss", False):
             raise ConfigError(
                 "precision.mode = 'fp16-mixed' is not supported with parallel.strategy = "
                 "'fsdp': its loss scaler would see only this rank's gradient shard. Use "
                 "precision.mode = bf16-mixed (no loss scaling needed) or fp32.")
-        dtype = getattr(precision, "autocast_dtype", None)
-        self.compute_dtype: torch.dtype | None = dtype
-
-    # -- building ------------------------------------------------------------------
-    def setup_model(self, model: nn.Module) -> nn.Module:
-        cfg = self.cfg
-        model = model.to(self.device)
-        if self.dims.tp == 1:  # with tp, parallelize() broadcast before the split
-            # COLLECTIVE: every rank starts from rank 0's weights, as DDP does.
-            for tensor in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(tensor.detach(), src=0)
-        mesh = self.mesh  # COLLECTIVE the first time
-        # HSDP: a 2-D (replicate, shard) mesh; FSDP: the shard dimension alone.
-        dp_mesh = (mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1
-                   else mesh["dp_shard"])
-        blocks = shard_model(model, dp_mesh, cfg, self.device, self.compute_dtype,
-                             tp_split=self.dims.tp > 1)
-        log.info("%s: %d block(s) sharded one by one over %s, then the root", self.name,
-                 blocks, self.dims.describe())
-        return model
+        # FSDP's mixed-precision policy casts (parallelize passes it to the sharding).
+        self.compute_dtype = getattr(precision, "autocast_dtype", None)
 
     # -- the step --------------------------------------------------------------------
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
@@ -209,7 +194,7 @@ class HybridShardedDataParallel(FullyShardedDataParallel):
     name = "hsdp"
     traits = StrategyTraits(rest="dp_replicate", shard_default_per_node=True,
                             dims=frozenset({"dp_replicate", "dp_shard", "tp"}),
-                            reduces_in_backward=True)
+                            reduces_in_backward=True, data_parallel="shard")
 
 
 class ReplicatedTensorParallel(FullyShardedDataParallel):
@@ -225,7 +210,8 @@ class ReplicatedTensorParallel(FullyShardedDataParallel):
 
     name = "ddp"
     traits = StrategyTraits(dims=frozenset({"dp_replicate", "tp"}), reduces_in_backward=True,
-                            comm_hooks=True, tp_by_replicate_mesh=True)
+                            comm_hooks=True, tp_by_replicate_mesh=True,
+                            data_parallel="replicate", several_models=True)
 
     def __init__(self, cfg: ParallelConfig, device: torch.device,
                  precision: Any = None, dims: ParallelDims | None = None) -> None:

@@ -72,7 +72,8 @@ class Horovod(Strategy):
     name = "horovod"
     # Horovod reduces the gradients and the loop's statistics; the process group only
     # carries gpufleet's book-keeping, which needs no NCCL communicator beside Horovod's.
-    traits = StrategyTraits(backend="gloo", ranks_started_elsewhere=True)
+    traits = StrategyTraits(backend="gloo", ranks_started_elsewhere=True,
+                            data_parallel="optimizer")
 
     def __init__(self, cfg: Any, device: torch.device, precision: Any = None,
                  dims: Any = None) -> None:

@@ -56,9 +56,13 @@ class LocalSGD(DistributedDataParallel):
     """DDP without per-step gradient all-reduce after warm-up, plus model averaging."""
 
     name = "local_sgd"
-    traits = StrategyTraits()  # no per-step gradient all-reduce after the warm-up
+    # DDP-wrapped by parallelize; no per-step gradient all-reduce after the warm-up.
+    traits = StrategyTraits(data_parallel="replicate")
 
-    def setup_model(self, model: nn.Module) -> nn.Module:
+    def attach(self, model: nn.Module, stage: Any = None) -> None:
+        """Put the warm-up-then-local communication hook on the DDP wrapper ``model``
+        and build the model averager (COLLECTIVE when hierarchical: the intra-node
+        groups). A hook here, not in the optimizer: it must sit on the wrapper."""
         from torch.distributed.algorithms.model_averaging.averagers import (
             PeriodicModelAverager,
         )
@@ -66,10 +70,9 @@ class LocalSGD(DistributedDataParallel):
             HierarchicalModelAverager,
         )
 
-        ddp = super().setup_model(model)
         cfg, env = self.cfg, DistEnv.detect()
         self._state = _HookState(warmup_steps=cfg.local_sgd.warmup_steps)
-        ddp.register_comm_hook(self._state, _local_after_warmup_hook)
+        model.register_comm_hook(self._state, _local_after_warmup_hook)
         plan = averaging_plan(cfg.local_sgd.period, cfg.local_sgd.inter_node_period,
                               env.world_size, env.local_world_size)
         # The averagers count their own steps; their warm-up matches the hook's, so the
@@ -86,7 +89,6 @@ class LocalSGD(DistributedDataParallel):
                                for period, size in plan.items())
             log.info("local_sgd: gradient all-reduce for %d warm-up step(s), then model "
                      "averaging over %s", cfg.local_sgd.warmup_steps, levels)
-        return ddp
 
     def setup_optimizer(self, model: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
         optimizer = super().setup_optimizer(model, spec)

@@ -11,10 +11,8 @@ the ``pipeline`` strategy overlaps the devices with micro-batches.
 
 Example:
     >>> from torch import nn
-    >>> from gpufleet.config import ParallelConfig
     >>> net = nn.Sequential(nn.Linear(2, 4), nn.Linear(4, 1))
-    >>> mp = ModelParallel(ParallelConfig(device_map={"1": "cpu"}), torch.device("cpu"))
-    >>> placement(mp.setup_model(net))
+    >>> placement(place_by_device_map(net, {"1": "cpu"}, torch.device("cpu")))
     {'0': 'cpu', '1': 'cpu'}
 """
 
@@ -29,30 +27,38 @@ from torch import nn
 from gpufleet.core.tree import map_tensors
 from gpufleet.errors import ConfigError, did_you_mean
 from gpufleet.parallel.base import Strategy
+from gpufleet.parallel.dims import StrategyTraits
 
 log = logging.getLogger(__name__)
 
 
 class ModelParallel(Strategy):
-    """Place the model's modules on devices by ``parallel.device_map`` (one process)."""
+    """One process, the model's modules on devices by ``parallel.device_map`` (placed by
+    :func:`gpufleet.parallel.parallelize.parallelize` through
+    :func:`place_by_device_map`)."""
 
     name = "model_parallel"
-
-    def setup_model(self, model: nn.Module) -> nn.Module:
-        plan = resolve_device_map(model, self.cfg.device_map)
-        model.to(self.device)  # unmapped modules: the run's device
-        for name, device in plan.items():  # shortest prefix first: longer ones override
-            module = model.get_submodule(name)
-            module.to(device)
-            module.register_forward_pre_hook(_move_inputs(device), with_kwargs=True)
-        model.register_forward_hook(_move_output(self.device))
-        log.info("model_parallel: %s (the rest on %s)",
-                 ", ".join(f"{n or '<model>'} -> {d}" for n, d in plan.items()), self.device)
-        return model
+    traits = StrategyTraits(device_map=True)
 
     def describe(self) -> dict[str, Any]:
         """The device map, for the run's report."""
         return {"strategy": self.name, "device_map": dict(self.cfg.device_map)}
+
+
+def place_by_device_map(model: nn.Module, device_map: dict[str, Any],
+                        device: torch.device) -> nn.Module:
+    """Move each module ``device_map`` names to its device (the rest to ``device``), with
+    hooks that move inputs in and the output back to ``device``; returns ``model``."""
+    plan = resolve_device_map(model, device_map)
+    model.to(device)  # unmapped modules: the run's device
+    for name, where in plan.items():  # shortest prefix first: longer ones override
+        module = model.get_submodule(name)
+        module.to(where)
+        module.register_forward_pre_hook(_move_inputs(where), with_kwargs=True)
+    model.register_forward_hook(_move_output(device))
+    log.info("model_parallel: %s (the rest on %s)",
+             ", ".join(f"{n or '<model>'} -> {d}" for n, d in plan.items()), device)
+    return model
 
 
 def resolve_device_map(model: nn.Module, device_map: dict[str, Any]) -> dict[str, torch.device]:

@@ -2,25 +2,35 @@
 
 :func:`parallelize` is the one place a model changes between the user's module and
 the module the loop calls. The order is fixed, and each step runs only when the plan
-(:class:`~gpufleet.parallel.dims.ParallelDims`) or the config asks for it::
+(:class:`~gpufleet.parallel.dims.ParallelDims`), the config or the strategy's preset
+(:class:`~gpufleet.parallel.dims.StrategyTraits`) asks for it::
 
     1. tensor parallel      tp > 1: the model's tp_plan(tp_mesh), or the built-in GPT's
                             (rank 0's weights first reach every rank, then the split)
     2. layer options        parallel.sync_batchnorm, parallel.activation_checkpointing
     3. memory format and    perf.channels_last, perf.compile (in place: the state-dict
        compilation          names stay), block by block (perf.compile_scope)
-    4. data parallel        dp_shard > 1: FSDP (HSDP with dp_replicate > 1 too);
-                            dp_replicate > 1: DDP replication (over the tensor parallel
-                            split: FSDP2 over a replicate-only mesh, which all-reduces
-                            gradients as DDP does)
-    5. the pipeline split   pp > 1: this rank keeps its stage (then steps 4's sharding
-                            over the stage)
+    4. the pipeline split   pp > 1 (or a pipelined preset): this rank keeps its stage
+                            (pipeline_split.keep_stage); steps 5 and 6 then apply to it
+    5. data parallel        data_parallel.data_parallel_kind decides, by the degrees and
+                            the preset's traits.data_parallel (which holds at degree 1):
+                            FSDP2 when dp_shard > 1 or the preset shards (HSDP with
+                            dp_replicate > 1 too), and for replicas of a tensor parallel
+                            split or of a pipeline stage (a replicate-only mesh, which
+                            all-reduces gradients as DDP does); torch's DDP for other
+                            replicas (dp_replicate > 1 or a replicating preset);
+                            nn.DataParallel for a one-process threads preset
+    6. device map           a device_map preset (model_parallel): modules placed by
+                            parallel.device_map
+    7. the strategy's hook  Strategy.attach(model, stage): step-time machinery that
+                            must hold the final module (the pipeline schedule,
+                            local_sgd's communication hook and averager)
 
-Steps 4 and 5 are the strategy's :meth:`~gpufleet.parallel.base.Strategy.setup_model`:
-the strategy name is a preset of degrees (``ddp`` puts the ranks on ``dp_replicate``,
-``fsdp`` on ``dp_shard``, ``pipeline`` on ``pp``) plus the step-time and state hooks
-that go with them. The mesh is built once per run, by the strategy
-(:attr:`Strategy.mesh`), and sliced by name (``mesh["tp"]``,
+The split comes before data parallelism, so each rank shards (or replicates) only the
+layers it keeps. The strategy name is a preset
+of degrees (``ddp`` puts the ranks on ``dp_replicate``, ``fsdp`` on ``dp_shard``,
+``pipeline`` on ``pp``) plus the step-time and state hooks that go with them. The mesh
+is built once per run (:attr:`Strategy.mesh`) and sliced by name (``mesh["tp"]``,
 ``mesh["dp_replicate", "dp_shard"]``).
 
 Example:
@@ -38,19 +48,28 @@ from torch import nn
 
 from gpufleet.config import PerfConfig
 from gpufleet.parallel.activation_checkpointing import apply_layer_options
+from gpufleet.parallel.base import Strategy
 from gpufleet.parallel.blocks import describe_blocks, find_blocks
+from gpufleet.parallel.data_parallel import (
+    data_parallel_kind,
+    replicate,
+    replicate_in_threads,
+    shard,
+)
+from gpufleet.parallel.model_parallel import place_by_device_map
+from gpufleet.parallel.pipeline_split import StageSplit, check_pipelinable, keep_stage
 from gpufleet.parallel.tensor import apply_tensor_parallel
 
 log = logging.getLogger(__name__)
 
 
-def parallelize(model: nn.Module, strategy: Any, cfg: Any, world_size: int) -> nn.Module:
+def parallelize(model: nn.Module, strategy: Strategy, cfg: Any, world_size: int) -> nn.Module:
     """``model`` as the loop calls it: split, wrapped and compiled as the run's plan says.
 
     Args:
         model: the user's module (any device).
         strategy: the run's strategy; its ``dims`` are the mesh degrees, its ``mesh``
-            the one DeviceMesh, its ``setup_model`` steps 4 and 5 (see the module doc).
+            the one DeviceMesh, its ``traits`` the preset (see the module doc).
         cfg: the run's config (its ``parallel`` and ``perf`` sections are read).
         world_size: ranks in the job.
 
@@ -66,7 +85,48 @@ def parallelize(model: nn.Module, strategy: Any, cfg: Any, world_size: int) -> n
     # state-dict names), before compilation and before the model is wrapped.
     model = apply_layer_options(model, cfg.parallel, device, world_size)
     model = compile_model(model, cfg.perf)
-    return strategy.setup_model(model)
+    return distribute(model, strategy)
+
+
+def distribute(model: nn.Module, strategy: Strategy) -> nn.Module:
+    """Steps 4 to 7 (see the module doc): the pipeline split, data parallelism, the
+    device map and the strategy's :meth:`~Strategy.attach`, with the strategy's
+    ``[parallel]`` options. Returns the module the loop calls. COLLECTIVE when the run
+    has several ranks.
+
+    Example:
+        >>> from gpufleet.config import ParallelConfig
+        >>> from gpufleet.parallel import build_strategy
+        >>> single = build_strategy("single", ParallelConfig(), torch.device("cpu"))
+        >>> distribute(nn.Linear(2, 1), single)
+        Linear(in_features=2, out_features=1, bias=True)
+    """
+    cfg, dims, device, traits = strategy.cfg, strategy.dims, strategy.device, strategy.traits
+    stage: StageSplit | None = None
+    if dims.pp > 1 or traits.pipelined:
+        check_pipelinable(strategy.precision)
+        # COLLECTIVE (the first time): the mesh, when the pipelines are its rows.
+        mesh = strategy.mesh if dims.world_size > dims.pp else None
+        stage = keep_stage(model, dims, mesh, cfg.pipeline.split, device)
+        model = stage.module
+    else:
+        model = model.to(device)
+    kind = data_parallel_kind(traits, dims, pipelined=stage is not None)
+    if kind == "shard":
+        if stage is None and dims.tp == 1:  # with tp, step 1 broadcast before the split
+            broadcast_weights(model)  # every rank starts from rank 0's weights, as in DDP
+        blocks = shard(model, strategy.mesh, dims, cfg, device, strategy.compute_dtype)
+        if stage is None:
+            log.info("%s: %d block(s) sharded one by one over %s, then the root",
+                     strategy.name, blocks, dims.describe())
+    elif kind == "replicate":
+        model = replicate(model, cfg, device)
+    elif kind == "threads":
+        model = replicate_in_threads(model, getattr(strategy.precision, "autocast_dtype", None))
+    if traits.device_map:
+        model = place_by_device_map(model, cfg.device_map, device)
+    strategy.attach(model, stage)
+    return model
 
 
 def broadcast_weights(model: nn.Module) -> None:

@@ -1,7 +1,8 @@
 """``pipeline``: the model cut into stages, one per rank, fed micro-batch by micro-batch.
 
-Every rank holds one stage (see :mod:`gpufleet.parallel.pipeline_split` for how the
-model is cut) and moves only that stage to its device. A training step runs a
+Every rank holds one stage (:func:`gpufleet.parallel.parallelize.parallelize` cuts the
+model, see :mod:`gpufleet.parallel.pipeline_split`, and moves only this rank's stage to
+its device; with ``dp > 1`` it then shards the stage). A training step runs a
 ``torch.distributed.pipelining`` schedule over ``parallel.pipeline.microbatches`` micro-batches:
 ``gpipe`` (all forwards, then all backwards) or ``1f1b`` (one forward, one backward in
 the steady state: the same bubble, activations of at most ``stages`` micro-batches
@@ -43,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import itertools
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -52,18 +52,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gpufleet.config import ParallelConfig
 from gpufleet.core.tree import map_tensors
-from gpufleet.errors import ConfigError, GpufleetError
+from gpufleet.errors import ConfigError
 from gpufleet.launch import broadcast_object, gather_objects
 from gpufleet.parallel.base import OptimizerSpec, Strategy
-from gpufleet.parallel.dims import StrategyTraits
-from gpufleet.parallel.fsdp import fsdp_api, shard_model
-from gpufleet.parallel.pipeline_split import (
-    bubble_share,
-    plan_stages,
-    sequential_units,
-    stage_module,
-)
+from gpufleet.parallel.dims import ParallelDims, StrategyTraits
+from gpufleet.parallel.fsdp import fsdp_api
+from gpufleet.parallel.pipeline_split import StageSplit, bubble_share
 from gpufleet.parallel.tensor import without_strided
 
 log = logging.getLogger(__name__)
@@ -76,52 +72,38 @@ class PipelineParallel(Strategy):
 
     name = "pipeline"
     # The stages take the ranks dp_shard leaves (all of them by default); ranks of one
-    # pipeline read the same batches, and dp_shard > 1 shards each stage with FSDP.
-    traits = StrategyTraits(rest="pp", dims=frozenset({"pp", "dp_replicate", "dp_shard", "tp"}))
+    # pipeline read the same batches, and with dp > 1 parallelize shards each stage.
+    traits = StrategyTraits(rest="pp", dims=frozenset({"pp", "dp_replicate", "dp_shard", "tp"}),
+                            pipelined=True)
     needs_process_group = True
-    # saves_on_every_rank stays False: state_dict (a collective, called on every rank)
-    # gathers the whole model, and rank 0 writes one ordinary checkpoint file.
+    # saves_on_every_rank stays False for a pipeline alone: state_dict (a collective,
+    # called on every rank) gathers the whole model, and rank 0 writes one ordinary
+    # checkpoint file. With dp or tp > 1 every rank writes its shards (__init__).
 
-    # -- building ------------------------------------------------------------------
-    def setup_model(self, model: nn.Module) -> nn.Module:
-        try:
-            from torch.distributed.pipelining import PipelineStage
-        except ImportError as e:  # torch < 2.4
-            raise GpufleetError(f"parallel.strategy = 'pipeline' needs "
-                                f"torch.distributed.pipelining (torch >= 2.4), and this "
-                                f"torch {torch.__version__} has none: {e}. Upgrade torch.") from e
-        if getattr(self.precision, "scaler", None) is not None:
-            raise ConfigError("parallel.strategy = 'pipeline' cannot use precision.mode = "
-                              "'fp16-mixed': the schedule runs backward itself, past the loss "
-                              "scaler. Use --precision bf16-mixed (or fp32).")
-        cfg, dims = self.cfg, self.dims
-        mesh = None
-        if dims.world_size > dims.pp:  # this rank's pipeline is a row of the mesh
-            mesh = self.mesh  # COLLECTIVE the first time
-            self._group, self.rank = mesh.get_group("pp"), mesh.get_local_rank("pp")
-        else:
-            self._group, self.rank = None, dist.get_rank()
-        self.stages = dims.pp
+    def __init__(self, cfg: ParallelConfig, device: torch.device,
+                 precision: Any = None, dims: ParallelDims | None = None) -> None:
+        super().__init__(cfg, device, precision, dims)
+        self.stages = self.dims.pp
         self.microbatches = cfg.pipeline.microbatches
-        own = callable(getattr(model, "pipeline_stage", None))
-        units = model.pipeline_units() if own else sequential_units(model)
-        starts = [*plan_stages(units, self.stages, cfg.pipeline.split), len(units)]
-        first, stop = starts[self.rank], starts[self.rank + 1]
-        stage = (model.pipeline_stage([n for n, _ in units[first:stop]]) if own
-                 else stage_module(model, units, first, stop)).to(self.device)
-        if dims.dp > 1:  # FSDP, HSDP, or replicas kept in step by FSDP2 (dp_shard = 1)
-            dp_mesh = (mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1
-                       else mesh["dp_shard"])
-            shard_model(stage, dp_mesh, cfg, self.device, tp_split=dims.tp > 1)
-        # After sharding: FSDP replaces the parameters it shards.
-        self._ties = tied_pairs(model, stage, self._pipelines(mesh), self.rank) if own else []
-        if dims.dp > 1 or dims.tp > 1:
+        self.bubble_share = bubble_share(self.stages, self.microbatches)
+        if self.dims.dp > 1 or self.dims.tp > 1:
             # Each stage's ranks write their own shards; evaluation forwards all-gather.
             self.saves_on_every_rank = self.eval_in_lockstep = True
-        self.layers = [[n for n, _ in units[a:b]] for a, b in itertools.pairwise(starts)]
+
+    # -- building ------------------------------------------------------------------
+    def attach(self, model: nn.Module, stage: StageSplit | None = None) -> None:
+        """Build the schedule over ``model``, this rank's stage as parallelize left it
+        (sharded when ``dp > 1``), and find its tied parameters. COLLECTIVE: the ties'
+        process groups. A hook, not part of the split: the schedule and the ties must
+        hold the sharded stage's parameters, which FSDP replaces."""
+        from torch.distributed.pipelining import PipelineStage
+
+        assert stage is not None, "parallelize splits a pipelined model before attach"
+        self._group, self.rank = stage.group, stage.index
+        self._ties = tied_pairs(stage.tied, model, stage.pipelines, self.rank)
+        self.layers = stage.layers
         self.is_first, self.is_last = self.rank == 0, self.rank == self.stages - 1
-        self.bubble_share = bubble_share(self.stages, self.microbatches)
-        self._stage = PipelineStage(stage, self.rank, self.stages, self.device,
+        self._stage = PipelineStage(model, self.rank, self.stages, self.device,
                                     group=self._group)
         self._schedule = self._build_schedule()
         self._mb_losses: list[torch.Tensor] = []
@@ -129,18 +111,9 @@ class PipelineParallel(Strategy):
         self._loss_scale = 1.0
         if self.is_first:
             log.info("pipeline: %d stages x %d micro-batches (%s), bubble share %.1f%%; "
-                     "stage layers: %s", self.stages, self.microbatches, cfg.pipeline.schedule,
-                     100 * self.bubble_share,
+                     "stage layers: %s", self.stages, self.microbatches,
+                     self.cfg.pipeline.schedule, 100 * self.bubble_share,
                      " | ".join(f"{s[0]}..{s[-1]}" if len(s) > 1 else s[0] for s in self.layers))
-        return stage
-
-    def _pipelines(self, mesh: Any) -> list[list[int]]:
-        """The global ranks of every pipeline, stage by stage (each is one ``pp`` row of
-        the mesh; all ranks when the pipeline spans them)."""
-        if mesh is None:
-            return [list(range(self.dims.pp))]
-        grid = mesh.mesh  # [pp, dp_replicate, dp_shard, tp] global ranks
-        return grid.reshape(self.dims.pp, -1).t().tolist()
 
     def _sync_ties(self, before: list[torch.Tensor | None]) -> None:
         """Sum over the two stages of each tie what this step's backward added to the
@@ -391,17 +364,19 @@ def _without_module_tracking() -> Iterator[None]:
             tracker.__enter__()
 
 
-def tied_pairs(model: nn.Module, stage: nn.Module, pipelines: list[list[int]],
+def tied_pairs(tied: list[tuple[str, str]], stage: nn.Module, pipelines: list[list[int]],
                stage_index: int) -> list[tuple[nn.Parameter, Any]]:
-    """``(parameter, process group)`` for each tie of ``model.pipeline_ties()`` whose two
-    names sit on different stages and one of them on this rank's ``stage``; the group
-    holds the two stages' ranks of this rank's pipeline. COLLECTIVE: every rank creates
-    every pipeline's groups, in the same order."""
+    """``(parameter, process group)`` for each pair of names in ``tied`` (the model's
+    ``pipeline_ties()``) that sit on different stages, one of them on this rank's
+    ``stage``; the group holds the two stages' ranks of this rank's pipeline.
+    COLLECTIVE: every rank creates every pipeline's groups, in the same order."""
+    if not tied:
+        return []
     held = dict(stage.named_parameters(remove_duplicate=False))
     stage_of = _stage_of_params(pipelines, held)
     ties: list[tuple[nn.Parameter, Any]] = []
     rank = dist.get_rank()
-    for a, b in model.pipeline_ties():
+    for a, b in tied:
         first, last = stage_of(a), stage_of(b)
         if first == last:
             continue

@@ -1,10 +1,14 @@
-"""Cutting a sequential model into pipeline stages (no process group needed).
+"""Cutting a model into pipeline stages, and keeping this rank's (step 4 of
+:func:`gpufleet.parallel.parallelize.parallelize`).
 
-A model can be split when its forward is "run the layers in order": an ``nn.Sequential``
-(nested plain ``nn.Sequential`` containers are opened up, so ``blocks.3`` can start a
-stage). A stage is a pruned copy of the container tree holding only its own layers, so
-its state-dict names are the full model's (``blocks.3.weight``, not ``0.weight``), and
-the stages' state dicts together are exactly the full model's.
+:func:`keep_stage` cuts the model and keeps the stage of this rank's place in the mesh
+(a model's own ``pipeline_units``/``pipeline_stage`` hooks, or a sequential cut); the
+rest needs no process group. A model can be split when its forward is "run the
+layers in order": an ``nn.Sequential`` (nested plain ``nn.Sequential`` containers are
+opened up, so ``blocks.3`` can start a stage). A stage is a pruned copy of the
+container tree holding only its own layers, so its state-dict names are the full
+model's (``blocks.3.weight``, not ``0.weight``), and the stages' state dicts together
+are exactly the full model's.
 
 Example:
     >>> from torch import nn
@@ -18,9 +22,85 @@ Example:
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
 from torch import nn
 
-from gpufleet.errors import ConfigError, did_you_mean
+from gpufleet.errors import ConfigError, GpufleetError, did_you_mean
+from gpufleet.parallel.dims import ParallelDims
+
+
+@dataclass
+class StageSplit:
+    """This rank's share of a pipeline, as :func:`keep_stage` cut it.
+
+    Attributes:
+        module: this rank's stage, on the run's device.
+        index: the stage's number in its pipeline (0: the first).
+        stages: stages per pipeline (``pp``).
+        group: the process group of this rank's pipeline (None: it spans all ranks).
+        pipelines: the global ranks of every pipeline, stage by stage.
+        layers: the layer names each stage holds, stage by stage.
+        tied: the model's ``pipeline_ties()`` (pairs of parameter names one weight
+            takes on two stages; empty for a sequential cut).
+    """
+
+    module: nn.Module
+    index: int
+    stages: int
+    group: Any
+    pipelines: list[list[int]]
+    layers: list[list[str]]
+    tied: list[tuple[str, str]] = field(default_factory=list)
+
+
+def check_pipelinable(precision: Any) -> None:
+    """Refuse what a pipeline schedule cannot run: torch without
+    ``torch.distributed.pipelining``, or a loss-scaling precision (fp16-mixed)."""
+    try:
+        from torch.distributed.pipelining import PipelineStage  # noqa: F401
+    except ImportError as e:  # torch < 2.4
+        raise GpufleetError(f"parallel.strategy = 'pipeline' needs "
+                            f"torch.distributed.pipelining (torch >= 2.4), and this "
+                            f"torch {torch.__version__} has none: {e}. Upgrade torch.") from e
+    if getattr(precision, "scales_loss", False):
+        raise ConfigError("parallel.strategy = 'pipeline' cannot use precision.mode = "
+                          "'fp16-mixed': the schedule runs backward itself, past the loss "
+                          "scaler. Use --precision bf16-mixed (or fp32).")
+
+
+def keep_stage(model: nn.Module, dims: ParallelDims, mesh: Any, split: str,
+               device: torch.device) -> StageSplit:
+    """Cut ``model`` into ``dims.pp`` stages and keep this rank's, moved to ``device``.
+
+    Args:
+        model: the whole model (a ``pipeline_stage`` hook of its own, or sequential).
+        dims: the mesh degrees.
+        mesh: the run's DeviceMesh, whose ``pp`` rows are the pipelines; None when one
+            pipeline spans every rank.
+        split: ``parallel.pipeline.split`` (where stages 2..N begin; empty: balanced).
+        device: this rank's device.
+    """
+    if mesh is not None:  # this rank's pipeline is a row of the mesh
+        group, index = mesh.get_group("pp"), mesh.get_local_rank("pp")
+        # [pp, dp_replicate, dp_shard, tp] global ranks: one pipeline per column
+        pipelines = mesh.mesh.reshape(dims.pp, -1).t().tolist()
+    else:
+        group, index = None, dist.get_rank()
+        pipelines = [list(range(dims.pp))]
+    own = callable(getattr(model, "pipeline_stage", None))
+    units = model.pipeline_units() if own else sequential_units(model)
+    starts = [*plan_stages(units, dims.pp, split), len(units)]
+    first, stop = starts[index], starts[index + 1]
+    stage = (model.pipeline_stage([n for n, _ in units[first:stop]]) if own
+             else stage_module(model, units, first, stop)).to(device)
+    layers = [[n for n, _ in units[a:b]] for a, b in itertools.pairwise(starts)]
+    return StageSplit(stage, index, dims.pp, group, pipelines, layers,
+                      list(model.pipeline_ties()) if own else [])
 
 
 def sequential_units(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -10,4 +10,4 @@ class SingleDevice(Strategy):
     """Train on one device with no wrapping."""
 
     name = "single"
-    traits = StrategyTraits(one_process=True)
+    traits = StrategyTraits(one_process=True, several_models=True)

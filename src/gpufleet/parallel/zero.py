@@ -32,19 +32,18 @@ from gpufleet.parallel.dims import ParallelDims, StrategyTraits
 
 
 class ZeroRedundancy(Strategy):
-    """DDP-wrapped model, optimizer state sharded by ``ZeroRedundancyOptimizer``."""
+    """DDP-wrapped model (replicated by parallelize), optimizer state sharded by
+    ``ZeroRedundancyOptimizer``."""
 
     name = "zero1"
-    traits = StrategyTraits(reduces_in_backward=True, consolidates_optimizer=True)
+    traits = StrategyTraits(reduces_in_backward=True, consolidates_optimizer=True,
+                            data_parallel="replicate")
     needs_process_group = True
 
     def __init__(self, cfg: ParallelConfig, device: torch.device,
                  precision: Any = None, dims: ParallelDims | None = None) -> None:
         super().__init__(cfg, device, precision, dims)
-        self._ddp = DistributedDataParallel(cfg, device, precision, dims)  # same wrapping
-
-    def setup_model(self, model: nn.Module) -> nn.Module:
-        return self._ddp.setup_model(model)
+        self._ddp = DistributedDataParallel(cfg, device, precision, dims)  # same wrapper
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return self._ddp.unwrap(model)

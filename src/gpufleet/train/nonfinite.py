@@ -65,7 +65,7 @@ class SkipRecord:
 def takes_found_inf(optimizer: Any, precision: Any) -> bool:
     """Whether ``optimizer`` can skip a step on a device flag (a fused torch optimizer,
     no loss scaler deciding on its own)."""
-    if hasattr(precision, "backoff") or not isinstance(optimizer, torch.optim.Optimizer):
+    if precision.scales_loss or not isinstance(optimizer, torch.optim.Optimizer):
         return False
     if any(g.get("momentum") and g.get("dampening") for g in optimizer.param_groups):
         return False  # see _prime_momentum
@@ -306,7 +306,7 @@ class NonFiniteGuard:
                 len(names))
         # COLLECTIVE, on skipped steps only (every rank is here: the flags agreed).
         seen = gather_objects(mine)
-        scale = self.precision.backoff() if hasattr(self.precision, "backoff") else None
+        scale = self.precision.backoff() if self.precision.scales_loss else None
         record = _record_of(seen, scale)
         self.skipped += 1
         self.interval_skipped += 1

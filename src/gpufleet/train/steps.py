@@ -40,9 +40,9 @@ from torch import nn
 
 from gpufleet.config import Config
 from gpufleet.errors import ConfigError
+from gpufleet.parallel import strategy_class, strategy_names
+from gpufleet.parallel.dims import StrategyTraits
 
-#: Strategies that train several models, each wrapped on its own.
-SEVERAL_MODELS = ("single", "ddp")
 #: The name of the one model of a run that trains one.
 ONE_MODEL = "model"
 
@@ -91,22 +91,25 @@ def per_model(value: Any, names: Sequence[str], what: str) -> dict[str, Any]:
 
 
 def check_strategy(strategy: str, several: bool, has_step: bool) -> None:
-    """Refuse, before any rank starts, what ``strategy`` cannot train.
+    """Refuse, before any rank starts, what ``strategy`` cannot train (by its traits).
 
     Raises:
-        ConfigError: a training step under ``pipeline`` (whose schedule runs the
-            micro-batches through the stages itself), or several models under a
-            strategy other than single and ddp.
+        ConfigError: a training step under a pipelined strategy (whose schedule runs
+            the micro-batches through the stages itself), or several models under a
+            strategy whose traits do not say ``several_models`` (single and ddp do).
     """
-    if has_step and strategy == "pipeline":
+    traits = (strategy_class(strategy).traits if strategy in strategy_names()
+              else StrategyTraits())  # "auto", not decided yet: no trait to claim
+    if has_step and traits.pipelined:
         raise ConfigError(
-            "parallel.strategy = 'pipeline' runs its own schedule of micro-batches through "
+            f"parallel.strategy = {strategy!r} runs its own schedule of micro-batches through "
             "the stages, so a training_step of yours cannot run in it. Use ddp, fsdp or "
             "single with a training_step, or drop the training_step to use pipeline.")
-    if several and strategy not in SEVERAL_MODELS:
+    if several and not traits.several_models:
+        several_ok = [n for n in strategy_names() if strategy_class(n).traits.several_models]
         raise ConfigError(
             f"parallel.strategy = {strategy!r} trains one model; several models (a dict "
-            f"of them) train under {' or '.join(SEVERAL_MODELS)}. Use "
+            f"of them) train under {' or '.join(several_ok)}. Use "
             "--parallel.strategy ddp (or single on one rank), or combine the models into "
             "one nn.Module.")
 
