@@ -162,7 +162,8 @@ def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module]
 
         run.monitors.system_sampler = next(
             (cb for cb in callbacks if isinstance(cb, SystemSampler)), None)
-    run.phases = PhaseAnnouncer(run.callbacks.phase_listeners, run.view)
+    run.phases = PhaseAnnouncer(run.callbacks.phase_listeners, run.view,
+                                run.callbacks.mark_readers)
     return run
 
 

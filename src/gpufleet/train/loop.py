@@ -381,6 +381,7 @@ class Trainer:
             result.samples_per_s = state.samples / state.train_time_s
             if state.tokens:
                 result.tokens_per_s = state.tokens / state.train_time_s
+        run.phases.hand_over()  # the monitors read every phase mark
         run.callbacks.on_fit_end(run.view, result)
         result.callback_errors = dict(run.callbacks.failures)
         if run.env.is_main and run.cfg.monitor.report:
