@@ -324,7 +324,11 @@ class SystemSampler(Callback):
     # -- internals ---------------------------------------------------------------------
     def _run(self) -> None:
         # Primes the CPU counters (psutil reads CPU since the last call): here, in the
-        # sampler's thread, not before the run's first step.
+        # sampler's thread, and half an interval after the start, not while the run
+        # sets up and takes its first step (the scan of every process holds the
+        # interpreter for milliseconds at a time).
+        if self._stop.wait(self.interval_s / 2):
+            return
         self._measure()
         while not self._stop.wait(self.interval_s):
             try:
