@@ -7,10 +7,15 @@ defaults, with monitoring off, and bare (also without the non-finite guard and t
 watchdog), and the hand-written loop on ``gpufleet.Fleet`` (defaults, and monitoring
 off), changed where Fabric's is. Each loop runs in a thread of its own and the loops
 take turns a step at a time (a baton passes after every step), so a noisy machine slows
-them alike. A step is timed from the moment its loop gets the baton to the end of its
-step, on the wall clock and on the loop thread's CPU clock; the figure is the median
+them alike; the order of the turns is shuffled every round (seeded), as a step right
+after a given other loop's pays for what that loop left behind (its garbage, the caches
+it took: about 20-35 µs of CPU per step here when one loop always follows the
+hand-written one). A step is timed from the moment its loop gets the baton to the end
+of its step, on the wall clock and on the loop thread's CPU clock; the figure is the median
 over blocks of 50 steps of the block's mean. Also printed: the time from a loop's first
-line to the end of its first step.
+line to the end of its first step, with each framework's entry module imported before
+(``lightning.fabric``, ``accelerate``, ``lightning``, ``gpufleet.api``: what a user's
+``import`` line pays) and what it imports later counted.
 
     python benchmarks/peers.py                      # MLP 256-256-10, batch 32, SGD
     python benchmarks/peers.py --job gpt --steps 300   # the built-in GPT's recipe
@@ -20,7 +25,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import random
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -93,10 +101,13 @@ def gpt_job(steps: int) -> Job:
 
 
 class Baton:
-    """Lets one loop run at a time, a step each, in turn."""
+    """Lets one loop run at a time, a step each, in turn: in the given order in the
+    first round, then in a new random order (seeded) every round."""
 
-    def __init__(self, names: list[str]) -> None:
+    def __init__(self, names: list[str], seed: int = 0) -> None:
         self.names, self.turn = names, 0
+        self._order, self._pos = list(range(len(names))), 0
+        self._rng = random.Random(seed)
         self.active = [True] * len(names)
         self.cv = threading.Condition()
         self.wall: list[list[float]] = [[] for _ in names]
@@ -132,12 +143,18 @@ class Baton:
 
     def _pass(self, i: int) -> None:
         with self.cv:
-            n = len(self.names)
-            for k in range(1, n + 1):
-                j = (i + k) % n
-                if self.active[j]:
-                    self.turn = j
+            self._pos += 1
+            while True:
+                if self._pos >= len(self._order):  # a new round, in a new order
+                    self._order = [j for j, on in enumerate(self.active) if on]
+                    self._rng.shuffle(self._order)
+                    self._pos = 0
+                    if not self._order:
+                        break
+                if self.active[self._order[self._pos]]:
+                    self.turn = self._order[self._pos]
                     break
+                self._pos += 1
             self.cv.notify_all()
 
 
@@ -294,12 +311,17 @@ def main() -> None:
             loops[name] = fn
         else:
             missing.append(name)
+    importlib.import_module("gpufleet.api")  # gpufleet.fit's module, as the peers' above
     loops["gpufleet defaults"] = gpufleet_loop({})
     loops["gpufleet monitoring off"] = gpufleet_loop(MONITORING_OFF)
     loops["gpufleet bare"] = gpufleet_loop(BARE)
     loops["gpufleet Fleet"] = fleet_loop({})
     loops["gpufleet Fleet mon. off"] = fleet_loop(MONITORING_OFF)
     print(machine_summary())
+    print(f"load average (1, 5, 15 min): {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    if sys.flags.dont_write_bytecode:
+        print("note: PYTHONDONTWRITEBYTECODE is set: a module without a cached .pyc is "
+              "compiled at import, which a first step that imports lazily pays for")
     print(f"job: {job.name}; {args.steps} steps each, turns of one step, first "
           f"{args.warmup} not timed, blocks of {BLOCK}; 1 torch thread")
     if missing:
@@ -334,6 +356,7 @@ def main() -> None:
         w, c = blocks(baton.wall[i]), blocks(baton.cpu[i])
         print(f"{name:<26}{w * 1e6:>13.1f}{w / hw:>9.3f}{(w - hw) * 1e6:>8.1f}"
               f"{c * 1e6:>13.1f}{c / hc:>9.3f}{baton.first[i]:>14.3f}")
+    print(f"load average at the end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""Fault handling: the stall watchdog."""

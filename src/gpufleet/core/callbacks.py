@@ -1,7 +1,9 @@
 """Hooks where monitoring, checkpointing and displays attach to the loop.
 
 Every method is a no-op by default. The hot path only calls :meth:`Callback.on_phase`
-on callbacks that override it, so an unused hook costs nothing per step.
+on callbacks that override it, so an unused hook costs nothing per step; a callback
+with ``phase_marks = True`` reads the phases in batches instead
+(:meth:`Callback.on_phase_marks`), which costs a step only the marks' clock reads.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import logging
 import time
 from typing import Any, ClassVar
 
-from gpufleet.core.phases import Phase
+from gpufleet.core.phases import Phase, PhaseMarks
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +30,9 @@ class Callback:
     """
 
     essential: ClassVar[bool] = True
+    #: True: the callback hears the phases through :meth:`on_phase_marks` only, in
+    #: batches, never through :meth:`on_phase` (which stays for direct calls).
+    phase_marks: bool = False
 
     def on_fit_start(self, trainer: Any) -> None:
         """After setup (and resume), before the first step."""
@@ -37,6 +42,13 @@ class Callback:
         data, forward, backward, optimizer, end (of the step), then log, eval or
         checkpoint when those run. Called several times per micro-step; keep it to a
         clock read."""
+
+    def on_phase_marks(self, trainer: Any, marks: PhaseMarks) -> None:
+        """With ``phase_marks = True``: the phases that began since the last call and
+        when (iterate ``marks`` for ``(phase, perf_counter seconds)``). Called when log,
+        eval or checkpoint begins, when the buffer is full, before :meth:`on_fit_end`,
+        and once before the first step with no marks (the buffer, to keep for reading
+        from a thread under ``marks.lock``)."""
 
     def on_step_end(self, trainer: Any, step: int) -> None:
         """After optimizer step ``step`` (1-based count of steps done). No metrics here:
@@ -74,12 +86,18 @@ class CallbackList:
                              for c, fn in zip(owners, listeners)]
             setattr(self, hook, _dispatcher(listeners))
             if hook == "on_phase":
-                # The loop calls these directly, with no dispatcher in between.
-                self.phase_listeners = owners
+                # The loop calls these directly, with no dispatcher in between; those
+                # that read the marks in batches are not called per phase.
+                self.phase_listeners = [c for c in owners
+                                        if not getattr(c, "phase_marks", False)]
+            elif hook == "on_phase_marks":
+                #: what the phase announcer hands the marks to
+                self.mark_readers = [fn for c, fn in zip(owners, listeners)
+                                     if getattr(c, "phase_marks", False)]
 
 
-_HOOKS = ("on_fit_start", "on_phase", "on_step_end", "on_log", "on_eval", "on_checkpoint",
-          "on_fit_end")
+_HOOKS = ("on_fit_start", "on_phase", "on_phase_marks", "on_step_end", "on_log", "on_eval",
+          "on_checkpoint", "on_fit_end")
 
 
 def _dispatcher(listeners: list[Any]) -> Any:

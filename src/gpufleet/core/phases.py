@@ -1,10 +1,17 @@
 """The phases of a training step, and how the loop announces them.
 
 The loop announces each part of a step (``phases.announce(Phase.FORWARD)``; for what
-runs between steps, ``with phases(Phase.EVAL): ...`` announces on entry): every callback
-that overrides :meth:`~gpufleet.core.callbacks.Callback.on_phase` (the phase timer, the
-watchdog) hears that the phase begins. A phase lasts until the next one is announced,
-so leaving a block announces nothing.
+runs between steps, ``with phases(Phase.EVAL): ...`` announces on entry). A phase lasts
+until the next one is announced, so leaving a block announces nothing.
+
+An announcement is a clock read written into :class:`PhaseMarks`, a buffer allocated
+once and reused: that is all a step pays for the run's own monitors (the phase timer,
+the all-reduce arrival timer, the watchdog). They read the marks in batches
+(:meth:`~gpufleet.core.callbacks.Callback.on_phase_marks`), when a phase outside the
+steps begins (log, eval, checkpoint), when the buffer is full and at the end; the
+watchdog's thread also reads the newest marks under the buffer's lock. A callback that
+overrides :meth:`~gpufleet.core.callbacks.Callback.on_phase` instead still hears each
+phase as it begins.
 
 Example:
     >>> seen = []
@@ -22,9 +29,13 @@ Example:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from enum import StrEnum
 from typing import Any
+
+from gpufleet.core.ring import RING
 
 
 class Phase(StrEnum):
@@ -44,6 +55,45 @@ class Phase(StrEnum):
     CHECKPOINT = "checkpoint"
 
 
+#: Marks the buffer holds; when it is full (a long log interval) it is read mid-interval.
+CAPACITY = 1024
+
+
+class PhaseMarks:
+    """The phase changes since the readers last read them: ``phases[i]`` began at
+    ``times[i]`` (``time.perf_counter()`` seconds) for ``i < count``.
+
+    Allocated once and reused: marking a phase writes two list slots and a count. The
+    loop's thread writes; another thread (the watchdog's) reads the first ``count``
+    marks while holding ``lock``, which the loop takes only to hand the marks over and
+    start again from the first slot.
+
+    Args:
+        capacity: how many marks fit before the readers must read them.
+    """
+
+    __slots__ = ("count", "lock", "phases", "times")
+
+    def __init__(self, capacity: int = CAPACITY) -> None:
+        self.phases: list[Phase | None] = [None] * capacity
+        self.times: list[float] = [0.0] * capacity
+        self.count = 0
+        self.lock = threading.Lock()
+
+    def __iter__(self) -> Iterator[tuple[Phase, float]]:
+        """The marks, oldest first: ``(phase, perf_counter seconds)``."""
+        n = self.count
+        return zip(self.phases[:n], self.times[:n])  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        return self.count
+
+
+# A phase outside the steps begins: the readers are handed the marks (the log interval
+# reads the phase times; evaluation and checkpoints are timed apart).
+_HAND_OVER = frozenset({Phase.LOG, Phase.EVAL, Phase.CHECKPOINT})
+
+
 class _Scope:
     """``with``-block of one phase: announces it on entry (reused, allocates nothing)."""
 
@@ -60,31 +110,66 @@ class _Scope:
 
 
 class PhaseAnnouncer:
-    """Tells ``listeners`` (callbacks overriding ``on_phase``) when each phase begins.
+    """Marks when each phase begins: in :attr:`marks`, handed to ``readers`` in batches,
+    and told to ``listeners`` (callbacks overriding ``on_phase``) one by one.
 
     Args:
-        listeners: the callbacks to tell, in order.
-        view: what they receive as their first argument (the run's read-only view).
+        listeners: the callbacks to tell each phase as it begins, in order.
+        view: what listeners and readers receive as their first argument (the run's
+            read-only view).
+        readers: functions ``read(view, marks)`` that take the marks in batches; each
+            is called once here with the empty buffer, so that one watching it from a
+            thread holds it from the start.
+        capacity: the buffer's size (:data:`CAPACITY`).
     """
 
-    def __init__(self, listeners: Sequence[Any], view: Any) -> None:
+    def __init__(self, listeners: Sequence[Any], view: Any,
+                 readers: Sequence[Callable[[Any, PhaseMarks], None]] = (),
+                 capacity: int = CAPACITY) -> None:
         self._calls = [cb.on_phase for cb in listeners]
+        self._readers = list(readers)
         self._view = view
+        self._last = capacity - 1
+        #: the marks not read yet (allocated once, reused)
+        self.marks = PhaseMarks(capacity)
         #: the phase announced last (None before the first)
         self.current: Phase | None = None
         self._scopes = {phase: _Scope(self.announce, phase) for phase in Phase}
+        for read in self._readers:
+            read(view, self.marks)
 
     def __bool__(self) -> bool:
-        return bool(self._calls)
+        return bool(self._calls or self._readers)
 
     def __call__(self, phase: Phase) -> _Scope:
         return self._scopes[phase]
 
     def announce(self, phase: Phase) -> None:
         """Phase ``phase`` begins (the ``with`` form calls this on entry)."""
+        marks = self.marks
+        i = marks.count
+        marks.phases[i] = phase
+        marks.times[i] = time.perf_counter()
+        marks.count = i + 1  # after the slots: the watchdog's thread reads up to count
         self.current = phase
+        if phase is Phase.OPTIMIZER:  # backward returned: DDP waited for every bucket
+            RING.leave_all()
+        if i == self._last or phase in _HAND_OVER:
+            self.hand_over()
         for call in self._calls:
             call(self._view, phase)
+
+    def hand_over(self) -> None:
+        """The readers read every mark so far; the buffer starts again. The loop calls
+        it before ``on_fit_end`` (so the readers have every mark); announcing log,
+        eval or checkpoint, or filling the buffer, calls it too."""
+        marks = self.marks
+        with marks.lock:
+            try:
+                for read in self._readers:
+                    read(self._view, marks)
+            finally:
+                marks.count = 0
 
     def marker(self, phase: Phase) -> Callable[[], None]:
         """A no-argument function announcing ``phase``, for code that learns where a

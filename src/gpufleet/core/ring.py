@@ -46,8 +46,11 @@ class CollectiveRing:
         self.size = size
         self.seq = 0  # the number of the last collective entered
         self.done = 0  # every collective up to this number has returned
-        self.step = 0  # steps done, set by the watchdog at each step's end
-        self.phase = "setup"  # the current phase, set by the watchdog
+        self.step = 0  # steps done (read from ``view`` at each collective)
+        self.phase = "setup"  # the current phase (likewise)
+        #: the run's read-only view (``step``, ``phase``), set by the watchdog; None: the
+        #: step and phase stay as last set
+        self.view: Any = None
         self._op = [""] * size
         self._bytes = [0] * size
         self._step = [0] * size
@@ -58,6 +61,9 @@ class CollectiveRing:
     def enter(self, op: str, nbytes: int, bucket: int = -1) -> int:
         """Note that this rank enters collective ``op`` moving ``nbytes`` (-1: unknown),
         for DDP gradient bucket ``bucket`` (-1: not a bucket). Returns its number."""
+        view = self.view
+        if view is not None:
+            self.step, self.phase = view.step, view.phase
         self.seq = n = self.seq + 1
         i = n % self.size
         self._op[i] = op

@@ -1,9 +1,10 @@
 """Hang forensics: notice a stalled step long before the process-group timeout.
 
-Every rank runs a :class:`Watchdog` thread. The loop tells it each phase change (a clock
-read and two attribute writes, nothing more); the thread compares the time the current
-step (or evaluation, or checkpoint) has run with ``fault.stall_factor`` × the median of
-the recent ones, and never less than ``fault.stall_min_s``.
+Every rank runs a :class:`Watchdog` thread. The loop does nothing for it per step: the
+thread reads the loop's phase marks (:mod:`gpufleet.core.phases`: a clock read per
+phase change into a reused buffer) under the buffer's lock, and compares the time the
+current step (or evaluation, or checkpoint) has run with ``fault.stall_factor`` × the
+median of the recent ones, and never less than ``fault.stall_min_s``.
 
 The ranks talk over the job's key-value store (the ``TCPStore`` the process group was
 built on), which answers from its own thread even while every rank is blocked in a
@@ -29,6 +30,7 @@ fails with that report, or the elastic agent restarts without the lost node.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -45,7 +47,7 @@ from typing import Any
 
 from gpufleet.config import FaultConfig
 from gpufleet.core.callbacks import Callback
-from gpufleet.core.phases import Phase
+from gpufleet.core.phases import Phase, PhaseMarks
 from gpufleet.core.ring import RING
 from gpufleet.fault import flight_recorder, forensics, signal_stacks
 from gpufleet.fault.liveness import Liveness, Verdict
@@ -104,10 +106,15 @@ class Watchdog(Callback):
         self.folder_prefix = f"r{restart}-" if restart else ""
         self.phase, self.step = "setup", 0
         self.phase_since = time.time()  # wall clock: compared across hosts in reports
-        self._activity, self._activity_start = "step", time.monotonic()
+        # As of the phase marks read last (perf_counter seconds): the activity running
+        # ("step", "eval", "checkpoint") and when it began, the phase and when it began.
+        self._activity, self._activity_start = "step", time.perf_counter()
+        self._phase, self._phase_at = self.phase, self._activity_start
         self._durations: dict[str, deque[float]] = {
             "step": deque(maxlen=100), "eval": deque(maxlen=20), "checkpoint": deque(maxlen=20)}
-        self._flagged = False  # this activity was reported already
+        self._marks: PhaseMarks | None = None  # the loop's, read under its lock
+        self._view: Any = None
+        self._flagged_start: float | None = None  # the activity reported already
         self._hangs_seen = 0
         self._local_hangs = 0
         self._stop = threading.Event()
@@ -119,10 +126,14 @@ class Watchdog(Callback):
                          if store is not None and world_size > 1 else None)
         self.exit = os._exit  # how a rank ends itself (tests replace it)
 
-    # -- called by the loop (main thread): clock reads only ---------------------------
+    # -- called by the loop (main thread) ------------------------------------------------
+    phase_marks = True  # the loop's phase marks are read in batches and by the thread
+
     def on_fit_start(self, trainer: Any) -> None:
+        self._view = trainer
         self.step = RING.step = trainer.step
-        self._restart_clock("step")
+        RING.view = trainer  # each collective notes the step under way
+        self._activity, self._activity_start = "step", time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="gpufleet-watchdog",
                                         daemon=True)
         self._thread.start()
@@ -130,23 +141,29 @@ class Watchdog(Callback):
             self.signal_stacks.start()  # a peer asks for them if this rank goes silent
             self.liveness.start()
 
-    def on_phase(self, trainer: Any, phase: str) -> None:
-        if phase == Phase.END:  # a training step is done: time it, start the next one
-            self.step = RING.step = trainer.step
-            now = time.monotonic()
-            self._durations[self._activity].append(now - self._activity_start)
-            self._activity, self._activity_start, self._flagged = "step", now, False
-        elif self._activity != _ACTIVITY.get(phase, "step"):  # into or out of eval / ckpt
-            self._close_activity()
-            self._restart_clock(_ACTIVITY.get(phase, "step"))
-        # Kept as given (a Phase is its name); heartbeats and reports write the name.
-        self.phase, self.phase_since = phase, time.time()
-        RING.phase = phase  # what this rank's next collectives are noted under
+    def on_phase_marks(self, trainer: Any, marks: PhaseMarks) -> None:
+        """Time each step, evaluation and checkpoint the marks end (the loop holds
+        ``marks.lock`` here); keep the buffer to read the newest marks from the thread."""
+        self._marks = marks
+        durations, end, kinds = self._durations, Phase.END, _ACTIVITY
+        activity, start = self._activity, self._activity_start
+        phase, phase_at = self._phase, self._phase_at
+        for phase, phase_at in marks:
+            if phase == end:  # a training step is done: the next one starts
+                durations[activity].append(phase_at - start)
+                activity, start = "step", phase_at
+            elif activity != kinds.get(phase, "step"):  # into or out of eval / ckpt
+                durations[activity].append(phase_at - start)
+                activity, start = kinds.get(phase, "step"), phase_at
+        self._activity, self._activity_start = activity, start
+        self._phase, self._phase_at = phase, phase_at
 
     def on_fit_end(self, trainer: Any, result: Any) -> None:
         self.stop()
 
     def stop(self) -> None:
+        if RING.view is self._view:
+            RING.view = None  # the run is over: its view goes with it
         self._stop.set()
         self.signal_stacks.stop()
         if self.liveness is not None:
@@ -154,12 +171,26 @@ class Watchdog(Callback):
         if self._thread is not None:
             self._thread.join(timeout=5)
 
-    def _close_activity(self) -> None:
-        self._durations[self._activity].append(time.monotonic() - self._activity_start)
-
-    def _restart_clock(self, activity: str) -> None:
-        self._activity, self._activity_start = activity, time.monotonic()
-        self._flagged = False
+    def _now(self) -> tuple[str, float, str, float]:
+        """The activity running and when it began, the phase and when it began
+        (perf_counter seconds): the state at the last read of the marks, moved on by
+        the marks since (read under the buffer's lock). Also refreshes :attr:`step`,
+        :attr:`phase` and :attr:`phase_since` (wall clock)."""
+        marks = self._marks
+        with marks.lock if marks is not None else contextlib.nullcontext():
+            activity, start = self._activity, self._activity_start
+            phase, phase_at = self._phase, self._phase_at
+            for phase, phase_at in marks if marks is not None else ():
+                if phase == Phase.END:
+                    activity, start = "step", phase_at
+                elif activity != _ACTIVITY.get(phase, "step"):
+                    activity, start = _ACTIVITY.get(phase, "step"), phase_at
+        if self._view is not None:
+            self.step = self._view.step
+        # Kept as given (a Phase is its name); heartbeats and reports write the name.
+        self.phase = phase
+        self.phase_since = time.time() - (time.perf_counter() - phase_at)
+        return activity, start, phase, phase_at
 
     # -- the thread ---------------------------------------------------------------------
     def limit(self, activity: str) -> float:
@@ -177,9 +208,10 @@ class Watchdog(Callback):
 
     def _tick(self) -> None:
         self._publish()
-        activity, elapsed = self._activity, time.monotonic() - self._activity_start
+        activity, start, _, _ = self._now()
+        elapsed = time.perf_counter() - start
         limit = self.limit(activity)
-        if not self._flagged and elapsed > limit:
+        if self._flagged_start != start and elapsed > limit:
             self._raise_hang()
             typical = self._durations[activity]
             log.warning("rank %d: this %s has run %.1f s (limit %.1f s; median %s): "
@@ -188,7 +220,7 @@ class Watchdog(Callback):
         hangs = self._hang_count()
         if hangs > self._hangs_seen:
             self._hangs_seen = hangs
-            self._flagged = True  # one report per stalled step, whoever saw it first
+            self._flagged_start = start  # one report per stalled step, whoever saw it first
             folder = self.run_dir / "hangs" / f"{self.folder_prefix}{hangs}"
             self._dump_stacks(folder)
             if self.rank == 0:
@@ -199,11 +231,11 @@ class Watchdog(Callback):
 
     # -- the store: heartbeats and the hang counter --------------------------------------
     def heartbeat(self) -> dict[str, Any]:
+        activity, start, _, _ = self._now()
         return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
                 "node": self.node[0], "addr": self.node[1],
                 "step": self.step, "phase": str(self.phase), "phase_since": self.phase_since,
-                "activity": self._activity,
-                "activity_s": time.monotonic() - self._activity_start}
+                "activity": activity, "activity_s": time.perf_counter() - start}
 
     def _publish(self) -> None:
         if self.store is not None:

@@ -82,7 +82,8 @@ class StepTracker:
 
             run.monitors.system_sampler = next(
                 (cb for cb in self._user_callbacks if isinstance(cb, SystemSampler)), None)
-        run.phases = PhaseAnnouncer(run.callbacks.phase_listeners, run.view)
+        run.phases = PhaseAnnouncer(run.callbacks.phase_listeners, run.view,
+                                    run.callbacks.mark_readers)
         self.announce = run.phases.announce
         self.interval = LogInterval(run)
         run.callbacks.on_fit_start(run.view)
@@ -195,6 +196,7 @@ class StepTracker:
                 result.train_time_s = run.state.train_time_s
                 if run.state.train_time_s > 0:
                     result.samples_per_s = run.state.samples / run.state.train_time_s
+                run.phases.hand_over()  # the monitors read every phase mark
                 run.callbacks.on_fit_end(run.view, result)
                 if run.env.is_main and run.cfg.monitor.report:
                     _write_report(run.run_dir)

@@ -14,8 +14,9 @@ Each bucket is also noted in this rank's ring of collectives
 (:mod:`gpufleet.core.ring`), which hang reports read.
 
 It also adds up garbage-collection pauses (``gc.callbacks``) and the bytes the gradient
-buckets carry. Per step that is a clock read per bucket, a float add per phase change and
-two per GC pass; the sums are reduced with the phase table once per log interval.
+buckets carry. Per step that is a clock read per bucket and two per GC pass; the end of
+each backward is read from the loop's phase marks (:mod:`gpufleet.core.phases`) in
+batches, and the sums are reduced with the phase table once per log interval.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpufleet.core.callbacks import Callback
-from gpufleet.core.phases import Phase
+from gpufleet.core.phases import Phase, PhaseMarks
 from gpufleet.core.ring import RING
 
 log = logging.getLogger(__name__)
@@ -44,9 +45,12 @@ class ArrivalTimer(Callback):
     module docs). Measures no wait when the model is not a DDP module, or when another
     communication hook (compression, local SGD) is registered already."""
 
+    phase_marks = True  # reads the loop's phase marks in batches
+
     def __init__(self) -> None:
-        self._ready = 0.0  # when this backward's last bucket was ready (0: none yet)
-        self._bytes = 0
+        # When each gradient bucket was ready (perf_counter seconds), not yet matched
+        # with the end of its backward (the next optimizer mark).
+        self._ready: list[float] = []
         self._gc_start = 0.0
         self._sums = [0.0] * len(ARRIVAL)
         self._steps = 0
@@ -72,22 +76,30 @@ class ArrivalTimer(Callback):
     def _allreduce(self, group, bucket):
         """torch's default all-reduce hook, with the time this bucket was ready noted.
         Unannotated: DDP refuses a hook whose annotations are not its own classes."""
-        self._ready = time.perf_counter()
+        self._ready.append(time.perf_counter())
         buffer = bucket.buffer()
         nbytes = buffer.numel() * buffer.element_size()
-        self._bytes += nbytes
+        self._sums[2] += nbytes
         RING.enter("all_reduce", nbytes, bucket.index())  # for hang reports
         return default_hooks.allreduce_hook(group, bucket)
 
-    def on_phase(self, trainer: Any, phase: str) -> None:
-        if phase == Phase.OPTIMIZER:
-            if self._ready:  # backward (with its all-reduce) just ended
-                RING.leave_all()  # DDP waited for every bucket before backward returned
-                self._sums[0] += time.perf_counter() - self._ready
-                self._sums[2] += self._bytes
-                self._ready, self._bytes = 0.0, 0
-        elif phase == Phase.END:
-            self._steps += 1
+    def on_phase_marks(self, trainer: Any, marks: PhaseMarks) -> None:
+        """Each optimizer mark ends a backward: the wait is from its last bucket's
+        ready time to that mark. Buckets after the newest mark stay for the next call."""
+        ready, k, last = self._ready, 0, None
+        if not ready:  # no bucket since the last call (not DDP): only count the steps
+            self._steps += marks.phases[:marks.count].count(Phase.END)
+            return
+        for phase, at in marks:
+            if phase == Phase.OPTIMIZER:
+                while k < len(ready) and ready[k] <= at:
+                    last, k = ready[k], k + 1
+                if last is not None:  # backward (with its all-reduce) just ended
+                    self._sums[0] += at - last
+                    last = None
+            elif phase == Phase.END:
+                self._steps += 1
+        del ready[:k]
 
     def _on_gc(self, stage: str, info: dict[str, Any]) -> None:
         if stage == "start":

@@ -1,11 +1,12 @@
 """Where each step's time goes, on every rank: data wait, forward, backward (with the
 gradient all-reduce), optimizer, other.
 
-The loop announces each phase change (:meth:`PhaseTimer.on_phase`); the timer adds the
-host time since the previous change to the phase that just ended. That is a clock read
-and a list add per change. On CUDA it also records an event on the current stream at
-each change; the events are read at the log interval, when the loop synchronises anyway,
-so the GPU-side times cost no sync per step.
+The loop marks each phase change (:mod:`gpufleet.core.phases`: a clock read into a
+reused buffer); the timer reads the marks in batches, at the log interval at the latest,
+and adds the host time between marks to the phase that ran. On CUDA it instead hears
+each change as it happens (:meth:`PhaseTimer.on_phase`) and also records an event on
+the current stream there; the events are read at the log interval, when the loop
+synchronises anyway, so the GPU-side times cost no sync per step.
 
 Evaluation and checkpointing are not part of a step: their time is kept apart
 (:attr:`PhaseTimer.outside`), for the rule that finds a run spending its time outside
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from gpufleet.core.callbacks import Callback
-from gpufleet.core.phases import Phase
+from gpufleet.core.phases import Phase, PhaseMarks
 
 PHASES = ("data", "forward", "backward", "optimizer", "other")
 # What the loop's phase names count as.
@@ -38,6 +39,9 @@ class PhaseTimer(Callback):
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        # Off CUDA the marks' clock reads are all it needs; on CUDA each change also
+        # records an event on the stream, as it happens.
+        self.phase_marks = not self.cuda
         self._host = [0.0] * len(PHASES)
         self._current: int | None = None
         self._since = 0.0
@@ -53,7 +57,29 @@ class PhaseTimer(Callback):
         self._current, self._since = None, time.perf_counter()
 
     def on_phase(self, trainer: Any, phase: str) -> None:
-        now = time.perf_counter()
+        self._add(phase, time.perf_counter())
+        if self.cuda:
+            self._record(-1 if self._current is None else self._current)
+
+    def on_phase_marks(self, trainer: Any, marks: PhaseMarks) -> None:
+        # _add for each mark, inlined: this runs for every mark of the log interval.
+        host, buckets, end = self._host, _BUCKET, Phase.END
+        current, since, kind = self._current, self._since, self._outside_kind
+        for phase, now in marks:
+            if current is not None:
+                host[current] += now - since
+            elif kind is not None:
+                kept = self.outside.setdefault(kind, [0.0, 0])
+                kept[0] += now - since
+                kept[1] += 1
+            current, since = buckets.get(phase), now
+            kind = str(phase) if current is None else None
+            if phase == end:
+                self._steps += 1
+        self._current, self._since, self._outside_kind = current, since, kind
+
+    def _add(self, phase: str, now: float) -> None:
+        """Phase ``phase`` began at ``now`` (perf_counter seconds)."""
         if self._current is not None:
             self._host[self._current] += now - self._since
         elif self._outside_kind is not None:
@@ -65,8 +91,6 @@ class PhaseTimer(Callback):
         if phase == Phase.END:
             self._steps += 1
         self._current, self._since = bucket, now
-        if self.cuda:
-            self._record(-1 if bucket is None else bucket)
 
     def _record(self, bucket: int) -> None:
         event = self._pool.pop() if self._pool else torch.cuda.Event(enable_timing=True)

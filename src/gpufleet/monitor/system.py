@@ -16,8 +16,13 @@ One :class:`SystemSampler` per node (local rank 0) appends one JSON object per s
      "proc_cpu_pct": 312.0,           # the same processes; 100 = one core busy
      "procs": 12,                     # how many processes that is
      "others": [{"pid": 4242, "name": "ffmpeg", "cpu_pct": 195.0}, ...],
-                                      # the busiest other processes (>= 5%, 5 at most)
+                                      # the busiest other processes (>= 5%, 5 at most),
+                                      # since the previous reading of them
      "disk_free_gb": 812.4}           # free space where the run directory lives
+
+Reading every process of the node (for ``others``, and for the children of the run's
+processes) is the costly part of a sample: it is done on every ``SCAN_EVERY``-th sample;
+the samples in between repeat the last ``others`` and measure the same processes.
 
 ``gpus`` is empty without an NVIDIA driver; a GPU field the device does not report
 (power on some boards, for example) is ``null``. Every node writes its own lines; each
@@ -57,6 +62,7 @@ log = logging.getLogger(__name__)
 SYSTEM_FILE = "system.jsonl"
 KEEP_S = 900.0  # seconds of samples kept in memory for latest()/window()
 PIDS_REFRESH_S = 10.0  # how often the recorded ranks of the run are looked up again
+SCAN_EVERY = 5  # samples per reading of the whole process table (others, children)
 _MB = 1024 * 1024
 
 
@@ -133,8 +139,11 @@ class Nvml:
             return None
 
 
-def host_sample(procs: Iterable[psutil.Process], path: str | Path) -> dict[str, Any]:
-    """CPU per core, RAM, the given processes' RSS and CPU, disk free where ``path`` is.
+def host_sample(procs: Iterable[psutil.Process], path: str | Path,
+                others: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """CPU per core, RAM, the given processes' RSS and CPU, disk free where ``path`` is,
+    and the busiest other processes (``others`` when given, else read now:
+    :func:`busiest_others`).
 
     CPU figures are since the previous call (the first call reads 0).
     """
@@ -154,7 +163,9 @@ def host_sample(procs: Iterable[psutil.Process], path: str | Path) -> dict[str, 
         disk_free = round(psutil.disk_usage(str(path)).free / 1e9, 2)
     except OSError:
         disk_free = None
-    return {"cpu_pct": psutil.cpu_percent(percpu=True), "others": busiest_others(procs),
+    if others is None:
+        others = busiest_others(procs)
+    return {"cpu_pct": psutil.cpu_percent(percpu=True), "others": others,
             "ram_used_mb": round((vm.total - vm.available) / _MB, 1),
             "ram_total_mb": round(vm.total / _MB, 1),
             "proc_rss_mb": round(rss / _MB, 1), "proc_cpu_pct": round(cpu, 1),
@@ -171,12 +182,10 @@ def busiest_others(ours: Iterable[psutil.Process], keep: int = 5,
     """
     mine = {p.pid for p in ours} | {os.getpid()}
     found = []
-    for p in psutil.process_iter(["name"]):
-        if p.pid in mine:
-            continue
-        try:
-            pct = p.cpu_percent()
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+    # Name and CPU in one pass: psutil reads each /proc/<pid>/stat once for both.
+    for p in psutil.process_iter(["name", "cpu_percent"]):
+        pct = p.info.get("cpu_percent")
+        if p.pid in mine or pct is None:  # ours, or not readable (gone, denied)
             continue
         if pct >= floor_pct:
             found.append({"pid": p.pid, "name": p.info.get("name") or "?",
@@ -252,6 +261,8 @@ class SystemSampler(Callback):
         self._procs: dict[int, psutil.Process] = {}
         self._roots: list[int] = []
         self._roots_read = -PIDS_REFRESH_S
+        self._samples_taken = 0
+        self._others: list[dict[str, Any]] = []
 
     # -- the Callback side -------------------------------------------------------------
     def on_fit_start(self, trainer: Any) -> None:
@@ -313,7 +324,11 @@ class SystemSampler(Callback):
     # -- internals ---------------------------------------------------------------------
     def _run(self) -> None:
         # Primes the CPU counters (psutil reads CPU since the last call): here, in the
-        # sampler's thread, not before the run's first step.
+        # sampler's thread, and half an interval after the start, not while the run
+        # sets up and takes its first step (the scan of every process holds the
+        # interpreter for milliseconds at a time).
+        if self._stop.wait(self.interval_s / 2):
+            return
         self._measure()
         while not self._stop.wait(self.interval_s):
             try:
@@ -324,21 +339,30 @@ class SystemSampler(Callback):
 
     def _measure(self) -> dict[str, Any]:
         gpus = self.gpus.sample() if self.gpus is not None else []
-        host = host_sample(self._processes(), self.run_dir)
+        scan = self._samples_taken % SCAN_EVERY == 0
+        self._samples_taken += 1
+        procs = self._processes(scan)
+        if scan:
+            self._others = busiest_others(procs)
+        host = host_sample(procs, self.run_dir, self._others)
         return {"time": round(time.time(), 3), "host": self.host, "gpus": gpus, **host}
 
-    def _processes(self) -> list[psutil.Process]:
-        """The processes to measure: the roots and all their descendants.
+    def _processes(self, scan: bool = True) -> list[psutil.Process]:
+        """The processes to measure: the roots and all their descendants (looked up
+        again with ``scan``, or when the roots change; else the last ones).
 
         psutil.Process objects are kept across samples: cpu_percent() needs the one from
         the previous call to measure since then.
         """
         now = time.monotonic()
+        roots = self._roots
         if self.pids is not None:
             self._roots = self.pids
         elif now - self._roots_read >= PIDS_REFRESH_S:
             self._roots = _recorded_ranks(self.run_dir, self.host)
             self._roots_read = now
+        if not scan and self._roots == roots and self._procs:
+            return list(self._procs.values())
         found: dict[int, psutil.Process] = {}
         for pid in self._roots:
             try:

@@ -150,7 +150,7 @@ def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module]
         nonfinite=nonfinite, max_steps=max_steps,
         peak_flops=device_peak_flops(cfg, device), resume_from=resume_from,
         run_lock=run_lock, monitors=_monitors(cfg, env, device, run_dir),
-        # FLOPs per step: counted on the first step (None: not yet; 0: not counted).
+        # FLOPs per step: counted on the second step (None: not yet; 0: not counted).
         state=TrainState(flops_per_step=None if (mon.phases or mon.diagnose) else 0),
         parts=parts,
         user_step=None if training_step is None else UserStep(training_step, list(placed)))
@@ -162,7 +162,8 @@ def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module]
 
         run.monitors.system_sampler = next(
             (cb for cb in callbacks if isinstance(cb, SystemSampler)), None)
-    run.phases = PhaseAnnouncer(run.callbacks.phase_listeners, run.view)
+    run.phases = PhaseAnnouncer(run.callbacks.phase_listeners, run.view,
+                                run.callbacks.mark_readers)
     return run
 
 

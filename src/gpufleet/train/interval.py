@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from gpufleet.monitor.arrival import ARRIVAL
 from gpufleet.monitor.metrics import arrival_metrics, flops_metrics, phase_metrics
 from gpufleet.monitor.phases import PHASES
 from gpufleet.train.run import Run
@@ -52,8 +51,9 @@ class LogInterval:
         seconds = time.perf_counter() - self.start
         world, guard, timer = run.env.world_size, run.nonfinite, run.monitors.phase_timer
         samples, tokens = run.data.take_counts()
-        parts = [torch.stack([self.loss_sum.float(), self.grad_norm.float().to(run.device)]),
-                 torch.tensor([samples, tokens], dtype=torch.float32, device=run.device)]
+        # On the device: the loss sum, the last gradient norm, the guard's flags and your
+        # step's values; on the host: the counts and this rank's phase times.
+        parts = [torch.stack([self.loss_sum.float(), self.grad_norm.float().to(run.device)])]
         skips = guard.pending() if guard is not None else None  # on the device path
         if skips is not None:  # the same on every rank: the sum is world times it
             parts.append(skips)
@@ -65,23 +65,28 @@ class LogInterval:
             parts.append(torch.stack([v for k in keys for v in (
                 logged[k][0].to(run.device), torch.tensor(float(logged[k][1]),
                                                            device=run.device))]))
-        if timer is not None:
-            # Every rank fills its own row of a [world, phases] table; the sum hands
-            # every rank the whole table (the straggler view) in the same message.
-            host, _ = timer.take()
-            table = torch.zeros(world, len(host), dtype=torch.float32)
-            table[run.env.rank] = torch.tensor(host)
-            parts.append(table.flatten().to(run.device))
+        host = [float(samples), float(tokens)]
+        # Every rank fills its own row of a [world, phases] table (and of the all-reduce
+        # arrival table); the sum hands every rank the whole table (the straggler view).
         arrival = run.monitors.arrival
-        if arrival is not None:  # each rank's all-reduce wait and GC pauses, likewise
-            waits = torch.zeros(world, len(ARRIVAL), dtype=torch.float32)
-            waits[run.env.rank] = torch.tensor(arrival.take())
-            parts.append(waits.flatten().to(run.device))
-        stats = torch.cat(parts)
-        # COLLECTIVE + SYNC, once per log interval: mean loss over ranks and micro-steps,
-        # the exact global sample and token counts, and every rank's phase times.
-        run.strategy.all_reduce(stats)
-        loss_total, norm_total, samples, tokens, *rest = stats.tolist()
+        for row in (timer.take()[0] if timer is not None else None,
+                    arrival.take() if arrival is not None else None):
+            if row is not None:
+                table = [0.0] * (world * len(row))
+                table[run.env.rank * len(row):(run.env.rank + 1) * len(row)] = row
+                host.extend(table)
+        stats = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if run.strategy.reduces():
+            stats = torch.cat([stats, torch.tensor(host, dtype=torch.float32,
+                                                   device=run.device)])
+            # COLLECTIVE + SYNC, once per log interval: mean loss over ranks and
+            # micro-steps, the exact global sample and token counts, and every rank's
+            # phase times.
+            run.strategy.all_reduce(stats)
+            values = stats.tolist()
+        else:  # one process: nothing to reduce, the host values stay on the host
+            values = stats.tolist() + host  # SYNC, once per log interval
+        loss_total, norm_total, *rest = values
         micro_steps = self.micro_steps
         if skips is not None:
             loss_total = guard.settle([v / world for v in rest[:len(skips)]],
@@ -90,6 +95,7 @@ class LogInterval:
             micro_steps -= guard.interval_skipped * run.cfg.optim.grad_accum
             rest = rest[len(skips):]
         named, rest = rest[:2 * len(keys)], rest[2 * len(keys):]
+        samples, tokens, *rest = rest
         # Pipeline stages read the same samples: count each once.
         samples, tokens = samples / run.data.data_copies, tokens / run.data.data_copies
         state.train_time_s += seconds

@@ -89,10 +89,14 @@ class Trainer:
         run.callbacks.on_fit_start(run.view)
         forward_backward = (self._forward_backward if len(run.parts) == 1
                             else self._forward_backward_parts)
+        self._model_step = run.strategy.forward_backward  # the model's part of a micro-step
+        # FLOPs are counted on the second step, not the first: counting slows a step by
+        # tens of ms, which would delay the first step's answer (an error, a loss).
+        count_after = state.step + 1
         while state.step < run.max_steps:
             if run.user_step is not None:
                 run.user_step.step = state.step
-            if state.flops_per_step is None:  # the first step: its FLOPs are counted
+            if state.flops_per_step is None and state.step >= count_after:
                 step_loss = self._counted(forward_backward)
             else:
                 step_loss = forward_backward()
@@ -123,10 +127,10 @@ class Trainer:
             if micro == accum - 1:
                 # COLLECTIVE (ddp): the gradient all-reduce runs in buckets during this
                 # backward.
-                loss = strategy.forward_backward(model, batch, *args)
+                loss = self._model_step(model, batch, *args)
             else:
                 with strategy.no_sync(model):
-                    loss = strategy.forward_backward(model, batch, *args)
+                    loss = self._model_step(model, batch, *args)
             step_loss = loss if step_loss is None else step_loss + loss
         return step_loss
 
@@ -306,19 +310,38 @@ class Trainer:
         if run.state.saved_step != run.state.step:
             self.save_checkpoint()  # COLLECTIVE
 
-    def _counted(self, forward_backward: Any) -> torch.Tensor:
+    def _counted(self, forward_backward: Any) -> Any:
         """``forward_backward()`` with its FLOPs counted (torch's FLOP counter) into
-        ``state.flops_per_step``; not counted (FLOPs unknown, no MFU) with torch.compile,
-        whose graphs the counter does not see through reliably."""
+        ``state.flops_per_step``: with one model, only its forward and backward (not the
+        data loading, which the counter would slow down too). Not counted (FLOPs
+        unknown, no MFU) with torch.compile, whose graphs the counter does not see
+        through reliably."""
         state = self.run.state
         if self.run.cfg.perf.compile:
             state.flops_per_step = 0
             return forward_backward()
-        from gpufleet.monitor.flops import flop_counter
+        from gpufleet.monitor.flops import flop_counter  # torch's counter: deferred
 
-        with flop_counter() as counter:
+        if len(self.run.parts) > 1:  # several models: the whole step
+            with flop_counter() as counter:
+                step_loss = forward_backward()
+            state.flops_per_step = counter.get_total_flops()
+            return step_loss
+        plain, total = self._model_step, 0
+
+        def counted(*args: Any) -> torch.Tensor:
+            nonlocal total
+            with flop_counter() as counter:  # one per micro-step (entering resets it)
+                loss = plain(*args)
+            total += counter.get_total_flops()
+            return loss
+
+        self._model_step = counted
+        try:
             step_loss = forward_backward()
-        state.flops_per_step = counter.get_total_flops()
+        finally:
+            self._model_step = plain
+        state.flops_per_step = total
         return step_loss
 
     def evaluate(self) -> float | None:
@@ -381,6 +404,7 @@ class Trainer:
             result.samples_per_s = state.samples / state.train_time_s
             if state.tokens:
                 result.tokens_per_s = state.tokens / state.train_time_s
+        run.phases.hand_over()  # the monitors read every phase mark
         run.callbacks.on_fit_end(run.view, result)
         result.callback_errors = dict(run.callbacks.failures)
         if run.env.is_main and run.cfg.monitor.report:

@@ -49,7 +49,7 @@ class TrainState:
         step: optimizer steps done (a resumed run counts the earlier ones).
         saved_step: the step of the newest checkpoint written or resumed from (-1: none).
         stop_reason: why this rank asked the run to stop ("" while it has not).
-        flops_per_step: counted on the first step (None before; 0 when not counted).
+        flops_per_step: counted on the second step (None before; 0 when not counted).
         train_time_s / samples / tokens: training time and the global samples and tokens
             read in it this session (evaluation and checkpoints excluded).
     """

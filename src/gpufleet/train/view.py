@@ -34,7 +34,7 @@ class RunView:
         result: the :class:`~gpufleet.train.result.FitResult` so far.
         model / optimizer / scheduler / strategy / precision: the run's components
             (read them; the loop owns them).
-        flops_per_step: counted on the first step (None before; 0 when not counted).
+        flops_per_step: counted on the second step (None before; 0 when not counted).
         system_sampler: this node's :class:`~gpufleet.monitor.system.SystemSampler`,
             or None on other ranks of the node and when off.
         phase: the phase the run is in (``"setup"`` before the first step).
