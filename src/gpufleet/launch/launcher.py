@@ -42,9 +42,9 @@ from gpufleet.fault.preempt import (
     exit_status,
     signal_name,
 )
-from gpufleet.launch import rankmain
 from gpufleet.launch.failures import describe_failures
 from gpufleet.launch.netif import multi_node_network
+from gpufleet.launch.rankmain import COMMAND, read_results, write_payload
 from gpufleet.launch.rendezvous import LaunchPlan, parse_nnodes
 
 logger = logging.getLogger(__name__)
@@ -188,12 +188,12 @@ def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: Launc
     ranks_dir = None if isinstance(fn, str) else Path(tempfile.mkdtemp(prefix="gpufleet-ranks-"))
     try:
         if ranks_dir is not None:  # each rank: python -m gpufleet.launch.rankmain PAYLOAD
-            args = (*rankmain.COMMAND, str(_payload(ranks_dir, fn, args)))
+            args = (*COMMAND, str(_payload(ranks_dir, fn, args)))
         with _fresh_store_per_restart(plan.rdzv_backend):
             # A rank's exception lands in its error file (torch's @record around fn).
             results = elastic_launch(config, fn if ranks_dir is None else sys.executable)(*args)
         if ranks_dir is not None:
-            results = {**dict.fromkeys(results), **rankmain.read_results(ranks_dir)}
+            results = {**dict.fromkeys(results), **read_results(ranks_dir)}
     except ChildFailedError as err:
         codes = {f.exitcode for f in err.failures.values()}
         if codes <= {REQUEUE_EXIT, INTERRUPT_EXIT}:  # the ranks got the signal, not the agent
@@ -231,7 +231,7 @@ def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: Launc
 def _payload(directory: Path, fn: Callable[..., Any], args: tuple) -> Path:
     """The payload file every rank reads (see :mod:`.rankmain`)."""
     try:
-        return rankmain.write_payload(directory, fn, args)
+        return write_payload(directory, fn, args)
     except (pickle.PicklingError, AttributeError, TypeError) as err:
         raise LaunchError(f"the arguments of {fn.__qualname__} cannot be sent to the ranks "
                           f"({err}). Pass objects defined at module level of an importable "
