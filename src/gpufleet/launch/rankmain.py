@@ -92,7 +92,12 @@ def main(argv: list[str]) -> None:
         fn, args = pickle.load(f)
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    result = record(fn)(*args)  # an exception: its traceback to the agent's error file
+    try:
+        result = record(fn)(*args)  # an exception: its traceback to the error file
+    except Exception:
+        if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            raise  # no agent to tell it: the traceback goes to stderr
+        leave(1)  # the launcher says it once, from the error file
     rank = int(os.environ.get("RANK", "0"))
     final = payload.parent / f"result-{rank}.pkl"
     partial = final.with_suffix(".partial")
