@@ -270,6 +270,9 @@ def main() -> None:
                         help="compile gpufleet's sources in every process, as Python does "
                              "with PYTHONDONTWRITEBYTECODE=1 (default: keep the bytecode, "
                              "as an installed package does)")
+    parser.add_argument("--warmup", type=int, default=1, metavar="N",
+                        help="untimed starts of each way first (the files they read come "
+                             "into the page cache, for the first timed way as for the rest)")
     parser.add_argument("--compare-src", type=Path, metavar="DIR",
                         help="also time gpufleet's ways with the gpufleet sources in DIR "
                              "(e.g. an older checkout's src/), interleaved with these")
@@ -288,6 +291,9 @@ def main() -> None:
             for name in [n for n in ways if n != "torchrun"]:
                 ways[f"{name} [{args.compare_src}]"] = ways[name]
                 envs[f"{name} [{args.compare_src}]"] = other
+        for i, (name, command) in enumerate(ways.items()):  # files read once, not timed
+            for round_ in range(args.warmup):
+                _once(command, work, f"warmup-{round_}-{i}", envs[name], name)
         seen: dict[str, list[tuple[float, float]]] = {name: [] for name in ways}
         for round_ in range(args.repeats):
             for i, (name, command) in enumerate(ways.items()):
@@ -295,7 +301,7 @@ def main() -> None:
     base_first = statistics.median(f for f, _ in seen["torchrun"])
     base_total = statistics.median(t for _, t in seen["torchrun"])
     print(f"\n{args.job}: 2 CPU ranks, {STEPS} steps, median of {args.repeats} interleaved "
-          "starts\n")
+          f"starts after {args.warmup} untimed\n")
     width = max(22, *(len(name) + 2 for name in seen))
     print(f"{'way':<{width}}{'first step s':>13}{'vs torchrun':>13}{'total s':>10}"
           f"{'vs torchrun':>13}")
