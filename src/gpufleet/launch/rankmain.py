@@ -112,10 +112,11 @@ def leave(code: int) -> None:
     last full garbage collection (seconds, with torch loaded, that nobody waits for):
     threads that are not daemons are joined, ``atexit`` handlers run, logs and the
     console flushed."""
-    current = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not current and not thread.daemon:
-            thread.join()
+    # What the interpreter does first at exit: tell thread pools to stop (their
+    # callbacks), then join every thread that is not a daemon.
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None and threading.current_thread() is threading.main_thread():
+        shutdown()
     import atexit
 
     atexit._run_exitfuncs()
