@@ -12,7 +12,13 @@ same model, data and recipe) for a few steps on 2 CPU ranks:
 * ``gpufleet run``: the plain loop moved to ``gpufleet.Fleet`` (when it exists here).
 
 ``--job minilm`` starts the MiniLM fine-tune of ``examples/finetune_transformers.py``
-instead: its plain loop under torchrun against its ``gpufleet.fit`` on 2 ranks.
+instead: its plain loop under torchrun against its ``gpufleet.fit`` on 2 ranks, started
+by fit, and started torchrun's way (``gpufleet run --nproc 2 SCRIPT``: each rank runs the
+script, and fit trains that rank's share).
+
+Python keeps the compiled bytecode of gpufleet, the examples and the scripts between
+starts, as an installed package has it (``--compile-each-start``: every process compiles
+them, as with PYTHONDONTWRITEBYTECODE=1).
 
 A rank writes the wall-clock time at the end of its first optimizer step to a file; the
 figure is that time minus the moment the command was started ("first step"), and the
@@ -140,9 +146,9 @@ MINILM = COMMON.replace("ddp_regression", "finetune_transformers") + textwrap.de
     torch.optim.AdamW.step = _marked_step
 
     if __name__ == "__main__":
-        if "RANK" in os.environ:
+        if "RANK" in os.environ and not os.environ.get("STARTUP_FIT_ON_RANKS"):
             ex.train_plain(STEPS, 8)
-        else:
+        else:  # gpufleet.fit starts 2 ranks, or trains this one's share of 2
             ex.train_gpufleet(STEPS, 8, nproc=2, overrides={
                 "log.progress": "off", "monitor.report": False,
                 "run.out_dir": os.environ["STARTUP_RUNS"]})
@@ -154,7 +160,10 @@ def _minilm_ways(work: Path) -> dict[str, list[str]]:
     py = sys.executable
     return {"torchrun": [py, "-m", "torch.distributed.run", "--standalone",
                          "--nproc-per-node", "2", str(work / "minilm.py")],
-            "gpufleet.fit": [py, str(work / "minilm.py")]}
+            "gpufleet.fit": [py, str(work / "minilm.py")],
+            # the script started per rank, torchrun's way, and fit trains each rank's share
+            "gpufleet run + fit": ["env", "STARTUP_FIT_ON_RANKS=1", py, "-m", "gpufleet",
+                                   "run", "--nproc", "2", str(work / "minilm.py")]}
 
 
 def _ways(work: Path) -> dict[str, list[str]]:
@@ -204,16 +213,44 @@ def _ways(work: Path) -> dict[str, list[str]]:
     return ways
 
 
-def _once(command: list[str], work: Path, tag: str) -> tuple[float, float]:
-    """``(first step, total)`` seconds of one start of ``command``."""
-    marks = work / f"mark-{tag}"
-    env = {**os.environ, "STARTUP_MARK": str(marks), "STARTUP_RUNS": str(work / "runs"),
-           "PYTHONPATH": os.pathsep.join([str(work), str(ROOT / "src"),
+# What torch's gloo sometimes does as a rank's process ends (a C++ thread still joinable
+# at exit), under torchrun as under gpufleet: the start is repeated and counted.
+ABORT_AT_EXIT = "terminate called without an active exception"
+aborts: dict[str, int] = {}
+
+
+def _env(work: Path, compile_each_start: bool, src: Path = ROOT / "src") -> dict[str, str]:
+    """The environment of every way, with gpufleet's sources from ``src``. Unless
+    ``compile_each_start``, Python keeps the compiled bytecode of gpufleet, the examples
+    and the scripts (under ``work``), as an installed package has it, whatever
+    PYTHONDONTWRITEBYTECODE says here."""
+    env = {**os.environ, "STARTUP_RUNS": str(work / "runs"),
+           "PYTHONPATH": os.pathsep.join([str(work), str(src),
                                           os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
-    start = time.time()
-    done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True)
-    total = time.time() - start
+    if not compile_each_start:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(work / "pycache")
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(src),
+                        str(ROOT / "examples"), str(work)], env=env, check=True,
+                       capture_output=True)
+    return env
+
+
+def _once(command: list[str], work: Path, tag: str, env: dict[str, str],
+          name: str) -> tuple[float, float]:
+    """``(first step, total)`` seconds of one start of ``command``."""
+    for _ in range(3):
+        marks = work / f"mark-{tag}"
+        for old in work.glob(f"mark-{tag}.*"):
+            old.unlink()
+        start = time.time()
+        done = subprocess.run(command, cwd=work, env={**env, "STARTUP_MARK": str(marks)},
+                              capture_output=True, text=True)
+        total = time.time() - start
+        if done.returncode == 0 or ABORT_AT_EXIT not in done.stdout + done.stderr:
+            break
+        aborts[name] = aborts.get(name, 0) + 1
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}"
                          f"{done.stderr[-4000:]}")
@@ -229,25 +266,54 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--job", choices=("regression", "minilm"), default="regression",
                         help="the DDP-tutorial regression, or the MiniLM fine-tune")
+    parser.add_argument("--compile-each-start", action="store_true",
+                        help="compile gpufleet's sources in every process, as Python does "
+                             "with PYTHONDONTWRITEBYTECODE=1 (default: keep the bytecode, "
+                             "as an installed package does)")
+    parser.add_argument("--warmup", type=int, default=1, metavar="N",
+                        help="untimed starts of each way first (the files they read come "
+                             "into the page cache, for the first timed way as for the rest)")
+    parser.add_argument("--compare-src", type=Path, metavar="DIR",
+                        help="also time gpufleet's ways with the gpufleet sources in DIR "
+                             "(e.g. an older checkout's src/), interleaved with these")
     args = parser.parse_args()
     print(machine_summary())
+    print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} at the start; "
+          + ("every process compiles gpufleet's sources" if args.compile_each_start
+             else "bytecode cached, as an installed package has it"))
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         ways = _ways(work) if args.job == "regression" else _minilm_ways(work)
+        env = _env(work, args.compile_each_start)
+        envs = dict.fromkeys(ways, env)
+        if args.compare_src:
+            other = _env(work, args.compile_each_start, args.compare_src.resolve())
+            for name in [n for n in ways if n != "torchrun"]:
+                ways[f"{name} [{args.compare_src}]"] = ways[name]
+                envs[f"{name} [{args.compare_src}]"] = other
+        for i, (name, command) in enumerate(ways.items()):  # files read once, not timed
+            for round_ in range(args.warmup):
+                _once(command, work, f"warmup-{round_}-{i}", envs[name], name)
         seen: dict[str, list[tuple[float, float]]] = {name: [] for name in ways}
         for round_ in range(args.repeats):
             for i, (name, command) in enumerate(ways.items()):
-                seen[name].append(_once(command, work, f"{round_}-{i}"))
+                seen[name].append(_once(command, work, f"{round_}-{i}", envs[name], name))
     base_first = statistics.median(f for f, _ in seen["torchrun"])
     base_total = statistics.median(t for _, t in seen["torchrun"])
     print(f"\n{args.job}: 2 CPU ranks, {STEPS} steps, median of {args.repeats} interleaved "
-          "starts\n")
-    print(f"{'way':<22}{'first step s':>13}{'vs torchrun':>13}{'total s':>10}{'vs torchrun':>13}")
+          f"starts after {args.warmup} untimed\n")
+    width = max(22, *(len(name) + 2 for name in seen))
+    print(f"{'way':<{width}}{'first step s':>13}{'vs torchrun':>13}{'total s':>10}"
+          f"{'vs torchrun':>13}")
     for name, runs in seen.items():
         first = statistics.median(f for f, _ in runs)
         total = statistics.median(t for _, t in runs)
-        print(f"{name:<22}{first:>13.2f}{first - base_first:>+12.2f}s"
+        print(f"{name:<{width}}{first:>13.2f}{first - base_first:>+12.2f}s"
               f"{total:>10.2f}{total - base_total:>+12.2f}s")
+    print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end")
+    for name, count in aborts.items():
+        print(f"{name}: {count} start(s) repeated after torch's gloo aborted a rank at "
+              f"exit ({ABORT_AT_EXIT!r})")
 
 
 if __name__ == "__main__":

@@ -25,8 +25,15 @@ WATCHED = {"named": "gpufleet.plan", "join_process_group": "gpufleet.train.rank"
            "seed_everything": "gpufleet.train.seed", "setup_logging": "gpufleet.entry"}
 
 
+# Modules that import a watched function by name and may be imported only when a run
+# needs them: imported before patching, so that their names are patched (and restored).
+USERS = ("gpufleet.train.build", "gpufleet.train.rundir")
+
+
 def install(set_attr: Callable[[Any, str, Any], None] = setattr) -> None:
     """Replace each watched function by one that records the call, then calls it."""
+    for module in USERS:
+        importlib.import_module(module)
     for name, home in WATCHED.items():
         original = getattr(importlib.import_module(home), name)
 

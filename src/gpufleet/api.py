@@ -26,7 +26,7 @@ from gpufleet.config import Config, load_config
 from gpufleet.core.callbacks import Callback
 from gpufleet.data.hf import hf_train_eval
 from gpufleet.entry import run_rank, run_training, setup_logging, start_ranks, train
-from gpufleet.train.loop import FitResult
+from gpufleet.train.result import FitResult
 
 # train and run_rank live in gpufleet.entry (the launcher calls them); this is where
 # user code has always found them.

@@ -16,7 +16,7 @@ import os
 import signal
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpufleet.config import Config
 from gpufleet.core.callbacks import Callback
@@ -25,8 +25,9 @@ from gpufleet.fault.preempt import exit_status
 from gpufleet.job import Job
 from gpufleet.launch import DistEnv
 from gpufleet.plan import RunPlan, make_plan
-from gpufleet.train.build import build_run
-from gpufleet.train.loop import FitResult, Trainer
+
+if TYPE_CHECKING:  # the training stack itself is imported by run_rank, on the ranks
+    from gpufleet.train.result import FitResult
 
 log = logging.getLogger(__name__)
 
@@ -262,6 +263,8 @@ def run_rank(plan: RunPlan, job: Job | None = None, callbacks: Sequence[Callback
     """
     from gpufleet.launch import destroy_process_group
     from gpufleet.monitor.progress import Progress
+    from gpufleet.train.build import build_run
+    from gpufleet.train.loop import Trainer
     from gpufleet.train.rank import join_process_group
 
     env = DistEnv.detect()

@@ -85,3 +85,14 @@ def zero_first(tmp: str) -> bool:
         return True
     finally:
         destroy_process_group()
+
+
+def loaded(names: list[str]) -> dict[str, bool]:
+    """Which of ``names`` this rank has imported."""
+    import sys
+
+    return {name: name in sys.modules for name in names}
+
+
+def raise_value_error() -> None:
+    raise ValueError("bad value on purpose")

@@ -50,7 +50,7 @@ from gpufleet.fleet.run import FleetRun
 from gpufleet.fleet.state import load_state, save_state
 from gpufleet.fleet.steps import StepTracker
 from gpufleet.fleet.wrappers import FleetModule, hook_step
-from gpufleet.launch import DistEnv, barrier, destroy_process_group, is_initialized, launch
+from gpufleet.launch import DistEnv, barrier, destroy_process_group, is_initialized
 from gpufleet.plan import RunPlan, make_plan
 from gpufleet.train.build import (
     _device,
@@ -169,6 +169,8 @@ class Fleet:
         if self.run is not None:
             return self._run_here(fn, args)
         plan, dist = self.plan, self.plan.cfg.dist
+        from gpufleet.launch.launcher import launch  # the agent: only where ranks start
+
         results = launch(
             _rank_main, (self._init_args, fn, args), nproc=plan.nproc,
             launcher=plan.launcher, nnodes=plan.nnodes, node_rank=plan.node_rank,

@@ -6,10 +6,11 @@ Example:
     1
 """
 
+from typing import TYPE_CHECKING, Any
+
 from gpufleet.core.collectives import broadcast_object, gather_objects, is_initialized
 from gpufleet.errors import LaunchError
 from gpufleet.launch.env import DistEnv, export_for_torch
-from gpufleet.launch.launcher import free_port, launch
 from gpufleet.launch.process_group import (
     barrier,
     destroy_process_group,
@@ -20,6 +21,9 @@ from gpufleet.launch.process_group import (
     world_size,
 )
 from gpufleet.launch.rendezvous import LaunchPlan
+
+if TYPE_CHECKING:
+    from gpufleet.launch.launcher import free_port, launch
 
 __all__ = [
     "DistEnv",
@@ -39,3 +43,12 @@ __all__ = [
     "rank_zero_first",
     "world_size",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The launchers (torch's elastic agent) on first use: a rank never needs them.
+    if name in ("launch", "free_port"):
+        from gpufleet.launch.launcher import free_port, launch
+
+        return {"launch": launch, "free_port": free_port}[name]
+    raise AttributeError(f"module 'gpufleet.launch' has no attribute {name!r}")

@@ -6,7 +6,10 @@ each rank's traceback in an error file. ``launcher="spawn"`` uses
 ``torch.multiprocessing.spawn``: one node, no restarts, but no agent process either
 (handy in notebooks). Either way each rank runs ``fn(*args)`` with RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, so
-``DistEnv.detect()`` and ``init_process_group`` work inside it.
+``DistEnv.detect()`` and ``init_process_group`` work inside it. The elastic agent starts
+each rank as a command, ``python -m gpufleet.launch.rankmain PAYLOAD`` (as torchrun
+starts a script): the rank imports what ``fn`` and its arguments need, and nothing of
+the agent (see :mod:`.rankmain`).
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ import os
 import pickle
 import shutil
 import socket
+import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -38,6 +44,7 @@ from gpufleet.fault.preempt import (
 )
 from gpufleet.launch.failures import describe_failures
 from gpufleet.launch.netif import multi_node_network
+from gpufleet.launch.rankmain import COMMAND, read_results, write_payload
 from gpufleet.launch.rendezvous import LaunchPlan, parse_nnodes
 
 logger = logging.getLogger(__name__)
@@ -178,11 +185,15 @@ def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: Launc
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     level = agent_log.level
     agent_log.setLevel(logging.CRITICAL)
+    ranks_dir = None if isinstance(fn, str) else Path(tempfile.mkdtemp(prefix="gpufleet-ranks-"))
     try:
+        if ranks_dir is not None:  # each rank: python -m gpufleet.launch.rankmain PAYLOAD
+            args = (*COMMAND, str(_payload(ranks_dir, fn, args)))
         with _fresh_store_per_restart(plan.rdzv_backend):
-            # The agent wraps fn in torch's @record in each rank, so a rank's exception
-            # lands in its error file; results come back through a queue per rank.
-            results = elastic_launch(config, fn)(*args)
+            # A rank's exception lands in its error file (torch's @record around fn).
+            results = elastic_launch(config, fn if ranks_dir is None else sys.executable)(*args)
+        if ranks_dir is not None:
+            results = {**dict.fromkeys(results), **read_results(ranks_dir)}
     except ChildFailedError as err:
         codes = {f.exitcode for f in err.failures.values()}
         if codes <= {REQUEUE_EXIT, INTERRUPT_EXIT}:  # the ranks got the signal, not the agent
@@ -210,9 +221,21 @@ def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: Launc
         ) from err
     finally:
         agent_log.setLevel(level)
+        if ranks_dir is not None:
+            shutil.rmtree(ranks_dir, ignore_errors=True)
     if not log_dir:  # torch made a temporary directory for error files; none were needed
         shutil.rmtree(logs.root_log_dir, ignore_errors=True)
     return results
+
+
+def _payload(directory: Path, fn: Callable[..., Any], args: tuple) -> Path:
+    """The payload file every rank reads (see :mod:`.rankmain`)."""
+    try:
+        return write_payload(directory, fn, args)
+    except (pickle.PicklingError, AttributeError, TypeError) as err:
+        raise LaunchError(f"the arguments of {fn.__qualname__} cannot be sent to the ranks "
+                          f"({err}). Pass objects defined at module level of an importable "
+                          "file, not lambdas, nested functions or open handles.") from err
 
 
 @contextmanager

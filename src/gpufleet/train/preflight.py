@@ -103,8 +103,18 @@ _SENT = ("model", "training data", "evaluation data", "loss function", "callback
 
 def check_picklable(extra: tuple, nproc: int) -> None:
     """Refuse, naming the culprit, to send ranks objects that cannot be pickled (or
-    that the new processes could not import: defined in a notebook or the REPL)."""
+    that the new processes could not import: defined in a notebook or the REPL).
+
+    Everything is pickled once, together, as the ranks get it (an optimizer and a
+    scheduler hold the model's parameters: pickled one by one, the model would be
+    pickled three times); only when that fails is each object pickled on its own, to
+    name the one that cannot be sent."""
     interactive = not getattr(sys.modules.get("__main__"), "__file__", None)
+    try:
+        pickle.dumps(tuple(extra), protocol=pickle.HIGHEST_PROTOCOL)
+        sendable = True
+    except Exception:
+        sendable = False
     for name, value in zip(_SENT, extra, strict=False):
         module = getattr(value, "__module__", None) or type(value).__module__
         if interactive and "__main__" in (module, type(value).__module__):
@@ -112,6 +122,8 @@ def check_picklable(extra: tuple, nproc: int) -> None:
                 f"dist.nproc = {nproc} starts {nproc} new processes, and the {name} is "
                 "defined in this interactive session, which they cannot import. Move it to "
                 "a .py file and import it from there.")
+        if sendable:
+            continue
         try:
             pickle.dumps(value)
         except Exception as e:
