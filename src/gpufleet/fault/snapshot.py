@@ -69,9 +69,12 @@ class Snapshotter:
         self.rank, self.device, self.exchange = rank, device, exchange
         self.own, self.partner = HostState(), HostState()
         self.taken = 0  # snapshots started
+        self.finished_step: int | None = None  # the newest copied (and sent) in full
         self.errors: list[str] = []
-        self.last_blocking_s = 0.0  # the training thread's share of the latest one
-        self.last_wait_s = 0.0  # of which waiting for the previous exchange
+        # The training thread's time in the latest snapshot (its copies, the wait for
+        # the previous exchange and for the background copy), and of it the first wait.
+        self.last_blocking_s = 0.0
+        self.last_wait_s = 0.0
         self._thread: threading.Thread | None = None
         self._copied = threading.Event()
         self._copied.set()
@@ -148,6 +151,7 @@ class Snapshotter:
                            f"{e}; snapshots stay on this rank from now on")
                 self.exchange = None
                 return
+        self.finished_step = self.own.step
         if not self._reported:
             self._reported = True
             self._report()
@@ -173,7 +177,9 @@ class Snapshotter:
         stream; no host sync)."""
         if self._copied.is_set() and self._side_done is None:
             return
+        start = time.perf_counter()
         self._copied.wait()
+        self.last_blocking_s += time.perf_counter() - start
         if self._side_done is not None:
             torch.cuda.current_stream(self.device).wait_event(self._side_done)
             self._side_done = None
@@ -202,10 +208,10 @@ class SnapshotCallback(Callback):
         timeout_s: how long a send or receive may wait for a partner.
 
     It adds ``snapshot_mb`` (host memory of this rank's two copies), ``snapshot_step``
-    (the step of its own complete copy), ``snapshot_blocking_s`` and ``snapshot_wait_s``
-    (the training thread's time in the latest snapshot, and of it the wait for the
-    previous exchange) to the metrics of each log line; the run puts it before the
-    metric sinks.
+    (the newest snapshot this rank has copied and sent in full; one still in flight does
+    not count), ``snapshot_blocking_s`` and ``snapshot_wait_s`` (the training thread's
+    time in the latest snapshot, and of it the wait for the previous exchange) to the
+    metrics of each log line; the run puts it before the metric sinks.
     """
 
     essential = False  # a failed snapshot is reported; training goes on
@@ -238,7 +244,7 @@ class SnapshotCallback(Callback):
     def on_log(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
         snap = self.snapshotter
         metrics["snapshot_mb"] = snap.host_bytes / MB
-        metrics["snapshot_step"] = snap.own.step
+        metrics["snapshot_step"] = snap.finished_step
         metrics["snapshot_blocking_s"] = snap.last_blocking_s
         metrics["snapshot_wait_s"] = snap.last_wait_s
 
