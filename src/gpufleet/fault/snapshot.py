@@ -81,7 +81,6 @@ class Snapshotter:
         cuda = device.type == "cuda"
         self._side = torch.cuda.Stream(device) if cuda else None
         self._side_done: Any = None  # the side stream's copies are queued up to here
-        self._main_done: Any = None  # and the training stream's
         self._reported = False
 
     @property
@@ -106,29 +105,33 @@ class Snapshotter:
         now = sorted(set(range(len(tensors))) - set(late))
         cuda = self._side is not None
         self.own.copy(tensors, now, non_blocking=cuda)  # on the training stream
+        events: tuple[Any, ...] = ()
         if cuda:
-            self._queue_cuda(tensors, late)
+            events = self._queue_cuda(tensors, late)
             tensors, late = [], []
         self._copied.clear()
         self.taken += 1
-        self._thread = threading.Thread(target=self._work, args=(tensors, late),
+        self._thread = threading.Thread(target=self._work, args=(tensors, late, events),
                                         name=f"snapshot-{step}", daemon=True)
         self._thread.start()
         self.last_blocking_s = time.perf_counter() - start
 
-    def _queue_cuda(self, tensors: list[torch.Tensor], late: list[int]) -> None:
+    def _queue_cuda(self, tensors: list[torch.Tensor], late: list[int]) -> tuple[Any, Any]:
         """Queue the copies of what only the optimizer step changes on the side stream,
-        after the step's kernels; :meth:`wait_copied` makes the training stream wait."""
+        after the step's kernels; :meth:`wait_copied` makes the training stream wait.
+        Returns the events after which the side stream's and the training stream's
+        copies are in host memory."""
         assert self._side is not None
-        main_done = torch.cuda.current_stream(self.device).record_event()
-        self._side.wait_event(main_done)
+        step_done = torch.cuda.current_stream(self.device).record_event()
+        self._side.wait_event(step_done)
         with torch.cuda.stream(self._side):
             self.own.copy(tensors, late, non_blocking=True)
             self._side_done = self._side.record_event()
-        # The training stream's copies (queued before) end where the step's do.
-        self._main_done = torch.cuda.current_stream(self.device).record_event()
+        # The training stream's copies were queued before this point.
+        return self._side_done, torch.cuda.current_stream(self.device).record_event()
 
-    def _work(self, tensors: list[torch.Tensor], late: list[int]) -> None:
+    def _work(self, tensors: list[torch.Tensor], late: list[int],
+              events: tuple[Any, ...]) -> None:
         """The background thread: the copies that can wait for the next optimizer step,
         then the exchange with the partners."""
         try:
@@ -138,9 +141,8 @@ class Snapshotter:
             return
         finally:
             self._copied.set()
-        if self._side is not None:  # the host bytes are all there once both streams end
-            self._side_done.synchronize()
-            self._main_done.synchronize()
+        for event in events:  # CUDA: the host bytes are all there once both streams end
+            event.synchronize()
         self.own.done()
         if self.exchange is not None:
             try:

@@ -380,9 +380,13 @@ def _own_callbacks(run: Run) -> list[Callback]:
     cfg, env, mon, monitors = run.cfg, run.env, run.cfg.monitor, run.monitors
     own: list[Callback] = [cb for cb in (monitors.phase_timer, monitors.arrival,
                                           monitors.watchdog) if cb]
-    if cfg.fault.snapshot_every:  # before the sinks: it adds to the metrics they write
-        monitors.snapshots = _snapshots(run)
+    if cfg.fault.snapshot_every and isinstance(run, Run):  # before the sinks: it adds
+        monitors.snapshots = _snapshots(run)                 # to the metrics they write
         own.append(monitors.snapshots)
+    elif cfg.fault.snapshot_every and env.is_main:
+        log.warning("fault.snapshot_every = %d applies to gpufleet's own loop (gpufleet "
+                    "train, gpufleet.fit); this loop takes no snapshots",
+                    cfg.fault.snapshot_every)
     if cfg.early_stop.metric:
         own.append(EarlyStopping(cfg.early_stop))
     if cfg.profile.steps:  # every rank writes its own trace
