@@ -1,15 +1,21 @@
 """What in-memory snapshots cost a training step: the GPT default job (the built-in GPT
-on the standard-library corpus) with ``fault.snapshot_every`` off and on, side by side.
+on the standard-library corpus, one process) with ``fault.snapshot_every`` off and on,
+interleaved in one run.
 
-Runs alternate (off, on, off, on, ...) so machine noise hits both alike. Each run logs
-every ``--log-every`` steps; the per-step time is the median of the log intervals'
-``step_time_s`` after the first interval (which counts the FLOPs and warms up). With
-``--nproc 2`` every snapshot is also sent to the partner rank (gloo, a group of its own).
-Reported: the median per-step time of each mode, the ratio on/off, and what the
-snapshots held and cost the training thread (from the metrics the runs wrote).
+The run alternates blocks of ``--block`` steps without and with snapshots (off, on,
+off, on, ...; a snapshot every ``--every`` steps inside the 'on' blocks, the first at
+the block's first step, so that its background copy overlaps that block's steps). Each
+block is one log interval; its ``step_time_s`` is compared with the 'off' block just
+before it, so a machine whose load drifts (a shared one) hits both alike. The first
+pair is left out (its first step counts the FLOPs). In the 'off' blocks the snapshot
+callback is still called each step and returns at once (a modulo), as it does between
+snapshots in a real run.
 
-    python benchmarks/snapshot_cost.py                      # several minutes on 2 cores
-    python benchmarks/snapshot_cost.py --every 10 --nproc 2 --repeats 3 --steps 60
+Reported: the median per-step time of each mode, the median of the pairs' ratios
+on/off, and what a snapshot held and cost the training thread (from the metrics).
+
+    python benchmarks/snapshot_cost.py                 # several minutes on 2 cores
+    python benchmarks/snapshot_cost.py --every 10 --block 10 --steps 120
 """
 
 from __future__ import annotations
@@ -25,54 +31,62 @@ import torch
 from gpufleet.bench.machine import machine_summary
 from gpufleet.config import load_config
 from gpufleet.entry import train
+from gpufleet.fault.snapshot import SnapshotCallback
 
 
-def one_run(out: str, every: int, steps: int, log_every: int, nproc: int) -> list[dict]:
-    """One run of the GPT default job; its train records from metrics.jsonl."""
-    cfg = load_config(overrides={
-        "run.out_dir": out, "run.max_steps": steps, "log.every": log_every,
-        "fault.snapshot_every": every, "dist.nproc": nproc, "log.progress": "off",
-        "checkpoint.every": 0, "checkpoint.save_final": False, "monitor.report": False,
-        "run.eval_every": 0})
-    result = train(cfg)
-    lines = (Path(result.run_dir) / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("kind") == "train"]
+def interleave(block: int, every: int) -> None:
+    """Make the snapshot callback take snapshots only in every second block of steps
+    (this process only: the run must be one process)."""
+    def on_step_end(self: SnapshotCallback, trainer: object, step: int) -> None:
+        in_on_block = ((step - 1) // block) % 2 == 1
+        if in_on_block and (step - 1) % every == 0:  # what the callback does when due
+            state, storages = self.capture()
+            self.snapshotter.take(step, state, storages)
+
+    SnapshotCallback.on_step_end = on_step_end  # type: ignore[method-assign]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--every", type=int, default=10,
-                        help="fault.snapshot_every of the 'on' runs")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--log-every", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--nproc", type=int, default=1)
+                        help="steps between snapshots in the 'on' blocks")
+    parser.add_argument("--block", type=int, default=10,
+                        help="steps per block (a multiple of --every)")
+    parser.add_argument("--steps", type=int, default=120)
     args = parser.parse_args()
+    if args.block % args.every:
+        parser.error(f"--block {args.block} is not a multiple of --every {args.every}")
     print(f"machine: {machine_summary()}")
-    print(f"torch {torch.__version__}; GPT default job, {args.nproc} rank(s), {args.steps} "
-          f"steps, a snapshot every {args.every} in the 'on' runs, {args.repeats} repeats "
-          "each, alternating")
-    step_s: dict[str, list[float]] = {"off": [], "on": []}
-    snaps: list[dict] = []
+    print(f"torch {torch.__version__}; GPT default job, 1 process, {args.steps} steps in "
+          f"blocks of {args.block}, alternating off/on, a snapshot every {args.every} "
+          "steps in the 'on' blocks")
+    interleave(args.block, args.every)
     with tempfile.TemporaryDirectory() as out:
-        for _ in range(args.repeats):
-            for mode in ("off", "on"):
-                records = one_run(out, args.every if mode == "on" else 0, args.steps,
-                                  args.log_every, args.nproc)
-                step_s[mode].extend(r["step_time_s"] for r in records[1:])
-                snaps.extend(r for r in records if "snapshot_mb" in r)
-    off, on = statistics.median(step_s["off"]), statistics.median(step_s["on"])
-    print("mode | intervals | step s (median) | step s (min)")
-    for mode, times in step_s.items():
-        print(f"{mode:4} | {len(times):9} | {statistics.median(times):15.4f} | "
-              f"{min(times):.4f}")
-    print(f"on / off per step: {on / off:.3f} ({(on - off) / off * 100:+.1f}%)")
-    if snaps:
-        mb = statistics.median(r["snapshot_mb"] for r in snaps)
-        blocking = statistics.median(r["snapshot_blocking_s"] for r in snaps)
-        print(f"snapshots: {mb:.1f} MB host memory on rank 0 (own + partner); training "
-              f"thread per snapshot {blocking * 1e3:.1f} ms (median), i.e. "
-              f"{blocking / args.every / off * 100:.2f}% of a step at this interval")
+        cfg = load_config(overrides={
+            "run.out_dir": out, "run.max_steps": args.steps, "log.every": args.block,
+            "fault.snapshot_every": args.every, "log.progress": "off",
+            "checkpoint.every": 0, "checkpoint.save_final": False,
+            "monitor.report": False, "run.eval_every": 0})
+        result = train(cfg)
+        lines = (Path(result.run_dir) / "metrics.jsonl").read_text().splitlines()
+    blocks = [r for r in map(json.loads, lines) if r.get("kind") == "train"]
+    pairs = [(blocks[i]["step_time_s"], blocks[i + 1]["step_time_s"], blocks[i + 1])
+             for i in range(2, len(blocks) - 1, 2)]  # (off, on) after the first pair
+    off = [p[0] for p in pairs]
+    on = [p[1] for p in pairs]
+    ratios = [b / a for a, b, _ in pairs]
+    print("pair | off step s | on step s | on/off")
+    for i, (a, b, _) in enumerate(pairs):
+        print(f"{i + 1:4} | {a:10.4f} | {b:9.4f} | {b / a:.3f}")
+    ratio = statistics.median(ratios)
+    print(f"median step: off {statistics.median(off):.4f} s, on {statistics.median(on):.4f}"
+          f" s; median on/off per pair {ratio:.3f} ({(ratio - 1) * 100:+.1f}%)")
+    snaps = [p[2] for p in pairs]
+    blocking = statistics.median(r["snapshot_blocking_s"] for r in snaps)
+    print(f"a snapshot: {snaps[-1]['snapshot_mb']:.2f} MB of host memory, "
+          f"{blocking * 1e3:.1f} ms on the training thread (median), that is "
+          f"{blocking / args.every / statistics.median(off) * 100:.3f}% of a step at one "
+          f"every {args.every} steps")
 
 
 if __name__ == "__main__":

@@ -244,10 +244,10 @@ def test_two_ranks_hold_each_others_snapshot_as_it_was_at_the_step(tmp_path, mon
         assert set(mine["held"]) == {(rank, last), (other, last)}
 
 
-@pytest.mark.parametrize("bad", [{"fault.snapshot_every": -1}])
-def test_a_negative_interval_is_refused(bad):
+def test_snapshots_are_off_by_default_and_a_negative_interval_is_refused():
     from gpufleet.config import load_config
     from gpufleet.errors import ConfigError
 
+    assert load_config().fault.snapshot_every == 0
     with pytest.raises(ConfigError, match="snapshot_every"):
-        load_config(overrides=bad)
+        load_config(overrides={"fault.snapshot_every": -1})
