@@ -314,6 +314,11 @@ class FaultConfig(Section):
                                      "(stopped, dead, or its node down or cut off): it is "
                                      "named and the run ends or restarts elastically, "
                                      "instead of waiting dist.timeout.", min=0.5)
+    snapshot_every: int = opt(0, "Every N steps each rank copies its whole training state "
+                              "(model and optimizer shards, scheduler, scaler, RNG, data "
+                              "position) into host memory in a background thread and sends "
+                              "one copy to a rank on the next node; 0: off. Host memory per "
+                              "rank: its own state plus one partner's.", min=0)
 
 
 @dataclass

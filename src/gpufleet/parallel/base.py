@@ -221,6 +221,13 @@ class Strategy:
         """Model and optimizer state as saved in a checkpoint."""
         return {"model": self.unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
 
+    def local_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer
+                         ) -> dict[str, Any]:
+        """Model and optimizer state as they live on this rank, with no collective (what
+        an in-memory snapshot copies): the live tensors, under fsdp this rank's shards
+        (DTensors), under zero1 this rank's part of the optimizer state."""
+        return {"model": self.unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
+
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                         state: dict[str, Any]) -> None:
         self.unwrap(model).load_state_dict(state["model"])

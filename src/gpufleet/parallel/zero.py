@@ -67,6 +67,13 @@ class ZeroRedundancy(Strategy):
         return {"model": self.unwrap(model).state_dict(),
                 "optimizer": optimizer.state_dict() if is_main else {}}
 
+    def local_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer
+                         ) -> dict[str, Any]:
+        """The model and this rank's part of the optimizer state (its local optimizer's,
+        over the parameters this rank updates), with no collective."""
+        return {"model": self.unwrap(model).state_dict(),
+                "optimizer": optimizer.optim.state_dict()}
+
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                         state: dict[str, Any]) -> None:
         """Every rank loads the whole state; the optimizer keeps this rank's part."""

@@ -381,6 +381,13 @@ def _own_callbacks(run: Run) -> list[Callback]:
     cfg, env, mon, monitors = run.cfg, run.env, run.cfg.monitor, run.monitors
     own: list[Callback] = [cb for cb in (monitors.phase_timer, monitors.arrival,
                                           monitors.watchdog) if cb]
+    if cfg.fault.snapshot_every and isinstance(run, Run):  # before the sinks: it adds
+        monitors.snapshots = _snapshots(run)                 # to the metrics they write
+        own.append(monitors.snapshots)
+    elif cfg.fault.snapshot_every and env.is_main:
+        log.warning("fault.snapshot_every = %d applies to gpufleet's own loop (gpufleet "
+                    "train, gpufleet.fit); this loop takes no snapshots",
+                    cfg.fault.snapshot_every)
     if cfg.early_stop.metric:
         own.append(EarlyStopping(cfg.early_stop))
     if cfg.profile.steps:  # every rank writes its own trace
@@ -405,3 +412,20 @@ def _own_callbacks(run: Run) -> list[Callback]:
         if mon.sync_probe_steps and run.device.type == "cuda":
             own.append(SyncProbe(monitors.advisor, mon.sync_probe_steps))
     return own
+
+
+def _snapshots(run: Run) -> Callback:
+    """In-memory snapshots of this rank's state (``fault.snapshot_every``), captured
+    with the checkpointer's own state functions."""
+    from gpufleet.fault.snapshot import SnapshotCallback
+    from gpufleet.train.checkpointer import Position
+
+    def capture() -> tuple[dict[str, Any], set[int]]:
+        at = Position(run.state.step, run.data.epoch, run.data.consumed)
+        return run.checkpointer.rank_state(at), run.checkpointer.optimizer_storages()
+
+    env = run.env
+    return SnapshotCallback(run.cfg.fault.snapshot_every, capture, rank=env.rank,
+                            world_size=env.world_size, node_rank=env.node_rank,
+                            local_rank=env.local_rank, device=run.device,
+                            timeout_s=run.cfg.dist.timeout)

@@ -20,8 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from gpufleet.config import Config, config_to_dict
 from gpufleet.errors import CheckpointError
+from gpufleet.fault.snapshot import storage_of
 from gpufleet.launch import DistEnv, broadcast_object, gather_objects
 from gpufleet.train import checkpoint as ckpt
 from gpufleet.train import sharded as sharded_ckpt
@@ -96,14 +99,7 @@ class Checkpointer:
         model_state = self._models_state()
         error, state = None, None
         if self.env.is_main:
-            state = {
-                **({} if self.parts else {"scheduler": self.scheduler.state_dict(),
-                                          "precision": self.precision.state_dict()}),
-                "step": at.step, "epoch": at.epoch,
-                "sampler": self.sampler.state_dict(at.consumed),
-                "rng": rngs, "world_size": self.env.world_size,
-                "config": config_to_dict(self.cfg),
-            }
+            state = {**self._trainer_state(at, rngs), "config": config_to_dict(self.cfg)}
         keep: set[int] = set()
         if sharded or self.env.is_main:
             try:
@@ -241,16 +237,53 @@ class Checkpointer:
             log.info("resumed from %s at step %d", path, at.step)
         return at
 
-    def _models_state(self) -> dict[str, Any]:
-        """The model and optimizer state (COLLECTIVE for some strategies); with several
-        models, each one's with its scheduler and scaler under ``"models"``."""
+    def _trainer_state(self, at: Position, rng: Any) -> dict[str, Any]:
+        """What a checkpoint holds besides the models: scheduler and scaler (of the one
+        model), step, epoch, the sampler's position, ``rng`` and the world size."""
+        return {
+            **({} if self.parts else {"scheduler": self.scheduler.state_dict(),
+                                      "precision": self.precision.state_dict()}),
+            "step": at.step, "epoch": at.epoch,
+            "sampler": self.sampler.state_dict(at.consumed),
+            "rng": rng, "world_size": self.env.world_size,
+        }
+
+    def _models_state(self, local: bool = False) -> dict[str, Any]:
+        """The model and optimizer state (COLLECTIVE for some strategies, unless
+        ``local``: then what lives on this rank, see ``Strategy.local_state_dict``);
+        with several models, each one's with its scheduler and scaler under
+        ``"models"``."""
+        get = self.strategy.local_state_dict if local else self.strategy.state_dict
         if not self.parts:
-            return self.strategy.state_dict(self.model, self.optimizer)
+            return get(self.model, self.optimizer)
         return {"models": {
-            part.name: {**self.strategy.state_dict(part.model, part.optimizer),
+            part.name: {**get(part.model, part.optimizer),
                         "scheduler": part.scheduler.state_dict(),
                         "precision": part.precision.state_dict()}
             for part in self.parts}}
+
+    def rank_state(self, at: Position) -> dict[str, Any]:
+        """This rank's whole training state at ``at``, from this rank alone (no
+        collective): the model and optimizer state as they live here (shards under fsdp,
+        this rank's part of the optimizer under zero1), scheduler, scaler, the data
+        position and this rank's RNG states. The tensors are the live ones, not copies
+        (an in-memory snapshot copies them)."""
+        return {**self._models_state(local=True), **self._trainer_state(at, rng_state()),
+                "rank": self.env.rank}
+
+    def optimizer_storages(self) -> set[int]:
+        """The storages (data pointers) of the parameters and of the optimizer state:
+        what only an optimizer step changes, so a snapshot may copy it while the next
+        step's forward and backward run."""
+        models = [(p.model, p.optimizer) for p in self.parts] or [(self.model,
+                                                                  self.optimizer)]
+        tensors: list[Any] = []
+        for model, optimizer in models:
+            tensors.extend(model.parameters())
+            inner = getattr(optimizer, "optim", optimizer)  # zero1: this rank's part
+            for per_param in inner.state.values():
+                tensors.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
+        return {storage_of(t) for t in tensors}
 
     def _load_models(self, state: dict[str, Any]) -> None:
         """Restore every model of a run of several from its entry under ``"models"``."""

@@ -28,6 +28,7 @@ from gpufleet.train.stream import TrainStream
 
 if TYPE_CHECKING:
     from gpufleet.fault.preempt import PreemptionWatch
+    from gpufleet.fault.snapshot import SnapshotCallback
     from gpufleet.fault.watchdog import Watchdog
     from gpufleet.monitor.advisor import Advisor
     from gpufleet.monitor.arrival import ArrivalTimer
@@ -74,6 +75,7 @@ class Monitors:
     preemption: PreemptionWatch | None = None
     system_sampler: SystemSampler | None = None
     advisor: Advisor | None = None
+    snapshots: SnapshotCallback | None = None  # fault.snapshot_every's in-memory copies
 
 
 @dataclass(eq=False)

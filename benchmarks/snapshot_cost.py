@@ -1,0 +1,93 @@
+"""What in-memory snapshots cost a training step: the GPT default job (the built-in GPT
+on the standard-library corpus, one process) with ``fault.snapshot_every`` off and on,
+interleaved in one run.
+
+The run alternates blocks of ``--block`` steps without and with snapshots (off, on,
+off, on, ...; a snapshot every ``--every`` steps inside the 'on' blocks, the first at
+the block's first step, so that its background copy overlaps that block's steps). Each
+block is one log interval; its ``step_time_s`` is compared with the 'off' block just
+before it, so a machine whose load drifts (a shared one) hits both alike. The first
+pair is left out (its first step counts the FLOPs). In the 'off' blocks the snapshot
+callback is still called each step and returns at once (a modulo), as it does between
+snapshots in a real run.
+
+Reported: the median per-step time of each mode, the median of the pairs' ratios
+on/off, and what a snapshot held and cost the training thread (from the metrics).
+
+    python benchmarks/snapshot_cost.py                 # several minutes on 2 cores
+    python benchmarks/snapshot_cost.py --every 10 --block 10 --steps 120
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from gpufleet.bench.machine import machine_summary
+from gpufleet.config import load_config
+from gpufleet.entry import train
+from gpufleet.fault.snapshot import SnapshotCallback
+
+
+def interleave(block: int, every: int) -> None:
+    """Make the snapshot callback take snapshots only in every second block of steps
+    (this process only: the run must be one process)."""
+    def on_step_end(self: SnapshotCallback, trainer: object, step: int) -> None:
+        in_on_block = ((step - 1) // block) % 2 == 1
+        if in_on_block and (step - 1) % every == 0:  # what the callback does when due
+            state, storages = self.capture()
+            self.snapshotter.take(step, state, storages)
+
+    SnapshotCallback.on_step_end = on_step_end  # type: ignore[method-assign]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--every", type=int, default=10,
+                        help="steps between snapshots in the 'on' blocks")
+    parser.add_argument("--block", type=int, default=10,
+                        help="steps per block (a multiple of --every)")
+    parser.add_argument("--steps", type=int, default=120)
+    args = parser.parse_args()
+    if args.block % args.every:
+        parser.error(f"--block {args.block} is not a multiple of --every {args.every}")
+    print(f"machine: {machine_summary()}")
+    print(f"torch {torch.__version__}; GPT default job, 1 process, {args.steps} steps in "
+          f"blocks of {args.block}, alternating off/on, a snapshot every {args.every} "
+          "steps in the 'on' blocks")
+    interleave(args.block, args.every)
+    with tempfile.TemporaryDirectory() as out:
+        cfg = load_config(overrides={
+            "run.out_dir": out, "run.max_steps": args.steps, "log.every": args.block,
+            "fault.snapshot_every": args.every, "log.progress": "off",
+            "checkpoint.every": 0, "checkpoint.save_final": False,
+            "monitor.report": False, "run.eval_every": 0})
+        result = train(cfg)
+        lines = (Path(result.run_dir) / "metrics.jsonl").read_text().splitlines()
+    blocks = [r for r in map(json.loads, lines) if r.get("kind") == "train"]
+    pairs = [(blocks[i]["step_time_s"], blocks[i + 1]["step_time_s"], blocks[i + 1])
+             for i in range(2, len(blocks) - 1, 2)]  # (off, on) after the first pair
+    off = [p[0] for p in pairs]
+    on = [p[1] for p in pairs]
+    ratios = [b / a for a, b, _ in pairs]
+    print("pair | off step s | on step s | on/off")
+    for i, (a, b, _) in enumerate(pairs):
+        print(f"{i + 1:4} | {a:10.4f} | {b:9.4f} | {b / a:.3f}")
+    ratio = statistics.median(ratios)
+    print(f"median step: off {statistics.median(off):.4f} s, on {statistics.median(on):.4f}"
+          f" s; median on/off per pair {ratio:.3f} ({(ratio - 1) * 100:+.1f}%)")
+    snaps = [p[2] for p in pairs]
+    blocking = statistics.median(r["snapshot_blocking_s"] for r in snaps)
+    print(f"a snapshot: {snaps[-1]['snapshot_mb']:.2f} MB of host memory, "
+          f"{blocking * 1e3:.1f} ms on the training thread (median), that is "
+          f"{blocking / args.every / statistics.median(off) * 100:.3f}% of a step at one "
+          f"every {args.every} steps")
+
+
+if __name__ == "__main__":
+    main()
