@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from .nodes import TOY, start, train_records, wait_for
+from .nodes import TOY, start, train_records, wait, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -65,3 +65,27 @@ def test_survivor_goes_on_alone_and_the_lost_node_rejoins(netbed, tmp_path):
           f"{resumed_from}, killed at {step_at_kill}), was back at step {step_at_kill} "
           f"{back_at - killed_at:.1f} s after the kill; node 1 rejoined at step "
           f"{together[0]['step']}")
+
+
+# Slow: the node-loss test above keeps the bed's elastic path in the default run.
+@pytest.mark.slow
+def test_losing_the_store_host_ends_the_survivor_with_what_happened(netbed, tmp_path):
+    """Node 0 hosts the rendezvous store: killed mid-run, node 1 cannot go on. Its
+    launcher ends promptly and says the store was lost while the job ran (not that the
+    nodes never met), with the way back."""
+    run = tmp_path / "runs" / "elastic"
+    args = elastic_args(netbed.addr(0), "runs/elastic", steps=5000, delay=0.004)
+    nodes = [start(netbed, 0, args, tmp_path)]
+    time.sleep(0.5)
+    nodes.append(start(netbed, 1, args, tmp_path))
+
+    def two_ranks_training():
+        records = train_records(run)
+        return records and len(records[-1]["rank_phases"]) == 2
+    wait_for(two_ranks_training, 120, nodes)
+    netbed.kill_node(0)
+    [code] = wait(nodes[1:], 60, expect=None)
+    said = nodes[1].log.read_text()
+    assert code != 0
+    assert "stopped answering while the job ran" in said, said[-3000:]
+    assert "--resume auto" in said and "did not meet" not in said

@@ -209,6 +209,8 @@ def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: Launc
                          "finished their step and wrote a checkpoint.",
                          exit_status(err.sigval), name) from None
     except (RendezvousError, DistError) as err:
+        if ranks_dir is not None and any(ranks_dir.glob("started-*")):
+            raise LaunchError(_store_lost(plan, err)) from err
         nodes = (f"{plan.min_nodes}" if plan.min_nodes == plan.max_nodes
                  else f"{plan.min_nodes} to {plan.max_nodes}")
         raise LaunchError(
@@ -226,6 +228,17 @@ def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: Launc
     if not log_dir:  # torch made a temporary directory for error files; none were needed
         shutil.rmtree(logs.root_log_dir, ignore_errors=True)
     return results
+
+
+def _store_lost(plan: LaunchPlan, err: BaseException) -> str:
+    """The agents had met and ranks ran, then the rendezvous store went away."""
+    return (f"The rendezvous store at {plan.rdzv_endpoint} stopped answering while the "
+            f"job ran ({err}). The node that hosts it (the one with that address: node 0 "
+            "with the c10d rendezvous) was lost or cut off, and no node can go on without "
+            "the store. Start the job again on the nodes left, with one of them as the "
+            "endpoint: `--resume auto` continues from the newest checkpoint. To "
+            "survive losing that node, run the rendezvous outside the job's nodes "
+            "(--dist.rdzv_backend etcd-v2 with an etcd server elsewhere).")
 
 
 def _payload(directory: Path, fn: Callable[..., Any], args: tuple) -> Path:

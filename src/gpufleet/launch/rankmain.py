@@ -11,7 +11,8 @@ needs to import what it is sent (the launcher's ``sys.path``, working directory,
 ``sys.argv`` and, as ``multiprocessing`` does, its main script, so that objects defined
 there unpickle), then the function and its arguments. Each rank runs the function under
 torch's ``record`` (a traceback lands in the agent's error file, as before), writes
-``result-<RANK>.pkl`` next to the payload (:func:`read_results` collects them), and ends
+``result-<RANK>.pkl`` next to the payload (:func:`read_results` collects them; an empty
+``started-<RANK>`` there says it began), and ends
 without tearing down every module: waiting threads are joined, ``atexit`` handlers and
 logging flushed, then the process exits.
 
@@ -87,6 +88,10 @@ def main(argv: list[str]) -> None:
     from multiprocessing import spawn
 
     payload = Path(argv[0])
+    rank = int(os.environ.get("RANK", "0"))
+    # The agents met and started this rank: the launcher tells a store lost mid-run
+    # from agents that never met by these marks.
+    (payload.parent / f"started-{rank}").touch()
     with payload.open("rb") as f:
         spawn.prepare(pickle.load(f))  # sys.path, cwd, argv, the main script
         fn, args = pickle.load(f)
@@ -98,7 +103,6 @@ def main(argv: list[str]) -> None:
         if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
             raise  # no agent to tell it: the traceback goes to stderr
         leave(1)  # the launcher says it once, from the error file
-    rank = int(os.environ.get("RANK", "0"))
     final = payload.parent / f"result-{rank}.pkl"
     partial = final.with_suffix(".partial")
     with partial.open("wb") as f:
