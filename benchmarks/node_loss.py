@@ -60,12 +60,17 @@ def wait_until(test, timeout: float) -> list[dict]:
     sys.exit(f"gave up after {timeout:.0f} s")
 
 
+def elastic_job(bed: NetBed, run_dir: Path, args: argparse.Namespace) -> list[str]:
+    """The 1:2-node elastic command every node runs, the store on node 0."""
+    return [*small_gpt_job(args.steps, n_embd=96, n_layer=2), "--log.every", "1",
+            "--strategy", "ddp", "--checkpoint.every", str(args.every), "--run-dir",
+            str(run_dir), "--nproc", "1", "--nnodes", "1:2", "--rdzv-endpoint",
+            f"{bed.addr(0)}:29400", "--rdzv-id", run_dir.name, "--max-restarts", "3",
+            "--dist.rdzv_last_call_s", "2", "--dist.rdzv_keep_alive_s", "1"]
+
+
 def one_loss(bed: NetBed, run_dir: Path, args: argparse.Namespace) -> dict[str, float]:
-    job = [*small_gpt_job(args.steps, n_embd=96, n_layer=2), "--log.every", "1",
-           "--strategy", "ddp", "--checkpoint.every", str(args.every), "--run-dir",
-           str(run_dir), "--nproc", "1", "--nnodes", "1:2", "--rdzv-endpoint",
-           f"{bed.addr(0)}:29400", "--rdzv-id", run_dir.name, "--max-restarts", "3",
-           "--dist.rdzv_last_call_s", "2", "--dist.rdzv_keep_alive_s", "1"]
+    job = elastic_job(bed, run_dir, args)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     bed.popen(0, job, env=env, **quiet)
@@ -96,11 +101,7 @@ def store_loss(bed: NetBed, run_dir: Path, args: argparse.Namespace,
                limit: float = 240.0) -> dict[str, object]:
     """Both nodes train; every process of node 0 (the store's host) is killed. Node 1's
     launcher is watched for ``limit`` seconds."""
-    job = [*small_gpt_job(args.steps, n_embd=96, n_layer=2), "--log.every", "1",
-           "--strategy", "ddp", "--checkpoint.every", str(args.every), "--run-dir",
-           str(run_dir), "--nproc", "1", "--nnodes", "1:2", "--rdzv-endpoint",
-           f"{bed.addr(0)}:29400", "--rdzv-id", run_dir.name, "--max-restarts", "3",
-           "--dist.rdzv_last_call_s", "2", "--dist.rdzv_keep_alive_s", "1"]
+    job = elastic_job(bed, run_dir, args)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     bed.popen(0, job, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(0.5)

@@ -5,16 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpufleet.core.phases import Phase, PhaseMarks
+from gpufleet.core.phases import Phase
 from gpufleet.monitor.phases import PHASES, PhaseTimer
 
-
-def _marks(timed):
-    marks = PhaseMarks(len(timed))
-    for i, (phase, at) in enumerate(timed):
-        marks.phases[i], marks.times[i] = phase, at
-    marks.count = len(timed)
-    return marks
+from .marks import marks_of
 
 
 def test_the_phase_times_come_from_the_marks_between_log_lines():
@@ -30,8 +24,8 @@ def test_the_phase_times_come_from_the_marks_between_log_lines():
             timed.append((phase, t))
             t += seconds
     timed += [(Phase.EVAL, t), (Phase.DATA, t + 0.25)]  # evaluation is kept apart
-    timer.on_phase_marks(None, _marks(timed[:7]))  # a batch may end inside a step
-    timer.on_phase_marks(None, _marks(timed[7:]))
+    timer.on_phase_marks(None, marks_of(timed[:7]))  # a batch may end inside a step
+    timer.on_phase_marks(None, marks_of(timed[7:]))
     host, steps = timer.take()
     assert steps == 2
     assert dict(zip(PHASES, host)) == pytest.approx(
