@@ -86,8 +86,9 @@ def _straggler(s: Summary, facts: RunFacts, system: dict[str, Any] | None = None
         return found
     # Other processes take cores the ranks ask for: the scheduler can give the ranks
     # unequal shares of what is left, which looks like a straggler as well.
+    # An info, not a warning: on a loaded node a clean run shows such differences too.
     return dataclasses.replace(
-        found, confidence="low",
+        found, severity="info", confidence="low",
         message=found.message + (f" Other processes leave this run {share:.0%} of the CPU "
                                  "its ranks ask for, and the scheduler can share that out "
                                  "unevenly: that is as plausible a cause of a difference "
