@@ -46,7 +46,7 @@ class CollectiveRing:
         self.size = size
         self.seq = 0  # the number of the last collective entered
         self.done = 0  # every collective up to this number has returned
-        self.step = 0  # steps done (read from ``view`` at each collective)
+        self.step = 0  # steps done (read from ``view`` at each collective and snapshot)
         self.phase = "setup"  # the current phase (likewise)
         #: the run's read-only view (``step``, ``phase``), set by the watchdog; None: the
         #: step and phase stay as last set
@@ -61,9 +61,7 @@ class CollectiveRing:
     def enter(self, op: str, nbytes: int, bucket: int = -1) -> int:
         """Note that this rank enters collective ``op`` moving ``nbytes`` (-1: unknown),
         for DDP gradient bucket ``bucket`` (-1: not a bucket). Returns its number."""
-        view = self.view
-        if view is not None:
-            self.step, self.phase = view.step, view.phase
+        self._follow()
         self.seq = n = self.seq + 1
         i = n % self.size
         self._op[i] = op
@@ -83,10 +81,17 @@ class CollectiveRing:
         """Every collective entered so far returned (DDP's buckets at backward's end)."""
         self.done = self.seq
 
+    def _follow(self) -> None:
+        """Take the run's step and phase as they are now (from ``view``, if set)."""
+        view = self.view
+        if view is not None:
+            self.step, self.phase = view.step, view.phase
+
     def snapshot(self) -> dict[str, Any]:
         """The ring as plain data, oldest collective first: ``seq`` (last entered),
         ``done`` (returned up to), ``step``, ``phase`` and ``entries``, each with
         ``seq``, ``op``, ``bytes``, ``step``, ``phase``, ``bucket`` and ``time``."""
+        self._follow()
         last = self.seq
         entries = []
         for n in range(max(1, last - self.size + 1), last + 1):

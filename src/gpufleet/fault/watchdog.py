@@ -131,8 +131,8 @@ class Watchdog(Callback):
 
     def on_fit_start(self, trainer: Any) -> None:
         self._view = trainer
-        self.step = RING.step = trainer.step
-        RING.view = trainer  # each collective notes the step under way
+        self.step = trainer.step
+        RING.view = trainer  # each collective notes the step and phase under way
         self._activity, self._activity_start = "step", time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="gpufleet-watchdog",
                                         daemon=True)

@@ -20,7 +20,7 @@ from gpufleet.monitor.findings import (
     findings_for_run,
     format_findings,
 )
-from gpufleet.monitor.host_rules import HOST_RULES
+from gpufleet.monitor.host_rules import HOST_RULES, host_view
 from gpufleet.monitor.links import link_sentence, slow_node_fix, slow_nodes
 
 # The findings' types live in gpufleet.monitor.findings (the host rules use them too);
@@ -178,8 +178,6 @@ def _cpu_share(facts: RunFacts, system: dict[str, Any] | None) -> float:
     run (1.0 on a GPU, or with no sample of the node)."""
     if facts.device != "cpu" or not system:
         return 1.0
-    from gpufleet.monitor.host_rules import host_view
-
     view = system.get("host_view") or host_view([system])
     wanted = min(facts.cores, facts.local_world * facts.torch_threads)
     if not view or wanted <= 0:

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from gpufleet.core.tree import map_tensors
+
 log = logging.getLogger(__name__)
 
 
@@ -29,22 +31,18 @@ def to_host(obj: Any) -> Any:
     originals (training may change the originals while the copy is written); containers
     (dict, list, tuple) are rebuilt, other values are kept as they are (plain, immutable
     data in a checkpoint's state)."""
-    if isinstance(obj, torch.Tensor):
-        if _is_dtensor(obj):  # a rank's shard: copy the local part, keep its layout
-            from torch.distributed.tensor import DTensor
+    return map_tensors(obj, _host_copy)
 
-            local = obj.to_local().detach().to("cpu", copy=True)
-            return DTensor.from_local(local, obj.device_mesh, obj.placements,
-                                      run_check=False, shape=obj.shape, stride=obj.stride())
-        # On a GPU this is a device-to-host copy (a sync point); on the CPU a clone.
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: to_host(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [to_host(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(to_host(v) for v in obj)
-    return obj
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    if _is_dtensor(t):  # a rank's shard: copy the local part, keep its layout
+        from torch.distributed.tensor import DTensor
+
+        local = t.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(local, t.device_mesh, t.placements,
+                                  run_check=False, shape=t.shape, stride=t.stride())
+    # On a GPU this is a device-to-host copy (a sync point); on the CPU a clone.
+    return t.detach().to("cpu", copy=True)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,19 +106,12 @@ class Checkpointer:
                 if self.best is not None and self.env.is_main:  # the best k outlive
                     self.best.record(at.step, score)            # keep_last
                     keep = self.best.keep()
-                if sharded and self.writer is not None:  # every rank, in the background
-                    self._write_sharded_in_background(at.step, path, model_state, state,
-                                                      keep, start)
-                elif sharded:  # COLLECTIVE: every rank writes its shards, rank 0 the rest
-                    sharded_ckpt.save_sharded_checkpoint(
-                        self.run_dir, at.step, model_state, state,
-                        self.cfg.checkpoint.keep_last, keep)
-                elif self.writer is not None:
-                    self._write_in_background(at.step, path, {**model_state, **state},
-                                              keep, start)
+                content = (model_state, state) if sharded else {**model_state, **state}
+                save = self._saver(sharded, at.step, keep)
+                if self.writer is not None:
+                    self._write_in_background(at.step, path, content, save, start)
                 else:
-                    ckpt.save_checkpoint(self.run_dir, at.step, {**model_state, **state},
-                                         self.cfg.checkpoint.keep_last, keep)
+                    save(content)
             except OSError as e:
                 error = (f"checkpoint {path.name} could not be written: {e}. Training goes "
                          f"on; the last good checkpoint is {last_good or 'none'}."
@@ -135,38 +128,29 @@ class Checkpointer:
             self.written = path
         return path, None
 
-    def _write_in_background(self, step: int, path: Path, state: dict[str, Any],
-                             keep: set[int], start: float) -> None:
+    def _saver(self, sharded: bool, step: int, keep: set[int]) -> Callable[[Any], Any]:
+        """How the content of the checkpoint at ``step`` is written: ``(shards, rest)``
+        as a sharded directory (COLLECTIVE: every rank its shards, rank 0 the rest; in
+        the background over the writers' own group), or one dict as a single file."""
+        keep_last, group = self.cfg.checkpoint.keep_last, self._group
+        if sharded:
+            return lambda s: sharded_ckpt.save_sharded_checkpoint(
+                self.run_dir, step, s[0], s[1], keep_last, keep, group=group)
+        return lambda s: ckpt.save_checkpoint(self.run_dir, step, s, keep_last, keep)
+
+    def _write_in_background(self, step: int, path: Path, state: Any,
+                             save: Callable[[Any], Any], start: float) -> None:
         """Wait for the write in flight, copy ``state`` into host memory (the part that
-        blocks training) and hand the copy to the writer thread."""
+        blocks training) and hand ``save(copy)`` to the writer thread. A sharded run
+        does this on every rank (its shards, and on rank 0 the rest of the state)."""
         assert self.writer is not None
         self._collect()  # a second save waits for the first
         host = to_host(state)  # training may change the live tensors from now on
         blocking = time.perf_counter() - start
-        keep_last = self.cfg.checkpoint.keep_last
+        main = self.env.is_main
 
         def write() -> None:
-            ckpt.save_checkpoint(self.run_dir, step, host, keep_last, keep)
-            _log_saved(path, step, time.perf_counter() - start, blocking)
-
-        self.writer.submit(step, write, blocking)
-        self._in_flight = path
-
-    def _write_sharded_in_background(self, step: int, path: Path, shards: dict[str, Any],
-                                     state: dict[str, Any] | None, keep: set[int],
-                                     start: float) -> None:
-        """Every rank: wait for the write in flight, copy this rank's shards (and on rank
-        0 the rest of the state) into host memory, then write them in the background
-        over the writers' own process group."""
-        assert self.writer is not None
-        self._collect()
-        host, rest = to_host(shards), to_host(state)
-        blocking = time.perf_counter() - start
-        keep_last, group, main = self.cfg.checkpoint.keep_last, self._group, self.env.is_main
-
-        def write() -> None:  # COLLECTIVE over the writers' group, in every rank's thread
-            sharded_ckpt.save_sharded_checkpoint(self.run_dir, step, host, rest, keep_last,
-                                                 keep, group=group)
+            save(host)
             if main:
                 _log_saved(path, step, time.perf_counter() - start, blocking)
 
