@@ -21,7 +21,7 @@ def test_the_wait_runs_from_the_last_bucket_to_the_end_of_its_backward():
     assert timer._ready == [2.9]  # kept for the backward still running
     timer.on_phase_marks(None, marks_of([(Phase.OPTIMIZER, 3.0), (Phase.END, 3.1),
                                        (Phase.OPTIMIZER, 3.2)]))  # a 2nd optimizer: no wait
-    timer.measures_wait = True
+    timer.measures = "ddp"
     wait = timer.take()[0]
     assert wait == pytest.approx((0.3 + 0.1) / 2)
     assert timer._ready == []

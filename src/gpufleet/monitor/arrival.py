@@ -13,6 +13,12 @@ comparing clocks: a rank that waits ``x`` ms less than the others arrived ``x`` 
 Each bucket is also noted in this rank's ring of collectives
 (:mod:`gpufleet.core.ring`), which hang reports read.
 
+Under ``fsdp``/``hsdp`` the collectives sit in forward and backward alike: the time
+each rank spends inside them, per phase, is its wait there (see
+:mod:`gpufleet.monitor.arrival_hooks`). Under ``pipeline`` the stage's compute is timed
+micro-batch by micro-batch; the rest of its forward (the schedule, with its sends and
+receives) and of its backward (the loss broadcast) is its wait for the other stages.
+
 It also adds up garbage-collection pauses (``gc.callbacks``) and the bytes the gradient
 buckets carry. Per step that is a clock read per bucket and two per GC pass; the end of
 each backward is read from the loop's phase marks (:mod:`gpufleet.core.phases`) in
@@ -32,18 +38,31 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gpufleet.core.callbacks import Callback
 from gpufleet.core.phases import Phase, PhaseMarks
 from gpufleet.core.ring import RING
+from gpufleet.monitor.arrival_hooks import (
+    BACKWARD,
+    BYTES,
+    CHUNKS,
+    COMPUTE,
+    FORWARD,
+    Waits,
+    time_fsdp,
+    time_stage,
+)
 
 log = logging.getLogger(__name__)
 
-#: What each rank adds to the log interval's table (mean per step): seconds waiting at
-#: the end of backward, seconds in GC pauses, gradient bytes all-reduced.
-ARRIVAL = ("wait", "gc", "grad_bytes")
+#: What each rank adds to the log interval's table (mean per step): seconds waiting for
+#: other ranks in backward (ddp: at its end), seconds in GC pauses, gradient bytes
+#: all-reduced (fsdp: all the bytes its collectives moved), seconds waiting for other
+#: ranks in forward (fsdp's all-gathers; pipeline: the schedule's sends and receives),
+#: the pipeline stage's micro-batches, and its stage number (-1: not a pipeline).
+ARRIVAL = ("wait", "gc", "grad_bytes", "wait_fwd", "chunks", "stage")
 
 
 class ArrivalTimer(Callback):
-    """Measures this rank's wait in the gradient all-reduce and its GC pauses (see the
-    module docs). Measures no wait when the model is not a DDP module, or when another
-    communication hook (compression, local SGD) is registered already."""
+    """Measures this rank's wait for the others (see the module docs) and its GC
+    pauses. Measures no wait when the model is neither DDP (with no other communication
+    hook: compression, local SGD), FSDP2 nor a pipeline stage."""
 
     phase_marks = True  # reads the loop's phase marks in batches
 
@@ -52,21 +71,37 @@ class ArrivalTimer(Callback):
         # with the end of its backward (the next optimizer mark).
         self._ready: list[float] = []
         self._gc_start = 0.0
-        self._sums = [0.0] * len(ARRIVAL)
+        self._sums = [0.0] * 3  # ddp's wait, GC pauses, bucket bytes
         self._steps = 0
-        #: whether the all-reduce wait is measured (a DDP model took the hook)
-        self.measures_wait = False
+        self._hooks = Waits()  # what the fsdp and pipeline hooks add up
+        self._spans = [0.0, 0.0]  # pipeline: seconds in forward and in backward phases
+        self._last: tuple[Phase | None, float] = (None, 0.0)  # the newest mark read
+        self._stage = -1
+        #: what is measured: "ddp", "fsdp", "pipeline" or "" (no wait measured)
+        self.measures = ""
+
+    @property
+    def measures_wait(self) -> bool:
+        """Whether this rank's wait for the others is measured."""
+        return bool(self.measures)
 
     # -- hooks ----------------------------------------------------------------------------
     def on_fit_start(self, trainer: Any) -> None:
-        self._steps, self._sums = 0, [0.0] * len(ARRIVAL)
-        model = trainer.model
+        self._steps, self._sums = 0, [0.0] * 3
+        self._hooks.take()
+        model, strategy = trainer.model, getattr(trainer, "strategy", None)
+        stage = getattr(strategy, "pipeline_stage", None)
         if isinstance(model, DDP):
             try:
                 model.register_comm_hook(model.process_group, self._allreduce)
-                self.measures_wait = True
+                self.measures = "ddp"
             except RuntimeError as e:  # a hook is registered already: DDP takes one
                 log.debug("all-reduce arrival not measured: %s", e)
+        elif stage is not None:  # its fsdp collectives (dp > 1) count as its compute
+            if time_stage(stage, self._hooks):
+                self.measures, self._stage = "pipeline", strategy.rank
+        elif time_fsdp(model, self._hooks):
+            self.measures = "fsdp"
         gc.callbacks.append(self._on_gc)
 
     def on_fit_end(self, trainer: Any, result: Any) -> None:
@@ -84,12 +119,29 @@ class ArrivalTimer(Callback):
         return default_hooks.allreduce_hook(group, bucket)
 
     def on_phase_marks(self, trainer: Any, marks: PhaseMarks) -> None:
-        """Each optimizer mark ends a backward: the wait is from its last bucket's
-        ready time to that mark. Buckets after the newest mark stay for the next call."""
-        ready, k, last = self._ready, 0, None
-        if not ready:  # no bucket since the last call (not DDP): only count the steps
-            self._steps += marks.phases[:marks.count].count(Phase.END)
+        """Each optimizer mark ends a backward: ddp's wait is from its last bucket's
+        ready time to that mark (buckets after the newest mark stay for the next call).
+        A pipeline's forward and backward phases are added up."""
+        self._hooks.marks = marks  # the fsdp hooks read the newest mark's phase
+        if not marks.count:
             return
+        self._hooks.phase = marks.phases[marks.count - 1]
+        self._steps += marks.phases[:marks.count].count(Phase.END)
+        if self._ready:
+            self._match_buckets(marks)
+        if self.measures == "pipeline":
+            spans = self._spans
+            before, since = self._last
+            for phase, at in marks:
+                if before is Phase.FORWARD:
+                    spans[0] += at - since
+                elif before is Phase.BACKWARD:
+                    spans[1] += at - since
+                before, since = phase, at
+            self._last = (before, since)
+
+    def _match_buckets(self, marks: PhaseMarks) -> None:
+        ready, k, last = self._ready, 0, None
         for phase, at in marks:
             if phase == Phase.OPTIMIZER:
                 while k < len(ready) and ready[k] <= at:
@@ -97,8 +149,6 @@ class ArrivalTimer(Callback):
                 if last is not None:  # backward (with its all-reduce) just ended
                     self._sums[0] += at - last
                     last = None
-            elif phase == Phase.END:
-                self._steps += 1
         del ready[:k]
 
     def _on_gc(self, stage: str, info: dict[str, Any]) -> None:
@@ -110,10 +160,23 @@ class ArrivalTimer(Callback):
 
     # -- at the log interval ----------------------------------------------------------------
     def take(self) -> list[float]:
-        """Mean per step of each :data:`ARRIVAL` value since the last call; resets."""
+        """Mean per step of each :data:`ARRIVAL` value since the last call (``stage``
+        as it is); resets. A wait of -1 is not measured: the rules skip it."""
         steps = max(1, self._steps)
-        means = [v / steps for v in self._sums]
-        self._sums, self._steps = [0.0] * len(ARRIVAL), 0
-        if not self.measures_wait:
-            means[0] = -1.0  # not measured (no DDP all-reduce): the rules skip it
-        return means
+        hooks = self._hooks.take()
+        ddp_wait, gc_s, ddp_bytes = self._sums
+        fwd_s, bwd_s = self._spans
+        self._sums, self._steps, self._spans = [0.0] * 3, 0, [0.0, 0.0]
+        wait, wait_fwd, nbytes, chunks = -1.0, 0.0, ddp_bytes, 0.0
+        if self.measures == "ddp":
+            wait = ddp_wait
+        elif self.measures == "fsdp":
+            wait, wait_fwd, nbytes = hooks[BACKWARD], hooks[FORWARD], hooks[BYTES]
+        elif self.measures == "pipeline":
+            # The forward phase holds the whole schedule: what is not the stage's own
+            # compute is waiting; the backward phase is the loss broadcast.
+            wait, wait_fwd, chunks = bwd_s, max(0.0, fwd_s - hooks[COMPUTE]), hooks[CHUNKS]
+        means = [v / steps for v in (wait, gc_s, nbytes, wait_fwd, chunks)]
+        if not self.measures:
+            means[0] = -1.0
+        return [*means, float(self._stage)]

@@ -1,12 +1,15 @@
-"""The rules that read when ranks arrive at the gradient all-reduce
-(:mod:`gpufleet.monitor.arrival`): the straggler, and communication-bound.
+"""The rules that read when ranks arrive at their collectives
+(:mod:`gpufleet.monitor.arrival`): the straggler, the slow pipeline stage, and
+communication-bound.
 
-Every rank's step lasts as long as the slowest rank's (the all-reduce evens them out),
-so a rank's *own* time is its step minus what it waited at the end of backward. The rank
-with the most own time is the straggler; where its extra time sits (data, forward,
-backward, optimizer, callbacks/logging, GC pauses) is the phase to fix. What the last
-rank to arrive still waits is the all-reduce's own cost, with the wait for late ranks
-subtracted: only that can make a run communication-bound.
+Every rank's step lasts as long as the slowest rank's (the collectives even them out),
+so a rank's *own* time is its step minus what it waited for the others: at the end of
+backward under ddp, in forward and backward under fsdp/hsdp, in a pipeline stage's sends
+and receives. The rank with the most own time is the straggler; where its extra time
+sits (data, forward, backward, optimizer, callbacks/logging, GC pauses) is the phase to
+fix; under pipeline, a stage whose compute per micro-batch exceeds the others' is the
+slow stage. What the last rank to arrive still waits is the collectives' own cost, with
+the wait for late ranks subtracted: only that can make a run communication-bound.
 """
 
 from __future__ import annotations
@@ -33,36 +36,49 @@ def _median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def measured_waits(s: Summary) -> list[float] | None:
-    """Every rank's wait at the end of backward, per step, when every rank measured it
-    (None otherwise: no DDP all-reduce, another hook, an old run)."""
+def _arrival_rows(s: Summary) -> list[dict[str, float]] | None:
+    """Every rank's arrival row, in the order of ``rank_phases``, when every rank
+    measured its wait (None otherwise: no DDP all-reduce, another hook, an old run)."""
     rows = {r["rank"]: r for r in s.rank_arrival}
     if len(s.rank_phases) < 2 or any(p["rank"] not in rows for p in s.rank_phases):
         return None
-    waits = [rows[p["rank"]]["wait"] for p in s.rank_phases]
-    return None if min(waits) < 0 else waits
+    found = [rows[p["rank"]] for p in s.rank_phases]
+    return None if min(r["wait"] for r in found) < 0 else found
 
 
-def own_phases(s: Summary, waits: list[float]) -> list[dict[str, float]]:
-    """Each rank's own seconds per step in each phase (backward without its wait, GC
-    pauses apart from the phase they fell in: counted in ``gc`` and ``total``)."""
-    gcs = {r["rank"]: r.get("gc", 0.0) for r in s.rank_arrival}
+def measured_waits(s: Summary) -> list[float] | None:
+    """Every rank's wait for the others per step (forward and backward together), when
+    every rank measured it (None otherwise)."""
+    rows = _arrival_rows(s)
+    return None if rows is None else [r["wait"] + r.get("wait_fwd", 0.0) for r in rows]
+
+
+def own_phases(s: Summary, rows: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Each rank's own seconds per step in each phase (forward and backward without
+    their waits, GC pauses apart from the phase they fell in: counted in ``gc`` and
+    ``total``)."""
     own = []
-    for p, wait in zip(s.rank_phases, waits, strict=True):
+    for p, r in zip(s.rank_phases, rows, strict=True):
         row = {k: p[k] for k in _STEP_KEYS}
-        row["backward"] = max(0.0, row["backward"] - wait)
-        row["gc"] = gcs.get(p["rank"], 0.0)
+        row["forward"] = max(0.0, row["forward"] - r.get("wait_fwd", 0.0))
+        row["backward"] = max(0.0, row["backward"] - r["wait"])
+        row["gc"] = r.get("gc", 0.0)
         row["total"] = sum(row[k] for k in _STEP_KEYS)
         own.append(row)
     return own
 
 
+def _pipelined(rows: list[dict[str, float]]) -> bool:
+    return any(r.get("stage", -1) >= 0 for r in rows)
+
+
 def straggler(s: Summary, facts: RunFacts) -> Finding | None:
-    """The rank the others wait for, and the phase its extra time goes to."""
-    waits = measured_waits(s)
-    if waits is None:
+    """The rank the others wait for, and the phase its extra time goes to (under
+    pipeline, a stage's compute is :func:`slow_stage`'s)."""
+    rows = _arrival_rows(s)
+    if rows is None:
         return None
-    own = own_phases(s, waits)
+    own = own_phases(s, rows)
     slow = max(range(len(own)), key=lambda i: own[i]["total"])
     rest = [o for i, o in enumerate(own) if i != slow]
     typical = _median([o["total"] for o in rest])
@@ -72,14 +88,14 @@ def straggler(s: Summary, facts: RunFacts) -> Finding | None:
     extra = {k: own[slow][k] - _median([o[k] for o in rest]) for k in (*_STEP_KEYS, "gc")}
     # A GC pause is inside some phase: it wins when it explains most of the excess.
     phase = "gc" if extra["gc"] >= 0.5 * excess else max(_STEP_KEYS, key=extra.__getitem__)
+    if phase == "forward" and _pipelined(rows):
+        return slow_stage(s, facts, rows, own, slow)
     rank = s.rank_phases[slow]["rank"]
     share = extra[phase] / excess
-    others_wait = _median([w for i, w in enumerate(waits) if i != slow])
     message = (f"rank {rank} spends {_ms(own[slow]['total'])} per step on its own work, the "
-               f"other ranks {_ms(typical)}; they wait for it in the gradient all-reduce "
-               f"({_ms(others_wait)} per step at the end of their backward, rank {rank} "
-               f"{_ms(waits[slow])}). Its extra {_ms(excess)} goes to "
-               f"{_PHASE_WORDS[phase]}: {_ms(own[slow][phase])} against "
+               f"other ranks {_ms(typical)}; {_where_they_wait(rows, slow, rank)}. Its "
+               f"extra {_ms(excess)} goes to {_PHASE_WORDS[phase]}: "
+               f"{_ms(own[slow][phase])} against "
                f"{_ms(_median([o[phase] for o in rest]))} elsewhere.")
     runner_up = max((k for k in (*_STEP_KEYS, "gc") if k != phase), key=extra.__getitem__)
     if share < 0.6 and extra[runner_up] > 0.25 * excess:
@@ -89,8 +105,65 @@ def straggler(s: Summary, facts: RunFacts) -> Finding | None:
     return Finding("straggler", "warn", f"rank {rank} is the straggler ({_KIND[phase]})",
                    message, _straggler_fix(rank, phase), confidence=confidence,
                    measurements={"rank": rank, "phase": phase, "excess_s": excess,
-                                 "own_s": [o["total"] for o in own], "wait_s": waits,
+                                 "own_s": [o["total"] for o in own],
+                                 "wait_s": [r["wait"] for r in rows],
+                                 "wait_forward_s": [r.get("wait_fwd", 0.0) for r in rows],
                                  "phase_excess_s": extra, "step_s": s.step_s})
+
+
+def _where_they_wait(rows: list[dict[str, float]], slow: int, rank: int) -> str:
+    """Where the other ranks wait for rank ``rank`` (row ``slow``), with the waits."""
+    others = [r for i, r in enumerate(rows) if i != slow]
+    bwd = _median([r["wait"] for r in others])
+    fwd = _median([r.get("wait_fwd", 0.0) for r in others])
+    if not any(r.get("wait_fwd", 0.0) for r in rows):  # ddp: the all-reduce ends backward
+        return (f"they wait for it in the gradient all-reduce ({_ms(bwd)} per step at the "
+                f"end of their backward, rank {rank} {_ms(rows[slow]['wait'])})")
+    return (f"they wait for it in the collectives of forward and backward (FSDP's "
+            f"all-gathers and reduce-scatters): {_ms(fwd)} and {_ms(bwd)} per step, "
+            f"rank {rank} {_ms(rows[slow].get('wait_fwd', 0.0))} and "
+            f"{_ms(rows[slow]['wait'])}")
+
+
+def slow_stage(s: Summary, facts: RunFacts, rows: list[dict[str, float]],
+               own: list[dict[str, float]], slow: int) -> Finding:
+    """The pipeline stage whose compute sets the pace (row ``slow`` computes the most
+    per step): every other stage waits for it in its sends and receives."""
+    stage = int(rows[slow]["stage"])
+    per_chunk = [o["forward"] / max(1.0, r.get("chunks", 0.0)) for o, r in zip(own, rows)]
+    rest = [i for i in range(len(rows)) if int(rows[i]["stage"]) != stage]
+    typical = _median([per_chunk[i] for i in rest]) if rest else 0.0
+    excess = own[slow]["forward"] - (_median([own[i]["forward"] for i in rest])
+                                     if rest else 0.0)
+    ranks = [s.rank_phases[i]["rank"] for i in range(len(rows))
+             if int(rows[i]["stage"]) == stage
+             and own[i]["forward"] - own[slow]["forward"] > -0.5 * excess]
+    waits = [r["wait_fwd"] + r["wait"] for r in rows]
+    others_wait = _median([waits[i] for i in rest]) if rest else 0.0
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+    stages = max(int(r["stage"]) for r in rows) + 1
+    chunks = rows[slow].get("chunks", 0.0)
+    message = (f"pipeline stage {stage} of {stages} ({who}) computes {_ms(per_chunk[slow])} "
+               f"per micro-batch ({chunks:.0f} per step: {_ms(own[slow]['forward'])}), the "
+               f"other stages {_ms(typical)}; they wait for it in their sends and receives "
+               f"({_ms(others_wait)} per step, stage {stage} {_ms(waits[slow])}).")
+    link = waits[slow] < 0.5 * others_wait  # only the others wait: not the link
+    if link:
+        message += (" It is the stage's own compute, not the link: a slow link would keep "
+                    "every stage waiting, this one too.")
+    else:
+        message += (f" Stage {stage} waits about as long as the others: a slow link "
+                    "between the stages is as plausible.")
+    fix = (f"give stage {stage} less work: move layers to its neighbours with "
+           "parallel.pipeline.split (the layers where stages 2..N begin), or, if its "
+           f"layers hold no more work than the others', check {who}'s device (clocks, "
+           "temperature, other processes or fewer threads: `gpufleet top` on its node).")
+    confidence = "high" if link and excess >= 0.25 * s.step_s else "medium"
+    return Finding("slow-stage", "warn", f"pipeline stage {stage} ({who}) is the slow stage",
+                   message, fix, confidence=confidence,
+                   measurements={"stage": stage, "ranks": ranks, "excess_s": excess,
+                                 "compute_per_microbatch_s": per_chunk,
+                                 "wait_s": waits, "step_s": s.step_s})
 
 
 def _straggler_fix(rank: int, phase: str) -> str:
@@ -116,18 +189,24 @@ def communication_bound(s: Summary, facts: RunFacts) -> Finding | None:
     """Communication-bound when the all-reduce itself is slow: the last rank to arrive
     still waits most of the step. Without that measurement, only several nodes can make
     it plausible (and then a straggler in backward is as plausible)."""
-    waits = measured_waits(s)
-    if waits is None:
+    rows = _arrival_rows(s)
+    if rows is None:
         return _unmeasured(s, facts)
+    if _pipelined(rows):  # a stage's waits hold the schedule's bubble: not judged here
+        return None
+    waits = [r["wait"] + r.get("wait_fwd", 0.0) for r in rows]
     comm = min(waits)  # the last rank to arrive waits for nobody: the transfer alone
     if comm < max(0.3 * s.step_s, 2e-3):
         return None
     grad_bytes = max((r.get("grad_bytes", 0.0) for r in s.rank_arrival), default=0.0)
     several = facts.world > facts.local_world
     measured_slow = bool(slow_node_fix(facts.links))
-    message = (f"the last rank to reach the gradient all-reduce still waits {_ms(comm)} of "
-               f"each {_ms(s.step_s)} step ({comm / s.step_s:.0%}) for it to finish, "
-               f"moving {grad_bytes / 2**20:.3g} MiB of gradients per step (the wait for "
+    what = ("FSDP's all-gathers and reduce-scatters" if any(r.get("wait_fwd", 0.0)
+                                                             for r in rows)
+            else "the gradient all-reduce")
+    message = (f"the last rank to reach {what} still waits {_ms(comm)} of "
+               f"each {_ms(s.step_s)} step ({comm / s.step_s:.0%}) for them to finish, "
+               f"moving {grad_bytes / 2**20:.3g} MiB per step (the wait for "
                f"late ranks is not counted: the others wait {_ms(max(waits))} at most).")
     if facts.links:
         message += " " + link_sentence(facts.links)

@@ -115,6 +115,13 @@ class PipelineParallel(Strategy):
                      self.cfg.pipeline.schedule, 100 * self.bubble_share,
                      " | ".join(f"{s[0]}..{s[-1]}" if len(s) > 1 else s[0] for s in self.layers))
 
+    @property
+    def pipeline_stage(self) -> Any:
+        """This rank's ``torch.distributed.pipelining.PipelineStage`` (built by
+        :meth:`attach`), whose micro-batch methods the schedule calls (the arrival
+        timer times them)."""
+        return self._stage
+
     def _sync_ties(self, before: list[torch.Tensor | None]) -> None:
         """Sum over the two stages of each tie what this step's backward added to the
         tied parameter's gradient (COLLECTIVE over the pair: one all-reduce)."""
