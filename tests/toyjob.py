@@ -256,19 +256,40 @@ class _SlowBackward(torch.autograd.Function):
 
 
 class _BackwardStraggler(nn.Module):
+    def __init__(self, inner: nn.Module, delay: float, after: int = 0) -> None:
+        super().__init__()
+        self.inner, self.delay, self.after, self.calls = inner, delay, after, 0
+
+    def forward(self, x):
+        out = self.inner(x)
+        self.calls += 1
+        slow = self.delay and self.calls > self.after
+        return _SlowBackward.apply(out, self.delay) if slow else out
+
+
+def make_model_slow_backward(rank: int = 1, delay: float = 0.015, after: int = 0
+                             ) -> nn.Module:
+    """The toy model; on rank ``rank`` its backward does ``delay`` s of extra work (from
+    its ``after + 1``-th forward on)."""
+    mine = int(os.environ.get("RANK", "0")) == rank
+    return _BackwardStraggler(make_model(), delay if mine else 0.0, after)
+
+
+class _ForwardStraggler(nn.Module):
     def __init__(self, inner: nn.Module, delay: float) -> None:
         super().__init__()
         self.inner, self.delay = inner, delay
 
     def forward(self, x):
-        out = self.inner(x)
-        return _SlowBackward.apply(out, self.delay) if self.delay else out
+        if self.delay:
+            time.sleep(self.delay)
+        return self.inner(x)
 
 
-def make_model_slow_backward(rank: int = 1, delay: float = 0.015) -> nn.Module:
-    """The toy model; on rank ``rank`` its backward does ``delay`` s of extra work."""
+def make_model_slow_forward(rank: int = 1, delay: float = 0.015) -> nn.Module:
+    """The toy model; on rank ``rank`` its forward does ``delay`` s of extra work."""
     mine = int(os.environ.get("RANK", "0")) == rank
-    return _BackwardStraggler(make_model(), delay if mine else 0.0)
+    return _ForwardStraggler(make_model(), delay if mine else 0.0)
 
 
 def make_model_slow_optimizer(rank: int = 1, delay: float = 0.015) -> nn.Module:
@@ -346,3 +367,25 @@ class _StuckInNative(nn.Module):
 def make_model_stuck_in_native(rank: int = 1, at: int = 5, sleep: int = 60) -> nn.Module:
     """The toy model; rank ``rank``'s ``at``-th forward is stuck in native code."""
     return _StuckInNative(rank, at, sleep)
+
+
+class _SleepOnRank(nn.Module):
+    """Identity; on rank ``rank`` each forward also sleeps ``delay`` seconds."""
+
+    def __init__(self, rank: int, delay: float) -> None:
+        super().__init__()
+        self.delay = delay if int(os.environ.get("RANK", "-1")) == rank else 0.0
+
+    def forward(self, x):
+        if self.delay:
+            time.sleep(self.delay)
+        return x
+
+
+def make_model_slow_stage(rank: int = 1, delay: float = 0.003) -> nn.Module:
+    """The toy model as a plain sequence (a pipeline can cut it); the stage on rank
+    ``rank`` sleeps ``delay`` s more per micro-batch forward (twice, if it holds both
+    sleeping layers). ``delay = 0``: a clean pipeline."""
+    return nn.Sequential(nn.Linear(8, 16), _SleepOnRank(rank, delay), nn.Tanh(),
+                         nn.Linear(16, 16), _SleepOnRank(rank, delay), nn.Tanh(),
+                         nn.Linear(16, 1))

@@ -92,10 +92,10 @@ def straggler(s: Summary, facts: RunFacts) -> Finding | None:
         return slow_stage(s, facts, rows, own, slow)
     rank = s.rank_phases[slow]["rank"]
     share = extra[phase] / excess
+    waited = _where_they_wait(rows, slow, rank, facts.strategy)
     message = (f"rank {rank} spends {_ms(own[slow]['total'])} per step on its own work, the "
-               f"other ranks {_ms(typical)}; {_where_they_wait(rows, slow, rank)}. Its "
-               f"extra {_ms(excess)} goes to {_PHASE_WORDS[phase]}: "
-               f"{_ms(own[slow][phase])} against "
+               f"other ranks {_ms(typical)}; {waited}. Its extra {_ms(excess)} goes to "
+               f"{_PHASE_WORDS[phase]}: {_ms(own[slow][phase])} against "
                f"{_ms(_median([o[phase] for o in rest]))} elsewhere.")
     runner_up = max((k for k in (*_STEP_KEYS, "gc") if k != phase), key=extra.__getitem__)
     if share < 0.6 and extra[runner_up] > 0.25 * excess:
@@ -111,18 +111,25 @@ def straggler(s: Summary, facts: RunFacts) -> Finding | None:
                                  "phase_excess_s": extra, "step_s": s.step_s})
 
 
-def _where_they_wait(rows: list[dict[str, float]], slow: int, rank: int) -> str:
+def _where_they_wait(rows: list[dict[str, float]], slow: int, rank: int,
+                     strategy: str) -> str:
     """Where the other ranks wait for rank ``rank`` (row ``slow``), with the waits."""
     others = [r for i, r in enumerate(rows) if i != slow]
     bwd = _median([r["wait"] for r in others])
     fwd = _median([r.get("wait_fwd", 0.0) for r in others])
-    if not any(r.get("wait_fwd", 0.0) for r in rows):  # ddp: the all-reduce ends backward
+    if strategy not in _SHARDED and not any(r.get("wait_fwd", 0.0) for r in rows):
         return (f"they wait for it in the gradient all-reduce ({_ms(bwd)} per step at the "
                 f"end of their backward, rank {rank} {_ms(rows[slow]['wait'])})")
-    return (f"they wait for it in the collectives of forward and backward (FSDP's "
-            f"all-gathers and reduce-scatters): {_ms(fwd)} and {_ms(bwd)} per step, "
-            f"rank {rank} {_ms(rows[slow].get('wait_fwd', 0.0))} and "
-            f"{_ms(rows[slow]['wait'])}")
+    where = _SHARDED.get(strategy, _SHARDED["fsdp"])
+    return (f"they wait for it in the collectives of forward and backward ({where}): "
+            f"{_ms(fwd)} and {_ms(bwd)} per step, rank {rank} "
+            f"{_ms(rows[slow].get('wait_fwd', 0.0))} and {_ms(rows[slow]['wait'])}")
+
+
+# The collectives a sharded strategy's forward and backward wait in.
+_SHARDED = {"fsdp": "FSDP's all-gathers and reduce-scatters",
+            "hsdp": "FSDP's all-gathers and reduce-scatters, and the all-reduce across "
+                    "replicas"}
 
 
 def slow_stage(s: Summary, facts: RunFacts, rows: list[dict[str, float]],

@@ -134,6 +134,8 @@ class Summary:
     train_s: float = 0.0  # seconds in training steps
     outside: dict[str, tuple[float, int]] = field(default_factory=dict)  # eval, checkpoint
     log_callbacks: dict[str, float] = field(default_factory=dict)  # seconds in on_log
-    # per rank: wait (s waiting at the end of backward; -1 not measured), gc (s in GC
-    # pauses), grad_bytes (all-reduced), per step (gpufleet.monitor.arrival)
+    # per rank, per step (gpufleet.monitor.arrival): wait (s waiting for other ranks in
+    # backward; -1 not measured), gc (s in GC pauses), grad_bytes (moved by the
+    # gradient collectives), wait_fwd (s waiting in forward: fsdp, pipeline), chunks
+    # (a pipeline stage's micro-batches), stage (its number; -1: not a pipeline)
     rank_arrival: list[dict[str, float]] = field(default_factory=list)
