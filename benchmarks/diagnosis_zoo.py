@@ -112,6 +112,8 @@ class _Variant(nn.Module):
         out = out.view(batch, -1).mean(-1, keepdim=True)
         if self.kind == "backward" and self.amount:
             out = _ExtraBackward.apply(out, None, self.amount)
+        if self.kind == "forward" and self.amount:
+            _busy(self.amount)  # no extra call of the (maybe sharded) layers: fsdp-safe
         if self.kind == "gc" and self.amount:
             # Many live Python objects and a full collection every 4th step: the pauses
             # a long-lived cache of small objects brings.
@@ -132,11 +134,35 @@ def _busy(n: int, *_: Any) -> None:
 
 
 def make_variant(kind: str, rank: int = 1, amount: int = 1) -> nn.Module:
-    """The MLP with ``kind`` of extra cost on rank ``rank``: ``backward`` (extra
-    arithmetic in backward), ``optimizer`` (in the optimizer step), ``gc`` (full
+    """The MLP with ``kind`` of extra cost on rank ``rank``: ``forward`` or ``backward``
+    (extra arithmetic there), ``optimizer`` (in the optimizer step), ``gc`` (full
     collections over many live objects), ``threads`` (one torch thread on that rank),
     ``item`` (a ``.item()`` every step, every rank)."""
     return _Variant(kind, rank, amount)
+
+
+class _BusyOnRank(nn.Module):
+    """Identity; on rank ``rank`` each forward also does ``amount`` matmuls of extra
+    arithmetic (see :func:`_busy`)."""
+
+    def __init__(self, rank: int, amount: int) -> None:
+        super().__init__()
+        self.amount = amount if _mine(rank) else 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.amount:
+            _busy(self.amount)
+        return x
+
+
+def make_stack(dim: int = 256, depth: int = 4, rank: int = 1, amount: int = 0) -> nn.Module:
+    """An MLP regressor as one plain ``nn.Sequential`` (a pipeline cuts it into stages
+    of equal layers); on rank ``rank`` each layer also does ``amount`` matmuls of extra
+    arithmetic per micro-batch, so the stage that rank runs is slow."""
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(dim, dim), nn.GELU(), _BusyOnRank(rank, amount)]
+    return nn.Sequential(*layers, nn.Linear(dim, 1))
 
 
 class _Data(Dataset):
@@ -310,8 +336,32 @@ def _user_reports(cores: int) -> list[Scenario]:
                                         "--model.kwargs={width = 640, depth = 3}"],
                  write_bps=8 * 2**20, needs=slow_disk_missing()),
         Scenario("clean, 2 ranks", None, two),
+        *_sharded_and_pipelined(),
         Scenario("clean, 2 nodes (network bed, links unlimited)", None,
                  launcher="two-nodes-clean", needs=_netbed_missing()),
+    ]
+
+
+def _sharded_and_pipelined() -> list[Scenario]:
+    """Stragglers where the collectives sit in forward too (fsdp) or between stages
+    (pipeline), and the same runs clean."""
+    fsdp = ["--nproc=2", "--batch-size=32", "--strategy=fsdp"]
+    # Micro-batches of 64 rows of 512: enough arithmetic per micro-batch that a clean
+    # pipeline is not held back by per-operation overhead (host-bound).
+    pipe = ["--nproc=2", "--batch-size=256", "--strategy=pipeline",
+            "--model=diagnosis_zoo:make_stack", "--data.kwargs={dim = 512}"]
+    return [
+        Scenario("fsdp forward straggler (rank 1: extra arithmetic in forward)", "straggler",
+                 [*fsdp, *_variant("forward", 12)],
+                 cause_removed=([*fsdp, *_variant("forward", 0)], {}, 0)),
+        Scenario("fsdp backward straggler (rank 1: extra arithmetic in backward)",
+                 "straggler", [*fsdp, *_variant("backward", 12)],
+                 cause_removed=([*fsdp, *_variant("backward", 0)], {}, 0)),
+        Scenario("pipeline slow stage (rank 1's stage: extra arithmetic per micro-batch)",
+                 "slow-stage", [*pipe, "--model.kwargs={dim = 512, amount = 2}"],
+                 cause_removed=([*pipe, "--model.kwargs={dim = 512}"], {}, 0)),
+        Scenario("clean, fsdp on 2 ranks", None, fsdp),
+        Scenario("clean, pipeline on 2 ranks", None, [*pipe, "--model.kwargs={dim = 512}"]),
     ]
 
 

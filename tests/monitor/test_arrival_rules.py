@@ -131,7 +131,8 @@ def test_a_forward_or_backward_straggler_under_fsdp_and_hsdp(run_cli, tmp_path, 
             strategy, *mesh, "--max-steps", "20", "--run-dir", "runs/s")
     found = {f["rule"]: f for f in json.loads(
         (tmp_path / "runs" / "s" / "diagnosis.json").read_text())["findings"]}
-    assert "communication-bound" not in found
+    comm = found.get("communication-bound")
+    assert comm is None or (comm["severity"], comm["confidence"]) == ("info", "low"), comm
     f = found["straggler"]
     assert f["title"] == f"rank 1 is the straggler ({where})", f["message"]
     assert "they wait for it in the collectives of forward and backward" in f["message"]
