@@ -44,6 +44,19 @@ def test_an_fsdp_forward_straggler_is_named_with_forward_not_communication():
     assert f.measurements["wait_forward_s"] == [0.0125, 0.0005]
 
 
+def test_fsdp_collectives_slow_for_every_rank_get_fsdp_advice_and_no_warning_on_one_node():
+    facts = RunFacts(world=2, local_world=2, cores=2, strategy="fsdp")
+    # Both ranks spend 5 ms of forward and 7 ms of backward inside the collectives.
+    s = _summary([(0.001, 0.008, 0.012, 0.001, 0.001)] * 2,
+                 [{"wait_fwd": 0.005, "wait": 0.007}] * 2, step=0.023)
+    found = _rules(diagnose(s, facts))
+    f = found["communication-bound"]
+    assert (f.severity, f.confidence) == ("info", "low") and "straggler" not in found
+    assert "FSDP's all-gathers and reduce-scatters" in f.message
+    assert "reshard_after_forward=false" in f.fix and "bucket_cap_mb" not in f.fix
+    assert "powersgd" not in f.fix
+
+
 def test_a_slow_pipeline_stage_is_named_as_its_compute_not_the_link():
     facts = RunFacts(world=2, local_world=2, cores=2, strategy="pipeline")
     # 4 micro-batches: stage 1 computes 8 ms each, stage 0 2 ms; stage 0 waits 30 ms of

@@ -193,7 +193,7 @@ def _straggler_fix(rank: int, phase: str) -> str:
 
 
 def communication_bound(s: Summary, facts: RunFacts) -> Finding | None:
-    """Communication-bound when the all-reduce itself is slow: the last rank to arrive
+    """Communication-bound when the collectives themselves are slow: the last rank to arrive
     still waits most of the step. Without that measurement, only several nodes can make
     it plausible (and then a straggler in backward is as plausible)."""
     rows = _arrival_rows(s)
@@ -208,19 +208,26 @@ def communication_bound(s: Summary, facts: RunFacts) -> Finding | None:
     grad_bytes = max((r.get("grad_bytes", 0.0) for r in s.rank_arrival), default=0.0)
     several = facts.world > facts.local_world
     measured_slow = bool(slow_node_fix(facts.links))
-    what = ("FSDP's all-gathers and reduce-scatters" if any(r.get("wait_fwd", 0.0)
-                                                             for r in rows)
-            else "the gradient all-reduce")
+    sharded = facts.strategy in _SHARDED or any(r.get("wait_fwd", 0.0) for r in rows)
+    what = _SHARDED.get(facts.strategy, _SHARDED["fsdp"]) if sharded \
+        else "the gradient all-reduce"
     message = (f"the last rank to reach {what} still waits {_ms(comm)} of "
                f"each {_ms(s.step_s)} step ({comm / s.step_s:.0%}) for them to finish, "
                f"moving {grad_bytes / 2**20:.3g} MiB per step (the wait for "
                f"late ranks is not counted: the others wait {_ms(max(waits))} at most).")
     if facts.links:
         message += " " + link_sentence(facts.links)
-    fix = (f"raise optim.grad_accum from {facts.grad_accum} to {2 * facts.grad_accum} (one "
-           f"all-reduce per {2 * facts.grad_accum} micro-batches) or data.batch_size, or "
-           f"raise parallel.ddp.bucket_cap_mb from {facts.bucket_cap_mb:g} to "
-           f"{max(50.0, 2 * facts.bucket_cap_mb):g} (fewer, larger messages)")
+    if sharded:
+        fix = (f"raise data.batch_size, or optim.grad_accum from {facts.grad_accum} to "
+               f"{2 * facts.grad_accum} (the reduce-scatters run once per optimizer step), "
+               "or set parallel.fsdp.reshard_after_forward=false (one all-gather per block "
+               "fewer, for more memory)")
+    else:
+        fix = (f"raise optim.grad_accum from {facts.grad_accum} to {2 * facts.grad_accum} "
+               f"(one all-reduce per {2 * facts.grad_accum} micro-batches) or "
+               f"data.batch_size, or raise parallel.ddp.bucket_cap_mb from "
+               f"{facts.bucket_cap_mb:g} to {max(50.0, 2 * facts.bucket_cap_mb):g} (fewer, "
+               "larger messages)")
     if measured_slow and facts.comm_hooks:  # a link measured slow: send fewer bytes
         fix += (", send fewer bytes with parallel.ddp.comm_hook=powersgd (low-rank) or "
                 "fp16 (half the bytes), or average less often with --strategy local_sgd")
@@ -249,7 +256,7 @@ def communication_bound(s: Summary, facts: RunFacts) -> Finding | None:
 
 
 def _unmeasured(s: Summary, facts: RunFacts) -> Finding | None:
-    """Several nodes, no arrival measurement (FSDP, a compression hook): a backward far
+    """Several nodes, no arrival measurement (a compression hook, local SGD): a backward far
     longer than twice the forward on every rank points at the link or at a straggler."""
     if facts.world <= facts.local_world:
         return None  # one node: no link to blame without a measurement
