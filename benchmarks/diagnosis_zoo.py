@@ -352,10 +352,10 @@ def _sharded_and_pipelined() -> list[Scenario]:
             "--model=diagnosis_zoo:make_stack", "--data.kwargs={dim = 512}"]
     return [
         Scenario("fsdp forward straggler (rank 1: extra arithmetic in forward)", "straggler",
-                 [*fsdp, *_variant("forward", 12)],
+                 [*fsdp, *_variant("forward", 20)],
                  cause_removed=([*fsdp, *_variant("forward", 0)], {}, 0)),
         Scenario("fsdp backward straggler (rank 1: extra arithmetic in backward)",
-                 "straggler", [*fsdp, *_variant("backward", 12)],
+                 "straggler", [*fsdp, *_variant("backward", 20)],
                  cause_removed=([*fsdp, *_variant("backward", 0)], {}, 0)),
         Scenario("pipeline slow stage (rank 1's stage: extra arithmetic per micro-batch)",
                  "slow-stage", [*pipe, "--model.kwargs={dim = 512, amount = 2}"],
