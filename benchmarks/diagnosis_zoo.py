@@ -345,7 +345,7 @@ def _user_reports(cores: int) -> list[Scenario]:
 def _sharded_and_pipelined() -> list[Scenario]:
     """Stragglers where the collectives sit in forward too (fsdp) or between stages
     (pipeline), and the same runs clean."""
-    fsdp = ["--nproc=2", "--batch-size=32", "--strategy=fsdp"]
+    fsdp = ["--nproc=2", "--batch-size=128", "--strategy=fsdp"]
     # Micro-batches of 64 rows of 512: enough arithmetic per micro-batch that a clean
     # pipeline is not held back by per-operation overhead (host-bound).
     pipe = ["--nproc=2", "--batch-size=256", "--strategy=pipeline",
