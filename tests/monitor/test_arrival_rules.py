@@ -44,6 +44,17 @@ def test_an_fsdp_forward_straggler_is_named_with_forward_not_communication():
     assert f.measurements["wait_forward_s"] == [0.0125, 0.0005]
 
 
+def test_a_rank_slow_to_load_its_batches_is_named_input_bound():
+    facts = RunFacts(world=2, local_world=2, cores=2, strategy="fsdp")
+    # Rank 1 waits 10 ms more for its batch; rank 0 waits for it in the first all-gather.
+    s = _summary([(0.001, 0.014, 0.006, 0.001, 0.001), (0.011, 0.004, 0.006, 0.001, 0.001)],
+                 [{"wait_fwd": 0.0105, "wait": 0.002}, {"wait_fwd": 0.0005, "wait": 0.002}],
+                 step=0.023)
+    f = _rules(diagnose(s, facts))["straggler"]
+    assert f.title == "rank 1 is the straggler (input-bound)"
+    assert "data.num_workers" in f.fix
+
+
 def test_fsdp_collectives_slow_for_every_rank_get_fsdp_advice_and_no_warning_on_one_node():
     facts = RunFacts(world=2, local_world=2, cores=2, strategy="fsdp")
     # Both ranks spend 5 ms of forward and 7 ms of backward inside the collectives.

@@ -33,7 +33,7 @@ def test_a_slow_dataset_is_input_bound_with_a_num_workers_suggestion(run_cli, tm
 
 
 @pytest.mark.slow  # the default run names a backward straggler by arrival (below, and
-# under fsdp in test_arrival_rules.py); the data phase's naming is in the rules' tests
+# under fsdp in test_arrival_rules.py) and a data straggler from measured-looking numbers
 def test_a_sleeping_rank_is_named_the_straggler(run_cli, tmp_path):
     # Rank 1 takes 2 ms per item (32 ms per batch of 16); rank 0 reads at full speed.
     proc = run_cli("train", *TOY, "--data", "toyjob:make_slow_data",
