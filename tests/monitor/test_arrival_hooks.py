@@ -3,10 +3,13 @@ in place of the transfers (the real ones run in tests/monitor/test_arrival_rules
 
 from __future__ import annotations
 
+import doctest
+
 import torch
 
 from gpufleet.core.phases import Phase
 from gpufleet.core.ring import RING
+from gpufleet.monitor import arrival_hooks, metrics
 from gpufleet.monitor.arrival import ARRIVAL, ArrivalTimer
 from gpufleet.monitor.arrival_hooks import (
     BACKWARD,
@@ -133,3 +136,9 @@ def test_fsdp_waits_come_from_the_hooks_and_nothing_measured_says_so():
     timer._hooks.sums[FORWARD], timer._hooks.sums[BACKWARD] = 0.004, 0.010
     row = dict(zip(ARRIVAL, timer.take()))
     assert (row["wait_fwd"], row["wait"], row["stage"]) == (0.002, 0.005, -1.0)
+
+
+def test_doctests():
+    for module in (arrival_hooks, metrics):
+        result = doctest.testmod(module)
+        assert result.failed == 0 and result.attempted > 0, module.__name__

@@ -154,7 +154,13 @@ class _TimedReduceScatter:
 
 def time_fsdp(model: nn.Module, waits: Waits) -> bool:
     """Time every FSDP2 module's collectives in ``model`` into ``waits``; True when any
-    is timed (False: no FSDP2 module, or a torch whose FSDP2 lacks the hook points)."""
+    is timed (False: no FSDP2 module, or a torch whose FSDP2 lacks the hook points).
+
+    Example:
+        >>> from torch import nn
+        >>> time_fsdp(nn.Linear(2, 2), Waits())  # not sharded: nothing to time
+        False
+    """
     comms = _fsdp_comms()
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -188,7 +194,17 @@ def _is_hsdp(module: nn.Module) -> bool:
 
 def time_stage(stage: Any, waits: Waits) -> bool:
     """Time each micro-batch's forward and backward of a ``torch.distributed.pipelining``
-    stage (its ``forward_one_chunk`` and ``backward_one_chunk``) into ``waits``."""
+    stage (its ``forward_one_chunk`` and ``backward_one_chunk``) into ``waits``; True
+    when the stage has both.
+
+    Example:
+        >>> class Stage:
+        ...     def forward_one_chunk(self, i): return i
+        ...     def backward_one_chunk(self, i): return None
+        >>> waits, stage = Waits(), Stage()
+        >>> time_stage(stage, waits), stage.forward_one_chunk(0), waits.sums[CHUNKS]
+        (True, 0, 1.0)
+    """
     for name, counts in (("forward_one_chunk", True), ("backward_one_chunk", False)):
         method = getattr(stage, name, None)
         if method is None:

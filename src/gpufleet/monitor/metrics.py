@@ -36,12 +36,14 @@ def phase_metrics(table: list[float], world: int, rank: int,
 
 
 def arrival_metrics(table: list[float], world: int) -> list[dict[str, Any]]:
-    """Every rank's all-reduce wait, GC pauses and gradient bytes (a flat
-    ``[world, ARRIVAL]`` table, mean per step); a wait of -1 means not measured.
+    """Every rank's waits for the others, GC pauses, gradient bytes and pipeline stage
+    (a flat ``[world, ARRIVAL]`` table, mean per step); a wait of -1 means not measured.
 
     Example:
-        >>> arrival_metrics([0.01, 0.0, 4e6, 0.002, 0.001, 4e6], 2)[1]["wait"]
-        0.002
+        >>> table = [0.01, 0.0, 4e6, 0.003, 0.0, -1.0, 0.002, 0.001, 4e6, 0.001, 0.0, -1.0]
+        >>> row = arrival_metrics(table, 2)[1]
+        >>> row["wait"], row["wait_fwd"], row["stage"]
+        (0.002, 0.001, -1.0)
     """
     n = len(ARRIVAL)
     return [{"rank": r, **dict(zip(ARRIVAL, table[r * n:(r + 1) * n]))} for r in range(world)]
