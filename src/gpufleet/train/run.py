@@ -70,7 +70,7 @@ class Monitors:
     not run on this rank (one system sampler per node, the advisor on rank 0)."""
 
     phase_timer: PhaseTimer | None = None
-    arrival: ArrivalTimer | None = None  # the all-reduce wait and GC pauses
+    arrival: ArrivalTimer | None = None  # each rank's wait for the others, GC pauses
     watchdog: Watchdog | None = None
     preemption: PreemptionWatch | None = None
     system_sampler: SystemSampler | None = None
