@@ -19,6 +19,15 @@ metrics.jsonl:
 ``--lose-store`` kills node 0 instead, the node whose agent hosts the rendezvous store
 (``--rdzv-endpoint`` points at it): it measures what the survivor does then, whether it
 trains alone, and how long until its launcher exits, with the last lines it printed.
+
+``--store-host separate`` runs the store off the training nodes: a third node of the bed
+serves it (``gpufleet store``) and every training node is its client. Node 0 is then the
+node killed, a node like any other: recovery, steps repeated, lost progress and node
+0's rejoin are measured as above, node 1 the survivor. With ``--lose-store`` too, the
+store's own node is killed and both training nodes are watched.
+
+    sudo python benchmarks/node_loss.py --store-host separate --repeats 3
+    sudo python benchmarks/node_loss.py --store-host separate --lose-store
 """
 
 from __future__ import annotations
@@ -99,29 +108,111 @@ def one_loss(bed: NetBed, run_dir: Path, args: argparse.Namespace) -> dict[str, 
 
 def store_loss(bed: NetBed, run_dir: Path, args: argparse.Namespace,
                limit: float = 240.0) -> dict[str, object]:
-    """Both nodes train; every process of node 0 (the store's host) is killed. Node 1's
-    launcher is watched for ``limit`` seconds."""
-    job = elastic_job(bed, run_dir, args)
+    """Both nodes train; every process of the store's host is killed: node 0 (the store
+    in its launcher), or with ``--store-host separate`` the third node that runs
+    ``gpufleet store``. The training nodes left are watched for ``limit`` seconds."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    bed.popen(0, job, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(0.5)
-    log = run_dir.parent / f"{run_dir.name}-node1.log"
-    with open(log, "w") as out:
-        survivor = bed.popen(1, job, env=env, stdout=out, stderr=subprocess.STDOUT)
+    job = elastic_job(bed, run_dir, args)
+    host = 2 if args.store_host == "separate" else 0
+    if host == 2:
+        job = with_endpoint(job, start_store(bed, 2, env, run_dir.parent / "store.log"))
+    left = [n for n in (0, 1) if n != host]
+    procs, logs = {}, {n: run_dir.parent / f"{run_dir.name}-node{n}.log" for n in (0, 1)}
+    for n in (0, 1):
+        with open(logs[n], "w") as out:
+            procs[n] = bed.popen(n, job, env=env, stdout=out, stderr=subprocess.STDOUT)
+        time.sleep(0.5)  # node 0 first: with the store in its launcher, it must listen
     wait_until(lambda: [r for r in records(run_dir)
                         if r["step"] >= args.kill_at and len(r["rank_phases"]) == 2], 300)
     seen = len(records(run_dir))
     killed_at = time.time()
+    bed.kill_node(host)
+    row: dict[str, object] = {"host": host}
+    for n in left:
+        try:
+            code = procs[n].wait(timeout=max(1.0, killed_at + limit - time.time()))
+            row[f"exit_s{n}"], row[f"code{n}"] = time.time() - killed_at, code
+        except subprocess.TimeoutExpired:
+            row[f"exit_s{n}"], row[f"code{n}"] = float("inf"), None
+        tail = [line for line in logs[n].read_text(errors="replace").splitlines()
+                if line.strip()]
+        row[f"last_lines{n}"] = tail[-4:]
+    row["trained_alone"] = any(len(r["rank_phases"]) == 1 for r in records(run_dir)[seen:])
+    return row
+
+
+STORE_PORT = 29400
+
+
+def start_store(bed: NetBed, node: int, env: dict[str, str], log: Path) -> str:
+    """``gpufleet store`` on ``node`` of the bed (output to ``log``); its endpoint once it
+    listens."""
+    with open(log, "w") as out:
+        bed.popen(node, [sys.executable, "-m", "gpufleet", "store", "--port",
+                         str(STORE_PORT)], env=env, stdout=out, stderr=subprocess.STDOUT)
+    wait_until(lambda: "listening on port" in log.read_text(errors="replace"), 60)
+    return f"{bed.addr(node)}:{STORE_PORT}"
+
+
+def with_endpoint(job: list[str], endpoint: str) -> list[str]:
+    """``job`` with its ``--rdzv-endpoint`` replaced."""
+    at = job.index("--rdzv-endpoint") + 1
+    return [*job[:at], endpoint, *job[at + 1:]]
+
+
+def separate_store_loss(bed: NetBed, run_dir: Path,
+                        args: argparse.Namespace) -> dict[str, float]:
+    """The store on node 2 (a third namespace, no training); every process of node 0
+    killed; node 1 the survivor; node 0 started again ``--rejoin-after`` s later."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    store = start_store(bed, 2, env, run_dir.parent / f"{run_dir.name}-store.log")
+    job = with_endpoint(elastic_job(bed, run_dir, args), store)
+    bed.popen(0, job, env=env, **quiet)
+    bed.popen(1, job, env=env, **quiet)
+    wait_until(lambda: [r for r in records(run_dir)
+                        if r["step"] >= args.kill_at and len(r["rank_phases"]) == 2], 300)
+    before = records(run_dir)
+    killed_at, at_step = time.time(), before[-1]["step"]
     bed.kill_node(0)
-    try:
-        code = survivor.wait(timeout=limit)
-        exited = time.time() - killed_at
-    except subprocess.TimeoutExpired:
-        code, exited = None, float("inf")
-    alone = [r for r in records(run_dir)[seen:] if len(r["rank_phases"]) == 1]
-    tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    return {"exit_s": exited, "exit_code": code, "trained_alone": bool(alone),
-            "last_lines": tail[-4:]}
+    alone = wait_until(lambda: [r for r in records(run_dir)[len(before):]
+                                if len(r["rank_phases"]) == 1], 120)
+    time.sleep(max(0.0, killed_at + args.rejoin_after - time.time()))
+    rejoined_at = time.time()
+    bed.popen(0, job, env=env, **quiet)
+    seen = len(records(run_dir))
+    both = wait_until(lambda: [r for r in records(run_dir)[seen:]
+                               if len(r["rank_phases"]) == 2], 300)
+    back = next(r for r in records(run_dir)[len(before):] if r["step"] >= at_step)
+    return {"recovery_s": alone[0]["time"] - killed_at,
+            "repeated": at_step - (alone[0]["step"] - 1),
+            "lost_s": back["time"] - killed_at,
+            "rejoin_s": both[0]["time"] - rejoined_at}
+
+
+def separate_store_rows(args: argparse.Namespace) -> None:
+    """Each repeat, on fresh beds: today's layout (the store in node 0's launcher, node 1
+    killed) as the reference, then the store on a third node with node 0 killed."""
+    print("each repeat: reference = store in node 0's launcher, node 1 killed; separate = "
+          "store on a third node (`gpufleet store`), node 0 killed and started again",
+          flush=True)
+    rows: dict[str, list[dict[str, float]]] = {"reference": [], "separate": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.repeats):
+            with NetBed(2) as bed:
+                rows["reference"].append(one_loss(bed, Path(tmp) / f"ref{i}", args))
+            with NetBed(3) as bed:
+                rows["separate"].append(separate_store_loss(bed, Path(tmp) / f"sep{i}", args))
+            for name, done in rows.items():
+                print(f"  repeat {i + 1} {name}: " + ", ".join(
+                    f"{k} {v:.1f}" for k, v in done[-1].items()), flush=True)
+    median = {name: {k: statistics.median(r[k] for r in done) for k in done[0]}
+              for name, done in rows.items()}
+    for name, values in median.items():
+        print(f"median {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in values.items()))
+    print("separate / reference: " + ", ".join(
+        f"{k} {median['separate'][k] / median['reference'][k]:.2f}x"
+        for k in median["reference"] if median["reference"][k]))
 
 
 def main() -> None:
@@ -133,24 +224,36 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=22)
     parser.add_argument("--lose-store", action="store_true",
                         help="kill node 0 (the rendezvous store's host) instead of node 1")
+    parser.add_argument("--store-host", choices=("node0", "separate"), default="node0",
+                        help="where the rendezvous store runs: node0 (in node 0's launcher) "
+                             "or separate (`gpufleet store` on a third node; node 0 is the "
+                             "node killed, or with --lose-store the store's node)")
     args = parser.parse_args()
     reason = netbed_available()
     if reason:
         sys.exit(f"cannot run: {reason}")
     print(machine_summary())
     print(f"elastic 1:2 nodes, 1 rank each, checkpoint every {args.every} steps, rendezvous "
-          f"heartbeat 1 s, last call 2 s; node 1 killed past step {args.kill_at}")
+          f"heartbeat 1 s, last call 2 s; killed past step {args.kill_at}")
     if args.lose_store:
+        where = "a third node (`gpufleet store`)" if args.store_host == "separate" else \
+            "node 0's launcher"
+        print(f"the store in {where}; every process of its host killed", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             for i in range(args.repeats):
-                with NetBed(2) as bed:
+                with NetBed(3 if args.store_host == "separate" else 2) as bed:
                     row = store_loss(bed, Path(tmp) / f"store{i}", args)
-                print(f"  repeat {i + 1}: node 0 (store host) killed; node 1 trained alone: "
-                      f"{row['trained_alone']}; its launcher exited after "
-                      f"{row['exit_s']:.1f} s with code {row['exit_code']}; last lines:",
-                      flush=True)
-                for line in row["last_lines"]:  # type: ignore[union-attr]
-                    print(f"    {line[:300]}")
+                print(f"  repeat {i + 1}: node {row['host']} (store host) killed; a node "
+                      f"trained alone: {row['trained_alone']}", flush=True)
+                for n in (0, 1):
+                    if f"code{n}" in row:
+                        print(f"    node {n}'s launcher exited after {row[f'exit_s{n}']:.1f} s "
+                              f"with code {row[f'code{n}']}; last lines:")
+                        for line in row[f"last_lines{n}"]:  # type: ignore[attr-defined]
+                            print(f"      {line[:300]}")
+        return
+    if args.store_host == "separate":
+        separate_store_rows(args)
         return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -12,7 +12,11 @@ callback is still called each step and returns at once (a modulo), as it does be
 snapshots in a real run.
 
 Reported: the median per-step time of each mode, the median of the pairs' ratios
-on/off, and what a snapshot held and cost the training thread (from the metrics).
+on/off, and what a snapshot held and cost the training thread (from the metrics). Also
+the process's CPU time per step in each block (every thread, the background copy
+included): on a shared machine the wall-clock step swings with the other jobs' load,
+while the CPU seconds the run itself spends do much less, and a snapshot's extra work
+(the copy) shows there.
 
     python benchmarks/snapshot_cost.py                 # several minutes on 2 cores
     python benchmarks/snapshot_cost.py --every 10 --block 10 --steps 120
@@ -24,6 +28,7 @@ import argparse
 import json
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -34,10 +39,12 @@ from gpufleet.entry import train
 from gpufleet.fault.snapshot import SnapshotCallback
 
 
-def interleave(block: int, every: int) -> None:
+def interleave(block: int, every: int, cpu_at: dict[int, float]) -> None:
     """Make the snapshot callback take snapshots only in every second block of steps
-    (this process only: the run must be one process)."""
+    (this process only: the run must be one process); note the process's CPU seconds
+    at the end of every step in ``cpu_at``."""
     def on_step_end(self: SnapshotCallback, trainer: object, step: int) -> None:
+        cpu_at[step] = time.process_time()  # every thread of the process
         in_on_block = ((step - 1) // block) % 2 == 1
         if in_on_block and (step - 1) % every == 0:  # what the callback does when due
             state, storages = self.capture()
@@ -60,7 +67,8 @@ def main() -> None:
     print(f"torch {torch.__version__}; GPT default job, 1 process, {args.steps} steps in "
           f"blocks of {args.block}, alternating off/on, a snapshot every {args.every} "
           "steps in the 'on' blocks")
-    interleave(args.block, args.every)
+    cpu_at: dict[int, float] = {}
+    interleave(args.block, args.every, cpu_at)
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(overrides={
             "run.out_dir": out, "run.max_steps": args.steps, "log.every": args.block,
@@ -81,6 +89,17 @@ def main() -> None:
     ratio = statistics.median(ratios)
     print(f"median step: off {statistics.median(off):.4f} s, on {statistics.median(on):.4f}"
           f" s; median on/off per pair {ratio:.3f} ({(ratio - 1) * 100:+.1f}%)")
+    # CPU seconds per step of block b (steps b*block+1 .. (b+1)*block), same pairs.
+    def cpu(b: int) -> float:
+        return (cpu_at[(b + 1) * args.block] - cpu_at[b * args.block]) / args.block
+    cpu_pairs = [(cpu(i), cpu(i + 1)) for i in range(2, len(blocks) - 1, 2)]
+    cpu_ratio = statistics.median(b / a for a, b in cpu_pairs)
+    print("pair | off CPU s/step | on CPU s/step | on/off")
+    for i, (a, b) in enumerate(cpu_pairs):
+        print(f"{i + 1:4} | {a:14.4f} | {b:13.4f} | {b / a:.3f}")
+    print(f"median CPU per step: off {statistics.median(p[0] for p in cpu_pairs):.4f} s, on "
+          f"{statistics.median(p[1] for p in cpu_pairs):.4f} s; median on/off per pair "
+          f"{cpu_ratio:.3f} ({(cpu_ratio - 1) * 100:+.1f}%)")
     snaps = [p[2] for p in pairs]
     blocking = statistics.median(r["snapshot_blocking_s"] for r in snaps)
     print(f"a snapshot: {snaps[-1]['snapshot_mb']:.2f} MB of host memory, "

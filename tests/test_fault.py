@@ -423,6 +423,37 @@ def test_liveness_names_a_rank_that_stops_beating_and_the_rank_that_lost_the_sto
     assert verdicts[1].cut_off_s > 0.5 and not verdicts[1].silent
 
 
+def test_liveness_reads_the_same_when_no_rank_hosts_the_store():
+    """The store served apart from the ranks (as `gpufleet store` serves one): rank 0 is
+    a client like the others and still names the rank that went silent."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from gpufleet.fault.liveness import Liveness
+
+    served = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                      timeout=timedelta(seconds=5))  # held by the test, by no rank
+    verdicts: dict[int, object] = {}
+    ranks = [Liveness(TCPStore("127.0.0.1", served.port, is_master=False,
+                               timeout=timedelta(seconds=2)), "c", rank, 2,
+                      lambda r=rank: {"rank": r, "step": 1, "phase": "data"}, 0.05, 0.5,
+                      lambda v, r=rank: verdicts.setdefault(r, v)) for rank in (0, 1)]
+    try:
+        for w in ranks:
+            w.start()
+        time.sleep(0.3)
+        assert not verdicts
+        ranks[1]._stop.set()  # rank 1 goes silent
+        deadline = time.monotonic() + 5
+        while 0 not in verdicts and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(verdicts[0].silent) == [1] and verdicts[0].cut_off_s == 0
+    finally:
+        for w in ranks:
+            w._stop.set()
+
+
 # -- crashes and failing sinks ----------------------------------------------------------------
 class _Explodes(torch.nn.Module):
     def __init__(self) -> None:

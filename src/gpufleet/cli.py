@@ -35,6 +35,7 @@ COMMANDS: dict[str, str] = {
     "plan": "gpufleet.layout.cli",
     "sbatch": "gpufleet.launch.sbatch",
     "run": "gpufleet.fleet.cli",
+    "store": "gpufleet.launch.store",
 }
 
 

@@ -3,8 +3,9 @@
 A rank that is slow still answers; a rank on a dead or cut-off node does not. Each rank
 publishes a heartbeat (a counter and its place in the run) to the job's key-value store
 every ``interval_s`` from a thread of its own, whatever the training thread is blocked
-in. Rank 0, which hosts the store, reads them all and notes, on its own clock, when each
-last changed: a rank whose heartbeat has not moved for ``timeout_s`` stopped answering.
+in. Rank 0 (which hosts the store, or is a client of it like the others when the store
+is served elsewhere) reads them all and notes, on its own clock, when each last
+changed: a rank whose heartbeat has not moved for ``timeout_s`` stopped answering.
 Every other rank notes when its last store round trip succeeded: one that has not
 reached the store for ``timeout_s`` is the one cut off.
 

@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 from torch.distributed import DistError
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous import RendezvousError
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from gpufleet.errors import LaunchError, RunStopped, unknown_choice
@@ -46,10 +46,13 @@ from gpufleet.launch.failures import describe_failures
 from gpufleet.launch.netif import multi_node_network
 from gpufleet.launch.rankmain import COMMAND, read_results, write_payload
 from gpufleet.launch.rendezvous import LaunchPlan, parse_nnodes
+from gpufleet.launch.store_client import RunGenerations, torch_run_id, wait_for_store
 
 logger = logging.getLogger(__name__)
 
 LAUNCHERS = ("elastic", "spawn")
+_REOPEN_TRIES = 3  # rendezvous generations a start may skip, each closed by an ended run
+_STORE_WAIT_S = 60.0  # at most this long for a store hosted elsewhere to answer
 
 
 def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, launcher: str = "elastic",
@@ -171,12 +174,16 @@ def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: Launc
     logs = DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL if log_dir else Std.NONE)
     local_addr, network_configs = multi_node_network(plan)
     configs = {**timeouts.configs(plan.rdzv_backend), **network_configs, **plan.rdzv_configs}
-    config = LaunchConfig(
-        min_nodes=plan.min_nodes, max_nodes=plan.max_nodes, nproc_per_node=nproc,
-        logs_specs=logs, run_id=plan.run_id, rdzv_endpoint=plan.rdzv_endpoint,
-        rdzv_backend=plan.rdzv_backend, rdzv_configs=configs, local_addr=local_addr,
-        max_restarts=max_restarts, start_method="spawn",
-    )
+    generations = _store_elsewhere(plan, configs, timeouts)
+    generation = generations.current() if generations else 0
+
+    def launch_config() -> LaunchConfig:
+        return LaunchConfig(
+            min_nodes=plan.min_nodes, max_nodes=plan.max_nodes, nproc_per_node=nproc,
+            logs_specs=logs, run_id=torch_run_id(plan.run_id, generation),
+            rdzv_endpoint=plan.rdzv_endpoint, rdzv_backend=plan.rdzv_backend,
+            rdzv_configs=configs, local_addr=local_addr, max_restarts=max_restarts,
+            start_method="spawn")
     logger.info("launching %d rank(s) with torch's elastic agent (%s rendezvous at %s, "
                 "max_restarts=%d)", nproc, plan.mode, plan.rdzv_endpoint, max_restarts)
     # The agent forwards these to every rank and waits for them to checkpoint and end.
@@ -189,9 +196,17 @@ def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: Launc
     try:
         if ranks_dir is not None:  # each rank: python -m gpufleet.launch.rankmain PAYLOAD
             args = (*COMMAND, str(_payload(ranks_dir, fn, args)))
-        with _fresh_store_per_restart(plan.rdzv_backend):
-            # A rank's exception lands in its error file (torch's @record around fn).
-            results = elastic_launch(config, fn if ranks_dir is None else sys.executable)(*args)
+        entry = fn if ranks_dir is None else sys.executable
+        for tries_left in range(_REOPEN_TRIES, -1, -1):
+            try:
+                with _fresh_store_per_restart(plan.rdzv_backend):
+                    # A rank's exception lands in its error file (torch's @record around fn).
+                    results = elastic_launch(launch_config(), entry)(*args)
+                break
+            except RendezvousClosedError:  # a run under this id ended: go to the next
+                if not generations or not tries_left or _ranks_started(ranks_dir):
+                    raise
+                generation = generations.after_closed(generation)
         if ranks_dir is not None:
             results = {**dict.fromkeys(results), **read_results(ranks_dir)}
     except ChildFailedError as err:
@@ -209,8 +224,10 @@ def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: Launc
                          "finished their step and wrote a checkpoint.",
                          exit_status(err.sigval), name) from None
     except (RendezvousError, DistError) as err:
-        if ranks_dir is not None and any(ranks_dir.glob("started-*")):
+        if _ranks_started(ranks_dir):
             raise LaunchError(_store_lost(plan, err)) from err
+        if isinstance(err, RendezvousClosedError):
+            raise LaunchError(_closed(plan)) from err
         nodes = (f"{plan.min_nodes}" if plan.min_nodes == plan.max_nodes
                  else f"{plan.min_nodes} to {plan.max_nodes}")
         raise LaunchError(
@@ -218,8 +235,9 @@ def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: Launc
             f"{nodes} node(s), waited up to {timeouts.join_s:g} s): {err}\nEither a node "
             "never came (start the same command on every node: same endpoint and id, each "
             "static node its own --node-rank), or the address is wrong (it must be node "
-            "0's, reachable from every node: `gpufleet doctor --rdzv-endpoint HOST:PORT` "
-            "shows the route), or a firewall blocks the port."
+            "0's, or that of the host running `gpufleet store`, reachable from every node: "
+            "`gpufleet doctor --rdzv-endpoint HOST:PORT` shows the route), or a firewall "
+            "blocks the port."
         ) from err
     finally:
         agent_log.setLevel(level)
@@ -230,15 +248,39 @@ def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: Launc
     return results
 
 
+def _store_elsewhere(plan: LaunchPlan, configs: dict[str, Any],
+                     timeouts: RendezvousTimeouts) -> RunGenerations | None:
+    """For a c10d store this node does not host: wait until it answers, then its
+    generations of the run's id (None when this node hosts the store)."""
+    if plan.mode != "elastic" or plan.rdzv_backend != "c10d" or configs.get("is_host", True):
+        return None
+    # torch's own client gives up after a minute too (its read_timeout).
+    wait = min(timeouts.join_s, _STORE_WAIT_S)
+    wait_for_store(plan.rdzv_endpoint, wait)
+    return RunGenerations(plan.rdzv_endpoint, plan.run_id, wait)
+
+
+def _ranks_started(ranks_dir: Path | None) -> bool:
+    return ranks_dir is not None and any(ranks_dir.glob("started-*"))
+
+
+def _closed(plan: LaunchPlan) -> str:
+    return (f"The rendezvous {plan.run_id!r} at {plan.rdzv_endpoint} is closed: a run under "
+            "that id ended, and torch never reopens it. Give this run a new --rdzv-id (and "
+            "--run-dir PATH to keep writing to the same run directory), or restart the "
+            "store.")
+
+
 def _store_lost(plan: LaunchPlan, err: BaseException) -> str:
     """The agents had met and ranks ran, then the rendezvous store went away."""
     return (f"The rendezvous store at {plan.rdzv_endpoint} stopped answering while the "
-            f"job ran ({err}). The node that hosts it (the one with that address: node 0 "
-            "with the c10d rendezvous) was lost or cut off, and no node can go on without "
-            "the store. Start the job again on the nodes left, with one of them as the "
-            "endpoint: `--resume auto` continues from the newest checkpoint. To "
-            "survive losing that node, run the rendezvous outside the job's nodes "
-            "(--dist.rdzv_backend etcd-v2 with an etcd server elsewhere).")
+            f"job ran ({err}). The host that serves it (the one with that address: node 0, "
+            "or the host running `gpufleet store`) was lost or cut off, and no node can go "
+            "on without the store. Start the job again on the nodes left, with one of them "
+            "as the endpoint: `--resume auto` continues from the newest checkpoint. To "
+            "survive losing a training node next time, run the store on a host that does "
+            "not train (`gpufleet store --port PORT` there, and --rdzv-endpoint "
+            "THAT_HOST:PORT on every node).")
 
 
 def _payload(directory: Path, fn: Callable[..., Any], args: tuple) -> Path:
