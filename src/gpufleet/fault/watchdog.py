@@ -141,6 +141,20 @@ class Watchdog(Callback):
             self.signal_stacks.start()  # a peer asks for them if this rank goes silent
             self.liveness.start()
 
+    def rejoin(self, rank: int, world_size: int, store: Any, generation: int) -> None:
+        """After the ranks left regrouped in process (:mod:`gpufleet.fault.recovery`):
+        the old heartbeats stop and new ones start under this rank's new place, in keys
+        of this ``generation``, so the lost ranks are not reported as silent."""
+        if self.liveness is not None:
+            self.liveness.stop()
+        self.rank, self.world_size, self.store = rank, world_size, store
+        self.liveness = (Liveness(store, f"{self.prefix}/g{generation}", rank, world_size,
+                                  self.heartbeat, self.cfg.watchdog_poll_s,
+                                  self.cfg.heartbeat_timeout_s, self._lost)
+                         if store is not None and world_size > 1 else None)
+        if self.liveness is not None:
+            self.liveness.start()
+
     def on_phase_marks(self, trainer: Any, marks: PhaseMarks) -> None:
         """Time each step, evaluation and checkpoint the marks end (the loop holds
         ``marks.lock`` here); keep the buffer to read the newest marks from the thread."""

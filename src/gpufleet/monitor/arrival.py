@@ -60,14 +60,19 @@ class ArrivalTimer(Callback):
     # -- hooks ----------------------------------------------------------------------------
     def on_fit_start(self, trainer: Any) -> None:
         self._steps, self._sums = 0, [0.0] * len(ARRIVAL)
-        model = trainer.model
+        self.watch(trainer.model)
+        gc.callbacks.append(self._on_gc)
+
+    def watch(self, model: Any) -> None:
+        """Time the gradient all-reduce of ``model`` when it is a DDP module without a
+        communication hook (also a DDP module made anew after an in-process recovery)."""
+        self.measures_wait = False
         if isinstance(model, DDP):
             try:
                 model.register_comm_hook(model.process_group, self._allreduce)
                 self.measures_wait = True
             except RuntimeError as e:  # a hook is registered already: DDP takes one
                 log.debug("all-reduce arrival not measured: %s", e)
-        gc.callbacks.append(self._on_gc)
 
     def on_fit_end(self, trainer: Any, result: Any) -> None:
         if self._on_gc in gc.callbacks:
