@@ -6,12 +6,16 @@ to read."""
 from __future__ import annotations
 
 import re
+import shutil
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from .nodes import TOY, start, train_records, wait_for
+from gpufleet.train import checkpoint as ckpt
+
+from .nodes import TOY, final_weights, start, train_records, wait, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -82,3 +86,69 @@ def test_survivor_recovers_in_process_with_exact_data_and_no_disk_read(netbed, t
     assert sorted(epoch) == list(range(256))
     records = train_records(run)
     assert records[-1]["step"] == 24 and len(records[-1]["rank_phases"]) == 1
+
+
+@pytest.mark.slow
+def test_weights_after_recovery_equal_a_run_resumed_at_the_new_world_size(netbed, tmp_path):
+    """ddp, killed at step S: the survivor ends with the weights, bit for bit, of the
+    uninterrupted 2-node run's step-S checkpoint resumed on one node to the same step."""
+    data = ["--data", "toyjob:make_slow_data", "--data.kwargs={delay = 0.004}"]
+    steps, addr = 12, netbed.addr(0)
+    # The uninterrupted run, a checkpoint every step.
+    straight = recovering_args(addr, "runs/u", data, steps,
+                               ("--checkpoint.every", "1", "--checkpoint.keep_last", "50"))
+    nodes = [start(netbed, 0, straight, tmp_path, tag="-u")]
+    time.sleep(0.5)
+    nodes.append(start(netbed, 1, straight, tmp_path, tag="-u"))
+    wait(nodes, 180)
+    # The same run, node 1 killed: node 0 goes on alone from its snapshot.
+    cut = recovering_args(addr, "runs/a", data, steps, ("--rdzv-id", "cut"))
+    nodes = [start(netbed, 0, cut, tmp_path, tag="-a")]
+    time.sleep(0.5)
+    nodes.append(start(netbed, 1, cut, tmp_path, tag="-a"))
+    kill_node_1_past(netbed, tmp_path / "runs" / "a", nodes, 3)
+    wait(nodes[:1], 180)  # the agent then waits a while for the lost node's agent
+    found = RECOVERED.search(nodes[0].output())
+    assert found, nodes[0].output()[-4000:]
+    step = int(found.group(1))
+    # The uninterrupted run's step-S checkpoint, resumed on one node to the end.
+    resumed = tmp_path / "runs" / "c"
+    shutil.copytree(tmp_path / "runs" / "u", resumed)
+    for path in ckpt.list_checkpoints(resumed):
+        if int(re.search(r"step-(\d+)", path.name).group(1)) > step:
+            path.unlink()
+    again = recovering_args(addr, "runs/c", data, steps, ("--rdzv-id", "again",
+                                                          "--resume", "latest"))
+    node = start(netbed, 0, again, tmp_path, tag="-c")
+    wait([node], 180)
+    assert f"at step {step}" in node.output()
+    recovered, reference = final_weights(tmp_path / "runs" / "a"), final_weights(resumed)
+    assert recovered.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(recovered[name], tensor), name
+
+
+@pytest.mark.slow
+def test_without_a_snapshot_the_agent_restarts_the_survivor_from_the_checkpoint(
+        netbed, tmp_path):
+    """No snapshot taken yet when node 1 dies: in-process recovery says why it cannot go
+    on, the rank ends, and its agent restarts it from the newest checkpoint alone."""
+    run = tmp_path / "runs" / "fb"
+    data = ["--data", "toyjob:make_slow_data", "--data.kwargs={delay = 0.004}"]
+    args = recovering_args(netbed.addr(0), "runs/fb", data, 5000,
+                           ("--fault.snapshot_every", "1000", "--checkpoint.every", "2"))
+    nodes = [start(netbed, 0, args, tmp_path)]
+    time.sleep(0.5)
+    nodes.append(start(netbed, 1, args, tmp_path))
+    kill_node_1_past(netbed, run, nodes, 5)
+    seen = len(train_records(run))
+
+    def alone():
+        return [r for r in train_records(run)[seen:] if len(r["rank_phases"]) == 1]
+    wait_for(alone, 120, nodes[:1])
+    said = nodes[0].output()
+    assert "in-process recovery failed (RecoveryFailed: the ranks left hold no in-memory " \
+           "snapshot of one step)" in said, said[-4000:]
+    assert "the elastic agent restarts the ranks from the newest checkpoint" in said
+    assert re.search(r"resumed from \S+step-\d+\.pt at step \d+", said)
+    assert not RECOVERED.search(said)
