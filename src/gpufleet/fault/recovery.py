@@ -84,15 +84,17 @@ def not_replicated(strategy: Strategy, sampler: Any) -> str:
     """Why in-process recovery cannot serve this run ("" when it can): it needs every
     rank to hold the whole model and optimizer state (plain replicas, as ddp keeps
     them) and the global data position of the resumable sampler."""
-    traits, dims = strategy.traits, strategy.dims
-    cls = type(strategy)
-    if (traits.data_parallel != "replicate" or max(dims.dp_shard, dims.tp, dims.pp) > 1
-            or traits.pipelined or traits.consolidates_optimizer
-            or cls.attach is not Strategy.attach
+    traits, dims, cls = strategy.traits, strategy.dims, type(strategy)
+    what = f"parallel.strategy = {strategy.name!r}"
+    if max(dims.tp, dims.pp) > 1 or traits.pipelined:
+        return f"{what} splits the model over the ranks (tp {dims.tp}, pp {dims.pp})"
+    if traits.data_parallel != "replicate" or dims.dp_shard > 1:
+        return f"{what} shards the model and optimizer state over the ranks"
+    if traits.consolidates_optimizer:
+        return f"{what} shards the optimizer state over the ranks"
+    if (cls.attach is not Strategy.attach
             or cls.after_optimizer_step is not Strategy.after_optimizer_step):
-        return (f"parallel.strategy = {strategy.name!r} (dp_shard {dims.dp_shard}, tp "
-                f"{dims.tp}, pp {dims.pp}) does not keep a whole replica of the state on "
-                "every rank")
+        return f"{what} keeps state of its own between steps (averaging, a schedule)"
     if not isinstance(sampler, ResumableDistributedSampler):
         return "data.batching = 'tokens' plans batches for the world size it started with"
     return ""
