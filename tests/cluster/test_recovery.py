@@ -152,3 +152,27 @@ def test_without_a_snapshot_the_agent_restarts_the_survivor_from_the_checkpoint(
     assert "the elastic agent restarts the ranks from the newest checkpoint" in said
     assert re.search(r"resumed from \S+step-\d+\.pt at step \d+", said)
     assert not RECOVERED.search(said)
+
+
+@pytest.mark.slow
+def test_a_cut_off_node_is_left_behind_in_process_once_its_heartbeat_stops(netbed, tmp_path):
+    """Node 1's link cut (no connection closes): the heartbeat names it after 5 s, rank
+    0 aborts its collective and goes on alone in process from its snapshot."""
+    run = tmp_path / "runs" / "cut"
+    data = ["--data", "toyjob:make_slow_data", "--data.kwargs={delay = 0.004}"]
+    args = recovering_args(netbed.addr(0), "runs/cut", data, 60, (
+        "--dist.timeout", "120", "--fault.heartbeat_timeout_s", "5",
+        "--fault.watchdog_poll_s", "0.5"))
+    nodes = [start(netbed, 0, args, tmp_path)]
+    time.sleep(0.5)
+    nodes.append(start(netbed, 1, args, tmp_path))
+
+    def past_step_5():
+        records = train_records(run)
+        return records and records[-1]["step"] >= 5
+    wait_for(past_step_5, 120, nodes)
+    netbed.link_down(1)
+    wait_for(lambda: "step-0000060.pt" in nodes[0].output(), 120, nodes[:1])
+    said = nodes[0].output()
+    assert "stopped answering" in said and RECOVERED.search(said), said[-4000:]
+    assert train_records(run)[-1]["step"] == 60

@@ -4,6 +4,7 @@ The whole recovery runs on the namespace bed (tests/cluster/test_recovery.py).""
 
 from __future__ import annotations
 
+import socket
 import threading
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ from gpufleet.fault.recovery import (
     Membership,
     Recovery,
     RecoveryFailed,
+    cut_connections,
     is_peer_loss,
     not_replicated,
 )
@@ -37,7 +39,8 @@ def recoveries(store, world: int, window_s: float = 0.3) -> list[Recovery]:
     (the run holds only what agreeing reads)."""
     cfg = SimpleNamespace(fault=SimpleNamespace(recover_window_s=window_s),
                           dist=SimpleNamespace(timeout=20))
-    return [Recovery(SimpleNamespace(env=DistEnv(rank=r, world_size=world), cfg=cfg),
+    return [Recovery(SimpleNamespace(env=DistEnv(rank=r, world_size=world), cfg=cfg,
+                                     monitors=SimpleNamespace(watchdog=None)),
                      dist.TCPStore("127.0.0.1", store.port, is_master=False), "gloo")
             for r in range(world)]
 
@@ -124,3 +127,19 @@ def test_what_counts_as_a_lost_peer():
     assert is_peer_loss(dist.DistNetworkError("store gone"))
     assert not is_peer_loss(ValueError("bad batch"))
     assert not is_peer_loss(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def test_cutting_connections_fails_a_receive_under_way_at_once():
+    server = socket.create_server(("127.0.0.2", 0))
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    got: list[bytes] = []
+    waiting = threading.Thread(target=lambda: got.append(client.recv(10)))
+    waiting.start()
+    try:
+        assert cut_connections({"127.0.0.2"}) == 1  # the client's, to the server
+        waiting.join(10)
+        assert got == [b""]  # the receive ended as on a closed connection
+    finally:
+        for s in (client, accepted, server):
+            s.close()

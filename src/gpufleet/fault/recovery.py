@@ -36,6 +36,7 @@ import gc
 import json
 import logging
 import os
+import socket
 import time
 import traceback
 from datetime import timedelta
@@ -47,6 +48,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpufleet.core.tree import map_tensors
 from gpufleet.data.sampler import ResumableDistributedSampler
+from gpufleet.fault.liveness import Verdict
 from gpufleet.fault.snapshot_ring import Held, newest_replicated
 from gpufleet.launch import job_store
 from gpufleet.parallel.base import Strategy
@@ -125,6 +127,34 @@ class Recovery:
         self.prefix = f"gpufleet/recover/{run.env.restart_count}"
         self.window_s = run.cfg.fault.recover_window_s
         self.timeout_s = float(run.cfg.dist.timeout)
+        if run.monitors.watchdog is not None:  # a node cut off: heartbeats name it
+            run.monitors.watchdog.on_peers_lost = self.peers_silent
+
+    def peers_silent(self, verdict: Verdict) -> bool:
+        """The watchdog's heartbeats found ranks that stopped answering (a node cut off:
+        no connection closes, and the collective would wait out dist.timeout). Make
+        the training thread's collective fail now, as a killed node's closed connections
+        do, so that it recovers without them: NCCL's communicators are aborted; gloo
+        cannot abort an operation under way (it waits out its timeout), so this
+        process's TCP connections to the silent ranks' nodes are shut down. False (the
+        rank then ends) when a silent rank's node address is unknown or this node's."""
+        run = self.run
+        ours = run.monitors.watchdog.node[1] if run.monitors.watchdog is not None else ""
+        addresses = {(beat or {}).get("addr") or "" for beat in verdict.silent.values()}
+        if "" in addresses or ours in addresses:
+            return False
+        log.warning("rank %d: rank(s) %s stopped answering; cutting the connections to "
+                    "%s to go on without them", run.env.rank,
+                    ", ".join(map(str, sorted(verdict.silent))), ", ".join(sorted(addresses)))
+        try:
+            if run.device.type == "cuda":
+                dist.distributed_c10d._abort_process_group()
+            cut_connections(addresses)
+        except Exception as e:
+            log.error("rank %d: the collective could not be interrupted (%s: %s)",
+                      run.env.rank, type(e).__name__, e)
+            return False
+        return True
 
     def recover(self, error: BaseException) -> bool:
         """Go on without the lost ranks, from the newest snapshot all the others hold;
@@ -248,6 +278,29 @@ class Recovery:
         seed_everything(run.cfg.run.seed + run.env.rank)
         run.state.step = at.step
         run.data.start(at.epoch, at.consumed)
+
+
+def cut_connections(addresses: set[str]) -> int:
+    """Shut down this process's TCP connections to any of ``addresses`` (what a peer's
+    kernel does when its process is killed): an operation waiting on one fails at once.
+    Returns how many were shut down."""
+    cut = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except (OSError, ValueError):  # not a socket (or gone meanwhile)
+            continue
+        with sock:
+            try:
+                if sock.type != socket.SOCK_STREAM:
+                    continue
+                peer = sock.getpeername()[0].removeprefix("::ffff:")
+            except OSError:  # not connected
+                continue
+            if peer in addresses:
+                sock.shutdown(socket.SHUT_RDWR)
+                cut += 1
+    return cut
 
 
 def _leave_groups(device: torch.device) -> None:
