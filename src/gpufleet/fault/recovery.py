@@ -207,6 +207,8 @@ class Recovery:
         self.generation += 1
         self._rebuild(new_rank, world)
         self._restore(own.state(), membership.step)
+        if run.monitors.preemption is not None:
+            run.monitors.preemption.regroup()  # COLLECTIVE where it has a group
         snaps.rejoin(new_rank, world)  # COLLECTIVE: the snapshot ring's new group
         if run.monitors.watchdog is not None:
             run.monitors.watchdog.rejoin(new_rank, world, job_store(), self.generation)
