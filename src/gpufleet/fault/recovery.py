@@ -280,6 +280,9 @@ class Recovery:
         seed_everything(run.cfg.run.seed + run.env.rank)
         run.state.step = at.step
         run.data.start(at.epoch, at.consumed)
+        result = run.result  # the steps after the snapshot are trained again
+        result.losses = [(s, v) for s, v in result.losses if s <= at.step]
+        result.eval_losses = [(s, v) for s, v in result.eval_losses if s <= at.step]
 
 
 def cut_connections(addresses: set[str]) -> int:
