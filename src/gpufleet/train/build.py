@@ -28,6 +28,7 @@ from gpufleet.errors import ConfigError, GpufleetError
 from gpufleet.job import import_object
 from gpufleet.launch import DistEnv, broadcast_object, is_initialized, job_store
 from gpufleet.launch.netif import node_address
+from gpufleet.launch.rankmain import restarts
 from gpufleet.monitor.flops import device_peak_flops
 from gpufleet.parallel import build_strategy, strategy_class
 from gpufleet.plan import RunPlan, make_plan
@@ -289,7 +290,8 @@ def _run_dir(cfg: Config, env: DistEnv) -> tuple[Config, Path | None, runlock.Ru
     if env.is_main:
         try:
             # The lock is None when this run's launcher holds it (train.runlock).
-            cfg_main, resume_from, lock = plan_and_lock(cfg, env.restart_count)
+            # A restart of the agent's (also one for a node that joined) resumes.
+            cfg_main, resume_from, lock = plan_and_lock(cfg, restarts(env.restart_count))
             plan = (cfg_main, resume_from)
             write_config(cfg_main, Path(cfg_main.run.dir) / "config.toml")
         except (GpufleetError, OSError) as e:
