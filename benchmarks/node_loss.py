@@ -91,6 +91,9 @@ def one_loss(bed: NetBed, run_dir: Path, args: argparse.Namespace) -> dict[str, 
     bed.kill_node(1)
     alone = wait_until(lambda: [r for r in records(run_dir)[len(before):]
                                 if len(r["rank_phases"]) == 1], 120)
+    # The step reached at the kill: the newest with both nodes (one may have ended
+    # between reading the records above and the kill).
+    at_step = max(r["step"] for r in records(run_dir) if len(r["rank_phases"]) == 2)
     time.sleep(max(0.0, killed_at + args.rejoin_after - time.time()))
     rejoined_at = time.time()
     bed.popen(1, job, env=env, **quiet)
