@@ -181,3 +181,45 @@ def test_a_cut_off_node_is_left_behind_in_process_once_its_heartbeat_stops(netbe
     alone = next(r for r in records[seen:] if len(r["rank_phases"]) == 1)
     print(f"\npartition, recovered in process: node 0 trained alone {alone['time'] - cut_at:.1f}"
           f" s after the cut, from the step-{RECOVERED.search(said).group(1)} snapshot")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("netbed", [3], indirect=True)
+def test_two_losses_in_a_row_each_recovered_with_exact_data(netbed, tmp_path):
+    """3 nodes; node 2 killed (3 -> 2: two survivors regroup, a new snapshot ring, DDP
+    at 2), then node 1 (2 -> 1, in the next generation's keys): every sample of the
+    epoch read once across 3 -> 2 -> 1 ranks, with no checkpoint on disk."""
+    run, out = tmp_path / "runs" / "two", tmp_path / "reads"
+    data = ["--data", "toyjob:make_data_read_log",
+            f"--data.kwargs={{out = '{out}', delay = 0.004, n = 480}}"]
+    args = recovering_args(netbed.addr(0), "runs/two", data, 40, ("--nnodes", "1:3"))
+    nodes = [start(netbed, 0, args, tmp_path)]
+    time.sleep(0.5)
+    nodes += [start(netbed, i, args, tmp_path) for i in (1, 2)]
+
+    def ranks_past(count: int, step: int):
+        def past():
+            records = train_records(run)
+            return records and records[-1]["step"] >= step and \
+                len(records[-1]["rank_phases"]) == count
+        return past
+    wait_for(ranks_past(3, 3), 120, nodes)
+    netbed.kill_node(2)
+    wait_for(lambda: len(RECOVERED.findall(nodes[0].output())) == 1, 60, nodes[:2])
+    first = int(RECOVERED.search(nodes[0].output()).group(1))
+    wait_for(ranks_past(2, first + 2), 60, nodes[:2])
+    netbed.kill_node(1)
+    wait_for(lambda: "step-0000040.pt" in nodes[0].output(), 120, nodes[:1])
+    found = RECOVERED.findall(nodes[0].output())
+    assert [(w0, w1) for _, w0, w1 in found] == [("3", "2"), ("2", "1")], found
+    s1, s2 = int(found[0][0]), int(found[1][0])
+    by_world = {pid: {w: [i for i, world in got if world == w] for w in (1, 2, 3)}
+                for pid, got in reads(out).items()}
+    assert len(by_world) == 3  # one process per node, none restarted
+    [survivor] = [r for r in by_world.values() if r[1]]
+    [second] = [r for r in by_world.values() if r[2] and not r[1]]
+    [third] = [r for r in by_world.values() if not r[2]]
+    epoch = (survivor[3][:16 * s1] + second[3][:16 * s1] + third[3][:16 * s1]
+             + survivor[2][:16 * (s2 - s1)] + second[2][:16 * (s2 - s1)])
+    epoch += survivor[1][:480 - len(epoch)]
+    assert sorted(epoch) == list(range(480))
