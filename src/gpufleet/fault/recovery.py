@@ -315,8 +315,9 @@ def _leave_groups(device: torch.device) -> None:
         return
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if device.type == "cuda" and abort is not None:
-        abort()
-    dist.destroy_process_group()
+        abort()  # every group let go too
+    if dist.is_initialized():
+        dist.destroy_process_group()
     gc.collect()
 
 
