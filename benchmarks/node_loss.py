@@ -13,7 +13,12 @@ metrics.jsonl:
 * lost progress: seconds from the kill until the run is back at the step it had reached;
 * rejoin: seconds from node 1's restart to the first step with both nodes again.
 
+With ``--snapshot-every N`` every rank keeps an in-memory snapshot every N steps and node
+0 goes on in its own process from its newest one (no restart, no checkpoint read);
+``in_process`` says whether it did (1) or fell back to the agent's restart (0).
+
     sudo python benchmarks/node_loss.py                 # about 2 minutes a repeat
+    sudo python benchmarks/node_loss.py --snapshot-every 1   # recovery in process
     sudo python benchmarks/node_loss.py --lose-store    # node 0, the store's host, lost
 
 ``--lose-store`` kills node 0 instead, the node whose agent hosts the rendezvous store
@@ -75,14 +80,17 @@ def elastic_job(bed: NetBed, run_dir: Path, args: argparse.Namespace) -> list[st
             "--strategy", "ddp", "--checkpoint.every", str(args.every), "--run-dir",
             str(run_dir), "--nproc", "1", "--nnodes", "1:2", "--rdzv-endpoint",
             f"{bed.addr(0)}:29400", "--rdzv-id", run_dir.name, "--max-restarts", "3",
-            "--dist.rdzv_last_call_s", "2", "--dist.rdzv_keep_alive_s", "1"]
+            "--dist.rdzv_last_call_s", "2", "--dist.rdzv_keep_alive_s", "1",
+            "--fault.snapshot_every", str(args.snapshot_every)]
 
 
 def one_loss(bed: NetBed, run_dir: Path, args: argparse.Namespace) -> dict[str, float]:
     job = elastic_job(bed, run_dir, args)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    bed.popen(0, job, env=env, **quiet)
+    said = run_dir.parent / f"{run_dir.name}-node0.log"
+    with open(said, "w") as out:  # which path node 0 took
+        bed.popen(0, job, env=env, stdout=out, stderr=subprocess.STDOUT)
     time.sleep(0.5)
     bed.popen(1, job, env=env, **quiet)
     wait_until(lambda: [r for r in records(run_dir)
@@ -92,6 +100,9 @@ def one_loss(bed: NetBed, run_dir: Path, args: argparse.Namespace) -> dict[str, 
     bed.kill_node(1)
     alone = wait_until(lambda: [r for r in records(run_dir)[len(before):]
                                 if len(r["rank_phases"]) == 1], 120)
+    # The step reached at the kill: the newest with both nodes (one may have ended
+    # between reading the records above and the kill).
+    at_step = max(r["step"] for r in records(run_dir) if len(r["rank_phases"]) == 2)
     time.sleep(max(0.0, killed_at + args.rejoin_after - time.time()))
     rejoined_at = time.time()
     bed.popen(1, job, env=env, **quiet)
@@ -103,7 +114,8 @@ def one_loss(bed: NetBed, run_dir: Path, args: argparse.Namespace) -> dict[str, 
     return {"recovery_s": alone[0]["time"] - killed_at,
             "repeated": at_step - (alone[0]["step"] - 1),
             "lost_s": back["time"] - killed_at,
-            "rejoin_s": both[0]["time"] - rejoined_at}
+            "rejoin_s": both[0]["time"] - rejoined_at,
+            "in_process": float("recovered in-process" in said.read_text(errors="replace"))}
 
 
 def store_loss(bed: NetBed, run_dir: Path, args: argparse.Namespace,
@@ -217,11 +229,14 @@ def separate_store_rows(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5000)
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--rejoin-after", type=float, default=25.0)
     parser.add_argument("--kill-at", type=int, default=22)
+    parser.add_argument("--snapshot-every", type=int, default=0,
+                        help="fault.snapshot_every: the survivor recovers in process from "
+                             "its in-memory snapshot (0: off, the agent restarts it)")
     parser.add_argument("--lose-store", action="store_true",
                         help="kill node 0 (the rendezvous store's host) instead of node 1")
     parser.add_argument("--store-host", choices=("node0", "separate"), default="node0",
@@ -233,8 +248,9 @@ def main() -> None:
     if reason:
         sys.exit(f"cannot run: {reason}")
     print(machine_summary())
-    print(f"elastic 1:2 nodes, 1 rank each, checkpoint every {args.every} steps, rendezvous "
-          f"heartbeat 1 s, last call 2 s; killed past step {args.kill_at}")
+    print(f"elastic 1:2 nodes, 1 rank each, checkpoint every {args.every} steps, snapshot "
+          f"every {args.snapshot_every or '-'} steps, rendezvous heartbeat 1 s, last call "
+          f"2 s; killed past step {args.kill_at}")
     if args.lose_store:
         where = "a third node (`gpufleet store`)" if args.store_host == "separate" else \
             "node 0's launcher"

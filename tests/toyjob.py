@@ -389,3 +389,28 @@ def make_model_slow_stage(rank: int = 1, delay: float = 0.003) -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), _SleepOnRank(rank, delay), nn.Tanh(),
                          nn.Linear(16, 16), _SleepOnRank(rank, delay), nn.Tanh(),
                          nn.Linear(16, 1))
+
+
+class _ReadLog(Dataset):
+    """Appends ``<index> <world size>`` for every item read to ``<out>/<pid>.txt`` (the
+    world size as this process sees it when it reads: WORLD_SIZE, which an in-process
+    recovery updates), each read taking ``delay`` seconds."""
+
+    def __init__(self, inner: Dataset, out: str, delay: float) -> None:
+        self.inner, self.out, self.delay = inner, out, delay
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):
+        if _in_preflight():
+            return self.inner[i]
+        time.sleep(self.delay)
+        os.makedirs(self.out, exist_ok=True)
+        with open(os.path.join(self.out, f"{os.getpid()}.txt"), "a") as f:
+            f.write(f"{i} {os.environ.get('WORLD_SIZE', '1')}\n")
+        return self.inner[i]
+
+
+def make_data_read_log(out: str, delay: float = 0.0, n: int = 256):
+    return _ReadLog(make_data(n), out, delay)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from torch.distributed.launcher import api as torch_launcher
 
 from gpufleet.launch import (
     DistEnv,
@@ -23,6 +24,7 @@ from gpufleet.launch import (
     rank_zero_first,
     world_size,
 )
+from gpufleet.launch.launcher import ELASTIC_EXIT_BARRIER_S, _exit_barrier
 
 HERE = Path(__file__).resolve().parent
 # The rank functions live in a module of their own, importable by name in spawned ranks
@@ -196,3 +198,18 @@ def test_bad_launch_options(kwargs, match):
 def test_unpicklable_function_is_refused_before_starting_ranks():
     with pytest.raises(LaunchError, match="module level"):
         launch(lambda: 1, nproc=2)
+
+
+def test_an_elastic_node_range_gets_a_short_exit_barrier(monkeypatch):
+    """Survivors that went on without a lost node wait for its agent at the end: 30 s,
+    not torch's 300 s; the agent class is torch's own again afterwards."""
+    made = []
+    monkeypatch.setattr(torch_launcher, "LocalElasticAgent",
+                        lambda *a, **kw: made.append(kw) or "agent")
+    fake = torch_launcher.LocalElasticAgent
+    with _exit_barrier(ELASTIC_EXIT_BARRIER_S):
+        assert torch_launcher.LocalElasticAgent(spec="s") == "agent"
+    with _exit_barrier(None):  # a fixed node count: torch's default
+        torch_launcher.LocalElasticAgent(spec="s")
+    assert made == [{"spec": "s", "exit_barrier_timeout": 30.0}, {"spec": "s"}]
+    assert torch_launcher.LocalElasticAgent is fake

@@ -61,3 +61,11 @@ def test_the_gpufleet_command_is_not_run_again_in_its_ranks(monkeypatch):
     prepared = rankmain._preparation()
     assert "init_main_from_path" not in prepared and "init_main_from_name" not in prepared
     assert prepared["sys_path"] and prepared["dir"] == os.getcwd()
+
+
+def test_a_rank_its_node_started_before_counts_as_a_restart(monkeypatch):
+    """torch counts only failed attempts; a restart for a node that joined resumes too."""
+    monkeypatch.delenv(rankmain.RESTARTED, raising=False)
+    assert rankmain.restarts(0) == 0 and rankmain.restarts(2) == 2
+    monkeypatch.setenv(rankmain.RESTARTED, "1")
+    assert rankmain.restarts(0) == 1 and rankmain.restarts(2) == 2

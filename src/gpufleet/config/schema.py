@@ -319,6 +319,16 @@ class FaultConfig(Section):
                               "position) into host memory in a background thread and sends "
                               "one copy to a rank on the next node; 0: off. Host memory per "
                               "rank: its own state plus one partner's.", min=0)
+    recover_in_process: bool = opt(True, "With snapshots on and ranks lost mid-run (a node "
+                                   "killed), the ranks left leave the broken process group, "
+                                   "agree through the job's store on who is left, and go on "
+                                   "in their own processes from the newest in-memory "
+                                   "snapshot (replicated strategies: ddp); otherwise, or "
+                                   "when that fails, they exit and the elastic agent "
+                                   "restarts them from the newest checkpoint.")
+    recover_window_s: float = opt(1.0, "Seconds the ranks left after a loss wait for each "
+                                  "other to report before going on without those that did "
+                                  "not.", min=0.05)
 
 
 @dataclass

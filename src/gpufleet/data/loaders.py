@@ -68,6 +68,12 @@ class TrainLoader:
     variable: bool
     _counts: dict[int, int] = field(default_factory=dict, repr=False)
 
+    def reshard(self, shard: int, shards: int) -> None:
+        """Read shard ``shard`` of ``shards`` from the next pass on (the ranks regrouped
+        at another world size); the sampler's position is restored after this."""
+        self.sampler.rank, self.sampler.world_size = shard, shards
+        self._counts.clear()
+
     def batches_in_epoch(self, epoch: int) -> int:
         """Batches this rank reads in ``epoch`` (token batching: they vary by epoch)."""
         if epoch not in self._counts:

@@ -85,6 +85,15 @@ class PreemptionWatch:
             log.warning("training runs outside the main thread: SIGTERM/SIGUSR1 cannot be "
                         "caught, so a preempted run stops without a final checkpoint")
 
+    def regroup(self) -> None:
+        """The ranks regrouped in process after a lost node (:mod:`gpufleet.fault.
+        recovery`): the flag's own gloo group, if it has one, is made again over the new
+        process group (COLLECTIVE then)."""
+        if self._group is not None:
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo")
+
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:  # a signal handler: set a flag, nothing more
             self.received = signum

@@ -78,6 +78,8 @@ class Snapshotter:
         self._thread: threading.Thread | None = None
         self._copied = threading.Event()
         self._copied.set()
+        self._own_ready = threading.Event()  # the own copy in flight is complete
+        self._own_ready.set()
         cuda = device.type == "cuda"
         self._side = torch.cuda.Stream(device) if cuda else None
         self._side_done: Any = None  # the side stream's copies are queued up to here
@@ -110,6 +112,7 @@ class Snapshotter:
             events = self._queue_cuda(tensors, late)
             tensors, late = [], []
         self._copied.clear()
+        self._own_ready.clear()
         self.taken += 1
         self._thread = threading.Thread(target=self._work, args=(tensors, late, events),
                                         name=f"snapshot-{step}", daemon=True)
@@ -135,15 +138,18 @@ class Snapshotter:
         """The background thread: the copies that can wait for the next optimizer step,
         then the exchange with the partners."""
         try:
-            self.own.copy(tensors, late)
-        except Exception as e:  # never leave the training thread waiting
-            self._fail(f"copy failed: {type(e).__name__}: {e}")
-            return
+            try:
+                self.own.copy(tensors, late)
+            except Exception as e:  # never leave the training thread waiting
+                self._fail(f"copy failed: {type(e).__name__}: {e}")
+                return
+            finally:
+                self._copied.set()
+            for event in events:  # CUDA: the host bytes are all there once both end
+                event.synchronize()
+            self.own.done()
         finally:
-            self._copied.set()
-        for event in events:  # CUDA: the host bytes are all there once both streams end
-            event.synchronize()
-        self.own.done()
+            self._own_ready.set()
         if self.exchange is not None:
             try:
                 self.exchange.swap(self.own, self.partner)
@@ -185,6 +191,12 @@ class Snapshotter:
         if self._side_done is not None:
             torch.cuda.current_stream(self.device).wait_event(self._side_done)
             self._side_done = None
+
+    def own_copy(self, timeout_s: float) -> HostState | None:
+        """This rank's own snapshot, once the copy in flight (not its exchange) is
+        complete; None when no complete copy is held after ``timeout_s``."""
+        self._own_ready.wait(timeout_s)
+        return self.own if self.own.step is not None else None
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait for the snapshot in flight (copy and exchange); False when it was still
@@ -249,6 +261,18 @@ class SnapshotCallback(Callback):
         metrics["snapshot_step"] = snap.finished_step
         metrics["snapshot_blocking_s"] = snap.last_blocking_s
         metrics["snapshot_wait_s"] = snap.last_wait_s
+
+    def rejoin(self, rank: int, world_size: int) -> None:
+        """This rank's new place after the ranks left regrouped in process (see
+        :mod:`gpufleet.fault.recovery`): the ring of partners is made again over the new
+        process group (COLLECTIVE) when ranks are left to send to."""
+        import torch.distributed as dist
+
+        self.world_size, self.snapshotter.rank = world_size, rank
+        self.snapshotter.exchange = None
+        if world_size > 1 and dist.is_initialized():
+            self.snapshotter.exchange = RingExchange.start(self.node_rank, self.local_rank,
+                                                           self.timeout_s)
 
     def on_fit_end(self, trainer: Any, result: Any) -> None:
         if not self.snapshotter.wait(self.timeout_s):

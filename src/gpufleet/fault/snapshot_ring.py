@@ -193,3 +193,26 @@ def newest_complete(held: Iterable[Held], targets: Sequence[int],
     sources = {owner: owner if owner in alive else target
                for owner, target in enumerate(targets)}
     return Assembly(step, sources)
+
+
+def newest_replicated(held: Iterable[Held], survivors: Iterable[int]) -> Assembly | None:
+    """:func:`newest_complete` for a replicated state (ddp: every rank holds the same
+    model and optimizer state, and the data position is global): the survivors need no
+    lost rank's copy to go on at a smaller world size, only their own copies of one
+    step. Each survivor restores its own copy (``sources`` maps it to itself).
+
+    Returns:
+        None when a survivor holds no complete copy of its own, or the survivors' copies
+        are of different steps.
+
+    Example:
+        >>> newest_replicated([Held(0, 0, 6), Held(0, 1, 5)], survivors=[0])
+        Assembly(step=6, sources={0: 0})
+    """
+    alive = sorted(set(survivors))
+    own = {h.owner: h.step for h in held if h.holder == h.owner and h.holder in alive}
+    steps = {own.get(rank) for rank in alive}
+    if not alive or len(steps) != 1 or None in steps:
+        return None
+    (step,) = steps
+    return Assembly(step, {rank: rank for rank in alive})  # type: ignore[arg-type]

@@ -42,6 +42,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,9 @@ class Watchdog(Callback):
                                   cfg.watchdog_poll_s, cfg.heartbeat_timeout_s, self._lost)
                          if store is not None and world_size > 1 else None)
         self.exit = os._exit  # how a rank ends itself (tests replace it)
+        # In-process recovery (gpufleet.fault.recovery): told of ranks that stopped
+        # answering instead of ending this rank; True when it took over.
+        self.on_peers_lost: Callable[[Verdict], bool] | None = None
 
     # -- called by the loop (main thread) ------------------------------------------------
     phase_marks = True  # the loop's phase marks are read in batches and by the thread
@@ -139,6 +143,20 @@ class Watchdog(Callback):
         self._thread.start()
         if self.liveness is not None:
             self.signal_stacks.start()  # a peer asks for them if this rank goes silent
+            self.liveness.start()
+
+    def rejoin(self, rank: int, world_size: int, store: Any, generation: int) -> None:
+        """After the ranks left regrouped in process (:mod:`gpufleet.fault.recovery`):
+        the old heartbeats stop and new ones start under this rank's new place, in keys
+        of this ``generation``, so the lost ranks are not reported as silent."""
+        if self.liveness is not None:
+            self.liveness.stop()
+        self.rank, self.world_size, self.store = rank, world_size, store
+        self.liveness = (Liveness(store, f"{self.prefix}/g{generation}", rank, world_size,
+                                  self.heartbeat, self.cfg.watchdog_poll_s,
+                                  self.cfg.heartbeat_timeout_s, self._lost)
+                         if store is not None and world_size > 1 else None)
+        if self.liveness is not None:
             self.liveness.start()
 
     def on_phase_marks(self, trainer: Any, marks: PhaseMarks) -> None:
@@ -312,7 +330,10 @@ class Watchdog(Callback):
                     f"job: the store on rank 0's node has not answered for "
                     f"{verdict.cut_off_s:.0f} s. This node is cut off from the others (a "
                     "network partition) or rank 0's node is down.")
-        text += (f"\nEnding rank {self.rank} (exit code {EXIT_RANK_LOST}) rather than "
+        recover = bool(verdict.silent) and self.on_peers_lost is not None
+        text += (f"\nRank {self.rank} aborts the collective and goes on in process without "
+                 "them, from the newest in-memory snapshot." if recover else
+                 f"\nEnding rank {self.rank} (exit code {EXIT_RANK_LOST}) rather than "
                  f"waiting out the collective timeout; with --max-restarts and an elastic "
                  "--nnodes MIN:MAX the agent restarts without the lost node.")
         text += signal_stacks.ask_silent(self.run_dir, verdict.silent) + _end_stopped(verdict)
@@ -325,6 +346,8 @@ class Watchdog(Callback):
         log.error("%s (report in %s)", text, folder)
         for handler in logging.getLogger().handlers:
             handler.flush()
+        if recover and self.on_peers_lost is not None and self.on_peers_lost(verdict):
+            return  # the training thread's collective fails now, and it recovers
         self.exit(EXIT_RANK_LOST)  # the training thread sits in a collective: end here
 
     def _write_report(self, folder: Path) -> None:

@@ -32,6 +32,7 @@ from torch.distributed import DistError
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
+from torch.distributed.launcher import api as torch_launcher
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from gpufleet.errors import LaunchError, RunStopped, unknown_choice
@@ -53,6 +54,10 @@ logger = logging.getLogger(__name__)
 LAUNCHERS = ("elastic", "spawn")
 _REOPEN_TRIES = 3  # rendezvous generations a start may skip, each closed by an ended run
 _STORE_WAIT_S = 60.0  # at most this long for a store hosted elsewhere to answer
+# Seconds an agent whose ranks finished waits for the other nodes' agents (torch's "exit
+# barrier", 300 s by default) in an elastic run whose node count may change: the agents
+# of nodes lost while their survivors went on in process never come.
+ELASTIC_EXIT_BARRIER_S = 30.0
 
 
 def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, launcher: str = "elastic",
@@ -197,9 +202,10 @@ def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: Launc
         if ranks_dir is not None:  # each rank: python -m gpufleet.launch.rankmain PAYLOAD
             args = (*COMMAND, str(_payload(ranks_dir, fn, args)))
         entry = fn if ranks_dir is None else sys.executable
+        barrier = ELASTIC_EXIT_BARRIER_S if plan.min_nodes < plan.max_nodes else None
         for tries_left in range(_REOPEN_TRIES, -1, -1):
             try:
-                with _fresh_store_per_restart(plan.rdzv_backend):
+                with _fresh_store_per_restart(plan.rdzv_backend), _exit_barrier(barrier):
                     # A rank's exception lands in its error file (torch's @record around fn).
                     results = elastic_launch(launch_config(), entry)(*args)
                 break
@@ -312,6 +318,26 @@ def _fresh_store_per_restart(rdzv_backend: str) -> Iterator[None]:
         yield
     finally:
         os.environ.pop(name, None)
+
+
+@contextmanager
+def _exit_barrier(seconds: float | None) -> Iterator[None]:
+    """Have torch's launcher make its agent with an exit barrier of ``seconds`` (None:
+    torch's default). ``LaunchConfig`` has no such field: the agent class the launcher
+    builds is given the value for the duration of the launch."""
+    if seconds is None:
+        yield
+        return
+    agent_class = torch_launcher.LocalElasticAgent
+
+    def agent(*args: Any, **kwargs: Any) -> Any:
+        return agent_class(*args, exit_barrier_timeout=seconds, **kwargs)
+
+    torch_launcher.LocalElasticAgent = agent  # type: ignore[assignment, misc]
+    try:
+        yield
+    finally:
+        torch_launcher.LocalElasticAgent = agent_class  # type: ignore[misc]
 
 
 def _launch_spawn(fn: Callable[..., Any], args: tuple, nproc: int, addr: str,

@@ -31,6 +31,10 @@ from pathlib import Path
 from typing import Any
 
 PAYLOAD = "payload.pkl"
+#: Set (to "1") in a rank whose node's agent started ranks before in this launch: a
+#: restart, also one the agent made because a node joined (which leaves
+#: TORCHELASTIC_RESTART_COUNT as it was).
+RESTARTED = "GPUFLEET_RANKS_RESTARTED"
 #: The command a rank runs, before the payload's path.
 COMMAND = ("-m", "gpufleet.launch.rankmain")
 
@@ -90,7 +94,9 @@ def main(argv: list[str]) -> None:
     payload = Path(argv[0])
     rank = int(os.environ.get("RANK", "0"))
     # The agents met and started this rank: the launcher tells a store lost mid-run
-    # from agents that never met by these marks.
+    # from agents that never met by these marks, and a rank that finds one is a restart.
+    if any(payload.parent.glob("started-*")):
+        os.environ[RESTARTED] = "1"
     (payload.parent / f"started-{rank}").touch()
     with payload.open("rb") as f:
         spawn.prepare(pickle.load(f))  # sys.path, cwd, argv, the main script
@@ -109,6 +115,12 @@ def main(argv: list[str]) -> None:
         pickle.dump(result, f, protocol=pickle.HIGHEST_PROTOCOL)
     partial.replace(final)
     leave(0)
+
+
+def restarts(restart_count: int) -> int:
+    """The agent's restart count, or 1 when it is 0 and this node's agent started ranks
+    before (it restarted them because a node joined: torch counts only failures)."""
+    return restart_count or int(os.environ.get(RESTARTED) == "1")
 
 
 def leave(code: int) -> None:

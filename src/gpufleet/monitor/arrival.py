@@ -89,7 +89,14 @@ class ArrivalTimer(Callback):
     def on_fit_start(self, trainer: Any) -> None:
         self._steps, self._sums = 0, [0.0] * 3
         self._hooks.take()
-        model, strategy = trainer.model, getattr(trainer, "strategy", None)
+        self.watch(trainer.model, getattr(trainer, "strategy", None))
+        gc.callbacks.append(self._on_gc)
+
+    def watch(self, model: Any, strategy: Any = None) -> None:
+        """Time this rank's wait for the others on ``model``: a DDP module without a
+        communication hook (also one made anew after an in-process recovery), a
+        pipeline stage of ``strategy``, or FSDP2's collectives."""
+        self.measures = ""
         stage = getattr(strategy, "pipeline_stage", None)
         if isinstance(model, DDP):
             try:
@@ -102,7 +109,6 @@ class ArrivalTimer(Callback):
                 self.measures, self._stage = "pipeline", strategy.rank
         elif time_fsdp(model, self._hooks):
             self.measures = "fsdp"
-        gc.callbacks.append(self._on_gc)
 
     def on_fit_end(self, trainer: Any, result: Any) -> None:
         if self._on_gc in gc.callbacks:

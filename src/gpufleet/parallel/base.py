@@ -157,6 +157,15 @@ class Strategy:
             return rank, world_size
         return self.dims.dp_rank(rank), self.dims.dp
 
+    def regroup(self, world_size: int) -> None:
+        """The process group was made again with ``world_size`` ranks (the ranks left
+        after a lost node, see :mod:`gpufleet.fault.recovery`): the mesh degrees follow
+        it, the mesh is built again on first use, and the clip's choices are made again.
+        """
+        self.dims = plan_for(self.cfg, self.traits, world_size)
+        self._mesh = None
+        self._clip_model, self._clip_params, self.measured = None, None, None
+
     # -- the step --------------------------------------------------------------------
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """Context in which backward does not synchronise gradients across ranks."""

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
@@ -27,6 +28,7 @@ from gpufleet.errors import ConfigError, GpufleetError
 from gpufleet.job import import_object
 from gpufleet.launch import DistEnv, broadcast_object, is_initialized, job_store
 from gpufleet.launch.netif import node_address
+from gpufleet.launch.rankmain import restarts
 from gpufleet.monitor.flops import device_peak_flops
 from gpufleet.parallel import build_strategy, strategy_class
 from gpufleet.plan import RunPlan, make_plan
@@ -164,6 +166,7 @@ def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module]
             (cb for cb in callbacks if isinstance(cb, SystemSampler)), None)
     run.phases = PhaseAnnouncer(run.callbacks.phase_listeners, run.view,
                                 run.callbacks.mark_readers)
+    run.recovery = _recovery(run)
     return run
 
 
@@ -287,7 +290,8 @@ def _run_dir(cfg: Config, env: DistEnv) -> tuple[Config, Path | None, runlock.Ru
     if env.is_main:
         try:
             # The lock is None when this run's launcher holds it (train.runlock).
-            cfg_main, resume_from, lock = plan_and_lock(cfg, env.restart_count)
+            # A restart of the agent's (also one for a node that joined) resumes.
+            cfg_main, resume_from, lock = plan_and_lock(cfg, restarts(env.restart_count))
             plan = (cfg_main, resume_from)
             write_config(cfg_main, Path(cfg_main.run.dir) / "config.toml")
         except (GpufleetError, OSError) as e:
@@ -412,6 +416,24 @@ def _own_callbacks(run: Run) -> list[Callback]:
         if mon.sync_probe_steps and run.device.type == "cuda":
             own.append(SyncProbe(monitors.advisor, mon.sync_probe_steps))
     return own
+
+
+def _recovery(run: Run) -> Any:
+    """In-process recovery from the snapshots after a lost node
+    (``fault.recover_in_process``), where the run can have it; None otherwise."""
+    fault, env = run.cfg.fault, run.env
+    if not (fault.recover_in_process and run.monitors.snapshots is not None
+            and env.world_size > 1 and is_initialized()):
+        return None
+    from gpufleet.fault.recovery import Recovery, not_replicated
+
+    reason = not_replicated(run.strategy, run.data.sampler)
+    if reason:
+        if env.is_main:
+            log.info("a lost node is recovered by the elastic agent's restart from the "
+                     "newest checkpoint, not in process: %s", reason)
+        return None
+    return Recovery(run, job_store(), dist.get_backend())
 
 
 def _snapshots(run: Run) -> Callback:

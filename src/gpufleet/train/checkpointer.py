@@ -197,10 +197,18 @@ class Checkpointer:
         sharded = path.is_dir()  # written by a sharded strategy (fsdp) at any world size
         state = sharded_ckpt.read_trainer_state(path) if sharded else ckpt.load_checkpoint(
             path, verify=False)
+        return self.restore(state, f"checkpoint {path}", path if sharded else None)
+
+    def restore(self, state: dict[str, Any], source: str,
+                shards: Path | None = None) -> Position:
+        """Restore model, optimizer, scheduler, scaler, data position and RNG from
+        ``state``: a checkpoint's content, or what :meth:`rank_state` returned (an
+        in-memory snapshot; the same keys). ``source`` names it in messages; ``shards``
+        is a sharded checkpoint's directory, whose shards each rank reads here."""
         try:
-            if sharded:  # COLLECTIVE: each rank reads what makes up its own shards
+            if shards is not None:  # COLLECTIVE: each rank reads what makes up its shards
                 sharded_ckpt.load_sharded_into(
-                    path, self.model, self.optimizer,
+                    shards, self.model, self.optimizer,
                     consolidates_optimizer=self.strategy.traits.consolidates_optimizer)
             elif self.parts:
                 self._load_models(state)
@@ -211,14 +219,15 @@ class Checkpointer:
                 self.precision.load_state_dict(state["precision"])
         except (RuntimeError, ValueError, KeyError) as e:
             raise CheckpointError(
-                f"checkpoint {str(path)!r} does not fit this run: {e}. It was written by "
+                f"{source} does not fit this run: {e}. It was written by "
                 "a different model, optimizer or config; resume with the config saved in "
                 "its run directory (config.toml), or start a new run."
             ) from e
         at = Position(state["step"], state["epoch"], 0)
-        at.consumed = self._restore_position(path, state, at.epoch)
+        at.consumed = self._restore_position(source, state, at.epoch)
         if self.env.is_main:
-            log.info("resumed from %s at step %d", path, at.step)
+            log.info("resumed from %s at step %d", source.removeprefix("checkpoint "),
+                     at.step)
         return at
 
     def _trainer_state(self, at: Position, rng: Any) -> dict[str, Any]:
@@ -282,7 +291,7 @@ class Checkpointer:
             part.scheduler.load_state_dict(own["scheduler"])
             part.precision.load_state_dict(own["precision"])
 
-    def _restore_position(self, path: Path, state: dict[str, Any], epoch: int) -> int:
+    def _restore_position(self, source: str, state: dict[str, Any], epoch: int) -> int:
         """Put the sampler (and, at the same world size, the RNG) where the checkpoint
         left them; returns what of the epoch was consumed."""
         saved_world = state.get("world_size", 1)
@@ -293,20 +302,20 @@ class Checkpointer:
             try:
                 self.sampler.load_state_dict(state["sampler"])
             except ValueError as e:
-                raise CheckpointError(f"checkpoint {str(path)!r}: the training data does "
+                raise CheckpointError(f"{source}: the training data does "
                                       f"not match the run that wrote it ({e}).") from e
             if saved_world == self.env.world_size:
                 set_rng_state(state["rng"][self.env.rank])
             elif self.env.is_main:
-                log.info("checkpoint %s was written by %d rank(s), this run has %d: the "
-                         "rest of epoch %d (after %d samples) is split over them", path,
+                log.info("%s was written by %d rank(s), this run has %d: the "
+                         "rest of epoch %d (after %d samples) is split over them", source,
                          saved_world, self.env.world_size, epoch,
                          state["sampler"]["samples"])
             return self.sampler.position
         # A different rank count splits the data differently: restart the epoch.
         self.sampler.set_epoch(epoch)
-        log.warning("checkpoint %s was written by %d rank(s), this run has %d: the data "
-                    "position restarts at the beginning of epoch %d", path, saved_world,
+        log.warning("%s was written by %d rank(s), this run has %d: the data "
+                    "position restarts at the beginning of epoch %d", source, saved_world,
                     self.env.world_size, epoch)
         return 0
 

@@ -41,6 +41,7 @@ class Trainer:
     def __init__(self, run: Run) -> None:
         self.run = run
         self._score: float | None = None  # the latest checkpoint.monitor value
+        self._started = False  # the callbacks were told the fit started
 
     def fit(self) -> FitResult:
         """Resume if there is a checkpoint, train to ``run.max_steps``, evaluate and save
@@ -48,7 +49,12 @@ class Trainer:
         try:
             self._resume()  # COLLECTIVE with sharded checkpoints
             with crash_reported(self.run.view):
-                return self._train()
+                while True:
+                    try:
+                        return self._train()
+                    except Exception as error:  # peers lost: go on without them, or raise
+                        if self.run.recovery is None or not self.run.recovery.recover(error):
+                            raise
         finally:
             self.run.close()
 
@@ -86,7 +92,9 @@ class Trainer:
             if part.guard is not None:  # decides whether it inspects before the clip
                 part.guard.start(part.model, part.optimizer, run.device)
             part.model.train()
-        run.callbacks.on_fit_start(run.view)
+        if not self._started:  # once: a run recovered in process keeps its callbacks
+            run.callbacks.on_fit_start(run.view)
+            self._started = True
         forward_backward = (self._forward_backward if len(run.parts) == 1
                             else self._forward_backward_parts)
         self._model_step = run.strategy.forward_backward  # the model's part of a micro-step

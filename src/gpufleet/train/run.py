@@ -28,6 +28,7 @@ from gpufleet.train.stream import TrainStream
 
 if TYPE_CHECKING:
     from gpufleet.fault.preempt import PreemptionWatch
+    from gpufleet.fault.recovery import Recovery
     from gpufleet.fault.snapshot import SnapshotCallback
     from gpufleet.fault.watchdog import Watchdog
     from gpufleet.monitor.advisor import Advisor
@@ -125,6 +126,8 @@ class Run:
         parts: every model with its optimizer, scheduler, scaler and guard (one part,
             the fields above, unless several models are trained).
         user_step: your training step (:mod:`gpufleet.train.steps`), or None.
+        recovery: goes on without lost ranks in process (:mod:`gpufleet.fault.recovery`;
+            snapshots on, replicated state), or None.
     """
 
     cfg: Config
@@ -154,6 +157,7 @@ class Run:
     view: RunView | None = None
     parts: list[ModelPart] = field(default_factory=list)
     user_step: UserStep | None = None
+    recovery: Recovery | None = None  # in-process recovery after a lost node, or None
 
     def request_stop(self, reason: str) -> None:
         """Ask the run to stop after the current step (see RunView.request_stop)."""

@@ -59,6 +59,14 @@ class TrainStream:
         self.epoch, self.consumed = epoch, consumed
         self._batches = self._epoch_iterator()
 
+    def reshard(self, rank: int, shard: int, shards: int, data_copies: int) -> None:
+        """This rank (``rank``) reads shard ``shard`` of ``shards`` from now on, each
+        sample read by ``data_copies`` ranks: the ranks regrouped at another world size
+        in process. Restore the sampler's position and call :meth:`start` next."""
+        self._train.reshard(shard, shards)
+        self._rank, self.data_copies = rank, data_copies
+        self._batches = None
+
     def next(self) -> Any:
         """The next training batch on the device."""
         batch = next(self._batches, None)

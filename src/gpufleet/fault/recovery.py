@@ -1,0 +1,333 @@
+"""Recovery without a cold start: the ranks left after a lost node go on in their own
+processes, from the newest in-memory snapshot (``fault.snapshot_every``).
+
+When a collective of training fails because peers vanished (gloo raises on the
+connection a dead peer's kernel closed), every rank left, in :meth:`Recovery.recover`:
+
+1. waits for its own snapshot copy in flight and for the snapshot thread (whose exchange
+   with a lost partner fails the same way), then leaves the broken process group: every
+   group destroyed, NCCL's communicators aborted first;
+2. reports to the job's store (hosted by rank 0's process, kept across groups) under
+   keys of this recovery's *generation*, so that a second loss meets in fresh keys: its
+   rank and the step of the snapshot it holds. Rank 0 waits for the reports, at most
+   ``fault.recover_window_s`` (less when every rank reported), and decides: the ranks
+   that reported go on, in rank order, from the newest step they all hold
+   (:func:`~gpufleet.fault.snapshot_ring.newest_replicated`);
+3. joins a new process group with them, and rebuilds what depends on it: the strategy's
+   degrees and mesh, the DDP wrappers, its data shard, the ring of snapshot partners, the
+   watchdog's heartbeats;
+4. restores its own snapshot with the checkpointer's own code (model, optimizer,
+   scheduler, scaler, the global data position, which splits the rest of the epoch over
+   the new world: every sample read once). No file is read.
+
+In any other case the rank raises the original error, ends, and the elastic agent
+restarts the ranks from the newest checkpoint (the agent-restart path, as without
+snapshots); the log says which path was taken and why. That happens when the error is
+not a lost peer (every rank reported), when the strategy's state is not replicated
+(fsdp, hsdp, zero1, pipeline, tensor or local SGD: decided when the run is built), when
+no snapshot of one step is held by every rank left, when rank 0 (the store's host) is
+lost, or when a step of the recovery fails or times out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import logging
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gpufleet.core.tree import map_tensors
+from gpufleet.data.sampler import ResumableDistributedSampler
+from gpufleet.fault.liveness import Verdict
+from gpufleet.fault.snapshot_ring import Held, newest_replicated
+from gpufleet.launch import job_store
+from gpufleet.parallel.base import Strategy
+from gpufleet.parallel.data_parallel import replicate
+from gpufleet.train.seed import seed_everything
+
+if TYPE_CHECKING:
+    from gpufleet.train.run import Run
+
+log = logging.getLogger(__name__)
+
+# Seconds a rank waits for its snapshot thread (copy and exchange) to end before it
+# leaves the process group; an exchange with a lost partner fails as soon as its
+# connection closes.
+THREAD_WAIT_S = 10.0
+# What gloo, NCCL and the store say when a peer vanished (besides torch's DistError).
+_PEER_LOST = ("Connection closed", "Connection reset", "Broken pipe", "Connection refused",
+              "ProcessGroup", "Gloo", "gloo", "NCCL", "peer")
+
+
+class RecoveryFailed(RuntimeError):
+    """In-process recovery cannot go on; the agent-restart path takes over."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Membership:
+    """What rank 0 decided for one generation: the old ranks that go on (in their new
+    rank order) and the snapshot step they restore (None: no common snapshot)."""
+
+    ranks: tuple[int, ...]
+    step: int | None
+
+
+def not_replicated(strategy: Strategy, sampler: Any) -> str:
+    """Why in-process recovery cannot serve this run ("" when it can): it needs every
+    rank to hold the whole model and optimizer state (plain replicas, as ddp keeps
+    them) and the global data position of the resumable sampler."""
+    traits, dims, cls = strategy.traits, strategy.dims, type(strategy)
+    what = f"parallel.strategy = {strategy.name!r}"
+    if max(dims.tp, dims.pp) > 1 or traits.pipelined:
+        return f"{what} splits the model over the ranks (tp {dims.tp}, pp {dims.pp})"
+    if traits.data_parallel != "replicate" or dims.dp_shard > 1:
+        return f"{what} shards the model and optimizer state over the ranks"
+    if traits.consolidates_optimizer:
+        return f"{what} shards the optimizer state over the ranks"
+    if (cls.attach is not Strategy.attach
+            or cls.after_optimizer_step is not Strategy.after_optimizer_step):
+        return f"{what} keeps state of its own between steps (averaging, a schedule)"
+    if not isinstance(sampler, ResumableDistributedSampler):
+        return "data.batching = 'tokens' plans batches for the world size it started with"
+    return ""
+
+
+def is_peer_loss(error: BaseException) -> bool:
+    """Whether ``error`` looks like a collective (or the store) failing on a peer that
+    vanished, rather than a mistake in the training code."""
+    if isinstance(error, dist.DistError):
+        return True
+    return isinstance(error, RuntimeError) and any(k in str(error) for k in _PEER_LOST)
+
+
+class Recovery:
+    """Regroups the ranks left after a loss, in process (see the module docs). Built by
+    ``build_run`` when snapshots are on, several ranks train and the strategy keeps
+    whole replicas; the loop calls :meth:`recover` when a step raises.
+
+    Args:
+        run: the run to rebuild (its parts are changed in place).
+        store: the job's key-value store (rank 0's; kept alive here across groups).
+        backend: the process group's backend, for the new group.
+    """
+
+    def __init__(self, run: Run, store: Any, backend: str) -> None:
+        self.run, self.store, self.backend = run, store, backend
+        self.generation = 0
+        self.prefix = f"gpufleet/recover/{run.env.restart_count}"
+        self.window_s = run.cfg.fault.recover_window_s
+        self.timeout_s = float(run.cfg.dist.timeout)
+        if run.monitors.watchdog is not None:  # a node cut off: heartbeats name it
+            run.monitors.watchdog.on_peers_lost = self.peers_silent
+
+    def peers_silent(self, verdict: Verdict) -> bool:
+        """The watchdog's heartbeats found ranks that stopped answering (a node cut off:
+        no connection closes, and the collective would wait out dist.timeout). Make
+        the training thread's collective fail now, as a killed node's closed connections
+        do, so that it recovers without them: NCCL's communicators are aborted; gloo
+        cannot abort an operation under way (it waits out its timeout), so this
+        process's TCP connections to the silent ranks' nodes are shut down. False (the
+        rank then ends) when a silent rank's node address is unknown or this node's."""
+        run = self.run
+        ours = run.monitors.watchdog.node[1] if run.monitors.watchdog is not None else ""
+        addresses = {(beat or {}).get("addr") or "" for beat in verdict.silent.values()}
+        if "" in addresses or ours in addresses:
+            return False
+        log.warning("rank %d: rank(s) %s stopped answering; cutting the connections to "
+                    "%s to go on without them", run.env.rank,
+                    ", ".join(map(str, sorted(verdict.silent))), ", ".join(sorted(addresses)))
+        try:
+            if run.device.type == "cuda":
+                dist.distributed_c10d._abort_process_group()
+            cut_connections(addresses)
+        except Exception as e:
+            log.error("rank %d: the collective could not be interrupted (%s: %s)",
+                      run.env.rank, type(e).__name__, e)
+            return False
+        return True
+
+    def recover(self, error: BaseException) -> bool:
+        """Go on without the lost ranks, from the newest snapshot all the others hold;
+        False (the caller raises ``error``) when this is not a lost peer or recovery
+        failed, with the reason in the log."""
+        env = self.run.env
+        if not is_peer_loss(error):
+            return False
+        start = time.perf_counter()
+        log.warning("rank %d: a collective failed (%s: %s); recovering in process from "
+                    "the newest in-memory snapshot", env.rank, type(error).__name__,
+                    str(error).splitlines()[0][:200])
+        # The failed step's frames hold the old DDP wrapper and the batch: let them go.
+        traceback.clear_frames(error.__traceback__)
+        try:
+            old_world, membership = env.world_size, self._regroup()
+        except Exception as e:
+            log.error("rank %d: in-process recovery failed (%s: %s); this process ends and "
+                      "the elastic agent restarts the ranks from the newest checkpoint "
+                      "(with --max-restarts)", env.rank, type(e).__name__, e)
+            return False
+        lost = sorted(set(range(old_world)) - set(membership.ranks))
+        log.warning("recovered in-process from the step-%d snapshot, world %d -> %d (rank%s "
+                    "%s lost; this rank is now rank %d) in %.2f s; no checkpoint read",
+                    membership.step, old_world, len(membership.ranks),
+                    "s" if len(lost) > 1 else "", ", ".join(map(str, lost)),
+                    self.run.env.rank, time.perf_counter() - start,
+                    extra={"recovered_step": membership.step, "world_size": len(membership.ranks)})
+        return True
+
+    # -- the steps -------------------------------------------------------------------
+    def _regroup(self) -> Membership:
+        run = self.run
+        snaps = run.monitors.snapshots
+        assert snaps is not None, "recovery is built only with snapshots"
+        own = snaps.snapshotter.own_copy(THREAD_WAIT_S)
+        if not snaps.snapshotter.wait(THREAD_WAIT_S):
+            raise RecoveryFailed(f"the snapshot exchange still ran after {THREAD_WAIT_S:g} s")
+        run.checkpointer.wait()  # a checkpoint written in the background ends first
+        _leave_groups(run.device)
+        membership = self._agree(None if own is None else own.step)
+        if membership.step is None:
+            raise RecoveryFailed("the ranks left hold no in-memory snapshot of one step")
+        assert own is not None and own.step == membership.step
+        new_rank, world = membership.ranks.index(run.env.rank), len(membership.ranks)
+        # COLLECTIVE from here on, over the new group, in the same order on every rank.
+        dist.init_process_group(
+            self.backend, store=dist.PrefixStore(f"{self._keys}/pg", self.store),
+            rank=new_rank, world_size=world, timeout=timedelta(seconds=self.timeout_s))
+        self.generation += 1
+        self._rebuild(new_rank, world)
+        self._restore(own.state(), membership.step)
+        if run.monitors.preemption is not None:
+            run.monitors.preemption.regroup()  # COLLECTIVE where it has a group
+        snaps.rejoin(new_rank, world)  # COLLECTIVE: the snapshot ring's new group
+        if run.monitors.watchdog is not None:
+            run.monitors.watchdog.rejoin(new_rank, world, job_store(), self.generation)
+        return membership
+
+    @property
+    def _keys(self) -> str:
+        return f"{self.prefix}/g{self.generation}"
+
+    def _agree(self, step: int | None) -> Membership:
+        """Report to the store; rank 0 decides who goes on from which step."""
+        env, keys, store = self.run.env, self._keys, self.store
+        store.set(f"{keys}/member/{env.rank}", json.dumps({"step": step}))
+        store.add(f"{keys}/count", 1)
+        if env.rank == 0:
+            deadline = time.monotonic() + self.window_s
+            while (store.add(f"{keys}/count", 0) < env.world_size
+                   and time.monotonic() < deadline):
+                time.sleep(0.01)
+            present = [r for r in range(env.world_size)
+                       if store.check([f"{keys}/member/{r}"])]
+            steps = {r: json.loads(store.get(f"{keys}/member/{r}"))["step"] for r in present}
+            held = [Held(r, r, s) for r, s in steps.items() if s is not None]
+            assembly = newest_replicated(held, present)
+            store.set(f"{keys}/decision", json.dumps(
+                {"ranks": present, "step": None if assembly is None else assembly.step}))
+        else:
+            store.wait([f"{keys}/decision"], timedelta(seconds=self.timeout_s))
+        decision = json.loads(store.get(f"{keys}/decision"))
+        membership = Membership(tuple(decision["ranks"]), decision["step"])
+        if env.rank not in membership.ranks:
+            raise RecoveryFailed(f"rank {env.rank} reported after rank 0 closed the "
+                                 f"membership {list(membership.ranks)}")
+        if len(membership.ranks) == env.world_size:
+            raise RecoveryFailed("every rank reported: no rank was lost, so the error "
+                                 "is not a lost node")
+        return membership
+
+    def _rebuild(self, rank: int, world: int) -> None:
+        """Everything that depends on the process group, for this rank's new place."""
+        run = self.run
+        env = dataclasses.replace(run.env, rank=rank, world_size=world)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+        run.env = run.checkpointer.env = env
+        run.strategy.regroup(world)
+        for part in run.parts:  # COLLECTIVE: DDP checks and broadcasts the parameters
+            part.model = _rewrap(part.model, run.strategy, run.device)
+        run.model = run.checkpointer.model = run.parts[0].model
+        if run.evaluator is not None:
+            run.evaluator.model = run.model
+        if run.monitors.arrival is not None:
+            run.monitors.arrival.watch(run.model)
+        shard, shards = run.strategy.data_shard(rank, world)
+        run.data.reshard(rank, shard, shards, world // shards)
+        if run.evaluator is not None:
+            sampler = getattr(run.evaluator.loader, "sampler", None)
+            if isinstance(sampler, ResumableDistributedSampler):
+                sampler.rank, sampler.world_size = shard, shards
+
+    def _restore(self, held: Any, step: int) -> None:
+        """Put the snapshot's state back (copied out of the snapshot's buffer, which the
+        next snapshot overwrites) and the data where it was."""
+        run = self.run
+        for part in run.parts:  # the failed step's gradients
+            part.optimizer.zero_grad()
+        state = map_tensors(held, lambda t: t.clone())
+        at = run.checkpointer.restore(state, f"the step-{step} in-memory snapshot")
+        # As a run resumed at another world size: this rank's seed, as build_run sets it.
+        seed_everything(run.cfg.run.seed + run.env.rank)
+        run.state.step = at.step
+        run.data.start(at.epoch, at.consumed)
+        result = run.result  # the steps after the snapshot are trained again
+        result.losses = [(s, v) for s, v in result.losses if s <= at.step]
+        result.eval_losses = [(s, v) for s, v in result.eval_losses if s <= at.step]
+
+
+def cut_connections(addresses: set[str]) -> int:
+    """Shut down this process's TCP connections to any of ``addresses`` (what a peer's
+    kernel does when its process is killed): an operation waiting on one fails at once.
+    Returns how many were shut down."""
+    cut = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except (OSError, ValueError):  # not a socket (or gone meanwhile)
+            continue
+        with sock:
+            try:
+                if sock.type != socket.SOCK_STREAM:
+                    continue
+                peer = sock.getpeername()[0].removeprefix("::ffff:")
+            except OSError:  # not connected
+                continue
+            if peer in addresses:
+                sock.shutdown(socket.SHUT_RDWR)
+                cut += 1
+    return cut
+
+
+def _leave_groups(device: torch.device) -> None:
+    """Leave every process group (NCCL's communicators aborted first: a communicator
+    with a lost peer may never return otherwise)."""
+    if not dist.is_initialized():
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if device.type == "cuda" and abort is not None:
+        abort()  # every group let go too
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
+def _rewrap(model: Any, strategy: Strategy, device: torch.device) -> Any:
+    """A DDP module made again over the new default group (its old reducer's hooks
+    removed); a module that is not DDP as it is."""
+    if not isinstance(model, DDP):
+        return model
+    try:
+        model._remove_autograd_hooks()
+    except (AttributeError, RuntimeError) as e:  # an older torch; the wrapper is dropped
+        log.debug("the old DDP wrapper's hooks stay until it is collected: %s", e)
+    return replicate(model.module, strategy.cfg, device)

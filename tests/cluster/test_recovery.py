@@ -1,0 +1,225 @@
+"""A lost node costs the survivors no restart: with --fault.snapshot_every, kill -9 every
+process of node 1 mid-run and node 0 goes on in its own process from its in-memory
+snapshot, at world size 1, reading exactly the rest of the epoch, with nothing on disk
+to read."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpufleet.train import checkpoint as ckpt
+
+from .nodes import TOY, final_weights, start, train_records, wait, wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+RECOVERED = re.compile(r"recovered in-process from the step-(\d+) snapshot, world (\d+) -> (\d+)")
+
+
+def recovering_args(addr: str, run_dir: str, data: list[str], steps: int,
+                    extra: tuple[str, ...] = ()) -> list[str]:
+    """A 1:2-node elastic ddp job with a snapshot every step and no checkpoint before
+    the end: whatever the survivor goes on from can only be in memory."""
+    return [*TOY, *data, "--max-steps", str(steps), "--nproc", "1", "--batch-size", "16",
+            "--strategy", "ddp", "--fault.snapshot_every", "1", "--checkpoint.every", "0",
+            "--run-dir", run_dir, "--nnodes", "1:2", "--rdzv-endpoint", f"{addr}:29400",
+            "--rdzv-id", "job", "--dist.rdzv_last_call_s", "2",
+            "--dist.rdzv_keep_alive_s", "1", "--max-restarts", "3", *extra]
+
+
+def reads(out: Path) -> dict[int, list[tuple[int, int]]]:
+    """``{pid: [(sample index, world size when read), ...]}`` of every process that read."""
+    return {int(p.stem): [tuple(map(int, line.split())) for line in p.read_text().split("\n")
+                          if line]
+            for p in out.glob("*.txt")}
+
+
+def kill_node_1_past(netbed, run: Path, nodes: list, step: int) -> int:
+    """Wait until both nodes trained past ``step``, kill node 1; the step reached."""
+    def both_past():
+        records = train_records(run)
+        return records and records[-1]["step"] >= step and \
+            len(records[-1]["rank_phases"]) == 2
+    wait_for(both_past, 120, nodes)
+    at = train_records(run)[-1]["step"]
+    assert len(netbed.kill_node(1)) >= 2  # the agent and its rank, at least
+    return at
+
+
+def test_survivor_recovers_in_process_with_exact_data_and_no_disk_read(netbed, tmp_path):
+    run, out = tmp_path / "runs" / "rec", tmp_path / "reads"
+    data = ["--data", "toyjob:make_data_read_log",
+            f"--data.kwargs={{out = '{out}', delay = 0.004}}"]
+    args = recovering_args(netbed.addr(0), "runs/rec", data, steps=24)
+    nodes = [start(netbed, 0, args, tmp_path)]
+    time.sleep(0.5)  # node 0 hosts the store: let it listen first
+    nodes.append(start(netbed, 1, args, tmp_path))
+    at = kill_node_1_past(netbed, run, nodes, 3)
+    # Trained to the end (the launcher then waits a while for the lost node's agent).
+    wait_for(lambda: "step-0000024.pt" in nodes[0].output(), 120, nodes[:1])
+    said = nodes[0].output()
+    found = RECOVERED.search(said)
+    assert found, said[-4000:]
+    step, world_from, world_to = map(int, found.groups())
+    assert (world_from, world_to) == (2, 1)
+    assert at - 1 <= step <= at + 1  # at most the step under way is repeated
+    assert "restarts the ranks from the newest checkpoint" not in said
+    # One process on node 0 from start to end: no restart, and no file to resume from.
+    per_process = reads(out)
+    assert len(per_process) == 2, sorted(per_process)
+    survivor = max(per_process.values(), key=len)
+    lost = min(per_process.values(), key=len)
+    assert all(world == 2 for _, world in lost)
+    together = [i for i, world in survivor if world == 2]
+    alone = [i for i, world in survivor if world == 1]
+    # Steps 1..step at world 2 on both ranks (16 samples each), then the rest of the
+    # epoch on the survivor alone: every sample of epoch 0 exactly once.
+    rest = 256 - 2 * 16 * step
+    lost_reads = [i for i, _ in lost]
+    epoch = together[:16 * step] + lost_reads[:16 * step] + alone[:rest]
+    assert sorted(epoch) == list(range(256))
+    records = train_records(run)
+    assert records[-1]["step"] == 24 and len(records[-1]["rank_phases"]) == 1
+
+
+@pytest.mark.slow
+def test_weights_after_recovery_equal_a_run_resumed_at_the_new_world_size(netbed, tmp_path):
+    """ddp, killed at step S: the survivor ends with the weights, bit for bit, of the
+    uninterrupted 2-node run's step-S checkpoint resumed on one node to the same step."""
+    data = ["--data", "toyjob:make_slow_data", "--data.kwargs={delay = 0.004}"]
+    steps, addr = 12, netbed.addr(0)
+    # The uninterrupted run, a checkpoint every step.
+    straight = recovering_args(addr, "runs/u", data, steps,
+                               ("--checkpoint.every", "1", "--checkpoint.keep_last", "50"))
+    nodes = [start(netbed, 0, straight, tmp_path, tag="-u")]
+    time.sleep(0.5)
+    nodes.append(start(netbed, 1, straight, tmp_path, tag="-u"))
+    wait(nodes, 180)
+    # The same run, node 1 killed: node 0 goes on alone from its snapshot.
+    cut = recovering_args(addr, "runs/a", data, steps, ("--rdzv-id", "cut"))
+    nodes = [start(netbed, 0, cut, tmp_path, tag="-a")]
+    time.sleep(0.5)
+    nodes.append(start(netbed, 1, cut, tmp_path, tag="-a"))
+    kill_node_1_past(netbed, tmp_path / "runs" / "a", nodes, 3)
+    wait(nodes[:1], 180)  # the agent then waits a while for the lost node's agent
+    found = RECOVERED.search(nodes[0].output())
+    assert found, nodes[0].output()[-4000:]
+    step = int(found.group(1))
+    # The uninterrupted run's step-S checkpoint, resumed on one node to the end.
+    resumed = tmp_path / "runs" / "c"
+    shutil.copytree(tmp_path / "runs" / "u", resumed)
+    for path in ckpt.list_checkpoints(resumed):
+        if int(re.search(r"step-(\d+)", path.name).group(1)) > step:
+            path.unlink()
+    again = recovering_args(addr, "runs/c", data, steps, ("--rdzv-id", "again",
+                                                          "--resume", "latest"))
+    node = start(netbed, 0, again, tmp_path, tag="-c")
+    wait([node], 180)
+    assert f"at step {step}" in node.output()
+    recovered, reference = final_weights(tmp_path / "runs" / "a"), final_weights(resumed)
+    assert recovered.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(recovered[name], tensor), name
+
+
+@pytest.mark.slow
+def test_without_a_snapshot_the_agent_restarts_the_survivor_from_the_checkpoint(
+        netbed, tmp_path):
+    """No snapshot taken yet when node 1 dies: in-process recovery says why it cannot go
+    on, the rank ends, and its agent restarts it from the newest checkpoint alone."""
+    run = tmp_path / "runs" / "fb"
+    data = ["--data", "toyjob:make_slow_data", "--data.kwargs={delay = 0.004}"]
+    args = recovering_args(netbed.addr(0), "runs/fb", data, 5000,
+                           ("--fault.snapshot_every", "1000", "--checkpoint.every", "2"))
+    nodes = [start(netbed, 0, args, tmp_path)]
+    time.sleep(0.5)
+    nodes.append(start(netbed, 1, args, tmp_path))
+    kill_node_1_past(netbed, run, nodes, 5)
+    seen = len(train_records(run))
+
+    def alone():
+        return [r for r in train_records(run)[seen:] if len(r["rank_phases"]) == 1]
+    wait_for(alone, 120, nodes[:1])
+    said = nodes[0].output()
+    assert "in-process recovery failed (RecoveryFailed: the ranks left hold no in-memory " \
+           "snapshot of one step)" in said, said[-4000:]
+    assert "the elastic agent restarts the ranks from the newest checkpoint" in said
+    assert re.search(r"resumed from \S+step-\d+\.pt at step \d+", said)
+    assert not RECOVERED.search(said)
+
+
+@pytest.mark.slow
+def test_a_cut_off_node_is_left_behind_in_process_once_its_heartbeat_stops(netbed, tmp_path):
+    """Node 1's link cut (no connection closes): the heartbeat names it after 5 s, rank
+    0 aborts its collective and goes on alone in process from its snapshot."""
+    run = tmp_path / "runs" / "cut"
+    data = ["--data", "toyjob:make_slow_data", "--data.kwargs={delay = 0.004}"]
+    args = recovering_args(netbed.addr(0), "runs/cut", data, 60, (
+        "--dist.timeout", "120", "--fault.heartbeat_timeout_s", "5",
+        "--fault.watchdog_poll_s", "0.5"))
+    nodes = [start(netbed, 0, args, tmp_path)]
+    time.sleep(0.5)
+    nodes.append(start(netbed, 1, args, tmp_path))
+
+    def past_step_5():
+        records = train_records(run)
+        return records and records[-1]["step"] >= 5
+    wait_for(past_step_5, 120, nodes)
+    seen, cut_at = len(train_records(run)), time.time()
+    netbed.link_down(1)
+    wait_for(lambda: "step-0000060.pt" in nodes[0].output(), 120, nodes[:1])
+    said = nodes[0].output()
+    assert "stopped answering" in said and RECOVERED.search(said), said[-4000:]
+    records = train_records(run)
+    assert records[-1]["step"] == 60
+    alone = next(r for r in records[seen:] if len(r["rank_phases"]) == 1)
+    print(f"\npartition, recovered in process: node 0 trained alone {alone['time'] - cut_at:.1f}"
+          f" s after the cut, from the step-{RECOVERED.search(said).group(1)} snapshot")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("netbed", [3], indirect=True)
+def test_two_losses_in_a_row_each_recovered_with_exact_data(netbed, tmp_path):
+    """3 nodes; node 2 killed (3 -> 2: two survivors regroup, a new snapshot ring, DDP
+    at 2), then node 1 (2 -> 1, in the next generation's keys): every sample of the
+    epoch read once across 3 -> 2 -> 1 ranks, with no checkpoint on disk."""
+    run, out = tmp_path / "runs" / "two", tmp_path / "reads"
+    data = ["--data", "toyjob:make_data_read_log",
+            f"--data.kwargs={{out = '{out}', delay = 0.004, n = 480}}"]
+    args = recovering_args(netbed.addr(0), "runs/two", data, 40, ("--nnodes", "1:3"))
+    nodes = [start(netbed, 0, args, tmp_path)]
+    time.sleep(0.5)
+    nodes += [start(netbed, i, args, tmp_path) for i in (1, 2)]
+
+    def ranks_past(count: int, step: int):
+        def past():
+            records = train_records(run)
+            return records and records[-1]["step"] >= step and \
+                len(records[-1]["rank_phases"]) == count
+        return past
+    wait_for(ranks_past(3, 3), 120, nodes)
+    netbed.kill_node(2)
+    wait_for(lambda: len(RECOVERED.findall(nodes[0].output())) == 1, 60, nodes[:2])
+    first = int(RECOVERED.search(nodes[0].output()).group(1))
+    wait_for(ranks_past(2, first + 2), 60, nodes[:2])
+    netbed.kill_node(1)
+    wait_for(lambda: "step-0000040.pt" in nodes[0].output(), 120, nodes[:1])
+    found = RECOVERED.findall(nodes[0].output())
+    assert [(w0, w1) for _, w0, w1 in found] == [("3", "2"), ("2", "1")], found
+    s1, s2 = int(found[0][0]), int(found[1][0])
+    by_world = {pid: {w: [i for i, world in got if world == w] for w in (1, 2, 3)}
+                for pid, got in reads(out).items()}
+    assert len(by_world) == 3  # one process per node, none restarted
+    [survivor] = [r for r in by_world.values() if r[1]]
+    [second] = [r for r in by_world.values() if r[2] and not r[1]]
+    [third] = [r for r in by_world.values() if not r[2]]
+    epoch = (survivor[3][:16 * s1] + second[3][:16 * s1] + third[3][:16 * s1]
+             + survivor[2][:16 * (s2 - s1)] + second[2][:16 * (s2 - s1)])
+    epoch += survivor[1][:480 - len(epoch)]
+    assert sorted(epoch) == list(range(480))

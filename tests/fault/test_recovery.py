@@ -1,0 +1,145 @@
+"""In-process recovery's parts on their own: who goes on (ranks reporting to a real
+store from threads), which strategies it serves, which errors it takes for a lost peer.
+The whole recovery runs on the namespace bed (tests/cluster/test_recovery.py)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gpufleet.config import Config
+from gpufleet.data.bucket import BucketBatchSampler
+from gpufleet.data.sampler import ResumableDistributedSampler
+from gpufleet.fault.recovery import (
+    Membership,
+    Recovery,
+    RecoveryFailed,
+    cut_connections,
+    is_peer_loss,
+    not_replicated,
+)
+from gpufleet.fault.snapshot_ring import Held, newest_replicated
+from gpufleet.launch import DistEnv
+from gpufleet.parallel import build_strategy, strategy_class
+from gpufleet.parallel.dims import plan_for
+
+
+@pytest.fixture
+def store():
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def recoveries(store, world: int, window_s: float = 0.3) -> list[Recovery]:
+    """One Recovery per rank of ``world``, each with a client of its own to ``store``
+    (the run holds only what agreeing reads)."""
+    cfg = SimpleNamespace(fault=SimpleNamespace(recover_window_s=window_s),
+                          dist=SimpleNamespace(timeout=20))
+    return [Recovery(SimpleNamespace(env=DistEnv(rank=r, world_size=world), cfg=cfg,
+                                     monitors=SimpleNamespace(watchdog=None)),
+                     dist.TCPStore("127.0.0.1", store.port, is_master=False), "gloo")
+            for r in range(world)]
+
+
+def agree(ranks: list[Recovery], steps: dict[int, int | None]) -> dict[int, object]:
+    """Every rank in ``steps`` reports its snapshot step at once, from its own thread;
+    what each one was told (a Membership, or the RecoveryFailed it raised)."""
+    told: dict[int, object] = {}
+
+    def report(rank: int) -> None:
+        try:
+            told[rank] = ranks[rank]._agree(steps[rank])
+        except RecoveryFailed as e:
+            told[rank] = e
+    threads = [threading.Thread(target=report, args=(r,)) for r in steps]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return told
+
+
+def test_the_ranks_that_report_go_on_and_a_second_loss_meets_in_new_keys(store):
+    ranks = recoveries(store, 3)
+    told = agree(ranks, {0: 6, 1: 6})  # rank 2's node is gone
+    assert told == {0: Membership((0, 1), 6), 1: Membership((0, 1), 6)}
+    # The next generation: the two left, now ranks 0 and 1 of 2, lose rank 1.
+    again = recoveries(store, 2)
+    for rank in again:
+        rank.generation = 1
+    assert agree(again, {0: 9}) == {0: Membership((0,), 9)}
+
+
+def test_snapshots_of_different_steps_give_no_step_to_go_on_from(store):
+    told = agree(recoveries(store, 3), {0: 6, 1: 5})
+    assert told[0] == told[1] == Membership((0, 1), None)
+
+
+def test_every_rank_reporting_is_not_a_lost_node(store):
+    told = agree(recoveries(store, 2), {0: 4, 1: 4})
+    assert all(isinstance(t, RecoveryFailed) and "no rank was lost" in str(t)
+               for t in told.values())
+
+
+def test_a_rank_reporting_after_the_decision_falls_back(store):
+    ranks = recoveries(store, 3, window_s=0.1)
+    assert agree(ranks, {0: 3, 1: 3}) == {0: Membership((0, 1), 3), 1: Membership((0, 1), 3)}
+    late = agree(ranks, {2: 3})[2]
+    assert isinstance(late, RecoveryFailed) and "closed the membership [0, 1]" in str(late)
+
+
+def test_newest_replicated_needs_every_survivors_own_copy_of_one_step():
+    held = [Held(0, 0, 6), Held(0, 2, 5), Held(1, 1, 6), Held(1, 3, 5)]
+    assert newest_replicated(held, [0, 1]).sources == {0: 0, 1: 1}
+    assert newest_replicated(held, [0, 1]).step == 6
+    assert newest_replicated(held, [0, 1, 2]) is None  # rank 2 holds no own copy
+    assert newest_replicated([Held(0, 0, 6), Held(1, 1, 5)], [0, 1]) is None
+
+
+@pytest.mark.parametrize("name, why", [
+    ("ddp", ""), ("fsdp", "shards the model and optimizer"),
+    ("hsdp", "shards the model and optimizer"), ("zero1", "shards the optimizer state"),
+    ("local_sgd", "keeps state of its own"), ("pipeline", "splits the model")])
+def test_only_whole_replicas_recover_in_process(name, why):
+    cfg = Config()
+    dims = plan_for(cfg.parallel, strategy_class(name).traits, 4, 2)
+    strategy = build_strategy(name, cfg.parallel, torch.device("cpu"), None, dims)
+    reason = not_replicated(strategy, ResumableDistributedSampler(64, world_size=4))
+    assert (reason == "") if not why else why in reason
+
+
+def test_token_batches_do_not_recover_in_process():
+    cfg = Config()
+    dims = plan_for(cfg.parallel, strategy_class("ddp").traits, 2)
+    strategy = build_strategy("ddp", cfg.parallel, torch.device("cpu"), None, dims)
+    sampler = BucketBatchSampler([5] * 64, token_budget=40, world_size=2)
+    assert "tokens" in not_replicated(strategy, sampler)
+
+
+def test_what_counts_as_a_lost_peer():
+    closed = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [10.0.0.2]:61145: "
+                          "Connection reset by peer")
+    assert is_peer_loss(closed)
+    assert is_peer_loss(dist.DistNetworkError("store gone"))
+    assert not is_peer_loss(ValueError("bad batch"))
+    assert not is_peer_loss(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def test_cutting_connections_fails_a_receive_under_way_at_once():
+    server = socket.create_server(("127.0.0.2", 0))
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    got: list[bytes] = []
+    waiting = threading.Thread(target=lambda: got.append(client.recv(10)))
+    waiting.start()
+    try:
+        assert cut_connections({"127.0.0.2"}) == 1  # the client's, to the server
+        waiting.join(10)
+        assert got == [b""]  # the receive ended as on a closed connection
+    finally:
+        for s in (client, accepted, server):
+            s.close()
