@@ -152,6 +152,7 @@ class NonFiniteGuard:
     _reuse_clip: bool = False
     _names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> name
     _params: list[nn.Parameter] = field(default_factory=list)
+    _sharded: bool = True  # some parameter is a DTensor (FSDP, tensor parallel)
     _one: torch.Tensor | None = None
     _before_clip: EachNorm | None = None  # the host path's norms of this step
     _agree: Any = None  # the strategy's all_reduce; None in a single process
@@ -170,8 +171,8 @@ class NonFiniteGuard:
         if self.on_device and not self._reuse_clip:
             # This rank's part of each gradient (FSDP and tensor parallel shard them),
             # one norm each: one fused kernel, kept by reference for the culprit.
-            self._flag_on_device(each_norm_unstacked(self._params), None, step_loss,
-                                 optimizer)
+            self._flag_on_device(each_norm_unstacked(self._params, self._sharded), None,
+                                 step_loss, optimizer)
         elif not self.on_device:
             # The host path reads the culprit after the clip, which spreads a NaN norm
             # into every gradient (and clamps an inf by value): keep each gradient's norm
@@ -186,6 +187,7 @@ class NonFiniteGuard:
         named = list(self.strategy.unwrap(model).named_parameters())
         self._names = {id(p): n for n, p in named}
         self._params = [p for _, p in named if p.requires_grad]
+        self._sharded = any(hasattr(p, "to_local") for p in self._params)  # DTensors
         if self.on_device:
             _prime_momentum(optimizer)
             self._one = torch.ones((), device=device)
@@ -239,10 +241,10 @@ class NonFiniteGuard:
         found = self._interval.next_flag(each, step_loss)
         # One fused kernel sets ``found`` where a value is not finite (it also multiplies
         # them by one, in place: no change).
-        checked = [total] if total is not None else \
-            list(each.values) if isinstance(each.values, (list, tuple)) else [each.values]
-        torch._amp_foreach_non_finite_check_and_unscale_([*checked, step_loss], found,
-                                                         self._one)
+        values = each.values
+        checked = [total, step_loss] if total is not None else \
+            [*values, step_loss] if isinstance(values, (list, tuple)) else [values, step_loss]
+        torch._amp_foreach_non_finite_check_and_unscale_(checked, found, self._one)
         if self._agree is not None:
             self._agree(found, "max")  # COLLECTIVE: every rank, every step; no SYNC
         optimizer.found_inf = found
