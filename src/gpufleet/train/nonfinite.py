@@ -102,17 +102,18 @@ class _Interval:
         self.losses: list[torch.Tensor] = []
         self._buffer = torch.zeros(rows, device=device)
         self._flags = self._buffer.unbind()  # one view per row, made once
+        self._capacity = rows
 
     def next_flag(self, each: EachNorm, loss: torch.Tensor) -> torch.Tensor:
         """The zeroed flag of the next step, whose norms and loss are these."""
-        if self.rows == len(self._flags):  # a longer interval than so far: double
+        row = self.rows
+        if row == self._capacity:  # a longer interval than so far: double
             grown = torch.cat([self._buffer, torch.zeros_like(self._buffer)])
-            self._buffer, self._flags = grown, grown.unbind()
-        flag = self._flags[self.rows]
-        self.rows += 1
+            self._buffer, self._flags, self._capacity = grown, grown.unbind(), 2 * row
+        self.rows = row + 1
         self.norms.append(each)
         self.losses.append(loss)
-        return flag
+        return self._flags[row]
 
     def flags(self) -> torch.Tensor:
         return self._buffer[:self.rows]
@@ -169,10 +170,7 @@ class NonFiniteGuard:
         if self.on_device is None:
             self.start(model, optimizer, step_loss.device)
         if self.on_device and not self._reuse_clip:
-            # This rank's part of each gradient (FSDP and tensor parallel shard them),
-            # one norm each: one fused kernel, kept by reference for the culprit.
-            self._flag_on_device(each_norm_unstacked(self._params, self._sharded), None,
-                                 step_loss, optimizer)
+            self._flag_gradients(step_loss, optimizer)
         elif not self.on_device:
             # The host path reads the culprit after the clip, which spreads a NaN norm
             # into every gradient (and clamps an inf by value): keep each gradient's norm
@@ -232,6 +230,19 @@ class NonFiniteGuard:
             return False
         self._record(each, step_loss)
         return True
+
+    def _flag_gradients(self, step_loss: torch.Tensor, optimizer: Any) -> None:
+        """:meth:`_flag_on_device` where no clip measured the gradients: one fused kernel
+        measures each gradient (this rank's piece of it: FSDP and tensor parallel shard
+        them), whose norms are kept by reference for the culprit, and one fused kernel
+        checks them with the loss. Every step, so kept to the fewest Python operations."""
+        each = each_norm_unstacked(self._params, self._sharded)
+        found = self._interval.next_flag(each, step_loss)
+        torch._amp_foreach_non_finite_check_and_unscale_([*each.values, step_loss], found,
+                                                         self._one)
+        if self._agree is not None:
+            self._agree(found, "max")  # COLLECTIVE: every rank, every step; no SYNC
+        optimizer.found_inf = found
 
     def _flag_on_device(self, each: EachNorm, total: torch.Tensor | None,
                         step_loss: torch.Tensor, optimizer: Any) -> None:
