@@ -13,6 +13,7 @@ from torch import nn
 
 from gpufleet.config import OptimConfig
 from gpufleet.config.schema import AUTO
+from gpufleet.models.gpt import GPT
 from gpufleet.parallel import OptimizerSpec
 
 log = logging.getLogger(__name__)
@@ -52,8 +53,6 @@ PRESET_VALUES: dict[str, dict[str, Any]] = {
 
 def model_kind(model: nn.Module) -> str:
     """``gpt`` (gpufleet's GPT), ``transformers`` (a PreTrainedModel) or ``model``."""
-    from gpufleet.models.gpt import GPT
-
     if isinstance(model, GPT):
         return "gpt"
     if any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel"
