@@ -15,7 +15,8 @@ of its step, on the wall clock and on the loop thread's CPU clock; the figure is
 over blocks of 50 steps of the block's mean. Also printed: the time from a loop's first
 line to the end of its first step, with each framework's entry module imported before
 (``lightning.fabric``, ``accelerate``, ``lightning``, ``gpufleet.api``: what a user's
-``import`` line pays) and what it imports later counted.
+``import`` line pays, itself timed in a fresh process and printed first) and what it
+imports later counted.
 
     python benchmarks/peers.py                      # MLP 256-256-10, batch 32, SGD
     python benchmarks/peers.py --job gpt --steps 300   # the built-in GPT's recipe
@@ -28,6 +29,7 @@ import importlib
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -293,12 +295,27 @@ def installed(module: str) -> bool:
         return False
 
 
+def import_seconds(module: str) -> float | None:
+    """Seconds ``import module`` takes in a fresh process that imported torch first
+    (what the user's import line pays for the framework itself), or None when it fails."""
+    code = ("import time, torch; t = time.perf_counter(); import " + module +
+            "; print(time.perf_counter() - t)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=False)
+    try:
+        return float(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--job", choices=("mlp", "gpt"), default="mlp")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--warmup", type=int, default=50, help="steps left out of the timing")
+    p.add_argument("--no-import-times", action="store_true",
+                   help="do not time each entry module's import in a fresh process")
     args = p.parse_args()
     torch.set_num_threads(1)
     job = (mlp_job if args.job == "mlp" else gpt_job)(args.steps)
@@ -322,6 +339,14 @@ def main() -> None:
     if sys.flags.dont_write_bytecode:
         print("note: PYTHONDONTWRITEBYTECODE is set: a module without a cached .pyc is "
               "compiled at import, which a first step that imports lazily pays for")
+    if not args.no_import_times:
+        entries = [m for n, m in (("Lightning Fabric", "lightning.fabric"),
+                                  ("Accelerate", "accelerate"),
+                                  ("Lightning Trainer", "lightning")) if n in loops]
+        took = {m: import_seconds(m) for m in [*entries, "gpufleet.api"]}
+        print("import of each entry module, fresh process, torch imported first: " +
+              ", ".join(f"{m} {t:.2f} s" if t is not None else f"{m} failed"
+                        for m, t in took.items()))
     print(f"job: {job.name}; {args.steps} steps each, turns of one step, first "
           f"{args.warmup} not timed, blocks of {BLOCK}; 1 torch thread")
     if missing:

@@ -26,11 +26,22 @@ from gpufleet.config import Config, load_config
 from gpufleet.core.callbacks import Callback
 from gpufleet.data.hf import hf_train_eval
 from gpufleet.entry import run_rank, run_training, setup_logging, start_ranks, train
+from gpufleet.job import Job
+from gpufleet.launch import DistEnv
+from gpufleet.plan import make_plan
+from gpufleet.train.build import build_run
+from gpufleet.train.checkpoint import load_into
+from gpufleet.train.loop import Trainer
 from gpufleet.train.result import FitResult
+from gpufleet.train.rundir import as_new_run
+from gpufleet.train.steps import check_strategy
 
 # train and run_rank live in gpufleet.entry (the launcher calls them); this is where
-# user code has always found them.
-__all__ = ["fit", "load_checkpoint", "run_rank", "run_training", "setup_logging", "train"]
+# user code has always found them. A run of one rank trains in the caller's process:
+# the training stack (build_run, Trainer) is imported with this module, as a user's
+# import line pays for it, and not on the way to the first step.
+__all__ = ["Trainer", "build_run", "fit", "load_checkpoint", "run_rank", "run_training",
+           "setup_logging", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +88,6 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
     result. Under torchrun every rank calls fit and trains its share.
     """
     cfg, note = _config(config, overrides)
-    from gpufleet.job import Job
-    from gpufleet.launch import DistEnv
-    from gpufleet.plan import make_plan
 
     env = DistEnv.detect()
     if not logging.getLogger().handlers:  # leave a logging setup of the user's alone
@@ -90,8 +98,6 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
     # process trains, as the run's one rank or as its rank of a torchrun job.
     asks_for_ranks = cfg.dist.nproc > 1 or cfg.dist.nnodes != "1"
     plan = make_plan(cfg, env, model=model, here=not asks_for_ranks)  # the one resolve
-    from gpufleet.train.steps import check_strategy
-
     # What the strategy cannot train is refused here, before any rank starts.
     check_strategy(plan.cfg.parallel.strategy, isinstance(model, Mapping) and len(model) > 1,
                    training_step is not None or bool(plan.cfg.model.training_step))
@@ -105,8 +111,6 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
 def _config(config: Config | str | None, overrides: Any) -> tuple[Config, str]:
     """The config and, when it came from a run's own config.toml, a note that this
     starts a new run."""
-    from gpufleet.train.rundir import as_new_run
-
     if isinstance(config, Config):
         return load_config(overrides=overrides, base=config), ""
     base, note = None, ""
@@ -136,6 +140,4 @@ def load_checkpoint(path: str | Path, model: nn.Module,
         >>> # info = gpufleet.load_checkpoint("runs/mynet-20261124-101500", model)
         >>> # print(info["step"]); model.eval()
     """
-    from gpufleet.train.checkpoint import load_into
-
     return load_into(path, model, optimizer)

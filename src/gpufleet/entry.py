@@ -24,6 +24,7 @@ from gpufleet.errors import ConfigError, RunStopped
 from gpufleet.fault.preempt import exit_status
 from gpufleet.job import Job
 from gpufleet.launch import DistEnv
+from gpufleet.monitor.progress import Progress
 from gpufleet.plan import RunPlan, make_plan
 
 if TYPE_CHECKING:  # the training stack itself is imported by run_rank, on the ranks
@@ -262,7 +263,6 @@ def run_rank(plan: RunPlan, job: Job | None = None, callbacks: Sequence[Callback
         This rank's :class:`~gpufleet.train.loop.FitResult` (the same on every rank).
     """
     from gpufleet.launch import destroy_process_group
-    from gpufleet.monitor.progress import Progress
     from gpufleet.train.build import build_run
     from gpufleet.train.loop import Trainer
     from gpufleet.train.rank import join_process_group

@@ -146,8 +146,10 @@ class StepTracker:
         # COLLECTIVE (+ SYNC off the device path): every rank agrees on skipping.
         skip = guard is not None and guard.should_skip(run.model, step_loss, None, optimizer)
         if not skip:
-            out = (original(closure) if closure is not None else
-                   run.precision.step(optimizer))  # SYNC with fp16 (found_inf)
+            # A loss scaler steps through the precision (SYNC with fp16: found_inf);
+            # without one that is the optimizer's own step, called here directly.
+            out = (original(closure) if closure is not None or not run.precision.scales_loss
+                   else run.precision.step(optimizer))
             if self._micro:
                 self.interval.add(step_loss, self._micro)
         run.strategy.after_optimizer_step(run.model, run.state.step)

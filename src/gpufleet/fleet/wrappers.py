@@ -36,16 +36,19 @@ class FleetModule(nn.Module):
                  announce: Callable[[Phase], None], precision: Any) -> None:
         super().__init__()
         self.placed = placed
-        object.__setattr__(self, "_original", original)  # not a second submodule
+        # Read on every forward: plain attributes (a submodule's lookup goes through
+        # nn.Module.__getattr__); not a second submodule either.
+        object.__setattr__(self, "_placed", placed)
+        object.__setattr__(self, "_original", original)
         object.__setattr__(self, "_announce", announce)
         object.__setattr__(self, "_precision", precision)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._announce(Phase.FORWARD if self.training else Phase.EVAL)
         if self._precision.autocast_dtype is None:  # fp32: no autocast to enter
-            return self.placed(*args, **kwargs)
+            return self._placed(*args, **kwargs)
         with self._precision.autocast():
-            return self.placed(*args, **kwargs)
+            return self._placed(*args, **kwargs)
 
     @property
     def module(self) -> nn.Module:

@@ -103,14 +103,17 @@ def each_norm(params: Sequence[torch.Tensor], device: torch.device,
     return EachNorm(torch.stack(torch._foreach_norm(grads)), params, present), grads
 
 
-def each_norm_unstacked(params: Sequence[torch.Tensor]) -> EachNorm:
+def each_norm_unstacked(params: Sequence[torch.Tensor], sharded: bool = True) -> EachNorm:
     """:func:`each_norm` of this rank's pieces, its ``values`` left as the list of 0-dim
     norms the fused kernel returns (no stacking: the cheapest form to check every step;
-    ``torch.stack`` it when the values are read)."""
-    grads = [_local_piece(p.grad, None)[0] for p in params if p.grad is not None]
+    ``torch.stack`` it when the values are read). ``sharded=False``: no parameter is a
+    ``DTensor`` (each gradient is its own local piece; nothing to look up per step)."""
+    grads = [g for p in params if (g := p.grad) is not None]
     present = None
     if len(grads) < len(params):
         present = [i for i, p in enumerate(params) if p.grad is not None]
+    if sharded:
+        grads = [_local_piece(g, None)[0] for g in grads]
     return EachNorm(torch._foreach_norm(grads) if grads else [], params, present)
 
 

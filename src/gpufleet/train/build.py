@@ -25,22 +25,35 @@ from gpufleet.core.callbacks import Callback, CallbackList
 from gpufleet.core.phases import PhaseAnnouncer
 from gpufleet.data.loaders import build_eval_loader, build_train_loader
 from gpufleet.errors import ConfigError, GpufleetError
+from gpufleet.fault.preempt import PreemptionWatch
+from gpufleet.fault.snapshot import SnapshotCallback
+from gpufleet.fault.watchdog import Watchdog
 from gpufleet.job import import_object
 from gpufleet.launch import DistEnv, broadcast_object, is_initialized, job_store
 from gpufleet.launch.netif import node_address
 from gpufleet.launch.rankmain import restarts
+from gpufleet.monitor.advisor import Advisor, SyncProbe, run_facts
+from gpufleet.monitor.arrival import ArrivalTimer
 from gpufleet.monitor.flops import device_peak_flops
+from gpufleet.monitor.jsonl import MetricsFile
+from gpufleet.monitor.links import probe_node_links
+from gpufleet.monitor.phases import PhaseTimer
+from gpufleet.monitor.profile import ProfilerCallback
+from gpufleet.monitor.sinks import build_sinks
+from gpufleet.monitor.system import SystemSampler
 from gpufleet.parallel import build_strategy, strategy_class
+from gpufleet.parallel.parallelize import parallelize
 from gpufleet.plan import RunPlan, make_plan
 from gpufleet.precision import build_precision
 from gpufleet.procs import record_process
 from gpufleet.train import runlock
 from gpufleet.train.batches import make_loss_fn
-from gpufleet.train.checkpointer import Checkpointer
+from gpufleet.train.checkpointer import Checkpointer, Position
 from gpufleet.train.evalmetrics import EvalMetric, build_metrics
 from gpufleet.train.evaluator import Evaluator
 from gpufleet.train.keeping import EarlyStopping, check_monitor
 from gpufleet.train.modelrecord import record_transformers_model
+from gpufleet.train.nonfinite import NonFiniteGuard
 from gpufleet.train.optim import (
     build_scheduler,
     describe_schedule,
@@ -160,8 +173,6 @@ def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module]
     run.view = RunView(run)  # what callbacks get: read-only, reads live values
     run.callbacks = CallbackList(_own_callbacks(run) + list(callbacks))
     if run.monitors.system_sampler is None:  # one the caller added (its own interval)
-        from gpufleet.monitor.system import SystemSampler
-
         run.monitors.system_sampler = next(
             (cb for cb in callbacks if isinstance(cb, SystemSampler)), None)
     run.phases = PhaseAnnouncer(run.callbacks.phase_listeners, run.view,
@@ -224,8 +235,6 @@ def _scalers_and_guards(cfg: Config, device: torch.device, strategy: Any, precis
                         names: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """One loss scaler (precision object) and one non-finite guard per model, the first
     model's being the run's own; several guards decide on the host, each on its model."""
-    from gpufleet.train.nonfinite import NonFiniteGuard
-
     precisions = {name: precision if i == 0 else
                   build_precision(cfg.precision.mode, device.type, cfg.precision)
                   for i, name in enumerate(names)}
@@ -248,8 +257,6 @@ def _model_and_optimizer(cfg: Config, env: DistEnv, device: torch.device, strate
     """The model as the strategy places it, its optimizer (yours, or ``[optim]``'s) and
     your scheduler if any; the config gains the settings its preset filled in and the
     recipe line, so the run directory's config.toml records what was used."""
-    from gpufleet.parallel.parallelize import parallelize
-
     if optimizer is None and cfg.optim.factory:  # your factory, named in the config
         optimizer = import_object(cfg.optim.factory, "optim.factory")
     if scheduler is None and cfg.sched.factory:
@@ -355,11 +362,6 @@ def _max_steps(cfg: Config, env: DistEnv, data: TrainStream) -> int:
 
 def _monitors(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path) -> Monitors:
     """The phase timer, the stall watchdog and the preemption watch, as configured."""
-    from gpufleet.fault.preempt import PreemptionWatch
-    from gpufleet.fault.watchdog import Watchdog
-    from gpufleet.monitor.arrival import ArrivalTimer
-    from gpufleet.monitor.phases import PhaseTimer
-
     fault = cfg.fault
     return Monitors(
         phase_timer=PhaseTimer(device) if cfg.monitor.phases else None,
@@ -375,13 +377,6 @@ def _own_callbacks(run: Run) -> list[Callback]:
     """The run's own callbacks, in the order they hear each hook: phase timing first
     (its clock reads bracket the others' work least), the file sinks before the advisor
     that reads what they were given. Fills in the monitors built here."""
-    from gpufleet.monitor.advisor import Advisor, SyncProbe, run_facts
-    from gpufleet.monitor.jsonl import MetricsFile
-    from gpufleet.monitor.links import probe_node_links
-    from gpufleet.monitor.profile import ProfilerCallback
-    from gpufleet.monitor.sinks import build_sinks
-    from gpufleet.monitor.system import SystemSampler
-
     cfg, env, mon, monitors = run.cfg, run.env, run.cfg.monitor, run.monitors
     own: list[Callback] = [cb for cb in (monitors.phase_timer, monitors.arrival,
                                           monitors.watchdog) if cb]
@@ -439,9 +434,6 @@ def _recovery(run: Run) -> Any:
 def _snapshots(run: Run) -> Callback:
     """In-memory snapshots of this rank's state (``fault.snapshot_every``), captured
     with the checkpointer's own state functions."""
-    from gpufleet.fault.snapshot import SnapshotCallback
-    from gpufleet.train.checkpointer import Position
-
     def capture() -> tuple[dict[str, Any], set[int]]:
         at = Position(run.state.step, run.data.epoch, run.data.consumed)
         return run.checkpointer.rank_state(at), run.checkpointer.optimizer_storages()

@@ -1,8 +1,9 @@
 """One log interval: what the loop adds up between log lines, reduced across ranks once
 at its end (:class:`LogInterval`).
 
-Losses are summed on the device (adding to the sum does not wait for the GPU); samples
-and tokens are host counts from batch shapes. At the end of the interval one
+Each step's loss is kept on the device by reference and the interval's are summed at
+its end in one reduction (nothing per step waits for the GPU or adds a device
+operation); samples and tokens are host counts from batch shapes. At the end of the interval one
 all-reduce carries the loss, the gradient norm, the counts, the non-finite guard's
 pending probes and every rank's phase times: the loop's only host-device sync.
 """
@@ -28,8 +29,10 @@ class LogInterval:
 
     def __init__(self, run: Run) -> None:
         self.run = run
-        self.loss_sum = torch.zeros((), device=run.device)  # of the steps' summed losses
-        self.micro_steps = 0  # micro-batches whose loss is in loss_sum
+        # Each optimizer step's summed loss (device tensors, by reference), added up at the
+        # end of the interval: no device operation per step.
+        self.losses: list[torch.Tensor] = []
+        self.micro_steps = 0  # micro-batches whose loss is in losses
         self.grad_norm = torch.zeros((), device=run.device)  # the last step's, on device
         self.first_step = run.state.step  # the step done when the interval began
         self.start = time.perf_counter()
@@ -37,7 +40,7 @@ class LogInterval:
     def add(self, loss: torch.Tensor, micro_steps: int) -> None:
         """An optimizer step's summed loss over its ``micro_steps`` micro-batches (one
         the guard skipped on the device is taken out again in :meth:`close`)."""
-        self.loss_sum += loss
+        self.losses.append(loss)
         self.micro_steps += micro_steps
 
     def restart_clock(self) -> None:
@@ -53,7 +56,11 @@ class LogInterval:
         samples, tokens = run.data.take_counts()
         # On the device: the loss sum, the last gradient norm, the guard's flags and your
         # step's values; on the host: the counts and this rank's phase times.
-        parts = [torch.stack([self.loss_sum.float(), self.grad_norm.float().to(run.device)])]
+        # The losses as one float32 vector (a copy; bf16 and fp16 losses convert exactly),
+        # summed in one reduction.
+        loss_sum = (torch.stack(self.losses).float().sum() if self.losses
+                    else torch.zeros((), device=run.device))
+        parts = [torch.stack([loss_sum, self.grad_norm.float().to(run.device)])]
         skips = guard.pending() if guard is not None else None  # on the device path
         if skips is not None:  # the same on every rank: the sum is world times it
             parts.append(skips)
@@ -131,7 +138,7 @@ class LogInterval:
         if state.flops_per_step and seconds > 0:
             metrics.update(flops_metrics(state.flops_per_step, metrics["step_time_s"],
                                          run.peak_flops))
-        self.loss_sum.zero_()
+        self.losses = []
         self.micro_steps = 0
         self.first_step = state.step
         self.restart_clock()

@@ -102,17 +102,18 @@ class _Interval:
         self.losses: list[torch.Tensor] = []
         self._buffer = torch.zeros(rows, device=device)
         self._flags = self._buffer.unbind()  # one view per row, made once
+        self._capacity = rows
 
     def next_flag(self, each: EachNorm, loss: torch.Tensor) -> torch.Tensor:
         """The zeroed flag of the next step, whose norms and loss are these."""
-        if self.rows == len(self._flags):  # a longer interval than so far: double
+        row = self.rows
+        if row == self._capacity:  # a longer interval than so far: double
             grown = torch.cat([self._buffer, torch.zeros_like(self._buffer)])
-            self._buffer, self._flags = grown, grown.unbind()
-        flag = self._flags[self.rows]
-        self.rows += 1
+            self._buffer, self._flags, self._capacity = grown, grown.unbind(), 2 * row
+        self.rows = row + 1
         self.norms.append(each)
         self.losses.append(loss)
-        return flag
+        return self._flags[row]
 
     def flags(self) -> torch.Tensor:
         return self._buffer[:self.rows]
@@ -152,6 +153,7 @@ class NonFiniteGuard:
     _reuse_clip: bool = False
     _names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> name
     _params: list[nn.Parameter] = field(default_factory=list)
+    _sharded: bool = True  # some parameter is a DTensor (FSDP, tensor parallel)
     _one: torch.Tensor | None = None
     _before_clip: EachNorm | None = None  # the host path's norms of this step
     _agree: Any = None  # the strategy's all_reduce; None in a single process
@@ -168,10 +170,7 @@ class NonFiniteGuard:
         if self.on_device is None:
             self.start(model, optimizer, step_loss.device)
         if self.on_device and not self._reuse_clip:
-            # This rank's part of each gradient (FSDP and tensor parallel shard them),
-            # one norm each: one fused kernel, kept by reference for the culprit.
-            self._flag_on_device(each_norm_unstacked(self._params), None, step_loss,
-                                 optimizer)
+            self._flag_gradients(step_loss, optimizer)
         elif not self.on_device:
             # The host path reads the culprit after the clip, which spreads a NaN norm
             # into every gradient (and clamps an inf by value): keep each gradient's norm
@@ -186,6 +185,7 @@ class NonFiniteGuard:
         named = list(self.strategy.unwrap(model).named_parameters())
         self._names = {id(p): n for n, p in named}
         self._params = [p for _, p in named if p.requires_grad]
+        self._sharded = any(hasattr(p, "to_local") for p in self._params)  # DTensors
         if self.on_device:
             _prime_momentum(optimizer)
             self._one = torch.ones((), device=device)
@@ -231,6 +231,19 @@ class NonFiniteGuard:
         self._record(each, step_loss)
         return True
 
+    def _flag_gradients(self, step_loss: torch.Tensor, optimizer: Any) -> None:
+        """:meth:`_flag_on_device` where no clip measured the gradients: one fused kernel
+        measures each gradient (this rank's piece of it: FSDP and tensor parallel shard
+        them), whose norms are kept by reference for the culprit, and one fused kernel
+        checks them with the loss. Every step, so kept to the fewest Python operations."""
+        each = each_norm_unstacked(self._params, self._sharded)
+        found = self._interval.next_flag(each, step_loss)
+        torch._amp_foreach_non_finite_check_and_unscale_([*each.values, step_loss], found,
+                                                         self._one)
+        if self._agree is not None:
+            self._agree(found, "max")  # COLLECTIVE: every rank, every step; no SYNC
+        optimizer.found_inf = found
+
     def _flag_on_device(self, each: EachNorm, total: torch.Tensor | None,
                         step_loss: torch.Tensor, optimizer: Any) -> None:
         """Flag the step (1.0) where the loss or a gradient norm is not finite (the
@@ -239,10 +252,10 @@ class NonFiniteGuard:
         found = self._interval.next_flag(each, step_loss)
         # One fused kernel sets ``found`` where a value is not finite (it also multiplies
         # them by one, in place: no change).
-        checked = [total] if total is not None else \
-            list(each.values) if isinstance(each.values, (list, tuple)) else [each.values]
-        torch._amp_foreach_non_finite_check_and_unscale_([*checked, step_loss], found,
-                                                         self._one)
+        values = each.values
+        checked = [total, step_loss] if total is not None else \
+            [*values, step_loss] if isinstance(values, (list, tuple)) else [values, step_loss]
+        torch._amp_foreach_non_finite_check_and_unscale_(checked, found, self._one)
         if self._agree is not None:
             self._agree(found, "max")  # COLLECTIVE: every rank, every step; no SYNC
         optimizer.found_inf = found

@@ -13,6 +13,7 @@ from torch import nn
 
 from gpufleet.config import OptimConfig
 from gpufleet.config.schema import AUTO
+from gpufleet.models.gpt import GPT
 from gpufleet.parallel import OptimizerSpec
 
 log = logging.getLogger(__name__)
@@ -52,8 +53,6 @@ PRESET_VALUES: dict[str, dict[str, Any]] = {
 
 def model_kind(model: nn.Module) -> str:
     """``gpt`` (gpufleet's GPT), ``transformers`` (a PreTrainedModel) or ``model``."""
-    from gpufleet.models.gpt import GPT
-
     if isinstance(model, GPT):
         return "gpt"
     if any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel"
@@ -141,9 +140,37 @@ def lr_factor(step: int, cfg: OptimConfig, max_steps: int) -> float:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig,
                     max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """A ``LambdaLR`` over :func:`lr_factor`, stepped once per optimizer step."""
+    """A ``LambdaLR`` over :func:`lr_factor`, stepped once per optimizer step (a
+    :class:`ConstantSchedule` when the factor is always 1: no warm-up, no decay)."""
+    if not cfg.warmup_steps and cfg.decay == "constant":
+        return ConstantSchedule(optimizer, lambda step: 1.0)
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, cfg, max_steps))
+
+
+class ConstantSchedule(torch.optim.lr_scheduler.LambdaLR):
+    """``LambdaLR`` at a factor of 1.0 whose steps only count.
+
+    Every step of it would set each group's learning rate to the rate already set, so a
+    step adds one to its step counters and leaves the rates alone: a few attribute
+    writes instead of torch's per-step recomputation (about 10 µs of CPU per optimizer
+    step). Its state (``last_epoch``, the base and last rates) is ``LambdaLR``'s, so
+    checkpoints written with either load into the other.
+
+    Example:
+        >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        >>> sched = ConstantSchedule(opt, lambda step: 1.0)
+        >>> sched.step(); sched.step()
+        >>> sched.last_epoch, sched.get_last_lr()
+        (2, [0.1])
+    """
+
+    def step(self, epoch: int | None = None) -> None:
+        if epoch is not None or not self._step_count:  # the constructor's own step
+            super().step(epoch)
+            return
+        self._step_count += 1
+        self.last_epoch += 1
 
 
 def describe_schedule(cfg: OptimConfig) -> str:
