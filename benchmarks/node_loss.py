@@ -84,20 +84,30 @@ def elastic_job(bed: NetBed, run_dir: Path, args: argparse.Namespace) -> list[st
             "--fault.snapshot_every", str(args.snapshot_every)]
 
 
-def one_loss(bed: NetBed, run_dir: Path, args: argparse.Namespace) -> dict[str, float]:
+def one_loss(bed: NetBed, run_dir: Path, args: argparse.Namespace, *, lose: int = 1,
+             endpoint: str | None = None) -> dict[str, float]:
+    """Both nodes train; every process of node ``lose`` is killed, and started again
+    ``--rejoin-after`` s after the kill. ``endpoint``: a store elsewhere (default: in
+    node 0's launcher)."""
     job = elastic_job(bed, run_dir, args)
+    if endpoint:
+        job = with_endpoint(job, endpoint)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    said = run_dir.parent / f"{run_dir.name}-node0.log"
-    with open(said, "w") as out:  # which path node 0 took
-        bed.popen(0, job, env=env, stdout=out, stderr=subprocess.STDOUT)
-    time.sleep(0.5)
-    bed.popen(1, job, env=env, **quiet)
+    survivor = 1 - lose
+    said = run_dir.parent / f"{run_dir.name}-node{survivor}.log"
+    for node in (0, 1):
+        if node == survivor:
+            with open(said, "w") as out:  # which path the survivor took
+                bed.popen(node, job, env=env, stdout=out, stderr=subprocess.STDOUT)
+        else:
+            bed.popen(node, job, env=env, **quiet)
+        time.sleep(0.5)
     wait_until(lambda: [r for r in records(run_dir)
                         if r["step"] >= args.kill_at and len(r["rank_phases"]) == 2], 300)
     before = records(run_dir)
-    killed_at, at_step = time.time(), before[-1]["step"]
-    bed.kill_node(1)
+    killed_at = time.time()
+    bed.kill_node(lose)
     alone = wait_until(lambda: [r for r in records(run_dir)[len(before):]
                                 if len(r["rank_phases"]) == 1], 120)
     # The step reached at the kill: the newest with both nodes (one may have ended
@@ -105,7 +115,7 @@ def one_loss(bed: NetBed, run_dir: Path, args: argparse.Namespace) -> dict[str, 
     at_step = max(r["step"] for r in records(run_dir) if len(r["rank_phases"]) == 2)
     time.sleep(max(0.0, killed_at + args.rejoin_after - time.time()))
     rejoined_at = time.time()
-    bed.popen(1, job, env=env, **quiet)
+    bed.popen(lose, job, env=env, **quiet)
     seen = len(records(run_dir))
     both = wait_until(lambda: [r for r in records(run_dir)[seen:]
                                if len(r["rank_phases"]) == 2], 300)
@@ -177,29 +187,8 @@ def separate_store_loss(bed: NetBed, run_dir: Path,
     """The store on node 2 (a third namespace, no training); every process of node 0
     killed; node 1 the survivor; node 0 started again ``--rejoin-after`` s later."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     store = start_store(bed, 2, env, run_dir.parent / f"{run_dir.name}-store.log")
-    job = with_endpoint(elastic_job(bed, run_dir, args), store)
-    bed.popen(0, job, env=env, **quiet)
-    bed.popen(1, job, env=env, **quiet)
-    wait_until(lambda: [r for r in records(run_dir)
-                        if r["step"] >= args.kill_at and len(r["rank_phases"]) == 2], 300)
-    before = records(run_dir)
-    killed_at, at_step = time.time(), before[-1]["step"]
-    bed.kill_node(0)
-    alone = wait_until(lambda: [r for r in records(run_dir)[len(before):]
-                                if len(r["rank_phases"]) == 1], 120)
-    time.sleep(max(0.0, killed_at + args.rejoin_after - time.time()))
-    rejoined_at = time.time()
-    bed.popen(0, job, env=env, **quiet)
-    seen = len(records(run_dir))
-    both = wait_until(lambda: [r for r in records(run_dir)[seen:]
-                               if len(r["rank_phases"]) == 2], 300)
-    back = next(r for r in records(run_dir)[len(before):] if r["step"] >= at_step)
-    return {"recovery_s": alone[0]["time"] - killed_at,
-            "repeated": at_step - (alone[0]["step"] - 1),
-            "lost_s": back["time"] - killed_at,
-            "rejoin_s": both[0]["time"] - rejoined_at}
+    return one_loss(bed, run_dir, args, lose=0, endpoint=store)
 
 
 def separate_store_rows(args: argparse.Namespace) -> None:
