@@ -92,8 +92,8 @@ def straggler(s: Summary, facts: RunFacts) -> Finding | None:
     extra = {k: own[slow][k] - _median([o[k] for o in rest]) for k in (*_STEP_KEYS, "gc")}
     # A GC pause is inside some phase: it wins when it explains most of the excess.
     phase = "gc" if extra["gc"] >= 0.5 * excess else max(_STEP_KEYS, key=extra.__getitem__)
-    if phase == "forward" and _pipelined(rows):
-        return slow_stage(s, facts, rows, own, slow)
+    if phase == "forward" and _pipelined(rows):  # a slow stage: named from 15% on
+        return None if small else slow_stage(s, facts, rows, own, slow)
     rank = s.rank_phases[slow]["rank"]
     share = extra[phase] / excess
     waited = _where_they_wait(rows, slow, rank, facts.strategy)
