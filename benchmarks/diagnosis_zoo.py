@@ -271,7 +271,7 @@ def scenarios() -> list[Scenario]:
         Scenario("straggler rank (7x forward work on rank 1)", "straggler", straggle,
                  cause_removed=(["--nproc=2", "--batch-size=32"], {}, 0)),
         Scenario("CPU taken by processes outside the job", "cpu-contention",
-                 ["--batch-size=32", "--max-steps=30"], env={"OMP_NUM_THREADS": str(cores)},
+                 ["--batch-size=32", "--max-steps=300"], env={"OMP_NUM_THREADS": str(cores)},
                  hogs=cores),
         # 2 ranks, each with as many threads as the node has cores (OMP_NUM_THREADS set
         # to the core count by hand; torch caps it there, gpufleet then leaves it be).

@@ -3,6 +3,8 @@ between steps and slow log callbacks; and the sampler naming a real busy process
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -53,7 +55,7 @@ def test_host_view_averages_the_samples_after_the_first():
     later = [_sample([100.0, 100.0], 60.0, [("hog", 140.0)]),
              _sample([100.0, 80.0], 40.0, [("hog", 120.0)])]
     view = host_view([first, *later])
-    assert view == {"cores": 2, "busy": 1.9, "ours": 0.5,
+    assert view == {"cores": 2, "samples": 2, "busy": 1.9, "ours": 0.5,
                     "others": [{"pid": 100, "name": "hog", "cores": 1.3}]}
 
 
@@ -96,6 +98,20 @@ def test_a_long_step_with_almost_no_arithmetic_is_host_bound():
     assert diagnose(busy, facts) == []
 
 
+def test_host_bound_on_a_cpu_whose_other_processes_went_unmeasured_is_unsure():
+    # A short run: one system sample, which cannot show other processes' CPU (a
+    # process's share needs two reads). Other processes could have taken the cores.
+    facts = RunFacts(device="cpu", device_flops=1e11, device_flops_source="measured matmul",
+                     cores=2, torch_threads=2)
+    s = _summary(step_s=0.015, tflops=1e-2)  # 10% of the yardstick
+    one = {"host_view": {"cores": 2, "samples": 1, "busy": 1.0, "ours": 1.0, "others": []}}
+    found = {f.rule: f for f in diagnose(s, facts, one)}["host-bound"]
+    assert found.confidence == "low" and "was not measured" in found.message
+    many = {"host_view": {**one["host_view"], "samples": 12, "busy": 2.0, "ours": 2.0}}
+    found = {f.rule: f for f in diagnose(s, facts, many)}["host-bound"]
+    assert found.confidence != "low" and "was not measured" not in found.message
+
+
 def test_host_bound_counts_neither_the_all_reduce_wait_nor_cores_others_take():
     # 7% of the yardstick over the whole step, but 36% of the step waits in the gradient
     # all-reduce and another process takes 0.9 of the 2 cores the 2 ranks ask for: their
@@ -134,6 +150,26 @@ def test_the_sampler_names_a_real_busy_process(busy_process):
     # In the list (>= 5% of a core; a shared machine may give it little more).
     assert busy_process.pid in found and found[busy_process.pid]["name"].startswith("python")
     assert psutil.Process().pid not in found
+
+
+def test_the_samples_after_the_priming_one_see_other_processes(tmp_path):
+    # The first reading of the process table only primes psutil (every process reads 0);
+    # the next sample reads it again rather than repeating nothing for SCAN_EVERY samples.
+    from gpufleet.monitor.system import SystemSampler
+
+    # A busy process outside the run: started through a shell that exits, so that it is
+    # no descendant of this process (the sampler counts those as the run's own).
+    pid = int(subprocess.check_output(
+        ["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
+        text=True))
+    try:
+        sampler = SystemSampler(tmp_path, interval_s=1.0, gpu_indices=[])
+        sampler._measure()
+        time.sleep(1.0)
+        second = sampler._measure()
+        assert pid in {p["pid"] for p in second["others"]}
+    finally:
+        os.kill(pid, signal.SIGKILL)
 
 
 def test_a_small_straggler_on_a_node_others_load_is_a_low_confidence_info_with_both_causes():

@@ -161,6 +161,14 @@ def _host_bound(s: Summary, facts: RunFacts, system: dict[str, Any] | None = Non
     message += (f", while data is ready ({worst_data / s.step_s:.0%} of the step waits "
                 "for it). The time goes to Python and per-operation overhead, not to "
                 "arithmetic.")
+    confidence = ""  # host-bound does not grade itself where the cores were measured
+    if facts.device == "cpu" and not _cores_measured(system):
+        # The yardstick is the whole CPU's: a CPU shared with processes nobody measured
+        # gives the run less, which looks the same.
+        confidence = "low"
+        message += (" Other processes' use of the cores was not measured (too few "
+                    "system samples: a short run): if they took cores, that is as "
+                    "plausible a cause.")
     fix = (f"raise data.batch_size from {facts.batch_size} (to {4 * facts.batch_size}, "
            "say: the overhead per step stays, the work grows)")
     if not facts.compile:
@@ -168,9 +176,16 @@ def _host_bound(s: Summary, facts: RunFacts, system: dict[str, Any] | None = Non
     if facts.device == "cuda":
         fix += ", and perf.compile_mode=reduce-overhead (CUDA graphs: one launch per step)"
     return Finding("host-bound", "warn", "host-bound", message, fix + ".",
-                   changes={"data.batch_size": 4 * facts.batch_size},
+                   changes={"data.batch_size": 4 * facts.batch_size}, confidence=confidence,
                    measurements={"use": use, "step_s": s.step_s, "busy_s": busy_s,
                                  "cpu_share": share})
+
+
+def _cores_measured(system: dict[str, Any] | None) -> bool:
+    """Whether the node's samples measured other processes' use of the cores (a process's
+    CPU share needs two reads: one sample alone cannot show it)."""
+    view = (system or {}).get("host_view") or (host_view([system]) if system else None)
+    return bool(view) and view.get("samples", 0) >= 2
 
 
 def _cpu_share(facts: RunFacts, system: dict[str, Any] | None) -> float:

@@ -29,7 +29,8 @@ LOGGING_FLOOR_S = 0.005
 def host_view(samples: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The node's CPU over ``samples`` (oldest first; the first one is left out when
     there are more, its counters read since an earlier moment): cores, cores busy, the
-    run's own processes' cores, and the other processes' mean cores, busiest first.
+    run's own processes' cores, the other processes' mean cores, busiest first, and the
+    samples it rests on.
 
     Example:
         >>> s = {"cpu_pct": [100.0, 90.0], "proc_cpu_pct": 50.0,
@@ -50,6 +51,7 @@ def host_view(samples: list[dict[str, Any]]) -> dict[str, Any] | None:
             others[key] = others.get(key, 0.0) + p["cpu_pct"] / 100 / n
     return {
         "cores": len(usable[-1]["cpu_pct"]),
+        "samples": n,
         "busy": round(sum(sum(s["cpu_pct"]) for s in usable) / 100 / n, 2),
         "ours": round(sum(s.get("proc_cpu_pct", 0.0) for s in usable) / 100 / n, 2),
         "others": [{"pid": pid, "name": name, "cores": round(c, 2)} for (pid, name), c

@@ -21,8 +21,9 @@ One :class:`SystemSampler` per node (local rank 0) appends one JSON object per s
      "disk_free_gb": 812.4}           # free space where the run directory lives
 
 Reading every process of the node (for ``others``, and for the children of the run's
-processes) is the costly part of a sample: it is done on every ``SCAN_EVERY``-th sample;
-the samples in between repeat the last ``others`` and measure the same processes.
+processes) is the costly part of a sample: it is done on every ``SCAN_EVERY``-th sample
+(and on the second, as the first only primes the counters); the samples in between
+repeat the last ``others`` and measure the same processes.
 
 ``gpus`` is empty without an NVIDIA driver; a GPU field the device does not report
 (power on some boards, for example) is ``null``. Every node writes its own lines; each
@@ -339,7 +340,9 @@ class SystemSampler(Callback):
 
     def _measure(self) -> dict[str, Any]:
         gpus = self.gpus.sample() if self.gpus is not None else []
-        scan = self._samples_taken % SCAN_EVERY == 0
+        # The first reading only primes psutil's counters (every process reads 0): read
+        # again at the next sample, so the samples before the next scan carry real shares.
+        scan = self._samples_taken % SCAN_EVERY == 0 or self._samples_taken == 1
         self._samples_taken += 1
         procs = self._processes(scan)
         if scan:
