@@ -159,7 +159,7 @@ class Strategy:
 
     def regroup(self, world_size: int) -> None:
         """The process group was made again with ``world_size`` ranks (the ranks left
-        after a lost node, see :mod:`gpufleet.fault.recovery`): the mesh degrees follow
+        after a lost node, see :mod:`gpufleet.train.recovery`): the mesh degrees follow
         it, the mesh is built again on first use, and the clip's choices are made again.
         """
         self.dims = plan_for(self.cfg, self.traits, world_size)

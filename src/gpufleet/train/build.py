@@ -420,7 +420,7 @@ def _recovery(run: Run) -> Any:
     if not (fault.recover_in_process and run.monitors.snapshots is not None
             and env.world_size > 1 and is_initialized()):
         return None
-    from gpufleet.fault.recovery import Recovery, not_replicated
+    from gpufleet.train.recovery import Recovery, not_replicated
 
     reason = not_replicated(run.strategy, run.data.sampler)
     if reason:

@@ -28,7 +28,6 @@ from gpufleet.train.stream import TrainStream
 
 if TYPE_CHECKING:
     from gpufleet.fault.preempt import PreemptionWatch
-    from gpufleet.fault.recovery import Recovery
     from gpufleet.fault.snapshot import SnapshotCallback
     from gpufleet.fault.watchdog import Watchdog
     from gpufleet.monitor.advisor import Advisor
@@ -38,6 +37,7 @@ if TYPE_CHECKING:
     from gpufleet.parallel.base import Strategy
     from gpufleet.precision import Precision
     from gpufleet.train.nonfinite import NonFiniteGuard
+    from gpufleet.train.recovery import Recovery
     from gpufleet.train.runlock import RunLock
     from gpufleet.train.steps import UserStep
     from gpufleet.train.view import RunView
@@ -126,7 +126,7 @@ class Run:
         parts: every model with its optimizer, scheduler, scaler and guard (one part,
             the fields above, unless several models are trained).
         user_step: your training step (:mod:`gpufleet.train.steps`), or None.
-        recovery: goes on without lost ranks in process (:mod:`gpufleet.fault.recovery`;
+        recovery: goes on without lost ranks in process (:mod:`gpufleet.train.recovery`;
             snapshots on, replicated state), or None.
     """
 

@@ -40,7 +40,7 @@ import socket
 import time
 import traceback
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,9 +54,6 @@ from gpufleet.launch import job_store
 from gpufleet.parallel.base import Strategy
 from gpufleet.parallel.data_parallel import replicate
 from gpufleet.train.seed import seed_everything
-
-if TYPE_CHECKING:
-    from gpufleet.train.run import Run
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +118,7 @@ class Recovery:
         backend: the process group's backend, for the new group.
     """
 
-    def __init__(self, run: Run, store: Any, backend: str) -> None:
+    def __init__(self, run: Any, store: Any, backend: str) -> None:
         self.run, self.store, self.backend = run, store, backend
         self.generation = 0
         self.prefix = f"gpufleet/recover/{run.env.restart_count}"

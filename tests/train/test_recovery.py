@@ -15,7 +15,11 @@ import torch.distributed as dist
 from gpufleet.config import Config
 from gpufleet.data.bucket import BucketBatchSampler
 from gpufleet.data.sampler import ResumableDistributedSampler
-from gpufleet.fault.recovery import (
+from gpufleet.fault.snapshot_ring import Held, newest_replicated
+from gpufleet.launch import DistEnv
+from gpufleet.parallel import build_strategy, strategy_class
+from gpufleet.parallel.dims import plan_for
+from gpufleet.train.recovery import (
     Membership,
     Recovery,
     RecoveryFailed,
@@ -23,10 +27,6 @@ from gpufleet.fault.recovery import (
     is_peer_loss,
     not_replicated,
 )
-from gpufleet.fault.snapshot_ring import Held, newest_replicated
-from gpufleet.launch import DistEnv
-from gpufleet.parallel import build_strategy, strategy_class
-from gpufleet.parallel.dims import plan_for
 
 
 @pytest.fixture
