@@ -38,6 +38,7 @@ store's own node is killed and both training nodes are watched.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -45,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from gpufleet.bench.machine import machine_summary
@@ -81,7 +83,8 @@ def elastic_job(bed: NetBed, run_dir: Path, args: argparse.Namespace) -> list[st
             str(run_dir), "--nproc", "1", "--nnodes", "1:2", "--rdzv-endpoint",
             f"{bed.addr(0)}:29400", "--rdzv-id", run_dir.name, "--max-restarts", "3",
             "--dist.rdzv_last_call_s", "2", "--dist.rdzv_keep_alive_s", "1",
-            "--fault.snapshot_every", str(args.snapshot_every)]
+            "--fault.snapshot_every", str(args.snapshot_every),
+            "--dist.rdzv_poll_s", str(args.rdzv_poll)]
 
 
 def one_loss(bed: NetBed, run_dir: Path, args: argparse.Namespace, *, lose: int = 1,
@@ -115,7 +118,8 @@ def one_loss(bed: NetBed, run_dir: Path, args: argparse.Namespace, *, lose: int 
     at_step = max(r["step"] for r in records(run_dir) if len(r["rank_phases"]) == 2)
     time.sleep(max(0.0, killed_at + args.rejoin_after - time.time()))
     rejoined_at = time.time()
-    bed.popen(lose, job, env=env, **quiet)
+    with open(run_dir.parent / f"{run_dir.name}-node{lose}-restart.log", "w") as out:
+        bed.popen(lose, job, env=env, stdout=out, stderr=subprocess.STDOUT)
     seen = len(records(run_dir))
     both = wait_until(lambda: [r for r in records(run_dir)[seen:]
                                if len(r["rank_phases"]) == 2], 300)
@@ -216,6 +220,18 @@ def separate_store_rows(args: argparse.Namespace) -> None:
         for k in median["reference"] if median["reference"][k]))
 
 
+@contextlib.contextmanager
+def workdir(keep: str) -> Iterator[str]:
+    """Where the runs go: ``keep`` (made if missing, left afterwards), else a temporary
+    directory."""
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        yield keep
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        yield tmp
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -226,6 +242,12 @@ def main() -> None:
     parser.add_argument("--snapshot-every", type=int, default=0,
                         help="fault.snapshot_every: the survivor recovers in process from "
                              "its in-memory snapshot (0: off, the agent restarts it)")
+    parser.add_argument("--rdzv-poll", type=float, default=1.0,
+                        help="dist.rdzv_poll_s: seconds between the agents' reads of the "
+                             "rendezvous state while they wait (1: torch's own)")
+    parser.add_argument("--keep", metavar="DIR", default="",
+                        help="keep the run directories and node logs under DIR (the "
+                             "restarted node's log shows where its rejoin time goes)")
     parser.add_argument("--lose-store", action="store_true",
                         help="kill node 0 (the rendezvous store's host) instead of node 1")
     parser.add_argument("--store-host", choices=("node0", "separate"), default="node0",
@@ -239,7 +261,7 @@ def main() -> None:
     print(machine_summary())
     print(f"elastic 1:2 nodes, 1 rank each, checkpoint every {args.every} steps, snapshot "
           f"every {args.snapshot_every or '-'} steps, rendezvous heartbeat 1 s, last call "
-          f"2 s; killed past step {args.kill_at}")
+          f"2 s, state read every {args.rdzv_poll:g} s; killed past step {args.kill_at}")
     if args.lose_store:
         where = "a third node (`gpufleet store`)" if args.store_host == "separate" else \
             "node 0's launcher"
@@ -261,7 +283,7 @@ def main() -> None:
         separate_store_rows(args)
         return
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with workdir(args.keep) as tmp:
         for i in range(args.repeats):
             with NetBed(2) as bed:
                 rows.append(one_loss(bed, Path(tmp) / f"loss{i}", args))

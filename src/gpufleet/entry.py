@@ -124,7 +124,7 @@ def _launch_ranks(plan: RunPlan, job: Job | None, callbacks: list[Callback],
             rdzv_endpoint=dist.rdzv_endpoint, rdzv_backend=dist.rdzv_backend,
             rdzv_id=dist.rdzv_id or cfg.run.name, max_restarts=dist.max_restarts,
             rdzv_timeout=dist.rdzv_timeout, rdzv_last_call_s=dist.rdzv_last_call_s,
-            rdzv_keep_alive_s=dist.rdzv_keep_alive_s)
+            rdzv_keep_alive_s=dist.rdzv_keep_alive_s, rdzv_poll_s=dist.rdzv_poll_s)
         forget_process(cfg.run.dir)
     except RunStopped as e:  # the agent got the signal: the ranks' results are lost
         raise RunStopped(stopped_message(e.signal, cfg.run.dir), e.exit_code, e.signal) from None

@@ -24,7 +24,7 @@ from gpufleet.launch import (
     rank_zero_first,
     world_size,
 )
-from gpufleet.launch.launcher import ELASTIC_EXIT_BARRIER_S, _exit_barrier
+from gpufleet.launch.launcher import ELASTIC_EXIT_BARRIER_S, _exit_barrier, _rendezvous_poll
 
 HERE = Path(__file__).resolve().parent
 # The rank functions live in a module of their own, importable by name in spawned ranks
@@ -213,3 +213,22 @@ def test_an_elastic_node_range_gets_a_short_exit_barrier(monkeypatch):
         torch_launcher.LocalElasticAgent(spec="s")
     assert made == [{"spec": "s", "exit_barrier_timeout": 30.0}, {"spec": "s"}]
     assert torch_launcher.LocalElasticAgent is fake
+
+
+def test_the_rendezvous_polls_its_state_as_often_as_asked(monkeypatch):
+    """torch's rendezvous waits a hard-coded second between reads of its state; with
+    dist.rdzv_poll_s it waits that long instead, its other delays (the random skew at a
+    round's start) are left alone, and torch's own function is back afterwards."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    slept: list[float] = []
+    monkeypatch.setattr(dynamic_rendezvous.time, "sleep", slept.append)
+    torch_delay = dynamic_rendezvous._delay
+    with _rendezvous_poll(0.1):
+        dynamic_rendezvous._delay(seconds=1)  # the poll while waiting for other nodes
+        dynamic_rendezvous._delay(seconds=(0.2, 0.2))  # a round's first, random delay
+    with _rendezvous_poll(1.0):  # torch's own
+        assert dynamic_rendezvous._delay is torch_delay
+        dynamic_rendezvous._delay(seconds=1)
+    assert slept == [0.1, 0.2, 1]
+    assert dynamic_rendezvous._delay is torch_delay

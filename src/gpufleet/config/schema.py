@@ -265,6 +265,10 @@ class DistConfig(Section):
     rdzv_keep_alive_s: float = opt(5.0, "Seconds between an elastic node's rendezvous "
                                    "heartbeats; a node silent for three is dropped, and the "
                                    "others go on without it.", min=1.0)
+    rdzv_poll_s: float = opt(1.0, "Seconds between an elastic agent's reads of the rendezvous "
+                             "state while it waits for other nodes (1 or more: torch's own "
+                             "1 s). Lower lets a node started again rejoin sooner, at one "
+                             "store read per waiting node per interval.", min=0.05)
     backend: str = opt("auto", "Process-group backend: auto (nccl on CUDA, gloo on CPU).",
                        choices=("auto", "nccl", "gloo"))
     init_method: str = opt("env://", "Process-group init: env:// or tcp://host:port.")

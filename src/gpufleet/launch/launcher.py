@@ -65,7 +65,7 @@ def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, launcher: st
            master_port: int = 0, rdzv_endpoint: str = "", rdzv_backend: str = "c10d",
            rdzv_id: str = "", max_restarts: int = 0, log_dir: str | None = None,
            rdzv_timeout: float = 600.0, rdzv_last_call_s: float = 30.0,
-           rdzv_keep_alive_s: float = 5.0) -> dict[int, Any]:
+           rdzv_keep_alive_s: float = 5.0, rdzv_poll_s: float = 1.0) -> dict[int, Any]:
     """Run ``fn(*args)`` in ``nproc`` ranks on this node; return ``{global rank: result}``.
 
     ``fn``, ``args`` and the results must be picklable (ranks are spawned processes), so
@@ -93,6 +93,8 @@ def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, launcher: st
             waits for more (torch's ``last_call_timeout``).
         rdzv_keep_alive_s: Seconds between an elastic agent's rendezvous heartbeats; a
             node silent for three of them is dropped from the next round.
+        rdzv_poll_s: Seconds between an elastic agent's reads of the rendezvous state
+            while it waits for the others to join or complete a round (torch's own: 1).
 
     On several nodes the ranks talk over the interface that routes to the master or
     rendezvous address (GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME, when unset), and the node
@@ -119,7 +121,8 @@ def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, launcher: st
         plan = LaunchPlan.resolve(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
                                   master_port=master_port, rdzv_endpoint=rdzv_endpoint,
                                   rdzv_backend=rdzv_backend, rdzv_id=rdzv_id)
-        timeouts = RendezvousTimeouts(rdzv_timeout, rdzv_last_call_s, rdzv_keep_alive_s)
+        timeouts = RendezvousTimeouts(rdzv_timeout, rdzv_last_call_s, rdzv_keep_alive_s,
+                                      rdzv_poll_s)
         return _launch_elastic(fn, args, nproc, plan, max_restarts, log_dir, timeouts)
     if launcher == "spawn":
         if parse_nnodes(nnodes) != (1, 1):
@@ -156,11 +159,15 @@ class RendezvousTimeouts:
         join_s: Seconds the nodes have to meet before the run fails.
         last_call_s: Seconds an elastic rendezvous with its minimum of nodes waits for more.
         keep_alive_s: Seconds between rendezvous heartbeats; three missed drop a node.
+        poll_s: Seconds between reads of the rendezvous state while an agent waits for
+            the others (torch polls every second: a node that joins a running job waits
+            for up to two such polls, its own and the running node's).
     """
 
     join_s: float = 600.0
     last_call_s: float = 30.0
     keep_alive_s: float = 5.0
+    poll_s: float = 1.0
 
     def configs(self, backend: str) -> dict[str, int]:
         """The rendezvous settings torch's ``backend`` reads (whole seconds, at least 1)."""
@@ -205,7 +212,8 @@ def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: Launc
         barrier = ELASTIC_EXIT_BARRIER_S if plan.min_nodes < plan.max_nodes else None
         for tries_left in range(_REOPEN_TRIES, -1, -1):
             try:
-                with _fresh_store_per_restart(plan.rdzv_backend), _exit_barrier(barrier):
+                with _fresh_store_per_restart(plan.rdzv_backend), _exit_barrier(barrier), \
+                        _rendezvous_poll(timeouts.poll_s):
                     # A rank's exception lands in its error file (torch's @record around fn).
                     results = elastic_launch(launch_config(), entry)(*args)
                 break
@@ -338,6 +346,35 @@ def _exit_barrier(seconds: float | None) -> Iterator[None]:
         yield
     finally:
         torch_launcher.LocalElasticAgent = agent_class  # type: ignore[misc]
+
+
+@contextmanager
+def _rendezvous_poll(seconds: float) -> Iterator[None]:
+    """Have torch's c10d rendezvous read its shared state every ``seconds`` while it waits
+    for other nodes, instead of every second.
+
+    torch hard-codes that poll (``_delay(seconds=1)`` in its rendezvous loop, which has no
+    setting): a node started again to rejoin a running job spends up to two of them
+    before the round that takes it in completes. Each poll is one read of the store by
+    each waiting agent, so a shorter one costs the store more reads, only while agents
+    wait. Nothing changes for ``seconds >= 1`` or a torch without that function.
+    """
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    delay = getattr(dynamic_rendezvous, "_delay", None)
+    if seconds >= 1.0 or delay is None:
+        yield
+        return
+
+    def poll(seconds: Any) -> None:  # torch calls it as _delay(seconds=...)
+        delay(seconds=shorter if seconds == 1 else seconds)
+
+    shorter = seconds
+    dynamic_rendezvous._delay = poll
+    try:
+        yield
+    finally:
+        dynamic_rendezvous._delay = delay
 
 
 def _launch_spawn(fn: Callable[..., Any], args: tuple, nproc: int, addr: str,
