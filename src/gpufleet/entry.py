@@ -124,7 +124,8 @@ def _launch_ranks(plan: RunPlan, job: Job | None, callbacks: list[Callback],
             rdzv_endpoint=dist.rdzv_endpoint, rdzv_backend=dist.rdzv_backend,
             rdzv_id=dist.rdzv_id or cfg.run.name, max_restarts=dist.max_restarts,
             rdzv_timeout=dist.rdzv_timeout, rdzv_last_call_s=dist.rdzv_last_call_s,
-            rdzv_keep_alive_s=dist.rdzv_keep_alive_s, rdzv_poll_s=dist.rdzv_poll_s)
+            rdzv_keep_alive_s=dist.rdzv_keep_alive_s, rdzv_poll_s=dist.rdzv_poll_s,
+            grow_in_process=bool(cfg.fault.snapshot_every and cfg.fault.recover_in_process))
         forget_process(cfg.run.dir)
     except RunStopped as e:  # the agent got the signal: the ranks' results are lost
         raise RunStopped(stopped_message(e.signal, cfg.run.dir), e.exit_code, e.signal) from None
@@ -263,17 +264,24 @@ def run_rank(plan: RunPlan, job: Job | None = None, callbacks: Sequence[Callback
         This rank's :class:`~gpufleet.train.loop.FitResult` (the same on every rank).
     """
     from gpufleet.launch import destroy_process_group
+    from gpufleet.launch.grow import joining
     from gpufleet.train.build import build_run
     from gpufleet.train.loop import Trainer
     from gpufleet.train.rank import join_process_group
 
+    join = joining()
+    if join is not None:  # started to join live ranks: its place among them
+        os.environ.update(RANK=str(join.rank), WORLD_SIZE=str(join.growth.world),
+                          GROUP_RANK=str(join.node))
     env = DistEnv.detect()
     plan = plan.for_world(env)
     cfg = plan.cfg
     if owns_process:
         setup_logging(cfg.log.level, env)
-    # First, so that the job can build its data with rank_zero_first.
-    join_process_group(plan, env)
+    # First, so that the job can build its data with rank_zero_first. A rank that joins
+    # live ones builds alone and meets them before its first step.
+    if join is None:
+        join_process_group(plan, env)
     try:
         if job is None:
             from gpufleet.job import build_job

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpufleet.data.sampler import ResumableDistributedSampler
 from gpufleet.train import checkpoint as ckpt
 
 from .nodes import TOY, final_weights, start, train_records, wait, wait_for
@@ -20,6 +21,7 @@ from .nodes import TOY, final_weights, start, train_records, wait, wait_for
 pytestmark = pytest.mark.timeout(300)
 
 RECOVERED = re.compile(r"recovered in-process from the step-(\d+) snapshot, world (\d+) -> (\d+)")
+JOINED = re.compile(r"(\d+) new rank\(s\) joined at step (\d+), world (\d+) -> (\d+)")
 
 
 def recovering_args(addr: str, run_dir: str, data: list[str], steps: int,
@@ -86,6 +88,99 @@ def test_survivor_recovers_in_process_with_exact_data_and_no_disk_read(netbed, t
     assert sorted(epoch) == list(range(256))
     records = train_records(run)
     assert records[-1]["step"] == 24 and len(records[-1]["rank_phases"]) == 1
+
+
+def phases(got: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
+    """A process's reads split where the world size changed: ``[(world, [index, ...])]``."""
+    out: list[tuple[int, list[int]]] = []
+    for index, world in got:
+        if not out or out[-1][0] != world:
+            out.append((world, []))
+        out[-1][1].append(index)
+    return out
+
+
+def test_a_node_started_again_joins_the_live_rank_with_exact_data_and_no_disk_read(
+        netbed, tmp_path):
+    """Node 1 killed: node 0 goes on alone in process. Node 1 started again joins it:
+    node 0's rank keeps its process and loses no step, node 1's new rank takes rank 0's
+    state over the new process group (no checkpoint is on disk to read before the end),
+    and the samples of the epoch are read once each across 2 -> 1 -> 2 ranks."""
+    run, out, steps, n = tmp_path / "runs" / "grow", tmp_path / "reads", 100, 4096
+    data = ["--data", "toyjob:make_data_read_log",
+            f"--data.kwargs={{out = '{out}', delay = 0.01, n = {n}}}"]
+    args = recovering_args(netbed.addr(0), "runs/grow", data, steps,
+                           ("--dist.rdzv_poll_s", "0.1"))
+    nodes = [start(netbed, 0, args, tmp_path)]
+    time.sleep(0.5)
+    nodes.append(start(netbed, 1, args, tmp_path))
+    kill_node_1_past(netbed, run, nodes, 3)
+    wait_for(lambda: RECOVERED.search(nodes[0].output()), 60, nodes[:1])
+    nodes.append(start(netbed, 1, args, tmp_path, tag="-again"))
+    wait(nodes[::2], 180)
+    said, again = nodes[0].output(), nodes[2].output()
+    joined = JOINED.search(said)
+    assert joined, said[-4000:]
+    s1, s2 = int(RECOVERED.search(said).group(1)), int(joined.group(2))
+    assert (joined.group(1), joined.group(3), joined.group(4)) == ("1", "1", "2")
+    assert f"joined the 1 live rank(s) at step {s2}" in again, again[-4000:]
+    assert not re.search(r"resumed from \S+\.pt", said + again)  # no file read
+    assert "restarts the ranks" not in said + again
+    # Node 0: one process throughout, at world 2, then 1, then 2 again; node 1: two.
+    by_process = {pid: phases(got) for pid, got in reads(out).items()}
+    assert len(by_process) == 3, sorted(by_process)
+    [survivor] = [p for p in by_process.values() if len(p) == 3]
+    assert [world for world, _ in survivor] == [2, 1, 2]
+    lost, new = sorted((p for p in by_process.values() if len(p) == 1),
+                       key=lambda p: len(p[0][1]))
+    used = (survivor[0][1][:16 * s1] + lost[0][1][:16 * s1]
+            + survivor[1][1][:16 * (s2 - s1)]
+            + survivor[2][1][:16 * (steps - s2)] + new[0][1][:16 * (steps - s2)])
+    # The first samples of epoch 0's order, each once (the epoch is longer than the run).
+    order = list(ResumableDistributedSampler(n, seed=1337))
+    assert len(used) == 32 * s1 + 16 * (s2 - s1) + 32 * (steps - s2) < n
+    assert sorted(used) == sorted(order[:len(used)])
+    records = train_records(run)
+    assert records[-1]["step"] == steps and len(records[-1]["rank_phases"]) == 2
+
+
+@pytest.mark.slow
+def test_weights_after_a_node_joins_equal_its_step_checkpoint_resumed_on_both_nodes(
+        netbed, tmp_path):
+    """2 -> 1 -> 2 ranks in process: the final weights equal, bit for bit, those of the
+    same run's checkpoint of the step the node joined at, resumed on both nodes by the
+    agents' restart (what the node's return did before)."""
+    data = ["--data", "toyjob:make_slow_data", "--data.kwargs={delay = 0.01, n = 4096}"]
+    steps, addr = 80, netbed.addr(0)
+    args = recovering_args(addr, "runs/g", data, steps, (
+        "--checkpoint.every", "10", "--checkpoint.keep_last", "50",
+        "--dist.rdzv_poll_s", "0.1"))
+    nodes = [start(netbed, 0, args, tmp_path, tag="-g")]
+    time.sleep(0.5)
+    nodes.append(start(netbed, 1, args, tmp_path, tag="-g"))
+    kill_node_1_past(netbed, tmp_path / "runs" / "g", nodes, 3)
+    wait_for(lambda: RECOVERED.search(nodes[0].output()), 60, nodes[:1])
+    nodes.append(start(netbed, 1, args, tmp_path, tag="-g-again"))
+    wait(nodes[::2], 180)
+    joined = JOINED.search(nodes[0].output())
+    assert joined, nodes[0].output()[-4000:]
+    step = int(joined.group(2))  # a preemption check: a multiple of 10, so a checkpoint
+    resumed = tmp_path / "runs" / "r"
+    shutil.copytree(tmp_path / "runs" / "g", resumed)
+    for path in ckpt.list_checkpoints(resumed):
+        if int(re.search(r"step-(\d+)", path.name).group(1)) > step:
+            path.unlink()
+    again = recovering_args(addr, "runs/r", data, steps, (
+        "--rdzv-id", "again", "--resume", "latest", "--checkpoint.every", "10"))
+    nodes = [start(netbed, 0, again, tmp_path, tag="-r")]
+    time.sleep(0.5)
+    nodes.append(start(netbed, 1, again, tmp_path, tag="-r"))
+    wait(nodes, 180)
+    assert f"at step {step}" in nodes[0].output()
+    grown, reference = final_weights(tmp_path / "runs" / "g"), final_weights(resumed)
+    assert grown.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(grown[name], tensor), name
 
 
 @pytest.mark.slow

@@ -224,11 +224,17 @@ def test_the_rendezvous_polls_its_state_as_often_as_asked(monkeypatch):
     slept: list[float] = []
     monkeypatch.setattr(dynamic_rendezvous.time, "sleep", slept.append)
     torch_delay = dynamic_rendezvous._delay
+    torch_holder = dynamic_rendezvous._BackendRendezvousStateHolder
     with _rendezvous_poll(0.1):
         dynamic_rendezvous._delay(seconds=1)  # the poll while waiting for other nodes
         dynamic_rendezvous._delay(seconds=(0.2, 0.2))  # a round's first, random delay
+        # The state is read again after 0.1 s, not served from a copy up to 1 s old.
+        holder = dynamic_rendezvous._BackendRendezvousStateHolder(None, None)
+        assert holder._cache_duration == 0.1
     with _rendezvous_poll(1.0):  # torch's own
         assert dynamic_rendezvous._delay is torch_delay
+        assert dynamic_rendezvous._BackendRendezvousStateHolder is torch_holder
         dynamic_rendezvous._delay(seconds=1)
     assert slept == [0.1, 0.2, 1]
     assert dynamic_rendezvous._delay is torch_delay
+    assert dynamic_rendezvous._BackendRendezvousStateHolder is torch_holder

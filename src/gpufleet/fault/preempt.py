@@ -68,6 +68,7 @@ class PreemptionWatch:
         self.check_every = check_every
         self.received: int | None = None  # the first stop signal this rank got
         self.stop_requested = False  # the last agreement was a requested stop
+        self.grow_agreed = False  # the last agreement: new ranks join after this step
         self._distributed = distributed
         self._group: Any = None
         if distributed:
@@ -86,41 +87,49 @@ class PreemptionWatch:
                         "caught, so a preempted run stops without a final checkpoint")
 
     def regroup(self) -> None:
-        """The ranks regrouped in process after a lost node (:mod:`gpufleet.fault.
-        recovery`): the flag's own gloo group, if it has one, is made again over the new
-        process group (COLLECTIVE then)."""
-        if self._group is not None:
-            import torch.distributed as dist
+        """The ranks regrouped in process (:mod:`gpufleet.train.recovery`: after a lost
+        node, or with new ranks that joined, built without a group): the flags are
+        agreed over the new process group, through a gloo group of their own made again
+        when it is not gloo (COLLECTIVE then)."""
+        import torch.distributed as dist
 
+        self._distributed = True
+        if "gloo" not in str(dist.get_backend()):
             self._group = dist.new_group(backend="gloo")
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:  # a signal handler: set a flag, nothing more
             self.received = signum
 
-    def should_stop(self, step: int, requested: bool = False) -> bool:
+    def should_stop(self, step: int, requested: bool = False, grow: bool = False) -> bool:
         """Whether every rank stops after ``step`` (the same answer on all ranks): a
         stop signal, or a stop ``requested`` by the run (a callback, early stopping) on
-        any rank; :attr:`stop_requested` then says which.
+        any rank; :attr:`stop_requested` then says which. ``grow``: this rank saw new
+        ranks ready to join; :attr:`grow_agreed` says whether every rank takes them in
+        after this step (some rank saw them, and nobody stops).
 
         COLLECTIVE every ``check_every`` steps when distributed: all ranks call it after
         each step.
         """
+        self.grow_agreed = False
         if step % self.check_every:
             return False
         if not self._distributed:
             self.stop_requested = requested and self.received is None
+            self.grow_agreed = grow and not (self.received is not None or requested)
             return self.received is not None or requested
         import torch.distributed as dist
 
-        flag = torch.tensor([self.received or 0, int(requested)], dtype=torch.int32)
-        n = RING.enter("all_reduce", 8)
+        flag = torch.tensor([self.received or 0, int(requested), int(grow)],
+                            dtype=torch.int32)
+        n = RING.enter("all_reduce", 12)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)  # COLLECTIVE (CPU)
         RING.leave(n)
         signum, asked = int(flag[0]), bool(flag[1])
         if signum and self.received is None:
             self.received = signum  # another rank got it: stop for the same reason
         self.stop_requested = asked and not signum  # a signal wins: exit requeue-ably
+        self.grow_agreed = bool(flag[2]) and not (signum or asked)
         return bool(signum) or asked
 
     def close(self) -> None:

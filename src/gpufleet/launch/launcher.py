@@ -14,6 +14,7 @@ the agent (see :mod:`.rankmain`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
@@ -65,7 +66,8 @@ def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, launcher: st
            master_port: int = 0, rdzv_endpoint: str = "", rdzv_backend: str = "c10d",
            rdzv_id: str = "", max_restarts: int = 0, log_dir: str | None = None,
            rdzv_timeout: float = 600.0, rdzv_last_call_s: float = 30.0,
-           rdzv_keep_alive_s: float = 5.0, rdzv_poll_s: float = 1.0) -> dict[int, Any]:
+           rdzv_keep_alive_s: float = 5.0, rdzv_poll_s: float = 1.0,
+           grow_in_process: bool = False) -> dict[int, Any]:
     """Run ``fn(*args)`` in ``nproc`` ranks on this node; return ``{global rank: result}``.
 
     ``fn``, ``args`` and the results must be picklable (ranks are spawned processes), so
@@ -95,6 +97,10 @@ def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, launcher: st
             node silent for three of them is dropped from the next round.
         rdzv_poll_s: Seconds between an elastic agent's reads of the rendezvous state
             while it waits for the others to join or complete a round (torch's own: 1).
+        grow_in_process: in an elastic run whose node count may change, a node that
+            joins joins the live ranks, which go on in their processes (see
+            :mod:`.grow`; the ranks must support it: in-process recovery), instead of
+            every node starting its ranks again.
 
     On several nodes the ranks talk over the interface that routes to the master or
     rendezvous address (GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME, when unset), and the node
@@ -123,7 +129,8 @@ def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, launcher: st
                                   rdzv_backend=rdzv_backend, rdzv_id=rdzv_id)
         timeouts = RendezvousTimeouts(rdzv_timeout, rdzv_last_call_s, rdzv_keep_alive_s,
                                       rdzv_poll_s)
-        return _launch_elastic(fn, args, nproc, plan, max_restarts, log_dir, timeouts)
+        return _launch_elastic(fn, args, nproc, plan, max_restarts, log_dir, timeouts,
+                               grow_in_process)
     if launcher == "spawn":
         if parse_nnodes(nnodes) != (1, 1):
             raise LaunchError(f"launcher 'spawn' runs on one node, but dist.nnodes = {nnodes!r}."
@@ -181,7 +188,8 @@ class RendezvousTimeouts:
 
 def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: LaunchPlan,
                     max_restarts: int, log_dir: str | None,
-                    timeouts: RendezvousTimeouts = RendezvousTimeouts()) -> dict[int, Any]:
+                    timeouts: RendezvousTimeouts = RendezvousTimeouts(),
+                    grow_in_process: bool = False) -> dict[int, Any]:
     # With a log directory each rank's stdout/stderr also goes to a file there.
     logs = DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL if log_dir else Std.NONE)
     local_addr, network_configs = multi_node_network(plan)
@@ -209,10 +217,12 @@ def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: Launc
         if ranks_dir is not None:  # each rank: python -m gpufleet.launch.rankmain PAYLOAD
             args = (*COMMAND, str(_payload(ranks_dir, fn, args)))
         entry = fn if ranks_dir is None else sys.executable
-        barrier = ELASTIC_EXIT_BARRIER_S if plan.min_nodes < plan.max_nodes else None
+        ranging = plan.min_nodes < plan.max_nodes
+        barrier = ELASTIC_EXIT_BARRIER_S if ranging else None
+        grow_in = ranks_dir if grow_in_process and ranging else None
         for tries_left in range(_REOPEN_TRIES, -1, -1):
             try:
-                with _fresh_store_per_restart(plan.rdzv_backend), _exit_barrier(barrier), \
+                with _fresh_store_per_restart(plan.rdzv_backend), _exit_barrier(barrier, grow_in), \
                         _rendezvous_poll(timeouts.poll_s):
                     # A rank's exception lands in its error file (torch's @record around fn).
                     results = elastic_launch(launch_config(), entry)(*args)
@@ -329,23 +339,31 @@ def _fresh_store_per_restart(rdzv_backend: str) -> Iterator[None]:
 
 
 @contextmanager
-def _exit_barrier(seconds: float | None) -> Iterator[None]:
+def _exit_barrier(seconds: float | None, grow_in: Path | None = None) -> Iterator[None]:
     """Have torch's launcher make its agent with an exit barrier of ``seconds`` (None:
-    torch's default). ``LaunchConfig`` has no such field: the agent class the launcher
-    builds is given the value for the duration of the launch."""
-    if seconds is None:
+    torch's default), and with ``grow_in`` (the ranks' payload folder) gpufleet's agent
+    that keeps its live ranks when a node joins (:class:`.grow_agent.GrowingAgent`).
+    ``LaunchConfig`` has no such fields: the agent class the launcher builds is given
+    them for the duration of the launch."""
+    if seconds is None and grow_in is None:
         yield
         return
     agent_class = torch_launcher.LocalElasticAgent
+    if grow_in is not None:
+        from gpufleet.launch.grow_agent import GrowingAgent
+
+        agent_class = functools.partial(GrowingAgent, ranks_dir=grow_in)  # type: ignore
+    original = torch_launcher.LocalElasticAgent
+    barrier = {} if seconds is None else {"exit_barrier_timeout": seconds}
 
     def agent(*args: Any, **kwargs: Any) -> Any:
-        return agent_class(*args, exit_barrier_timeout=seconds, **kwargs)
+        return agent_class(*args, **barrier, **kwargs)
 
     torch_launcher.LocalElasticAgent = agent  # type: ignore[assignment, misc]
     try:
         yield
     finally:
-        torch_launcher.LocalElasticAgent = agent_class  # type: ignore[misc]
+        torch_launcher.LocalElasticAgent = original  # type: ignore[misc]
 
 
 @contextmanager
@@ -353,28 +371,36 @@ def _rendezvous_poll(seconds: float) -> Iterator[None]:
     """Have torch's c10d rendezvous read its shared state every ``seconds`` while it waits
     for other nodes, instead of every second.
 
-    torch hard-codes that poll (``_delay(seconds=1)`` in its rendezvous loop, which has no
-    setting): a node started again to rejoin a running job spends up to two of them
-    before the round that takes it in completes. Each poll is one read of the store by
-    each waiting agent, so a shorter one costs the store more reads, only while agents
-    wait. Nothing changes for ``seconds >= 1`` or a torch without that function.
+    torch hard-codes that second twice, with no setting for either: its rendezvous loop
+    sleeps a second between reads (``_delay(seconds=1)``), and its state holder serves a
+    copy of the state up to a second old instead of reading the store again
+    (``cache_duration=1``). A node started again to rejoin a running job waits out
+    several of them before the round that takes it in completes. Each read is one read
+    of the store by each waiting agent, so a shorter poll costs the store more reads,
+    only while agents wait. Nothing changes for ``seconds >= 1`` or a torch without
+    those names.
     """
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
 
-    delay = getattr(dynamic_rendezvous, "_delay", None)
-    if seconds >= 1.0 or delay is None:
+    delay = getattr(rdzv, "_delay", None)
+    holder = getattr(rdzv, "_BackendRendezvousStateHolder", None)
+    if seconds >= 1.0 or delay is None or holder is None:
         yield
         return
 
     def poll(seconds: Any) -> None:  # torch calls it as _delay(seconds=...)
         delay(seconds=shorter if seconds == 1 else seconds)
 
+    class FresherState(holder):  # type: ignore[misc, valid-type]
+        def __init__(self, backend: Any, settings: Any, cache_duration: float = 1) -> None:
+            super().__init__(backend, settings, min(cache_duration, shorter))
+
     shorter = seconds
-    dynamic_rendezvous._delay = poll
+    rdzv._delay, rdzv._BackendRendezvousStateHolder = poll, FresherState
     try:
         yield
     finally:
-        dynamic_rendezvous._delay = delay
+        rdzv._delay, rdzv._BackendRendezvousStateHolder = delay, holder
 
 
 def _launch_spawn(fn: Callable[..., Any], args: tuple, nproc: int, addr: str,

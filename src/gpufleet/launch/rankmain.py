@@ -98,6 +98,8 @@ def main(argv: list[str]) -> None:
     if any(payload.parent.glob("started-*")):
         os.environ[RESTARTED] = "1"
     (payload.parent / f"started-{rank}").touch()
+    # Where this node's agent leaves word of a node joining (gpufleet.launch.grow).
+    os.environ["GPUFLEET_RANKS_DIR"] = str(payload.parent)
     with payload.open("rb") as f:
         spawn.prepare(pickle.load(f))  # sys.path, cwd, argv, the main script
         fn, args = pickle.load(f)

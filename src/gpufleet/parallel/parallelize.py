@@ -119,8 +119,8 @@ def distribute(model: nn.Module, strategy: Strategy) -> nn.Module:
         if stage is None:
             log.info("%s: %d block(s) sharded one by one over %s, then the root",
                      strategy.name, blocks, dims.describe())
-    elif kind == "replicate":
-        model = replicate(model, cfg, device)
+    elif kind == "replicate" and dist.is_initialized():
+        model = replicate(model, cfg, device)  # (a rank that joins live ones: when it does)
     elif kind == "threads":
         model = replicate_in_threads(model, getattr(strategy.precision, "autocast_dtype", None))
     if traits.device_map:

@@ -30,6 +30,7 @@ from gpufleet.fault.snapshot import SnapshotCallback
 from gpufleet.fault.watchdog import Watchdog
 from gpufleet.job import import_object
 from gpufleet.launch import DistEnv, broadcast_object, is_initialized, job_store
+from gpufleet.launch.grow import joining
 from gpufleet.launch.netif import node_address
 from gpufleet.launch.rankmain import restarts
 from gpufleet.monitor.advisor import Advisor, SyncProbe, run_facts
@@ -118,13 +119,16 @@ def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module]
         # A run without a name is named after the model (gpufleet.fit(MLP(), ...): mlp).
         plan = make_plan(plan, env, model=model, here=True)
     plan = plan.for_world(env)
-    if env.is_distributed and not is_initialized():  # else its entry joined already
-        join_process_group(plan, env)
+    # A rank started to join live ranks builds alone: no process group, no collective,
+    # a strategy for one rank; it meets them before its first step (Recovery.join).
+    join = joining()
+    if env.is_distributed and not is_initialized() and join is None:
+        join_process_group(plan, env)  # else its entry joined already
     cfg = plan.cfg
     models, training_step = models_and_step(cfg, model, training_step, eval_data)
     share_cores(env.local_world_size, env.is_main)
     device = _device(cfg, env)
-    precision, strategy = _precision_and_strategy(cfg, plan.dims, device)
+    precision, strategy = _precision_and_strategy(cfg, plan.dims, device, join is not None)
     cfg, placed = _place_models(cfg, env, device, strategy, models, optimizer, scheduler)
     model, optimizer, scheduler = next(iter(placed.values()))
     metrics = _eval_metrics(cfg, eval_metrics)  # before the run directory: may fail
@@ -136,7 +140,11 @@ def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module]
     # Every rank now draws different dropout masks; data order comes from the sampler's
     # own generator and is independent of this.
     seed_everything(cfg.run.seed + env.rank)
-    cfg, resume_from, run_lock = _run_dir(cfg, env)  # COLLECTIVE
+    if join is None:
+        cfg, resume_from, run_lock = _run_dir(cfg, env)  # COLLECTIVE
+    else:  # the live ranks' run directory, written already; their state, not a file
+        resume_from, run_lock = None, None
+        record_process(Path(cfg.run.dir), "rank", env.rank)
     run_dir = Path(cfg.run.dir)
     if env.is_main and len(models) == 1:  # a Transformers model: its class and config
         record_transformers_model(next(iter(models.values())), run_dir)
@@ -177,7 +185,7 @@ def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module]
             (cb for cb in callbacks if isinstance(cb, SystemSampler)), None)
     run.phases = PhaseAnnouncer(run.callbacks.phase_listeners, run.view,
                                 run.callbacks.mark_readers)
-    run.recovery = _recovery(run)
+    run.recovery = _recovery(run, join, plan.backend)
     return run
 
 
@@ -195,13 +203,16 @@ def _device(cfg: Config, env: DistEnv) -> torch.device:
     return device
 
 
-def _precision_and_strategy(cfg: Config, dims: Any, device: torch.device
-                            ) -> tuple[Any, Any]:
+def _precision_and_strategy(cfg: Config, dims: Any, device: torch.device,
+                            joins: bool = False) -> tuple[Any, Any]:
     """Mixed precision, and the strategy that applies the plan's mesh degrees (``dims``,
-    over one DeviceMesh) to the model."""
+    over one DeviceMesh) to the model. ``joins``: this rank joins live ranks, and builds
+    for one rank until it meets them."""
     precision = build_precision(cfg.precision.mode, device.type, cfg.precision)
     strategy = build_strategy(cfg.parallel.strategy, cfg.parallel, device, precision, dims)
-    if strategy.needs_process_group and not is_initialized():
+    if joins:
+        strategy.regroup(1)  # wrapped for the whole world when it joins
+    elif strategy.needs_process_group and not is_initialized():
         raise ConfigError(
             f"parallel.strategy = {cfg.parallel.strategy!r} needs a process group, and "
             "this process was started alone. Use --nproc N (or torchrun), or "
@@ -413,14 +424,21 @@ def _own_callbacks(run: Run) -> list[Callback]:
     return own
 
 
-def _recovery(run: Run) -> Any:
-    """In-process recovery from the snapshots after a lost node
-    (``fault.recover_in_process``), where the run can have it; None otherwise."""
+def _recovery(run: Run, join: Any, backend: str) -> Any:
+    """In-process recovery from the snapshots after a lost node, and for nodes that join
+    (``fault.recover_in_process``), where the run can have it; None otherwise. ``join``:
+    this rank's place among the live ranks it joins (None: it started with them)."""
     fault, env = run.cfg.fault, run.env
     if not (fault.recover_in_process and run.monitors.snapshots is not None
-            and env.world_size > 1 and is_initialized()):
+            and (is_initialized() or join is not None)):
         return None
     from gpufleet.train.recovery import Recovery, not_replicated
+
+    if join is not None:
+        reason = not_replicated(run.strategy, run.data.sampler)
+        if reason:  # the live ranks' agent offered; they cannot have built a Recovery
+            raise ConfigError(f"rank {env.rank} cannot join the live ranks: {reason}")
+        return Recovery(run, None, backend, join)
 
     reason = not_replicated(run.strategy, run.data.sampler)
     if reason:

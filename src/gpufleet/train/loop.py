@@ -25,6 +25,7 @@ from gpufleet.fault.crash import crash_reported
 from gpufleet.train.checkpointer import Position
 from gpufleet.train.interval import LogInterval
 from gpufleet.train.keeping import monitored
+from gpufleet.train.recovery import Regroup
 from gpufleet.train.result import FitResult
 from gpufleet.train.run import Run
 
@@ -46,14 +47,24 @@ class Trainer:
     def fit(self) -> FitResult:
         """Resume if there is a checkpoint, train to ``run.max_steps``, evaluate and save
         at the end; the same :class:`FitResult` on every rank."""
+        run = self.run
         try:
-            self._resume()  # COLLECTIVE with sharded checkpoints
-            with crash_reported(self.run.view):
+            if run.recovery is not None and run.recovery.joining is not None:
+                # A new rank joins live ones: its callbacks start alone (no group yet, so
+                # none of them meets the others), then it takes rank 0's state.
+                run.callbacks.on_fit_start(run.view)
+                self._started = True
+                run.recovery.join()  # COLLECTIVE, with the live ranks at their Regroup
+            else:
+                self._resume()  # COLLECTIVE with sharded checkpoints
+            with crash_reported(run.view):
                 while True:
                     try:
                         return self._train()
+                    except Regroup:  # new ranks join after this step (the ranks agreed)
+                        run.recovery.grow()
                     except Exception as error:  # peers lost: go on without them, or raise
-                        if self.run.recovery is None or not self.run.recovery.recover(error):
+                        if run.recovery is None or not run.recovery.recover(error):
                             raise
         finally:
             self.run.close()
@@ -280,12 +291,15 @@ class Trainer:
         # SIGTERM/SIGUSR1/SIGINT, or a stop request (early stopping, a callback), on any
         # rank stops every rank after this same step.
         watch, requested = run.monitors.preemption, bool(run.state.stop_reason)
-        if watch is not None and watch.should_stop(step, requested):
+        grow = run.recovery is not None and run.recovery.growth_ready is not None
+        if watch is not None and watch.should_stop(step, requested, grow):
             if watch.stop_requested:
                 self._stop_on_request()
             else:
                 self._stop_for_preemption()
             return True
+        if watch is not None and watch.grow_agreed:
+            raise Regroup  # a node joins: the live ranks take its ranks in, then go on
         if watch is None and requested:  # one process (at its next due step)
             self._stop_on_request()
             return True

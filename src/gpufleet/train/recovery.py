@@ -20,6 +20,17 @@ connection a dead peer's kernel closed), every rank left, in :meth:`Recovery.rec
    scheduler, scaler, the global data position, which splits the rest of the epoch over
    the new world: every sample read once). No file is read.
 
+**A node that joins** (started again, or a new one in an elastic node range) joins the
+live ranks the same way, when its agent and theirs are gpufleet's
+(:mod:`gpufleet.launch.grow`): each new rank builds its run without a process group and
+says so in rank 0's store; a thread of each live rank watches for its agent's order and
+for the new ranks to be ready, and the live ranks agree at their next preemption check
+(:class:`Regroup`) to stop after the same step. Then every rank, old and new, joins one
+new process group and rebuilds as in step 3; rank 0 sends its training state (model,
+optimizer, scheduler, scaler, data position; :meth:`Checkpointer.rank_state`) over it
+and every rank restores it. No rank restarts and none reads a file; the live ranks lose
+no step.
+
 In any other case the rank raises the original error, ends, and the elastic agent
 restarts the ranks from the newest checkpoint (the agent-restart path, as without
 snapshots); the log says which path was taken and why. That happens when the error is
@@ -33,13 +44,16 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import io
 import json
 import logging
 import os
 import socket
+import threading
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,8 +65,10 @@ from gpufleet.data.sampler import ResumableDistributedSampler
 from gpufleet.fault.liveness import Verdict
 from gpufleet.fault.snapshot_ring import Held, newest_replicated
 from gpufleet.launch import job_store
+from gpufleet.launch.grow import GROWS_ENV, ORDER, RANKS_DIR_ENV, Growth, Joining
 from gpufleet.parallel.base import Strategy
 from gpufleet.parallel.data_parallel import replicate
+from gpufleet.train.checkpointer import Position
 from gpufleet.train.seed import seed_everything
 
 log = logging.getLogger(__name__)
@@ -61,6 +77,9 @@ log = logging.getLogger(__name__)
 # leaves the process group; an exchange with a lost partner fails as soon as its
 # connection closes.
 THREAD_WAIT_S = 10.0
+# Seconds between a rank's looks for a node joining (its agent's order, then the new
+# ranks' word that they are ready), on a thread of its own.
+GROW_POLL_S = 0.1
 # What gloo, NCCL and the store say when a peer vanished (besides torch's DistError).
 _PEER_LOST = ("Connection closed", "Connection reset", "Broken pipe", "Connection refused",
               "ProcessGroup", "Gloo", "gloo", "NCCL", "peer")
@@ -68,6 +87,11 @@ _PEER_LOST = ("Connection closed", "Connection reset", "Broken pipe", "Connectio
 
 class RecoveryFailed(RuntimeError):
     """In-process recovery cannot go on; the agent-restart path takes over."""
+
+
+class Regroup(Exception):
+    """Raised by the loop at the step boundary where the ranks agreed to take new ranks
+    in (:meth:`Recovery.grow`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +142,8 @@ class Recovery:
         backend: the process group's backend, for the new group.
     """
 
-    def __init__(self, run: Any, store: Any, backend: str) -> None:
+    def __init__(self, run: Any, store: Any, backend: str,
+                 joining: Joining | None = None) -> None:
         self.run, self.store, self.backend = run, store, backend
         self.generation = 0
         self.prefix = f"gpufleet/recover/{run.env.restart_count}"
@@ -126,6 +151,20 @@ class Recovery:
         self.timeout_s = float(run.cfg.dist.timeout)
         if run.monitors.watchdog is not None:  # a node cut off: heartbeats name it
             run.monitors.watchdog.on_peers_lost = self.peers_silent
+        #: this rank was started to join live ranks (it joins before its first step)
+        self.joining = joining
+        #: a growth whose new ranks are all ready (set by the watching thread)
+        self.growth_ready: Growth | None = None
+        self._grown: set[str] = set()  # growths this rank took part in
+        self._stop = threading.Event()
+        ranks_dir = os.environ.get(RANKS_DIR_ENV)
+        grows = os.environ.get(GROWS_ENV) == "1"  # this node's agent keeps live ranks
+        self._order = Path(ranks_dir) / ORDER if ranks_dir and grows else None
+        self._watch: threading.Thread | None = None
+        if self._order is not None and joining is None:
+            self._watch = threading.Thread(target=self._watch_for_growth, daemon=True,
+                                           name="gpufleet-grow-watch")
+            self._watch.start()
 
     def peers_silent(self, verdict: Verdict) -> bool:
         """The watchdog's heartbeats found ranks that stopped answering (a node cut off:
@@ -182,6 +221,119 @@ class Recovery:
                     extra={"recovered_step": membership.step, "world_size": len(membership.ranks)})
         return True
 
+    # -- a node joins -------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop watching for nodes that join."""
+        self._stop.set()
+
+    def _watch_for_growth(self) -> None:
+        """The watching thread: wait for this node's agent's order, then for every new
+        rank to say it is ready, and raise :attr:`growth_ready` for the loop's next
+        preemption check (the live ranks agree there). Polls a file and, once a growth
+        is on, the store: nothing on the training thread."""
+        store = None
+        while not self._stop.wait(GROW_POLL_S):
+            growth = self._read_order()
+            if growth is None or growth.key in self._grown or self.growth_ready:
+                continue
+            try:
+                store = store if store is not None else _client(growth, self.timeout_s)
+                ready = store.check([f"{growth.key}/ready/{r}" for r in growth.new_ranks])
+            except Exception as e:  # the store went away: the recovery path says more
+                log.debug("watching for a node that joins: %s", e)
+                store = None
+                continue
+            if ready:
+                self.growth_ready = growth
+
+    def _read_order(self) -> Growth | None:
+        try:
+            return Growth.loads(self._order.read_text()) if self._order else None
+        except (OSError, ValueError, KeyError):  # none yet, or being replaced
+            return None
+
+    def grow(self) -> None:
+        """Take the new ranks in (a live rank, at the step boundary the ranks agreed on,
+        :class:`Regroup`): leave the process group, form the new one with them, and go
+        on from rank 0's state. Raises :class:`RecoveryFailed` when that fails (the rank
+        then ends and the agent restarts the ranks from the newest checkpoint)."""
+        start, run = time.perf_counter(), self.run
+        growth = self.growth_ready or self._wait_for_order()
+        old_world = run.env.world_size
+        snaps = run.monitors.snapshots
+        if snaps is not None and not snaps.snapshotter.wait(THREAD_WAIT_S):
+            raise RecoveryFailed(f"the snapshot exchange still ran after {THREAD_WAIT_S:g} s")
+        run.checkpointer.wait()
+        _leave_groups(run.device)
+        step = self._together(growth, run.env.rank)
+        log.warning("rank %d: %d new rank(s) joined at step %d, world %d -> %d, in %.2f s; "
+                    "no restart, no checkpoint read", run.env.rank, growth.world - old_world,
+                    step, old_world, growth.world, time.perf_counter() - start,
+                    extra={"world_size": growth.world})
+
+    def join(self) -> None:
+        """This new rank joins the live ones (before its first step): say it is ready,
+        wait for them in the new process group, and take rank 0's state."""
+        start, joining = time.perf_counter(), self.joining
+        assert joining is not None
+        store = _client(joining.growth, self.timeout_s)
+        store.set(f"{joining.growth.key}/ready/{joining.rank}", "1")
+        step = self._together(joining.growth, joining.rank, store)
+        self.joining = None
+        self._watch = threading.Thread(target=self._watch_for_growth, daemon=True,
+                                       name="gpufleet-grow-watch")
+        if self._order is not None:  # later nodes join through this node's agent too
+            self._watch.start()
+        log.warning("rank %d joined the %d live rank(s) at step %d in %.2f s (%d in all), "
+                    "from rank 0's state; no checkpoint read", joining.rank,
+                    joining.growth.live, step, time.perf_counter() - start,
+                    joining.growth.world)
+
+    def _wait_for_order(self) -> Growth:
+        deadline = time.monotonic() + THREAD_WAIT_S
+        while time.monotonic() < deadline:
+            growth = self._read_order()
+            if growth is not None and growth.key not in self._grown:
+                return growth
+            time.sleep(GROW_POLL_S)
+        raise RecoveryFailed("the ranks agreed that a node joins, but this node's agent "
+                             f"gave no order within {THREAD_WAIT_S:g} s")
+
+    def _together(self, growth: Growth, rank: int, store: Any = None) -> int:
+        """Every rank of ``growth``, old and new: one process group, the run rebuilt for
+        it, rank 0's state restored. Returns the step it resumes after. COLLECTIVE."""
+        run = self.run
+        store = store if store is not None else _client(growth, self.timeout_s)
+        self._grown.add(growth.key)
+        self.growth_ready = None
+        # Rank 0's whole state, as the live ranks' world left it (so that every rank
+        # splits the rest of the epoch anew and seeds itself for its new rank): what a
+        # checkpoint holds, read the same on every rank, rank 0 included.
+        data = None
+        if rank == 0:
+            buffer = io.BytesIO()
+            at = Position(run.state.step, run.data.epoch, run.data.consumed)
+            torch.save({"state": run.checkpointer.rank_state(at),
+                        "max_steps": run.max_steps}, buffer)
+            data = buffer.getvalue()
+        dist.init_process_group(
+            self.backend, store=dist.PrefixStore(f"{growth.key}/pg", store), rank=rank,
+            world_size=growth.world, timeout=timedelta(seconds=self.timeout_s))
+        self._rebuild(rank, growth.world)
+        sent = torch.load(io.BytesIO(_broadcast_bytes(data, run.device)), weights_only=True)
+        run.max_steps = sent["max_steps"]
+        self._restore(sent["state"], sent["state"]["step"], "rank 0's live state")
+        if run.monitors.preemption is not None:
+            run.monitors.preemption.regroup()  # COLLECTIVE where it has a group
+        if run.monitors.snapshots is not None:
+            run.monitors.snapshots.rejoin(rank, growth.world)  # COLLECTIVE
+        # Keys every rank shares from here on (old and new ranks started apart).
+        self.store, self.prefix, self.generation = store, f"{growth.key}/recover", 0
+        if run.monitors.watchdog is not None:
+            run.monitors.watchdog.prefix = f"{growth.key}/watchdog"
+            run.monitors.watchdog.rejoin(rank, growth.world, job_store(), 0)
+        return run.state.step
+
     # -- the steps -------------------------------------------------------------------
     def _regroup(self) -> Membership:
         run = self.run
@@ -203,7 +355,8 @@ class Recovery:
             rank=new_rank, world_size=world, timeout=timedelta(seconds=self.timeout_s))
         self.generation += 1
         self._rebuild(new_rank, world)
-        self._restore(own.state(), membership.step)
+        self._restore(own.state(), membership.step, f"the step-{membership.step} in-memory "
+                      "snapshot")
         if run.monitors.preemption is not None:
             run.monitors.preemption.regroup()  # COLLECTIVE where it has a group
         snaps.rejoin(new_rank, world)  # COLLECTIVE: the snapshot ring's new group
@@ -265,14 +418,14 @@ class Recovery:
             if isinstance(sampler, ResumableDistributedSampler):
                 sampler.rank, sampler.world_size = shard, shards
 
-    def _restore(self, held: Any, step: int) -> None:
-        """Put the snapshot's state back (copied out of the snapshot's buffer, which the
-        next snapshot overwrites) and the data where it was."""
+    def _restore(self, held: Any, step: int, source: str) -> None:
+        """Put a state back (copied out of the snapshot's buffer, which the next snapshot
+        overwrites) and the data where it was."""
         run = self.run
         for part in run.parts:  # the failed step's gradients
             part.optimizer.zero_grad()
         state = map_tensors(held, lambda t: t.clone())
-        at = run.checkpointer.restore(state, f"the step-{step} in-memory snapshot")
+        at = run.checkpointer.restore(state, source)
         # As a run resumed at another world size: this rank's seed, as build_run sets it.
         seed_everything(run.cfg.run.seed + run.env.rank)
         run.state.step = at.step
@@ -320,11 +473,33 @@ def _leave_groups(device: torch.device) -> None:
 
 def _rewrap(model: Any, strategy: Strategy, device: torch.device) -> Any:
     """A DDP module made again over the new default group (its old reducer's hooks
-    removed); a module that is not DDP as it is."""
+    removed); a new rank's module, built without a group, wrapped for the first time."""
     if not isinstance(model, DDP):
-        return model
+        if strategy.traits.data_parallel != "replicate":
+            return model
+        return replicate(model, strategy.cfg, device)
     try:
         model._remove_autograd_hooks()
     except (AttributeError, RuntimeError) as e:  # an older torch; the wrapper is dropped
         log.debug("the old DDP wrapper's hooks stay until it is collected: %s", e)
     return replicate(model.module, strategy.cfg, device)
+
+
+def _client(growth: Growth, timeout_s: float) -> Any:
+    """A client of the live ranks' store (rank 0 hosts it), for ``growth``'s keys."""
+    host, port = growth.store
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def _broadcast_bytes(data: bytes | None, device: torch.device) -> bytes:
+    """Rank 0's ``data`` on every rank (COLLECTIVE: its length, then its bytes; on the
+    device the backend needs)."""
+    where = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64,
+                        device=where)
+    dist.broadcast(size, src=0)
+    buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(where)
+              if data is not None else torch.empty(int(size), dtype=torch.uint8, device=where))
+    dist.broadcast(buffer, src=0)
+    return data if data is not None else buffer.cpu().numpy().tobytes()
