@@ -23,7 +23,7 @@ store (:mod:`gpufleet.train.recovery`): the new ones build their run and say the
 ready, the live ones agree at their next preemption check to stop after the same step,
 everyone forms a new process group, and the new ranks take the training state from
 rank 0 over it. No rank restarts and none reads a checkpoint. An agent that cannot tell (no live ranks said so, a store address
-missing) does what torch's agent does.
+missing, ranks whose strategy cannot take new ranks in) does what torch's agent does.
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ RANKS_DIR_ENV = "GPUFLEET_RANKS_DIR"
 GROWS_ENV = "GPUFLEET_GROWS"
 #: The file, in that folder, where an agent leaves a growth for its live ranks.
 ORDER = "grow.json"
+#: The file, in that folder, by which ranks say they can take new ranks in (their
+#: strategy recovers in process); without it their agent restarts them as torch's does.
+GROWABLE = "growable"
 #: Where each agent says, in the round's store, whether its ranks are live.
 SAID = "gpufleet/grow/agent"
 

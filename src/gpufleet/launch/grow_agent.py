@@ -14,7 +14,7 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from gpufleet.launch.grow import GROWS_ENV, JOIN_ENV, ORDER, SAID, Growth, plan_growth
+from gpufleet.launch.grow import GROWABLE, GROWS_ENV, JOIN_ENV, ORDER, SAID, Growth, plan_growth
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,10 @@ class GrowingAgent(LocalElasticAgent):
 
     # -- torch's agent, where a node joins ------------------------------------------------
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
-        if worker_group.state != WorkerState.HEALTHY:  # a failure: torch's restart
+        if worker_group.state != WorkerState.HEALTHY or \
+                not (self._ranks_dir / GROWABLE).exists():
+            # A failure, or ranks that cannot take new ones in (their strategy does not
+            # recover in process): torch's restart.
             super()._restart_workers(worker_group)
             return
         # A node waits to join and this node's ranks run: take it in without them ending.

@@ -65,7 +65,7 @@ from gpufleet.data.sampler import ResumableDistributedSampler
 from gpufleet.fault.liveness import Verdict
 from gpufleet.fault.snapshot_ring import Held, newest_replicated
 from gpufleet.launch import job_store
-from gpufleet.launch.grow import GROWS_ENV, ORDER, RANKS_DIR_ENV, Growth, Joining
+from gpufleet.launch.grow import GROWABLE, GROWS_ENV, ORDER, RANKS_DIR_ENV, Growth, Joining
 from gpufleet.parallel.base import Strategy
 from gpufleet.parallel.data_parallel import replicate
 from gpufleet.train.checkpointer import Position
@@ -161,6 +161,8 @@ class Recovery:
         grows = os.environ.get(GROWS_ENV) == "1"  # this node's agent keeps live ranks
         self._order = Path(ranks_dir) / ORDER if ranks_dir and grows else None
         self._watch: threading.Thread | None = None
+        if self._order is not None:  # tell this node's agent that new ranks can join
+            (self._order.parent / GROWABLE).touch()
         if self._order is not None and joining is None:
             self._watch = threading.Thread(target=self._watch_for_growth, daemon=True,
                                            name="gpufleet-grow-watch")
