@@ -270,9 +270,14 @@ def run_rank(plan: RunPlan, job: Job | None = None, callbacks: Sequence[Callback
     from gpufleet.train.rank import join_process_group
 
     join = joining()
-    if join is not None:  # started to join live ranks: its place among them
+    if join is not None:  # started to join live ranks: its place among them, their run
+        from gpufleet.config.loader import config_from_dict
+        from gpufleet.launch.grow import live_run
+
         os.environ.update(RANK=str(join.rank), WORLD_SIZE=str(join.growth.world),
                           GROUP_RANK=str(join.node))
+        settings, _ = live_run(join.growth, plan.cfg.dist.timeout)
+        plan = plan.with_config(config_from_dict(settings))
     env = DistEnv.detect()
     plan = plan.for_world(env)
     cfg = plan.cfg

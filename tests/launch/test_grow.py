@@ -52,3 +52,12 @@ def test_the_ranks_agree_to_grow_only_at_a_check_and_not_when_stopping():
         assert watch.should_stop(20, requested=True, grow=True) and not watch.grow_agreed
     finally:
         watch.close()
+
+
+def test_an_agent_finds_its_live_ranks_in_their_files_or_none(tmp_path):
+    from gpufleet.launch.grow import GROWABLE, live_ranks
+
+    (tmp_path / f"{GROWABLE}-0").write_text(json.dumps({"rank": 2, "world": 4}))
+    assert live_ranks(tmp_path, 2) is None  # local rank 1 did not say it can grow
+    (tmp_path / f"{GROWABLE}-1").write_text(json.dumps({"rank": 3, "world": 4}))
+    assert live_ranks(tmp_path, 2) == [2, 3]

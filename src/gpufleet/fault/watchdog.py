@@ -157,6 +157,8 @@ class Watchdog(Callback):
                                   self.cfg.heartbeat_timeout_s, self._lost)
                          if store is not None and world_size > 1 else None)
         if self.liveness is not None:
+            if self.signal_stacks._file is None:  # a rank that joined had no heartbeats
+                self.signal_stacks.start()
             self.liveness.start()
 
     def on_phase_marks(self, trainer: Any, marks: PhaseMarks) -> None:

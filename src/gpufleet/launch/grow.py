@@ -22,8 +22,9 @@ imported only by the launcher, not by ranks). The ranks then meet in the live ra
 store (:mod:`gpufleet.train.recovery`): the new ones build their run and say they are
 ready, the live ones agree at their next preemption check to stop after the same step,
 everyone forms a new process group, and the new ranks take the training state from
-rank 0 over it. No rank restarts and none reads a checkpoint. An agent that cannot tell (no live ranks said so, a store address
-missing, ranks whose strategy cannot take new ranks in) does what torch's agent does.
+rank 0 over it. No rank restarts and none reads a checkpoint. An agent that cannot
+tell (no live ranks said so, a store address missing, ranks whose strategy cannot take
+new ranks in) does what torch's agent does.
 """
 
 from __future__ import annotations
@@ -44,9 +45,26 @@ RANKS_DIR_ENV = "GPUFLEET_RANKS_DIR"
 GROWS_ENV = "GPUFLEET_GROWS"
 #: The file, in that folder, where an agent leaves a growth for its live ranks.
 ORDER = "grow.json"
-#: The file, in that folder, by which ranks say they can take new ranks in (their
-#: strategy recovers in process); without it their agent restarts them as torch's does.
+#: The files, in that folder, by which ranks say they can take new ranks in (their
+#: strategy recovers in process, and they agree on steps at preemption checks), one per
+#: local rank (``growable-<local rank>``) holding its rank and world size now; without
+#: them their agent restarts them as torch's does.
 GROWABLE = "growable"
+#: Keys in the live ranks' store where rank 0 leaves its resolved config and the step
+#: its run ends at, for new ranks to build the same run.
+RUN_CONFIG, RUN_MAX_STEPS = "gpufleet/run/config", "gpufleet/run/max_steps"
+
+
+def live_ranks(ranks_dir: Any, nproc: int) -> list[int] | None:
+    """The ranks of this node's live processes as they said last (``growable-*``), or
+    None when one of them did not say it can take new ranks in."""
+    ranks = []
+    for local in range(nproc):
+        try:
+            ranks.append(json.loads((ranks_dir / f"{GROWABLE}-{local}").read_text())["rank"])
+        except (OSError, ValueError, KeyError):
+            return None
+    return sorted(ranks)
 #: Where each agent says, in the round's store, whether its ranks are live.
 SAID = "gpufleet/grow/agent"
 
@@ -101,6 +119,25 @@ def joining() -> Joining | None:
     d = json.loads(text)
     rank, node = d["ranks"][os.environ.get("LOCAL_RANK", "0")]
     return Joining(Growth.loads(d["growth"]), int(rank), int(node))
+
+
+def store_client(address: tuple[str, int], timeout_s: float) -> Any:
+    """A client of the live ranks' store at ``address`` (rank 0 hosts it)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    host, port = address
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def live_run(growth: Growth, timeout_s: float) -> tuple[dict[str, Any], int]:
+    """Rank 0's resolved config (as a dict) and the step its run ends at, which a new
+    rank builds with (its own plan may differ: settings resolved for another world)."""
+    store = store_client(growth.store, timeout_s)
+    return (json.loads(store.get(RUN_CONFIG).decode()),
+            int(store.get(RUN_MAX_STEPS).decode()))
 
 
 def plan_growth(said: dict[int, dict[str, Any]]) -> Growth | None:

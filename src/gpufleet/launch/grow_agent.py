@@ -14,7 +14,16 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from gpufleet.launch.grow import GROWABLE, GROWS_ENV, JOIN_ENV, ORDER, SAID, Growth, plan_growth
+from gpufleet.launch.grow import (
+    GROWABLE,
+    GROWS_ENV,
+    JOIN_ENV,
+    ORDER,
+    SAID,
+    Growth,
+    live_ranks,
+    plan_growth,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +47,15 @@ class GrowingAgent(LocalElasticAgent):
 
     # -- torch's agent, where a node joins ------------------------------------------------
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
-        if worker_group.state != WorkerState.HEALTHY or \
-                not (self._ranks_dir / GROWABLE).exists():
+        live = live_ranks(self._ranks_dir, worker_group.spec.local_world_size)
+        if worker_group.state != WorkerState.HEALTHY or live is None:
             # A failure, or ranks that cannot take new ones in (their strategy does not
             # recover in process): torch's restart.
             super()._restart_workers(worker_group)
             return
         # A node waits to join and this node's ranks run: take it in without them ending.
         running = {w.local_rank: w for w in worker_group.workers}
-        self._live = sorted(w.global_rank for w in running.values())
+        self._live = live
         self._node = worker_group.group_rank
         try:
             self._rendezvous(worker_group)
@@ -59,8 +68,11 @@ class GrowingAgent(LocalElasticAgent):
             self._stop_workers(worker_group)
             self._start_again(worker_group)
             return
+        ranks = dict(zip(sorted(running), live))  # local rank -> rank, as they said
         for worker in worker_group.workers:  # the same processes, still watched
             worker.id = running[worker.local_rank].id
+            worker.global_rank = worker.role_rank = ranks[worker.local_rank]
+            worker.world_size = worker.role_world_size = growth.world
         order = self._ranks_dir / ORDER
         partial = order.with_suffix(".partial")
         partial.write_text(growth.dumps())
@@ -78,12 +90,19 @@ class GrowingAgent(LocalElasticAgent):
         # and the new ranks of a growth find their rank and node in it.
         growth, group = self._growth, worker_group.group_rank
         os.environ[GROWS_ENV] = "1"
+        # New processes: what the ones before them said or were told is stale.
+        for path in self._ranks_dir.glob(f"{GROWABLE}-*"):
+            path.unlink(missing_ok=True)
+        (self._ranks_dir / ORDER).unlink(missing_ok=True)
         if growth is None or group not in growth.new:
             self._ranks_store = (worker_group.master_addr, worker_group.master_port)
         else:
             self._ranks_store = growth.store
             ranks = {str(local): [rank, node] for local, rank, node in growth.new[group]}
             os.environ[JOIN_ENV] = json.dumps({"growth": growth.dumps(), "ranks": ranks})
+            for worker in worker_group.workers:  # their ranks among the live ones
+                worker.global_rank = worker.role_rank = int(ranks[str(worker.local_rank)][0])
+                worker.world_size = worker.role_world_size = growth.world
         try:
             return super()._start_workers(worker_group)
         finally:

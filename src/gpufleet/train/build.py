@@ -30,7 +30,7 @@ from gpufleet.fault.snapshot import SnapshotCallback
 from gpufleet.fault.watchdog import Watchdog
 from gpufleet.job import import_object
 from gpufleet.launch import DistEnv, broadcast_object, is_initialized, job_store
-from gpufleet.launch.grow import joining
+from gpufleet.launch.grow import joining, live_run
 from gpufleet.launch.netif import node_address
 from gpufleet.launch.rankmain import restarts
 from gpufleet.monitor.advisor import Advisor, SyncProbe, run_facts
@@ -149,7 +149,9 @@ def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module]
     if env.is_main and len(models) == 1:  # a Transformers model: its class and config
         record_transformers_model(next(iter(models.values())), run_dir)
     data, eval_loader = _data(cfg, env, device, strategy, train_data, eval_data)
-    max_steps = _max_steps(cfg, env, data)
+    # A rank that joins ends where the live ranks end (their world sized the epochs).
+    max_steps = _max_steps(cfg, env, data) if join is None else \
+        live_run(join.growth, cfg.dist.timeout)[1]
     parts = [ModelPart(name, placed_model, opt,
                        # the [optim] schedule (constant for the "none" preset)
                        sched if sched is not None else build_scheduler(opt, cfg.optim,

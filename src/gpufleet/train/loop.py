@@ -291,7 +291,8 @@ class Trainer:
         # SIGTERM/SIGUSR1/SIGINT, or a stop request (early stopping, a callback), on any
         # rank stops every rank after this same step.
         watch, requested = run.monitors.preemption, bool(run.state.stop_reason)
-        grow = run.recovery is not None and run.recovery.growth_ready is not None
+        grow = (run.recovery is not None and run.recovery.growth_ready is not None
+                and step < run.max_steps)  # at the end: nothing left to join for
         if watch is not None and watch.should_stop(step, requested, grow):
             if watch.stop_requested:
                 self._stop_on_request()

@@ -65,7 +65,17 @@ from gpufleet.data.sampler import ResumableDistributedSampler
 from gpufleet.fault.liveness import Verdict
 from gpufleet.fault.snapshot_ring import Held, newest_replicated
 from gpufleet.launch import job_store
-from gpufleet.launch.grow import GROWABLE, GROWS_ENV, ORDER, RANKS_DIR_ENV, Growth, Joining
+from gpufleet.launch.grow import (
+    GROWABLE,
+    GROWS_ENV,
+    ORDER,
+    RANKS_DIR_ENV,
+    RUN_CONFIG,
+    RUN_MAX_STEPS,
+    Growth,
+    Joining,
+    store_client,
+)
 from gpufleet.parallel.base import Strategy
 from gpufleet.parallel.data_parallel import replicate
 from gpufleet.train.checkpointer import Position
@@ -80,6 +90,7 @@ THREAD_WAIT_S = 10.0
 # Seconds between a rank's looks for a node joining (its agent's order, then the new
 # ranks' word that they are ready), on a thread of its own.
 GROW_POLL_S = 0.1
+GROW_CONNECT_S = 10.0  # for the watching thread's client of the live ranks' store
 # What gloo, NCCL and the store say when a peer vanished (besides torch's DistError).
 _PEER_LOST = ("Connection closed", "Connection reset", "Broken pipe", "Connection refused",
               "ProcessGroup", "Gloo", "gloo", "NCCL", "peer")
@@ -145,6 +156,9 @@ class Recovery:
     def __init__(self, run: Any, store: Any, backend: str,
                  joining: Joining | None = None) -> None:
         self.run, self.store, self.backend = run, store, backend
+        # The job's store as the process group made it: on rank 0 it holds the store's
+        # server, which must live as long as the process (later stores are clients).
+        self._server = store
         self.generation = 0
         self.prefix = f"gpufleet/recover/{run.env.restart_count}"
         self.window_s = run.cfg.fault.recover_window_s
@@ -156,14 +170,18 @@ class Recovery:
         #: a growth whose new ranks are all ready (set by the watching thread)
         self.growth_ready: Growth | None = None
         self._grown: set[str] = set()  # growths this rank took part in
+        self._lock = threading.Lock()  # _grown and growth_ready, between the threads
         self._stop = threading.Event()
         ranks_dir = os.environ.get(RANKS_DIR_ENV)
-        grows = os.environ.get(GROWS_ENV) == "1"  # this node's agent keeps live ranks
+        # This node's agent keeps live ranks when a node joins, and the ranks agree on
+        # steps at preemption checks (where they agree to take new ones in).
+        grows = os.environ.get(GROWS_ENV) == "1" and run.monitors.preemption is not None
         self._order = Path(ranks_dir) / ORDER if ranks_dir and grows else None
         self._watch: threading.Thread | None = None
-        if self._order is not None:  # tell this node's agent that new ranks can join
-            (self._order.parent / GROWABLE).touch()
         if self._order is not None and joining is None:
+            if run.env.is_main:  # what a new rank builds with: this run's settings
+                self._publish_run(store)
+            self._say_growable()
             self._watch = threading.Thread(target=self._watch_for_growth, daemon=True,
                                            name="gpufleet-grow-watch")
             self._watch.start()
@@ -228,6 +246,28 @@ class Recovery:
         """Stop watching for nodes that join."""
         self._stop.set()
 
+    def _say_growable(self) -> None:
+        """Tell this node's agent, in a file, that this rank can take new ranks in and
+        where it is now (its rank, the world size)."""
+        if self._order is None:
+            return
+        env = self.run.env
+        path = self._order.parent / f"{GROWABLE}-{env.local_rank}"
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps({"rank": env.rank, "world": env.world_size}))
+        partial.replace(path)
+
+    def _publish_run(self, store: Any) -> None:
+        """Rank 0: its resolved config and the step its run ends at, in its store's own
+        keys, for new ranks to build the same run (:func:`gpufleet.launch.grow.live_run`)."""
+        from gpufleet.config.loader import config_to_dict
+
+        raw = store
+        while isinstance(raw, dist.PrefixStore):  # the store's own keys, not the group's
+            raw = raw.underlying_store
+        raw.set(RUN_CONFIG, json.dumps(config_to_dict(self.run.cfg)))
+        raw.set(RUN_MAX_STEPS, str(self.run.max_steps))
+
     def _watch_for_growth(self) -> None:
         """The watching thread: wait for this node's agent's order, then for every new
         rank to say it is ready, and raise :attr:`growth_ready` for the loop's next
@@ -239,14 +279,16 @@ class Recovery:
             if growth is None or growth.key in self._grown or self.growth_ready:
                 continue
             try:
-                store = store if store is not None else _client(growth, self.timeout_s)
+                store = store if store is not None else store_client(growth.store,
+                                                                     GROW_CONNECT_S)
                 ready = store.check([f"{growth.key}/ready/{r}" for r in growth.new_ranks])
             except Exception as e:  # the store went away: the recovery path says more
                 log.debug("watching for a node that joins: %s", e)
                 store = None
                 continue
-            if ready:
-                self.growth_ready = growth
+            with self._lock:  # not a growth the training thread finished meanwhile
+                if ready and growth.key not in self._grown:
+                    self.growth_ready = growth
 
     def _read_order(self) -> Growth | None:
         try:
@@ -262,6 +304,9 @@ class Recovery:
         start, run = time.perf_counter(), self.run
         growth = self.growth_ready or self._wait_for_order()
         old_world = run.env.world_size
+        if growth.live != old_world:  # planned before a loss regrouped these ranks
+            raise RecoveryFailed(f"the node joining was planned for {growth.live} live "
+                                 f"rank(s); {old_world} train now")
         snaps = run.monitors.snapshots
         if snaps is not None and not snaps.snapshotter.wait(THREAD_WAIT_S):
             raise RecoveryFailed(f"the snapshot exchange still ran after {THREAD_WAIT_S:g} s")
@@ -278,7 +323,7 @@ class Recovery:
         wait for them in the new process group, and take rank 0's state."""
         start, joining = time.perf_counter(), self.joining
         assert joining is not None
-        store = _client(joining.growth, self.timeout_s)
+        store = store_client(joining.growth.store, self.timeout_s)
         store.set(f"{joining.growth.key}/ready/{joining.rank}", "1")
         step = self._together(joining.growth, joining.rank, store)
         self.joining = None
@@ -305,9 +350,10 @@ class Recovery:
         """Every rank of ``growth``, old and new: one process group, the run rebuilt for
         it, rank 0's state restored. Returns the step it resumes after. COLLECTIVE."""
         run = self.run
-        store = store if store is not None else _client(growth, self.timeout_s)
-        self._grown.add(growth.key)
-        self.growth_ready = None
+        store = store if store is not None else store_client(growth.store, self.timeout_s)
+        with self._lock:
+            self._grown.add(growth.key)
+            self.growth_ready = None
         # Rank 0's whole state, as the live ranks' world left it (so that every rank
         # splits the rest of the epoch anew and seeds itself for its new rank): what a
         # checkpoint holds, read the same on every rank, rank 0 included.
@@ -322,7 +368,8 @@ class Recovery:
             self.backend, store=dist.PrefixStore(f"{growth.key}/pg", store), rank=rank,
             world_size=growth.world, timeout=timedelta(seconds=self.timeout_s))
         self._rebuild(rank, growth.world)
-        sent = torch.load(io.BytesIO(_broadcast_bytes(data, run.device)), weights_only=True)
+        sent = torch.load(io.BytesIO(_broadcast_bytes(data, run.device)), weights_only=True,
+                          map_location="cpu")  # restored into the live tensors
         run.max_steps = sent["max_steps"]
         self._restore(sent["state"], sent["state"]["step"], "rank 0's live state")
         if run.monitors.preemption is not None:
@@ -334,6 +381,7 @@ class Recovery:
         if run.monitors.watchdog is not None:
             run.monitors.watchdog.prefix = f"{growth.key}/watchdog"
             run.monitors.watchdog.rejoin(rank, growth.world, job_store(), 0)
+        self._say_growable()
         return run.state.step
 
     # -- the steps -------------------------------------------------------------------
@@ -364,6 +412,7 @@ class Recovery:
         snaps.rejoin(new_rank, world)  # COLLECTIVE: the snapshot ring's new group
         if run.monitors.watchdog is not None:
             run.monitors.watchdog.rejoin(new_rank, world, job_store(), self.generation)
+        self._say_growable()  # this rank's new place, for a node that joins later
         return membership
 
     @property
@@ -485,13 +534,6 @@ def _rewrap(model: Any, strategy: Strategy, device: torch.device) -> Any:
     except (AttributeError, RuntimeError) as e:  # an older torch; the wrapper is dropped
         log.debug("the old DDP wrapper's hooks stay until it is collected: %s", e)
     return replicate(model.module, strategy.cfg, device)
-
-
-def _client(growth: Growth, timeout_s: float) -> Any:
-    """A client of the live ranks' store (rank 0 hosts it), for ``growth``'s keys."""
-    host, port = growth.store
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
 
 
 def _broadcast_bytes(data: bytes | None, device: torch.device) -> bytes:
