@@ -20,6 +20,13 @@ while the CPU seconds the run itself spends do much less, and a snapshot's extra
 
     python benchmarks/snapshot_cost.py                 # several minutes on 2 cores
     python benchmarks/snapshot_cost.py --every 10 --block 10 --steps 120
+    python benchmarks/snapshot_cost.py --nproc 2       # ddp: each rank also sends its
+                                                       # snapshot to its partner
+
+With ``--nproc 2`` the job runs as 2 ddp ranks (gloo, one node): each 'on' block's
+snapshot is copied and then sent to the partner rank over the snapshots' own gloo group,
+in the background, as on several nodes; the figures are rank 0's (its process's CPU
+includes its copy and its send).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from gpufleet.bench.machine import machine_summary
 from gpufleet.config import load_config
 from gpufleet.entry import train
 from gpufleet.fault.snapshot import SnapshotCallback
+from gpufleet.launch import launch
 
 
 def interleave(block: int, every: int, cpu_at: dict[int, float]) -> None:
@@ -53,6 +61,21 @@ def interleave(block: int, every: int, cpu_at: dict[int, float]) -> None:
     SnapshotCallback.on_step_end = on_step_end  # type: ignore[method-assign]
 
 
+def run(args: argparse.Namespace, out: str) -> tuple[dict[int, float], str]:
+    """Train the interleaved job (this process, or this rank of several); returns the
+    process's CPU seconds at each step's end and the run directory."""
+    cpu_at: dict[int, float] = {}
+    interleave(args.block, args.every, cpu_at)
+    cfg = load_config(overrides={
+        "run.out_dir": out, "run.name": "snapshots", "run.max_steps": args.steps,
+        "log.every": args.block, "fault.snapshot_every": args.every,
+        "log.progress": "off", "checkpoint.every": 0, "checkpoint.save_final": False,
+        "monitor.report": False, "run.eval_every": 0,
+        **({"parallel.strategy": "ddp"} if args.nproc > 1 else {})})
+    result = train(cfg)
+    return cpu_at, result.run_dir
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--every", type=int, default=10,
@@ -60,23 +83,22 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=10,
                         help="steps per block (a multiple of --every)")
     parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="ranks (ddp, one node): each snapshot is also sent to a partner")
     args = parser.parse_args()
     if args.block % args.every:
         parser.error(f"--block {args.block} is not a multiple of --every {args.every}")
     print(f"machine: {machine_summary()}")
-    print(f"torch {torch.__version__}; GPT default job, 1 process, {args.steps} steps in "
+    print(f"torch {torch.__version__}; GPT default job, {args.nproc} rank(s), {args.steps} "
+          "steps in "
           f"blocks of {args.block}, alternating off/on, a snapshot every {args.every} "
           "steps in the 'on' blocks")
-    cpu_at: dict[int, float] = {}
-    interleave(args.block, args.every, cpu_at)
     with tempfile.TemporaryDirectory() as out:
-        cfg = load_config(overrides={
-            "run.out_dir": out, "run.max_steps": args.steps, "log.every": args.block,
-            "fault.snapshot_every": args.every, "log.progress": "off",
-            "checkpoint.every": 0, "checkpoint.save_final": False,
-            "monitor.report": False, "run.eval_every": 0})
-        result = train(cfg)
-        lines = (Path(result.run_dir) / "metrics.jsonl").read_text().splitlines()
+        if args.nproc > 1:  # each rank interleaves alike; rank 0's figures
+            cpu_at, run_dir = launch(run, (args, out), nproc=args.nproc)[0]
+        else:
+            cpu_at, run_dir = run(args, out)
+        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     blocks = [r for r in map(json.loads, lines) if r.get("kind") == "train"]
     pairs = [(blocks[i]["step_time_s"], blocks[i + 1]["step_time_s"], blocks[i + 1])
              for i in range(2, len(blocks) - 1, 2)]  # (off, on) after the first pair
