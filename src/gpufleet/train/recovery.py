@@ -91,6 +91,7 @@ THREAD_WAIT_S = 10.0
 # ranks' word that they are ready), on a thread of its own.
 GROW_POLL_S = 0.1
 GROW_CONNECT_S = 10.0  # for the watching thread's client of the live ranks' store
+GROW_MEET_S = 60.0  # for the live ranks to meet the new ones in the new process group
 # What gloo, NCCL and the store say when a peer vanished (besides torch's DistError).
 _PEER_LOST = ("Connection closed", "Connection reset", "Broken pipe", "Connection refused",
               "ProcessGroup", "Gloo", "gloo", "NCCL", "peer")
@@ -364,9 +365,17 @@ class Recovery:
             torch.save({"state": run.checkpointer.rank_state(at),
                         "max_steps": run.max_steps}, buffer)
             data = buffer.getvalue()
+        # The live ranks come last, to new ranks that said they are ready: they wait for
+        # the group only GROW_MEET_S (a new rank that died since fails the join then,
+        # not after dist.timeout), and the group's collectives get dist.timeout after.
+        set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+        meet_s = self.timeout_s if rank >= growth.live or set_timeout is None else \
+            min(self.timeout_s, GROW_MEET_S)
         dist.init_process_group(
             self.backend, store=dist.PrefixStore(f"{growth.key}/pg", store), rank=rank,
-            world_size=growth.world, timeout=timedelta(seconds=self.timeout_s))
+            world_size=growth.world, timeout=timedelta(seconds=meet_s))
+        if meet_s != self.timeout_s:
+            set_timeout(timedelta(seconds=self.timeout_s))
         self._rebuild(rank, growth.world)
         sent = torch.load(io.BytesIO(_broadcast_bytes(data, run.device)), weights_only=True,
                           map_location="cpu")  # restored into the live tensors
