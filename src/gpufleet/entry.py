@@ -276,7 +276,9 @@ def run_rank(plan: RunPlan, job: Job | None = None, callbacks: Sequence[Callback
 
         os.environ.update(RANK=str(join.rank), WORLD_SIZE=str(join.growth.world),
                           GROUP_RANK=str(join.node))
-        settings, _ = live_run(join.growth, plan.cfg.dist.timeout)
+        settings, max_steps = live_run(join.growth, plan.cfg.dist.timeout)
+        # It ends where they end: their world sized the epochs.
+        settings["run"].update(max_steps=max_steps, max_epochs=0)
         plan = plan.with_config(config_from_dict(settings))
     env = DistEnv.detect()
     plan = plan.for_world(env)

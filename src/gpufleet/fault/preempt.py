@@ -87,8 +87,9 @@ class PreemptionWatch:
                         "caught, so a preempted run stops without a final checkpoint")
 
     def regroup(self) -> None:
-        """The ranks regrouped in process (:mod:`gpufleet.train.recovery`: after a lost
-        node, or with new ranks that joined, built without a group): the flags are
+        """The ranks regrouped in process (after a lost node, :mod:`gpufleet.train.
+        recovery`, or with new ranks that joined, built without a group,
+        :mod:`gpufleet.train.growing`): the flags are
         agreed over the new process group, through a gloo group of their own made again
         when it is not gloo (COLLECTIVE then)."""
         import torch.distributed as dist

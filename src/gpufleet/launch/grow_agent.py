@@ -14,6 +14,7 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+from gpufleet.files import atomic_write_text
 from gpufleet.launch.grow import (
     GROWABLE,
     GROWS_ENV,
@@ -73,10 +74,7 @@ class GrowingAgent(LocalElasticAgent):
             worker.id = running[worker.local_rank].id
             worker.global_rank = worker.role_rank = ranks[worker.local_rank]
             worker.world_size = worker.role_world_size = growth.world
-        order = self._ranks_dir / ORDER
-        partial = order.with_suffix(".partial")
-        partial.write_text(growth.dumps())
-        partial.replace(order)
+        atomic_write_text(self._ranks_dir / ORDER, growth.dumps())
         log.info("a node joins the %d live rank(s): %d rank(s) in all, without a restart",
                  growth.live, growth.world)
         worker_group.state = WorkerState.HEALTHY

@@ -30,7 +30,7 @@ from gpufleet.fault.snapshot import SnapshotCallback
 from gpufleet.fault.watchdog import Watchdog
 from gpufleet.job import import_object
 from gpufleet.launch import DistEnv, broadcast_object, is_initialized, job_store
-from gpufleet.launch.grow import joining, live_run
+from gpufleet.launch.grow import joining
 from gpufleet.launch.netif import node_address
 from gpufleet.launch.rankmain import restarts
 from gpufleet.monitor.advisor import Advisor, SyncProbe, run_facts
@@ -149,9 +149,7 @@ def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module]
     if env.is_main and len(models) == 1:  # a Transformers model: its class and config
         record_transformers_model(next(iter(models.values())), run_dir)
     data, eval_loader = _data(cfg, env, device, strategy, train_data, eval_data)
-    # A rank that joins ends where the live ranks end (their world sized the epochs).
-    max_steps = _max_steps(cfg, env, data) if join is None else \
-        live_run(join.growth, cfg.dist.timeout)[1]
+    max_steps = _max_steps(cfg, env, data)
     parts = [ModelPart(name, placed_model, opt,
                        # the [optim] schedule (constant for the "none" preset)
                        sched if sched is not None else build_scheduler(opt, cfg.optim,
@@ -434,21 +432,23 @@ def _recovery(run: Run, join: Any, backend: str) -> Any:
     if not (fault.recover_in_process and run.monitors.snapshots is not None
             and (is_initialized() or join is not None)):
         return None
+    from gpufleet.train.growing import Growing
     from gpufleet.train.recovery import Recovery, not_replicated
 
+    reason = not_replicated(run.strategy, run.data.sampler)
     if join is not None:
-        reason = not_replicated(run.strategy, run.data.sampler)
         if reason:  # the live ranks' agent offered; they cannot have built a Recovery
             raise ConfigError(f"rank {env.rank} cannot join the live ranks: {reason}")
-        return Recovery(run, None, backend, join)
-
-    reason = not_replicated(run.strategy, run.data.sampler)
-    if reason:
+        recovery = Recovery(run, None, backend)
+    elif reason:
         if env.is_main:
             log.info("a lost node is recovered by the elastic agent's restart from the "
                      "newest checkpoint, not in process: %s", reason)
         return None
-    return Recovery(run, job_store(), dist.get_backend())
+    else:
+        recovery = Recovery(run, job_store(), dist.get_backend())
+    recovery.growing = Growing(recovery, join)  # takes new ranks in, or joins live ones
+    return recovery
 
 
 def _snapshots(run: Run) -> Callback:

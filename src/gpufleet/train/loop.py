@@ -23,9 +23,9 @@ import torch
 from gpufleet.core.phases import Phase
 from gpufleet.fault.crash import crash_reported
 from gpufleet.train.checkpointer import Position
+from gpufleet.train.growing import Regroup
 from gpufleet.train.interval import LogInterval
 from gpufleet.train.keeping import monitored
-from gpufleet.train.recovery import Regroup
 from gpufleet.train.result import FitResult
 from gpufleet.train.run import Run
 
@@ -48,13 +48,14 @@ class Trainer:
         """Resume if there is a checkpoint, train to ``run.max_steps``, evaluate and save
         at the end; the same :class:`FitResult` on every rank."""
         run = self.run
+        growing = run.recovery.growing if run.recovery is not None else None
         try:
-            if run.recovery is not None and run.recovery.joining is not None:
+            if growing is not None and growing.joining is not None:
                 # A new rank joins live ones: its callbacks start alone (no group yet, so
                 # none of them meets the others), then it takes rank 0's state.
                 run.callbacks.on_fit_start(run.view)
                 self._started = True
-                run.recovery.join()  # COLLECTIVE, with the live ranks at their Regroup
+                growing.join()  # COLLECTIVE, with the live ranks at their Regroup
             else:
                 self._resume()  # COLLECTIVE with sharded checkpoints
             with crash_reported(run.view):
@@ -62,7 +63,7 @@ class Trainer:
                     try:
                         return self._train()
                     except Regroup:  # new ranks join after this step (the ranks agreed)
-                        run.recovery.grow()
+                        growing.grow()
                     except Exception as error:  # peers lost: go on without them, or raise
                         if run.recovery is None or not run.recovery.recover(error):
                             raise
@@ -291,7 +292,8 @@ class Trainer:
         # SIGTERM/SIGUSR1/SIGINT, or a stop request (early stopping, a callback), on any
         # rank stops every rank after this same step.
         watch, requested = run.monitors.preemption, bool(run.state.stop_reason)
-        grow = (run.recovery is not None and run.recovery.growth_ready is not None
+        growing = run.recovery.growing if run.recovery is not None else None
+        grow = (growing is not None and growing.ready is not None
                 and step < run.max_steps)  # at the end: nothing left to join for
         if watch is not None and watch.should_stop(step, requested, grow):
             if watch.stop_requested:

@@ -21,15 +21,7 @@ connection a dead peer's kernel closed), every rank left, in :meth:`Recovery.rec
    the new world: every sample read once). No file is read.
 
 **A node that joins** (started again, or a new one in an elastic node range) joins the
-live ranks the same way, when its agent and theirs are gpufleet's
-(:mod:`gpufleet.launch.grow`): each new rank builds its run without a process group and
-says so in rank 0's store; a thread of each live rank watches for its agent's order and
-for the new ranks to be ready, and the live ranks agree at their next preemption check
-(:class:`Regroup`) to stop after the same step. Then every rank, old and new, joins one
-new process group and rebuilds as in step 3; rank 0 sends its training state (model,
-optimizer, scheduler, scaler, data position; :meth:`Checkpointer.rank_state`) over it
-and every rank restores it. No rank restarts and none reads a file; the live ranks lose
-no step.
+live ranks the same way, rebuilding as in step 3 (:mod:`gpufleet.train.growing`).
 
 In any other case the rank raises the original error, ends, and the elastic agent
 restarts the ranks from the newest checkpoint (the agent-restart path, as without
@@ -44,16 +36,13 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import io
 import json
 import logging
 import os
 import socket
-import threading
 import time
 import traceback
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -65,20 +54,8 @@ from gpufleet.data.sampler import ResumableDistributedSampler
 from gpufleet.fault.liveness import Verdict
 from gpufleet.fault.snapshot_ring import Held, newest_replicated
 from gpufleet.launch import job_store
-from gpufleet.launch.grow import (
-    GROWABLE,
-    GROWS_ENV,
-    ORDER,
-    RANKS_DIR_ENV,
-    RUN_CONFIG,
-    RUN_MAX_STEPS,
-    Growth,
-    Joining,
-    store_client,
-)
 from gpufleet.parallel.base import Strategy
 from gpufleet.parallel.data_parallel import replicate
-from gpufleet.train.checkpointer import Position
 from gpufleet.train.seed import seed_everything
 
 log = logging.getLogger(__name__)
@@ -87,11 +64,6 @@ log = logging.getLogger(__name__)
 # leaves the process group; an exchange with a lost partner fails as soon as its
 # connection closes.
 THREAD_WAIT_S = 10.0
-# Seconds between a rank's looks for a node joining (its agent's order, then the new
-# ranks' word that they are ready), on a thread of its own.
-GROW_POLL_S = 0.1
-GROW_CONNECT_S = 10.0  # for the watching thread's client of the live ranks' store
-GROW_MEET_S = 60.0  # for the live ranks to meet the new ones in the new process group
 # What gloo, NCCL and the store say when a peer vanished (besides torch's DistError).
 _PEER_LOST = ("Connection closed", "Connection reset", "Broken pipe", "Connection refused",
               "ProcessGroup", "Gloo", "gloo", "NCCL", "peer")
@@ -99,11 +71,6 @@ _PEER_LOST = ("Connection closed", "Connection reset", "Broken pipe", "Connectio
 
 class RecoveryFailed(RuntimeError):
     """In-process recovery cannot go on; the agent-restart path takes over."""
-
-
-class Regroup(Exception):
-    """Raised by the loop at the step boundary where the ranks agreed to take new ranks
-    in (:meth:`Recovery.grow`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,8 +121,7 @@ class Recovery:
         backend: the process group's backend, for the new group.
     """
 
-    def __init__(self, run: Any, store: Any, backend: str,
-                 joining: Joining | None = None) -> None:
+    def __init__(self, run: Any, store: Any, backend: str) -> None:
         self.run, self.store, self.backend = run, store, backend
         # The job's store as the process group made it: on rank 0 it holds the store's
         # server, which must live as long as the process (later stores are clients).
@@ -166,26 +132,8 @@ class Recovery:
         self.timeout_s = float(run.cfg.dist.timeout)
         if run.monitors.watchdog is not None:  # a node cut off: heartbeats name it
             run.monitors.watchdog.on_peers_lost = self.peers_silent
-        #: this rank was started to join live ranks (it joins before its first step)
-        self.joining = joining
-        #: a growth whose new ranks are all ready (set by the watching thread)
-        self.growth_ready: Growth | None = None
-        self._grown: set[str] = set()  # growths this rank took part in
-        self._lock = threading.Lock()  # _grown and growth_ready, between the threads
-        self._stop = threading.Event()
-        ranks_dir = os.environ.get(RANKS_DIR_ENV)
-        # This node's agent keeps live ranks when a node joins, and the ranks agree on
-        # steps at preemption checks (where they agree to take new ones in).
-        grows = os.environ.get(GROWS_ENV) == "1" and run.monitors.preemption is not None
-        self._order = Path(ranks_dir) / ORDER if ranks_dir and grows else None
-        self._watch: threading.Thread | None = None
-        if self._order is not None and joining is None:
-            if run.env.is_main:  # what a new rank builds with: this run's settings
-                self._publish_run(store)
-            self._say_growable()
-            self._watch = threading.Thread(target=self._watch_for_growth, daemon=True,
-                                           name="gpufleet-grow-watch")
-            self._watch.start()
+        #: this rank's part when a node joins (a gpufleet.train.growing.Growing), or None
+        self.growing: Any = None
 
     def peers_silent(self, verdict: Verdict) -> bool:
         """The watchdog's heartbeats found ranks that stopped answering (a node cut off:
@@ -242,157 +190,6 @@ class Recovery:
                     extra={"recovered_step": membership.step, "world_size": len(membership.ranks)})
         return True
 
-    # -- a node joins -------------------------------------------------------------------
-    def close(self) -> None:
-        """Stop watching for nodes that join."""
-        self._stop.set()
-
-    def _say_growable(self) -> None:
-        """Tell this node's agent, in a file, that this rank can take new ranks in and
-        where it is now (its rank, the world size)."""
-        if self._order is None:
-            return
-        env = self.run.env
-        path = self._order.parent / f"{GROWABLE}-{env.local_rank}"
-        partial = path.with_suffix(".partial")
-        partial.write_text(json.dumps({"rank": env.rank, "world": env.world_size}))
-        partial.replace(path)
-
-    def _publish_run(self, store: Any) -> None:
-        """Rank 0: its resolved config and the step its run ends at, in its store's own
-        keys, for new ranks to build the same run (:func:`gpufleet.launch.grow.live_run`)."""
-        from gpufleet.config.loader import config_to_dict
-
-        raw = store
-        while isinstance(raw, dist.PrefixStore):  # the store's own keys, not the group's
-            raw = raw.underlying_store
-        raw.set(RUN_CONFIG, json.dumps(config_to_dict(self.run.cfg)))
-        raw.set(RUN_MAX_STEPS, str(self.run.max_steps))
-
-    def _watch_for_growth(self) -> None:
-        """The watching thread: wait for this node's agent's order, then for every new
-        rank to say it is ready, and raise :attr:`growth_ready` for the loop's next
-        preemption check (the live ranks agree there). Polls a file and, once a growth
-        is on, the store: nothing on the training thread."""
-        store = None
-        while not self._stop.wait(GROW_POLL_S):
-            growth = self._read_order()
-            if growth is None or growth.key in self._grown or self.growth_ready:
-                continue
-            try:
-                store = store if store is not None else store_client(growth.store,
-                                                                     GROW_CONNECT_S)
-                ready = store.check([f"{growth.key}/ready/{r}" for r in growth.new_ranks])
-            except Exception as e:  # the store went away: the recovery path says more
-                log.debug("watching for a node that joins: %s", e)
-                store = None
-                continue
-            with self._lock:  # not a growth the training thread finished meanwhile
-                if ready and growth.key not in self._grown:
-                    self.growth_ready = growth
-
-    def _read_order(self) -> Growth | None:
-        try:
-            return Growth.loads(self._order.read_text()) if self._order else None
-        except (OSError, ValueError, KeyError):  # none yet, or being replaced
-            return None
-
-    def grow(self) -> None:
-        """Take the new ranks in (a live rank, at the step boundary the ranks agreed on,
-        :class:`Regroup`): leave the process group, form the new one with them, and go
-        on from rank 0's state. Raises :class:`RecoveryFailed` when that fails (the rank
-        then ends and the agent restarts the ranks from the newest checkpoint)."""
-        start, run = time.perf_counter(), self.run
-        growth = self.growth_ready or self._wait_for_order()
-        old_world = run.env.world_size
-        if growth.live != old_world:  # planned before a loss regrouped these ranks
-            raise RecoveryFailed(f"the node joining was planned for {growth.live} live "
-                                 f"rank(s); {old_world} train now")
-        snaps = run.monitors.snapshots
-        if snaps is not None and not snaps.snapshotter.wait(THREAD_WAIT_S):
-            raise RecoveryFailed(f"the snapshot exchange still ran after {THREAD_WAIT_S:g} s")
-        run.checkpointer.wait()
-        _leave_groups(run.device)
-        step = self._together(growth, run.env.rank)
-        log.warning("rank %d: %d new rank(s) joined at step %d, world %d -> %d, in %.2f s; "
-                    "no restart, no checkpoint read", run.env.rank, growth.world - old_world,
-                    step, old_world, growth.world, time.perf_counter() - start,
-                    extra={"world_size": growth.world})
-
-    def join(self) -> None:
-        """This new rank joins the live ones (before its first step): say it is ready,
-        wait for them in the new process group, and take rank 0's state."""
-        start, joining = time.perf_counter(), self.joining
-        assert joining is not None
-        store = store_client(joining.growth.store, self.timeout_s)
-        store.set(f"{joining.growth.key}/ready/{joining.rank}", "1")
-        step = self._together(joining.growth, joining.rank, store)
-        self.joining = None
-        self._watch = threading.Thread(target=self._watch_for_growth, daemon=True,
-                                       name="gpufleet-grow-watch")
-        if self._order is not None:  # later nodes join through this node's agent too
-            self._watch.start()
-        log.warning("rank %d joined the %d live rank(s) at step %d in %.2f s (%d in all), "
-                    "from rank 0's state; no checkpoint read", joining.rank,
-                    joining.growth.live, step, time.perf_counter() - start,
-                    joining.growth.world)
-
-    def _wait_for_order(self) -> Growth:
-        deadline = time.monotonic() + THREAD_WAIT_S
-        while time.monotonic() < deadline:
-            growth = self._read_order()
-            if growth is not None and growth.key not in self._grown:
-                return growth
-            time.sleep(GROW_POLL_S)
-        raise RecoveryFailed("the ranks agreed that a node joins, but this node's agent "
-                             f"gave no order within {THREAD_WAIT_S:g} s")
-
-    def _together(self, growth: Growth, rank: int, store: Any = None) -> int:
-        """Every rank of ``growth``, old and new: one process group, the run rebuilt for
-        it, rank 0's state restored. Returns the step it resumes after. COLLECTIVE."""
-        run = self.run
-        store = store if store is not None else store_client(growth.store, self.timeout_s)
-        with self._lock:
-            self._grown.add(growth.key)
-            self.growth_ready = None
-        # Rank 0's whole state, as the live ranks' world left it (so that every rank
-        # splits the rest of the epoch anew and seeds itself for its new rank): what a
-        # checkpoint holds, read the same on every rank, rank 0 included.
-        data = None
-        if rank == 0:
-            buffer = io.BytesIO()
-            at = Position(run.state.step, run.data.epoch, run.data.consumed)
-            torch.save({"state": run.checkpointer.rank_state(at),
-                        "max_steps": run.max_steps}, buffer)
-            data = buffer.getvalue()
-        # The live ranks come last, to new ranks that said they are ready: they wait for
-        # the group only GROW_MEET_S (a new rank that died since fails the join then,
-        # not after dist.timeout), and the group's collectives get dist.timeout after.
-        set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-        meet_s = self.timeout_s if rank >= growth.live or set_timeout is None else \
-            min(self.timeout_s, GROW_MEET_S)
-        dist.init_process_group(
-            self.backend, store=dist.PrefixStore(f"{growth.key}/pg", store), rank=rank,
-            world_size=growth.world, timeout=timedelta(seconds=meet_s))
-        if meet_s != self.timeout_s:
-            set_timeout(timedelta(seconds=self.timeout_s))
-        self._rebuild(rank, growth.world)
-        sent = torch.load(io.BytesIO(_broadcast_bytes(data, run.device)), weights_only=True,
-                          map_location="cpu")  # restored into the live tensors
-        run.max_steps = sent["max_steps"]
-        self._restore(sent["state"], sent["state"]["step"], "rank 0's live state")
-        if run.monitors.preemption is not None:
-            run.monitors.preemption.regroup()  # COLLECTIVE where it has a group
-        if run.monitors.snapshots is not None:
-            run.monitors.snapshots.rejoin(rank, growth.world)  # COLLECTIVE
-        # Keys every rank shares from here on (old and new ranks started apart).
-        self.store, self.prefix, self.generation = store, f"{growth.key}/recover", 0
-        if run.monitors.watchdog is not None:
-            run.monitors.watchdog.prefix = f"{growth.key}/watchdog"
-            run.monitors.watchdog.rejoin(rank, growth.world, job_store(), 0)
-        self._say_growable()
-        return run.state.step
-
     # -- the steps -------------------------------------------------------------------
     def _regroup(self) -> Membership:
         run = self.run
@@ -402,7 +199,7 @@ class Recovery:
         if not snaps.snapshotter.wait(THREAD_WAIT_S):
             raise RecoveryFailed(f"the snapshot exchange still ran after {THREAD_WAIT_S:g} s")
         run.checkpointer.wait()  # a checkpoint written in the background ends first
-        _leave_groups(run.device)
+        leave_groups(run.device)
         membership = self._agree(None if own is None else own.step)
         if membership.step is None:
             raise RecoveryFailed("the ranks left hold no in-memory snapshot of one step")
@@ -413,15 +210,15 @@ class Recovery:
             self.backend, store=dist.PrefixStore(f"{self._keys}/pg", self.store),
             rank=new_rank, world_size=world, timeout=timedelta(seconds=self.timeout_s))
         self.generation += 1
-        self._rebuild(new_rank, world)
-        self._restore(own.state(), membership.step, f"the step-{membership.step} in-memory "
-                      "snapshot")
+        self.rebuild(new_rank, world)
+        self.restore(own.state(), f"the step-{membership.step} in-memory snapshot")
         if run.monitors.preemption is not None:
             run.monitors.preemption.regroup()  # COLLECTIVE where it has a group
         snaps.rejoin(new_rank, world)  # COLLECTIVE: the snapshot ring's new group
         if run.monitors.watchdog is not None:
             run.monitors.watchdog.rejoin(new_rank, world, job_store(), self.generation)
-        self._say_growable()  # this rank's new place, for a node that joins later
+        if self.growing is not None:  # this rank's new place, for a node that joins
+            self.growing.say_growable()
         return membership
 
     @property
@@ -457,7 +254,7 @@ class Recovery:
                                  "is not a lost node")
         return membership
 
-    def _rebuild(self, rank: int, world: int) -> None:
+    def rebuild(self, rank: int, world: int) -> None:
         """Everything that depends on the process group, for this rank's new place."""
         run = self.run
         env = dataclasses.replace(run.env, rank=rank, world_size=world)
@@ -478,9 +275,9 @@ class Recovery:
             if isinstance(sampler, ResumableDistributedSampler):
                 sampler.rank, sampler.world_size = shard, shards
 
-    def _restore(self, held: Any, step: int, source: str) -> None:
+    def restore(self, held: Any, source: str) -> None:
         """Put a state back (copied out of the snapshot's buffer, which the next snapshot
-        overwrites) and the data where it was."""
+        overwrites) and the data where it was; ``source`` names it in messages."""
         run = self.run
         for part in run.parts:  # the failed step's gradients
             part.optimizer.zero_grad()
@@ -518,7 +315,7 @@ def cut_connections(addresses: set[str]) -> int:
     return cut
 
 
-def _leave_groups(device: torch.device) -> None:
+def leave_groups(device: torch.device) -> None:
     """Leave every process group (NCCL's communicators aborted first: a communicator
     with a lost peer may never return otherwise)."""
     if not dist.is_initialized():
@@ -544,15 +341,3 @@ def _rewrap(model: Any, strategy: Strategy, device: torch.device) -> Any:
         log.debug("the old DDP wrapper's hooks stay until it is collected: %s", e)
     return replicate(model.module, strategy.cfg, device)
 
-
-def _broadcast_bytes(data: bytes | None, device: torch.device) -> bytes:
-    """Rank 0's ``data`` on every rank (COLLECTIVE: its length, then its bytes; on the
-    device the backend needs)."""
-    where = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64,
-                        device=where)
-    dist.broadcast(size, src=0)
-    buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(where)
-              if data is not None else torch.empty(int(size), dtype=torch.uint8, device=where))
-    dist.broadcast(buffer, src=0)
-    return data if data is not None else buffer.cpu().numpy().tobytes()

@@ -174,8 +174,8 @@ class Run:
         handlers; called once when training ends, however it ends."""
         mon = self.monitors
         self.checkpointer.wait()  # a checkpoint written in the background is complete
-        if self.recovery is not None:
-            self.recovery.close()
+        if self.recovery is not None and self.recovery.growing is not None:
+            self.recovery.growing.close()
         if mon.watchdog is not None:
             mon.watchdog.stop()
         if self.run_lock is not None:
