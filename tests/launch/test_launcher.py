@@ -24,7 +24,8 @@ from gpufleet.launch import (
     rank_zero_first,
     world_size,
 )
-from gpufleet.launch.launcher import ELASTIC_EXIT_BARRIER_S, _exit_barrier, _rendezvous_poll
+from gpufleet.launch.elastic_setup import agent_made_with, rendezvous_poll
+from gpufleet.launch.launcher import ELASTIC_EXIT_BARRIER_S
 
 HERE = Path(__file__).resolve().parent
 # The rank functions live in a module of their own, importable by name in spawned ranks
@@ -200,16 +201,16 @@ def test_unpicklable_function_is_refused_before_starting_ranks():
         launch(lambda: 1, nproc=2)
 
 
-def test_an_elastic_node_range_gets_a_short_exit_barrier(monkeypatch):
+def test_an_elastic_node_range_gets_a_shortagent_made_with(monkeypatch):
     """Survivors that went on without a lost node wait for its agent at the end: 30 s,
     not torch's 300 s; the agent class is torch's own again afterwards."""
     made = []
     monkeypatch.setattr(torch_launcher, "LocalElasticAgent",
                         lambda *a, **kw: made.append(kw) or "agent")
     fake = torch_launcher.LocalElasticAgent
-    with _exit_barrier(ELASTIC_EXIT_BARRIER_S):
+    with agent_made_with(ELASTIC_EXIT_BARRIER_S):
         assert torch_launcher.LocalElasticAgent(spec="s") == "agent"
-    with _exit_barrier(None):  # a fixed node count: torch's default
+    with agent_made_with(None):  # a fixed node count: torch's default
         torch_launcher.LocalElasticAgent(spec="s")
     assert made == [{"spec": "s", "exit_barrier_timeout": 30.0}, {"spec": "s"}]
     assert torch_launcher.LocalElasticAgent is fake
@@ -225,13 +226,13 @@ def test_the_rendezvous_polls_its_state_as_often_as_asked(monkeypatch):
     monkeypatch.setattr(dynamic_rendezvous.time, "sleep", slept.append)
     torch_delay = dynamic_rendezvous._delay
     torch_holder = dynamic_rendezvous._BackendRendezvousStateHolder
-    with _rendezvous_poll(0.1):
+    with rendezvous_poll(0.1):
         dynamic_rendezvous._delay(seconds=1)  # the poll while waiting for other nodes
         dynamic_rendezvous._delay(seconds=(0.2, 0.2))  # a round's first, random delay
         # The state is read again after 0.1 s, not served from a copy up to 1 s old.
         holder = dynamic_rendezvous._BackendRendezvousStateHolder(None, None)
         assert holder._cache_duration == 0.1
-    with _rendezvous_poll(1.0):  # torch's own
+    with rendezvous_poll(1.0):  # torch's own
         assert dynamic_rendezvous._delay is torch_delay
         assert dynamic_rendezvous._BackendRendezvousStateHolder is torch_holder
         dynamic_rendezvous._delay(seconds=1)

@@ -14,7 +14,6 @@ the agent (see :mod:`.rankmain`).
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import pickle
@@ -22,8 +21,7 @@ import shutil
 import socket
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +31,6 @@ from torch.distributed import DistError
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
-from torch.distributed.launcher import api as torch_launcher
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from gpufleet.errors import LaunchError, RunStopped, unknown_choice
@@ -43,6 +40,11 @@ from gpufleet.fault.preempt import (
     REQUEUE_EXIT,
     exit_status,
     signal_name,
+)
+from gpufleet.launch.elastic_setup import (
+    agent_made_with,
+    fresh_store_per_restart,
+    rendezvous_poll,
 )
 from gpufleet.launch.failures import describe_failures
 from gpufleet.launch.netif import multi_node_network
@@ -222,8 +224,8 @@ def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: Launc
         grow_in = ranks_dir if grow_in_process and ranging else None
         for tries_left in range(_REOPEN_TRIES, -1, -1):
             try:
-                with _fresh_store_per_restart(plan.rdzv_backend), _exit_barrier(barrier, grow_in), \
-                        _rendezvous_poll(timeouts.poll_s):
+                with fresh_store_per_restart(plan.rdzv_backend), \
+                        agent_made_with(barrier, grow_in), rendezvous_poll(timeouts.poll_s):
                     # A rank's exception lands in its error file (torch's @record around fn).
                     results = elastic_launch(launch_config(), entry)(*args)
                 break
@@ -315,92 +317,6 @@ def _payload(directory: Path, fn: Callable[..., Any], args: tuple) -> Path:
         raise LaunchError(f"the arguments of {fn.__qualname__} cannot be sent to the ranks "
                           f"({err}). Pass objects defined at module level of an importable "
                           "file, not lambdas, nested functions or open handles.") from err
-
-
-@contextmanager
-def _fresh_store_per_restart(rdzv_backend: str) -> Iterator[None]:
-    """Give the ranks of every restart a new TCPStore (unless the user chose otherwise).
-
-    With the c10d rendezvous, torch's agent shares one TCPStore with the ranks and keeps
-    it across restarts, so restarted ranks can read the previous attempt's keys (gloo then
-    connects to a dead rank's port: "Connection refused"). With
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (read by the agent, in this process) rank 0 of
-    each attempt hosts a new store on a port the agent picks.
-    """
-    name = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-    if rdzv_backend != "c10d" or name in os.environ:
-        yield
-        return
-    os.environ[name] = "1"
-    try:
-        yield
-    finally:
-        os.environ.pop(name, None)
-
-
-@contextmanager
-def _exit_barrier(seconds: float | None, grow_in: Path | None = None) -> Iterator[None]:
-    """Have torch's launcher make its agent with an exit barrier of ``seconds`` (None:
-    torch's default), and with ``grow_in`` (the ranks' payload folder) gpufleet's agent
-    that keeps its live ranks when a node joins (:class:`.grow_agent.GrowingAgent`).
-    ``LaunchConfig`` has no such fields: the agent class the launcher builds is given
-    them for the duration of the launch."""
-    if seconds is None and grow_in is None:
-        yield
-        return
-    agent_class = torch_launcher.LocalElasticAgent
-    if grow_in is not None:
-        from gpufleet.launch.grow_agent import GrowingAgent
-
-        agent_class = functools.partial(GrowingAgent, ranks_dir=grow_in)  # type: ignore
-    original = torch_launcher.LocalElasticAgent
-    barrier = {} if seconds is None else {"exit_barrier_timeout": seconds}
-
-    def agent(*args: Any, **kwargs: Any) -> Any:
-        return agent_class(*args, **barrier, **kwargs)
-
-    torch_launcher.LocalElasticAgent = agent  # type: ignore[assignment, misc]
-    try:
-        yield
-    finally:
-        torch_launcher.LocalElasticAgent = original  # type: ignore[misc]
-
-
-@contextmanager
-def _rendezvous_poll(seconds: float) -> Iterator[None]:
-    """Have torch's c10d rendezvous read its shared state every ``seconds`` while it waits
-    for other nodes, instead of every second.
-
-    torch hard-codes that second twice, with no setting for either: its rendezvous loop
-    sleeps a second between reads (``_delay(seconds=1)``), and its state holder serves a
-    copy of the state up to a second old instead of reading the store again
-    (``cache_duration=1``). A node started again to rejoin a running job waits out
-    several of them before the round that takes it in completes. Each read is one read
-    of the store by each waiting agent, so a shorter poll costs the store more reads,
-    only while agents wait. Nothing changes for ``seconds >= 1`` or a torch without
-    those names.
-    """
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
-
-    delay = getattr(rdzv, "_delay", None)
-    holder = getattr(rdzv, "_BackendRendezvousStateHolder", None)
-    if seconds >= 1.0 or delay is None or holder is None:
-        yield
-        return
-
-    def poll(seconds: Any) -> None:  # torch calls it as _delay(seconds=...)
-        delay(seconds=shorter if seconds == 1 else seconds)
-
-    class FresherState(holder):  # type: ignore[misc, valid-type]
-        def __init__(self, backend: Any, settings: Any, cache_duration: float = 1) -> None:
-            super().__init__(backend, settings, min(cache_duration, shorter))
-
-    shorter = seconds
-    rdzv._delay, rdzv._BackendRendezvousStateHolder = poll, FresherState
-    try:
-        yield
-    finally:
-        rdzv._delay, rdzv._BackendRendezvousStateHolder = delay, holder
 
 
 def _launch_spawn(fn: Callable[..., Any], args: tuple, nproc: int, addr: str,
