@@ -25,11 +25,11 @@ JOINED = re.compile(r"(\d+) new rank\(s\) joined at step (\d+), world (\d+) -> (
 
 
 def recovering_args(addr: str, run_dir: str, data: list[str], steps: int,
-                    extra: tuple[str, ...] = ()) -> list[str]:
-    """A 1:2-node elastic ddp job with a snapshot every step and no checkpoint before
-    the end: whatever the survivor goes on from can only be in memory."""
+                    extra: tuple[str, ...] = (), strategy: str = "ddp") -> list[str]:
+    """A 1:2-node elastic job with a snapshot every step and no checkpoint before the
+    end: whatever the survivor goes on from can only be in memory."""
     return [*TOY, *data, "--max-steps", str(steps), "--nproc", "1", "--batch-size", "16",
-            "--strategy", "ddp", "--fault.snapshot_every", "1", "--checkpoint.every", "0",
+            "--strategy", strategy, "--fault.snapshot_every", "1", "--checkpoint.every", "0",
             "--run-dir", run_dir, "--nnodes", "1:2", "--rdzv-endpoint", f"{addr}:29400",
             "--rdzv-id", "job", "--dist.rdzv_last_call_s", "2",
             "--dist.rdzv_keep_alive_s", "1", "--max-restarts", "3", *extra]
@@ -54,17 +54,24 @@ def kill_node_1_past(netbed, run: Path, nodes: list, step: int) -> int:
     return at
 
 
-def test_survivor_recovers_in_process_with_exact_data_and_no_disk_read(netbed, tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp",
+                                      pytest.param("hsdp", marks=pytest.mark.slow)])
+def test_survivor_recovers_in_process_with_exact_data_and_no_disk_read(netbed, tmp_path,
+                                                                      strategy):
+    """ddp: the survivor restores its own snapshot. fsdp: it held only its shards; it
+    joins them with the lost rank's, from the partner copy it holds, and shards the
+    whole state again over the new world. hsdp (one rank a node: whole replicas across
+    the nodes): its own copy is a whole shard set, sharded again over the new mesh."""
     run, out = tmp_path / "runs" / "rec", tmp_path / "reads"
     data = ["--data", "toyjob:make_data_read_log",
             f"--data.kwargs={{out = '{out}', delay = 0.004}}"]
-    args = recovering_args(netbed.addr(0), "runs/rec", data, steps=24)
+    args = recovering_args(netbed.addr(0), "runs/rec", data, steps=24, strategy=strategy)
     nodes = [start(netbed, 0, args, tmp_path)]
     time.sleep(0.5)  # node 0 hosts the store: let it listen first
     nodes.append(start(netbed, 1, args, tmp_path))
     at = kill_node_1_past(netbed, run, nodes, 3)
     # Trained to the end (the launcher then waits a while for the lost node's agent).
-    wait_for(lambda: "step-0000024.pt" in nodes[0].output(), 120, nodes[:1])
+    wait_for(lambda: "step-0000024" in nodes[0].output(), 120, nodes[:1])
     said = nodes[0].output()
     found = RECOVERED.search(said)
     assert found, said[-4000:]
@@ -184,20 +191,24 @@ def test_weights_after_a_node_joins_equal_its_step_checkpoint_resumed_on_both_no
 
 
 @pytest.mark.slow
-def test_weights_after_recovery_equal_a_run_resumed_at_the_new_world_size(netbed, tmp_path):
-    """ddp, killed at step S: the survivor ends with the weights, bit for bit, of the
-    uninterrupted 2-node run's step-S checkpoint resumed on one node to the same step."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_weights_after_recovery_equal_a_run_resumed_at_the_new_world_size(netbed, tmp_path,
+                                                                         strategy):
+    """Killed at step S: the survivor ends with the weights, bit for bit, of the
+    uninterrupted 2-node run's step-S checkpoint resumed on one node to the same step
+    (fsdp: a sharded checkpoint, resharded by torch's distributed checkpoint on load)."""
     data = ["--data", "toyjob:make_slow_data", "--data.kwargs={delay = 0.004}"]
     steps, addr = 12, netbed.addr(0)
     # The uninterrupted run, a checkpoint every step.
     straight = recovering_args(addr, "runs/u", data, steps,
-                               ("--checkpoint.every", "1", "--checkpoint.keep_last", "50"))
+                               ("--checkpoint.every", "1", "--checkpoint.keep_last", "50"),
+                               strategy)
     nodes = [start(netbed, 0, straight, tmp_path, tag="-u")]
     time.sleep(0.5)
     nodes.append(start(netbed, 1, straight, tmp_path, tag="-u"))
     wait(nodes, 180)
     # The same run, node 1 killed: node 0 goes on alone from its snapshot.
-    cut = recovering_args(addr, "runs/a", data, steps, ("--rdzv-id", "cut"))
+    cut = recovering_args(addr, "runs/a", data, steps, ("--rdzv-id", "cut"), strategy)
     nodes = [start(netbed, 0, cut, tmp_path, tag="-a")]
     time.sleep(0.5)
     nodes.append(start(netbed, 1, cut, tmp_path, tag="-a"))
@@ -211,9 +222,9 @@ def test_weights_after_recovery_equal_a_run_resumed_at_the_new_world_size(netbed
     shutil.copytree(tmp_path / "runs" / "u", resumed)
     for path in ckpt.list_checkpoints(resumed):
         if int(re.search(r"step-(\d+)", path.name).group(1)) > step:
-            path.unlink()
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
     again = recovering_args(addr, "runs/c", data, steps, ("--rdzv-id", "again",
-                                                          "--resume", "latest"))
+                                                          "--resume", "latest"), strategy)
     node = start(netbed, 0, again, tmp_path, tag="-c")
     wait([node], 180)
     assert f"at step {step}" in node.output()

@@ -34,25 +34,34 @@ def store():
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
-def recoveries(store, world: int, window_s: float = 0.3) -> list[Recovery]:
+def recoveries(store, world: int, window_s: float = 0.3,
+               dp_shard: int | None = None) -> list[Recovery]:
     """One Recovery per rank of ``world``, each with a client of its own to ``store``
-    (the run holds only what agreeing reads)."""
+    (the run holds only what agreeing reads); ``dp_shard``: the state is sharded over
+    that many ranks (fsdp: ``world``; hsdp: ranks per node), else replicated."""
     cfg = SimpleNamespace(fault=SimpleNamespace(recover_window_s=window_s),
                           dist=SimpleNamespace(timeout=20))
+    parts = [SimpleNamespace(source=object())] if dp_shard else []
+    strategy = SimpleNamespace(dims=SimpleNamespace(dp_shard=dp_shard or 1))
     return [Recovery(SimpleNamespace(env=DistEnv(rank=r, world_size=world), cfg=cfg,
-                                     monitors=SimpleNamespace(watchdog=None)),
+                                     monitors=SimpleNamespace(watchdog=None), parts=parts,
+                                     strategy=strategy),
                      dist.TCPStore("127.0.0.1", store.port, is_master=False), "gloo")
             for r in range(world)]
 
 
-def agree(ranks: list[Recovery], steps: dict[int, int | None]) -> dict[int, object]:
-    """Every rank in ``steps`` reports its snapshot step at once, from its own thread;
-    what each one was told (a Membership, or the RecoveryFailed it raised)."""
+def agree(ranks: list[Recovery], steps: dict[int, int | list[Held] | None]
+          ) -> dict[int, object]:
+    """Every rank in ``steps`` reports its own snapshot's step (or the copies it holds)
+    at once, from its own thread; what each one was told (a Membership, or the
+    RecoveryFailed it raised)."""
     told: dict[int, object] = {}
 
     def report(rank: int) -> None:
+        got = steps[rank]
+        held = got if isinstance(got, list) else [] if got is None else [Held(rank, rank, got)]
         try:
-            told[rank] = ranks[rank]._agree(steps[rank])
+            told[rank] = ranks[rank]._agree(held)
         except RecoveryFailed as e:
             told[rank] = e
     threads = [threading.Thread(target=report, args=(r,)) for r in steps]
@@ -66,12 +75,34 @@ def agree(ranks: list[Recovery], steps: dict[int, int | None]) -> dict[int, obje
 def test_the_ranks_that_report_go_on_and_a_second_loss_meets_in_new_keys(store):
     ranks = recoveries(store, 3)
     told = agree(ranks, {0: 6, 1: 6})  # rank 2's node is gone
-    assert told == {0: Membership((0, 1), 6), 1: Membership((0, 1), 6)}
+    own = {0: 0, 1: 1}  # each survivor restores its own copy
+    assert told == {0: Membership((0, 1), 6, own), 1: Membership((0, 1), 6, own)}
     # The next generation: the two left, now ranks 0 and 1 of 2, lose rank 1.
     again = recoveries(store, 2)
     for rank in again:
         rank.generation = 1
-    assert agree(again, {0: 9}) == {0: Membership((0,), 9)}
+    assert agree(again, {0: 9}) == {0: Membership((0,), 9, {0: 0})}
+
+
+def test_sharded_ranks_go_on_from_their_own_and_the_lost_ranks_partner_copies(store):
+    # fsdp over 4 ranks, 2 a node; node 1 (ranks 2, 3) lost: ranks 0 and 1 hold their
+    # own copies and, from the ring, rank 2's and rank 3's.
+    told = agree(recoveries(store, 4, dp_shard=4),
+                 {0: [Held(0, 0, 7), Held(0, 2, 7)], 1: [Held(1, 1, 7), Held(1, 3, 7)]})
+    assert told[0] == told[1] == Membership((0, 1), 7, {0: 0, 1: 1, 2: 0, 3: 1})
+
+
+def test_sharded_ranks_without_a_lost_ranks_copy_of_the_step_fall_back(store):
+    # Rank 2's copy on rank 0 is a step behind (the exchange was cut short).
+    told = agree(recoveries(store, 4, dp_shard=4),
+                 {0: [Held(0, 0, 7), Held(0, 2, 6)], 1: [Held(1, 1, 7), Held(1, 3, 7)]})
+    assert told[0] == told[1] == Membership((0, 1), None)
+
+
+def test_hsdp_ranks_need_only_one_copy_of_each_shard(store):
+    # hsdp, 2 nodes of 2 (shards 0 and 1 on each): node 1 lost, node 0 has both shards.
+    told = agree(recoveries(store, 4, dp_shard=2), {0: [Held(0, 0, 5)], 1: [Held(1, 1, 5)]})
+    assert told[0] == Membership((0, 1), 5, {0: 0, 1: 1})
 
 
 def test_snapshots_of_different_steps_give_no_step_to_go_on_from(store):
@@ -87,7 +118,9 @@ def test_every_rank_reporting_is_not_a_lost_node(store):
 
 def test_a_rank_reporting_after_the_decision_falls_back(store):
     ranks = recoveries(store, 3, window_s=0.1)
-    assert agree(ranks, {0: 3, 1: 3}) == {0: Membership((0, 1), 3), 1: Membership((0, 1), 3)}
+    own = {0: 0, 1: 1}
+    assert agree(ranks, {0: 3, 1: 3}) == {0: Membership((0, 1), 3, own),
+                                          1: Membership((0, 1), 3, own)}
     late = agree(ranks, {2: 3})[2]
     assert isinstance(late, RecoveryFailed) and "closed the membership [0, 1]" in str(late)
 
@@ -100,15 +133,17 @@ def test_newest_replicated_needs_every_survivors_own_copy_of_one_step():
     assert newest_replicated([Held(0, 0, 6), Held(1, 1, 5)], [0, 1]) is None
 
 
-@pytest.mark.parametrize("name, why", [
-    ("ddp", ""), ("fsdp", "shards the model and optimizer"),
-    ("hsdp", "shards the model and optimizer"), ("zero1", "shards the optimizer state"),
-    ("local_sgd", "keeps state of its own"), ("pipeline", "splits the model")])
-def test_only_whole_replicas_recover_in_process(name, why):
+@pytest.mark.parametrize("name, why, reshards", [
+    ("ddp", "", False), ("fsdp", "shards the model and optimizer", False),
+    ("hsdp", "shards the model and optimizer", False), ("fsdp", "", True), ("hsdp", "", True),
+    ("zero1", "shards the optimizer state", False),
+    ("local_sgd", "keeps state of its own", False), ("pipeline", "splits the model", True)])
+def test_whole_replicas_and_fsdp_shards_recover_in_process(name, why, reshards):
+    """``reshards``: the run kept what its models are built from again (fsdp, hsdp)."""
     cfg = Config()
     dims = plan_for(cfg.parallel, strategy_class(name).traits, 4, 2)
     strategy = build_strategy(name, cfg.parallel, torch.device("cpu"), None, dims)
-    reason = not_replicated(strategy, ResumableDistributedSampler(64, world_size=4))
+    reason = not_replicated(strategy, ResumableDistributedSampler(64, world_size=4), reshards)
     assert (reason == "") if not why else why in reason
 
 

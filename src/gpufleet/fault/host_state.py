@@ -32,6 +32,8 @@ import torch
 
 # A tensor's place in the skeleton: {MARK: index into the leaves}.
 MARK = "\x00snapshot-tensor"
+# A shard, in a state read with pieces=True: {PIECE: this owner's local tensor}.
+PIECE = "\x00shard-piece"
 _ALIGN = 64  # every tensor starts on a 64-byte boundary (any dtype's view is aligned)
 
 
@@ -222,11 +224,15 @@ class HostState:
         self.skeleton, self.leaves, self._next = skeleton, leaves, (step, owner)
         self.reserve(nbytes)
 
-    def state(self) -> Any:
+    def state(self, pieces: bool = False) -> Any:
         """The held state: its plain values, and its tensors as views of the buffer
         (clone them to keep them past the next snapshot). A DTensor comes back as this
-        owner's local shard (``leaves[i].sharded`` says which)."""
+        owner's local shard (``leaves[i].sharded`` says which); with ``pieces``, wrapped
+        as ``{PIECE: shard}`` (:mod:`gpufleet.train.reshard` joins them)."""
         if self.step is None:
             raise RuntimeError("no complete state is held (none taken yet, or the copy "
                                "in progress is not finished)")
-        return join_state(self.skeleton, [self.view(i) for i in range(len(self.leaves))])
+        views: list[Any] = [self.view(i) for i in range(len(self.leaves))]
+        if pieces:
+            views = [{PIECE: v} if leaf.sharded else v for v, leaf in zip(views, self.leaves)]
+        return join_state(self.skeleton, views)

@@ -216,3 +216,30 @@ def newest_replicated(held: Iterable[Held], survivors: Iterable[int]) -> Assembl
         return None
     (step,) = steps
     return Assembly(step, {rank: rank for rank in alive})  # type: ignore[arg-type]
+
+
+def newest_sharded(held: Iterable[Held], survivors: Iterable[int],
+                   positions: Sequence[int]) -> Assembly | None:
+    """:func:`newest_complete` for a sharded state (fsdp, hsdp): ``positions[r]`` is old
+    rank ``r``'s place along the shard dimension, and one copy per place makes the whole
+    state (hsdp's replicas of a place hold the same shards). The newest step of which
+    the survivors hold a complete copy for every place; ``sources`` maps one owner per
+    place (a survivor itself before a partner's copy) to the survivor holding it.
+
+    Example:
+        >>> newest_sharded([Held(0, 0, 6), Held(0, 1, 6)], survivors=[0], positions=[0, 1])
+        Assembly(step=6, sources={0: 0, 1: 0})
+    """
+    alive = set(survivors)
+    copies: dict[int, dict[int, int]] = {}  # step -> {owner: holder}
+    for h in sorted(held, key=lambda h: h.holder != h.owner):  # own copies first
+        if h.holder in alive:
+            copies.setdefault(h.step, {}).setdefault(h.owner, h.holder)
+    places = set(positions)
+    for step in sorted(copies, reverse=True):
+        chosen: dict[int, int] = {}  # place -> owner
+        for owner in sorted(copies[step], key=lambda r: (r not in alive, r)):
+            chosen.setdefault(positions[owner], owner)
+        if set(chosen) == places:
+            return Assembly(step, {owner: copies[step][owner] for owner in chosen.values()})
+    return None

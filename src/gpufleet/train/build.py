@@ -70,6 +70,7 @@ from gpufleet.train.recipe import (
     spec_from_optimizer,
     user_optimizer,
 )
+from gpufleet.train.reshard import reshardable, source_of
 from gpufleet.train.run import ModelPart, Monitors, Run, TrainState
 from gpufleet.train.rundir import plan_and_lock
 from gpufleet.train.seed import seed_everything, set_deterministic
@@ -130,7 +131,7 @@ def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module]
     device = _device(cfg, env)
     precision, strategy = _precision_and_strategy(cfg, plan.dims, device, join is not None)
     cfg, placed = _place_models(cfg, env, device, strategy, models, optimizer, scheduler)
-    model, optimizer, scheduler = next(iter(placed.values()))
+    model, optimizer, scheduler, _ = next(iter(placed.values()))
     metrics = _eval_metrics(cfg, eval_metrics)  # before the run directory: may fail
     for name in (cfg.early_stop.metric, cfg.checkpoint.keep_best and cfg.checkpoint.monitor):
         if name:
@@ -155,8 +156,8 @@ def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module]
                        sched if sched is not None else build_scheduler(opt, cfg.optim,
                                                                        max_steps),
                        precisions[name], guards[name],
-                       [p for p in placed_model.parameters() if p.requires_grad])
-             for name, (placed_model, opt, sched) in placed.items()]
+                       [p for p in placed_model.parameters() if p.requires_grad], source)
+             for name, (placed_model, opt, sched, source) in placed.items()]
     scheduler = parts[0].scheduler
     loss = make_loss_fn(loss_fn)
     evaluator = None if eval_loader is None else Evaluator(
@@ -222,14 +223,14 @@ def _precision_and_strategy(cfg: Config, dims: Any, device: torch.device,
 
 def _place_models(cfg: Config, env: DistEnv, device: torch.device, strategy: Any,
                   models: dict[str, nn.Module], optimizer: Any, scheduler: Any
-                  ) -> tuple[Config, dict[str, tuple[nn.Module, Any, Any]]]:
+                  ) -> tuple[Config, dict[str, tuple[nn.Module, Any, Any, Any]]]:
     """Each model placed by the strategy with its optimizer and scheduler (yours, by
     model name or a factory per model; else ``[optim]``'s); the config with the first
     model's filled-in settings and every model's recipe (``name: ... || name: ...``)."""
     optimizers = per_model(optimizer, list(models), "optimizer")
     schedulers = per_model(scheduler, list(models), "scheduler")
     several = len(models) > 1
-    placed: dict[str, tuple[nn.Module, Any, Any]] = {}
+    placed: dict[str, tuple[nn.Module, Any, Any, Any]] = {}
     recipes, first = [], None
     for name, module in models.items():
         named_cfg, *placed[name] = _model_and_optimizer(
@@ -264,10 +265,13 @@ def _eval_metrics(cfg: Config, extra: Mapping[str, Any] | None) -> list[EvalMetr
 
 def _model_and_optimizer(cfg: Config, env: DistEnv, device: torch.device, strategy: Any,
                          model: nn.Module, optimizer: Any = None, scheduler: Any = None,
-                         name: str = "") -> tuple[Config, nn.Module, Any, Any]:
-    """The model as the strategy places it, its optimizer (yours, or ``[optim]``'s) and
-    your scheduler if any; the config gains the settings its preset filled in and the
-    recipe line, so the run directory's config.toml records what was used."""
+                         name: str = "") -> tuple[Config, nn.Module, Any, Any, Any]:
+    """The model as the strategy places it, its optimizer (yours, or ``[optim]``'s),
+    your scheduler if any, and where the model's state is sharded and in-process
+    recovery is on, what it is built from again (a
+    :class:`~gpufleet.train.reshard.Source`); the config gains the settings its preset
+    filled in and the recipe line, so the run directory's config.toml records what was
+    used."""
     if optimizer is None and cfg.optim.factory:  # your factory, named in the config
         optimizer = import_object(cfg.optim.factory, "optim.factory")
     if scheduler is None and cfg.sched.factory:
@@ -286,6 +290,10 @@ def _model_and_optimizer(cfg: Config, env: DistEnv, device: torch.device, strate
     # Tensor parallel, layer options, compile, then sharding/replication and the
     # pipeline split, in that order (gpufleet.parallel.parallelize); your optimizer's
     # groups are found again by parameter name on what it placed.
+    fault = cfg.fault
+    source = source_of(model, spec) if (fault.recover_in_process and fault.snapshot_every
+                                        and env.world_size > 1 and reshardable(strategy)
+                                        ) else None
     model = parallelize(model, strategy, cfg, env.world_size)
     built = strategy.setup_optimizer(model, spec)
     scheduler = place_scheduler(scheduler, built)
@@ -296,7 +304,7 @@ def _model_and_optimizer(cfg: Config, env: DistEnv, device: torch.device, strate
         env.world_size))
     if env.is_main:
         log.info("recipe%s: %s", f" ({name})" if name else "", optim.recipe)
-    return dataclasses.replace(cfg, optim=optim), model, built, scheduler
+    return dataclasses.replace(cfg, optim=optim), model, built, scheduler, source
 
 
 def _run_dir(cfg: Config, env: DistEnv) -> tuple[Config, Path | None, runlock.RunLock | None]:
@@ -435,7 +443,8 @@ def _recovery(run: Run, join: Any, backend: str) -> Any:
     from gpufleet.train.growing import Growing
     from gpufleet.train.recovery import Recovery, not_replicated
 
-    reason = not_replicated(run.strategy, run.data.sampler)
+    reshards = all(part.source is not None for part in run.parts)
+    reason = not_replicated(run.strategy, run.data.sampler, reshards)
     if join is not None:
         if reason:  # the live ranks' agent offered; they cannot have built a Recovery
             raise ConfigError(f"rank {env.rank} cannot join the live ranks: {reason}")
@@ -447,7 +456,8 @@ def _recovery(run: Run, join: Any, backend: str) -> Any:
         return None
     else:
         recovery = Recovery(run, job_store(), dist.get_backend())
-    recovery.growing = Growing(recovery, join)  # takes new ranks in, or joins live ones
+    if not recovery.reshards:  # sharded ranks do not take new ones in: the agent restarts
+        recovery.growing = Growing(recovery, join)  # takes new ranks in, or joins live ones
     return recovery
 
 

@@ -79,6 +79,12 @@ class Checkpointer:
         self._in_flight: Path | None = None  # the one being written in the background
         self._background_errors: list[str] = []
 
+    def regroup(self) -> None:
+        """The process group was made again (in-process recovery): a sharded run's
+        background writes get a group over it (COLLECTIVE where they have one)."""
+        if self._group is not None:
+            self._group = _writers_group()
+
     def save(self, at: Position, last_good: str | None,
              score: float | None = None) -> tuple[Path | None, str | None]:
         """Write the state at ``at`` (COLLECTIVE: every rank calls it).

@@ -52,10 +52,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gpufleet.core.tree import map_tensors
 from gpufleet.data.sampler import ResumableDistributedSampler
 from gpufleet.fault.liveness import Verdict
-from gpufleet.fault.snapshot_ring import Held, newest_replicated
+from gpufleet.fault.snapshot_ring import Held, newest_replicated, newest_sharded
 from gpufleet.launch import job_store
 from gpufleet.parallel.base import Strategy
 from gpufleet.parallel.data_parallel import replicate
+from gpufleet.train.recipe import place_scheduler
+from gpufleet.train.reshard import assemble, shard_position, share_states
 from gpufleet.train.seed import seed_everything
 
 log = logging.getLogger(__name__)
@@ -76,21 +78,25 @@ class RecoveryFailed(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class Membership:
     """What rank 0 decided for one generation: the old ranks that go on (in their new
-    rank order) and the snapshot step they restore (None: no common snapshot)."""
+    rank order), the snapshot step they restore (None: no common snapshot) and, for
+    shards, which old rank's copies make the whole state and who holds each."""
 
     ranks: tuple[int, ...]
     step: int | None
+    sources: dict[int, int] = dataclasses.field(default_factory=dict)  # owner -> holder
 
 
-def not_replicated(strategy: Strategy, sampler: Any) -> str:
+def not_replicated(strategy: Strategy, sampler: Any, reshards: bool = False) -> str:
     """Why in-process recovery cannot serve this run ("" when it can): it needs every
     rank to hold the whole model and optimizer state (plain replicas, as ddp keeps
-    them) and the global data position of the resumable sampler."""
+    them), or FSDP2's shards that it can put together again (``reshards``: fsdp and
+    hsdp, each model with a :class:`~gpufleet.train.reshard.Source`), and the global
+    data position of the resumable sampler."""
     traits, dims, cls = strategy.traits, strategy.dims, type(strategy)
     what = f"parallel.strategy = {strategy.name!r}"
     if max(dims.tp, dims.pp) > 1 or traits.pipelined:
         return f"{what} splits the model over the ranks (tp {dims.tp}, pp {dims.pp})"
-    if traits.data_parallel != "replicate" or dims.dp_shard > 1:
+    if not reshards and (traits.data_parallel != "replicate" or dims.dp_shard > 1):
         return f"{what} shards the model and optimizer state over the ranks"
     if traits.consolidates_optimizer:
         return f"{what} shards the optimizer state over the ranks"
@@ -123,6 +129,10 @@ class Recovery:
 
     def __init__(self, run: Any, store: Any, backend: str) -> None:
         self.run, self.store, self.backend = run, store, backend
+        #: the state is FSDP2's shards: put together again from every shard position
+        #: (gpufleet.train.reshard), the models built again over the new mesh
+        self.reshards = bool(run.parts) and all(part.source is not None
+                                                for part in run.parts)
         # The job's store as the process group made it: on rank 0 it holds the store's
         # server, which must live as long as the process (later stores are clients).
         self._server = store
@@ -200,18 +210,27 @@ class Recovery:
             raise RecoveryFailed(f"the snapshot exchange still ran after {THREAD_WAIT_S:g} s")
         run.checkpointer.wait()  # a checkpoint written in the background ends first
         leave_groups(run.device)
-        membership = self._agree(None if own is None else own.step)
+        held = snaps.snapshotter.held() if self.reshards else \
+            ([] if own is None else [Held(run.env.rank, run.env.rank, own.step)])
+        membership = self._agree(held)
         if membership.step is None:
-            raise RecoveryFailed("the ranks left hold no in-memory snapshot of one step")
-        assert own is not None and own.step == membership.step
+            raise RecoveryFailed("the ranks left hold no in-memory snapshot of one step"
+                                 + (" for every shard" if self.reshards else ""))
         new_rank, world = membership.ranks.index(run.env.rank), len(membership.ranks)
         # COLLECTIVE from here on, over the new group, in the same order on every rank.
         dist.init_process_group(
             self.backend, store=dist.PrefixStore(f"{self._keys}/pg", self.store),
             rank=new_rank, world_size=world, timeout=timedelta(seconds=self.timeout_s))
         self.generation += 1
-        self.rebuild(new_rank, world)
-        self.restore(own.state(), f"the step-{membership.step} in-memory snapshot")
+        source = f"the step-{membership.step} in-memory snapshot"
+        if self.reshards:  # every shard position's state, joined; then the new shards
+            state = self._whole_state(membership, snaps.snapshotter)
+            self.rebuild(new_rank, world)
+            self.restore(state, source + "s of every shard")
+        else:
+            assert own is not None and own.step == membership.step
+            self.rebuild(new_rank, world)
+            self.restore(own.state(), source)
         if run.monitors.preemption is not None:
             run.monitors.preemption.regroup()  # COLLECTIVE where it has a group
         snaps.rejoin(new_rank, world)  # COLLECTIVE: the snapshot ring's new group
@@ -225,10 +244,12 @@ class Recovery:
     def _keys(self) -> str:
         return f"{self.prefix}/g{self.generation}"
 
-    def _agree(self, step: int | None) -> Membership:
-        """Report to the store; rank 0 decides who goes on from which step."""
+    def _agree(self, held: list[Held]) -> Membership:
+        """Report the complete snapshot copies this rank holds to the store; rank 0
+        decides who goes on from which step (and, for shards, whose copies make it)."""
         env, keys, store = self.run.env, self._keys, self.store
-        store.set(f"{keys}/member/{env.rank}", json.dumps({"step": step}))
+        store.set(f"{keys}/member/{env.rank}",
+                  json.dumps({"held": [[h.holder, h.owner, h.step] for h in held]}))
         store.add(f"{keys}/count", 1)
         if env.rank == 0:
             deadline = time.monotonic() + self.window_s
@@ -237,15 +258,20 @@ class Recovery:
                 time.sleep(0.01)
             present = [r for r in range(env.world_size)
                        if store.check([f"{keys}/member/{r}"])]
-            steps = {r: json.loads(store.get(f"{keys}/member/{r}"))["step"] for r in present}
-            held = [Held(r, r, s) for r, s in steps.items() if s is not None]
-            assembly = newest_replicated(held, present)
+            reported = [Held(*h) for r in present
+                        for h in json.loads(store.get(f"{keys}/member/{r}"))["held"]]
+            assembly = newest_sharded(
+                reported, present, [shard_position(r, self.run.strategy.dims)
+                                    for r in range(env.world_size)]) \
+                if self.reshards else newest_replicated(reported, present)
             store.set(f"{keys}/decision", json.dumps(
-                {"ranks": present, "step": None if assembly is None else assembly.step}))
+                {"ranks": present, "step": None if assembly is None else assembly.step,
+                 "sources": {} if assembly is None else assembly.sources}))
         else:
             store.wait([f"{keys}/decision"], timedelta(seconds=self.timeout_s))
         decision = json.loads(store.get(f"{keys}/decision"))
-        membership = Membership(tuple(decision["ranks"]), decision["step"])
+        membership = Membership(tuple(decision["ranks"]), decision["step"],
+                                {int(k): v for k, v in decision["sources"].items()})
         if env.rank not in membership.ranks:
             raise RecoveryFailed(f"rank {env.rank} reported after rank 0 closed the "
                                  f"membership {list(membership.ranks)}")
@@ -253,6 +279,22 @@ class Recovery:
             raise RecoveryFailed("every rank reported: no rank was lost, so the error "
                                  "is not a lost node")
         return membership
+
+    def _whole_state(self, membership: Membership, snapshotter: Any) -> Any:
+        """The whole training state at the agreed step, joined from the shard
+        positions' snapshot copies: each holder sends the copies it was named for
+        (its own, or the lost partner's). COLLECTIVE over the new group."""
+        ours = {copy.owner: copy for copy in (snapshotter.own, snapshotter.partner)
+                if copy.step == membership.step}
+        me = self.run.env.rank  # still the old rank here
+        held = {owner: ours[owner].state(pieces=True)
+                for owner, holder in membership.sources.items() if holder == me}
+        where = {owner: membership.ranks.index(holder)
+                 for owner, holder in membership.sources.items()}
+        states = share_states(held, where, self.run.device)
+        dims = self.run.strategy.dims  # the old mesh's, until rebuild()
+        return assemble([states[owner] for owner in
+                         sorted(states, key=lambda r: shard_position(r, dims))])
 
     def rebuild(self, rank: int, world: int) -> None:
         """Everything that depends on the process group, for this rank's new place."""
@@ -262,8 +304,17 @@ class Recovery:
         run.env = run.checkpointer.env = env
         run.strategy.regroup(world)
         for part in run.parts:  # COLLECTIVE: DDP checks and broadcasts the parameters
-            part.model = _rewrap(part.model, run.strategy, run.device)
-        run.model = run.checkpointer.model = run.parts[0].model
+            if self.reshards:  # a fresh module sharded over the new mesh, a new optimizer
+                part.model, part.optimizer = part.source.build(run.strategy, run.cfg, world)
+                part.scheduler = place_scheduler(part.scheduler, part.optimizer)
+                part.params = [p for p in part.model.parameters() if p.requires_grad]
+            else:
+                part.model = _rewrap(part.model, run.strategy, run.device)
+        first = run.parts[0]
+        run.model = run.checkpointer.model = first.model
+        run.optimizer = run.checkpointer.optimizer = first.optimizer
+        run.scheduler = run.checkpointer.scheduler = first.scheduler
+        run.checkpointer.regroup()  # COLLECTIVE where sharded writes have a group
         if run.evaluator is not None:
             run.evaluator.model = run.model
         if run.monitors.arrival is not None:

@@ -98,6 +98,9 @@ class ModelPart:
     precision: Precision
     guard: NonFiniteGuard | None
     params: list[nn.Parameter] = field(default_factory=list)
+    #: what the model is built from again after a lost node, where its state is
+    #: sharded (a gpufleet.train.reshard.Source; None elsewhere)
+    source: Any = None
 
 
 @dataclass(eq=False)
