@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import io
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,8 @@ from torch import nn
 from gpufleet.core.tree import map_tensors
 from gpufleet.fault.host_state import PIECE
 from gpufleet.parallel.base import OptimizerSpec, Strategy
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -71,7 +74,10 @@ def source_of(model: nn.Module, spec: OptimizerSpec) -> Source | None:
     copied (a module holding something ``copy.deepcopy`` refuses)."""
     try:
         return Source(meta_copy(model), spec)
-    except Exception:  # noqa: BLE001 (any refusal: recovery then restarts the ranks)
+    except Exception as e:  # any refusal: a lost node is then recovered by a restart
+        log.info("the model's structure cannot be copied (%s: %s): a lost node is "
+                 "recovered by the elastic agent's restart, not in process",
+                 type(e).__name__, e)
         return None
 
 
