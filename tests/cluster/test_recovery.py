@@ -107,17 +107,19 @@ def phases(got: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
     return out
 
 
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_a_node_started_again_joins_the_live_rank_with_exact_data_and_no_disk_read(
-        netbed, tmp_path):
+        netbed, tmp_path, strategy):
     """Node 1 killed: node 0 goes on alone in process. Node 1 started again joins it:
     node 0's rank keeps its process and loses no step, node 1's new rank takes rank 0's
     state over the new process group (no checkpoint is on disk to read before the end),
-    and the samples of the epoch are read once each across 2 -> 1 -> 2 ranks."""
+    and the samples of the epoch are read once each across 2 -> 1 -> 2 ranks. fsdp: the
+    live rank's shards, joined, are sharded again over both."""
     run, out, steps, n = tmp_path / "runs" / "grow", tmp_path / "reads", 100, 4096
     data = ["--data", "toyjob:make_data_read_log",
             f"--data.kwargs={{out = '{out}', delay = 0.01, n = {n}}}"]
     args = recovering_args(netbed.addr(0), "runs/grow", data, steps,
-                           ("--dist.rdzv_poll_s", "0.1"))
+                           ("--dist.rdzv_poll_s", "0.1"), strategy)
     nodes = [start(netbed, 0, args, tmp_path)]
     time.sleep(0.5)
     nodes.append(start(netbed, 1, args, tmp_path))
@@ -152,8 +154,9 @@ def test_a_node_started_again_joins_the_live_rank_with_exact_data_and_no_disk_re
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_weights_after_a_node_joins_equal_its_step_checkpoint_resumed_on_both_nodes(
-        netbed, tmp_path):
+        netbed, tmp_path, strategy):
     """2 -> 1 -> 2 ranks in process: the final weights equal, bit for bit, those of the
     same run's checkpoint of the step the node joined at, resumed on both nodes by the
     agents' restart (what the node's return did before)."""
@@ -161,7 +164,7 @@ def test_weights_after_a_node_joins_equal_its_step_checkpoint_resumed_on_both_no
     steps, addr = 80, netbed.addr(0)
     args = recovering_args(addr, "runs/g", data, steps, (
         "--checkpoint.every", "10", "--checkpoint.keep_last", "50",
-        "--dist.rdzv_poll_s", "0.1"))
+        "--dist.rdzv_poll_s", "0.1"), strategy)
     nodes = [start(netbed, 0, args, tmp_path, tag="-g")]
     time.sleep(0.5)
     nodes.append(start(netbed, 1, args, tmp_path, tag="-g"))
@@ -176,9 +179,9 @@ def test_weights_after_a_node_joins_equal_its_step_checkpoint_resumed_on_both_no
     shutil.copytree(tmp_path / "runs" / "g", resumed)
     for path in ckpt.list_checkpoints(resumed):
         if int(re.search(r"step-(\d+)", path.name).group(1)) > step:
-            path.unlink()
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
     again = recovering_args(addr, "runs/r", data, steps, (
-        "--rdzv-id", "again", "--resume", "latest", "--checkpoint.every", "10"))
+        "--rdzv-id", "again", "--resume", "latest", "--checkpoint.every", "10"), strategy)
     nodes = [start(netbed, 0, again, tmp_path, tag="-r")]
     time.sleep(0.5)
     nodes.append(start(netbed, 1, again, tmp_path, tag="-r"))

@@ -112,7 +112,9 @@ def distribute(model: nn.Module, strategy: Strategy) -> nn.Module:
     else:
         model = model.to(device)
     kind = data_parallel_kind(traits, dims, pipelined=stage is not None)
-    if kind == "shard":
+    if kind == "shard" and not dist.is_initialized():
+        pass  # a rank that joins live ones: sharded over their mesh when it does
+    elif kind == "shard":
         if stage is None and dims.tp == 1:  # with tp, step 1 broadcast before the split
             broadcast_weights(model)  # every rank starts from rank 0's weights, as in DDP
         blocks = shard(model, strategy.mesh, dims, cfg, device, strategy.compute_dtype)

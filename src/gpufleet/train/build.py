@@ -456,8 +456,7 @@ def _recovery(run: Run, join: Any, backend: str) -> Any:
         return None
     else:
         recovery = Recovery(run, job_store(), dist.get_backend())
-    if not recovery.reshards:  # sharded ranks do not take new ones in: the agent restarts
-        recovery.growing = Growing(recovery, join)  # takes new ranks in, or joins live ones
+    recovery.growing = Growing(recovery, join)  # takes new ranks in, or joins live ones
     return recovery
 
 

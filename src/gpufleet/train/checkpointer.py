@@ -82,7 +82,7 @@ class Checkpointer:
     def regroup(self) -> None:
         """The process group was made again (in-process recovery): a sharded run's
         background writes get a group over it (COLLECTIVE where they have one)."""
-        if self._group is not None:
+        if self.async_save and self.strategy.saves_on_every_rank:  # as at the start
             self._group = _writers_group()
 
     def save(self, at: Position, last_good: str | None,

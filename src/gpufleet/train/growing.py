@@ -43,6 +43,13 @@ from gpufleet.launch.grow import (
 )
 from gpufleet.train.checkpointer import Position
 from gpufleet.train.recovery import THREAD_WAIT_S, Recovery, RecoveryFailed, leave_groups
+from gpufleet.train.reshard import (
+    as_pieces,
+    assemble,
+    broadcast_bytes,
+    shard_position,
+    share_states,
+)
 
 log = logging.getLogger(__name__)
 
@@ -136,9 +143,10 @@ class Growing:
         if self._order is not None:  # later nodes join through this node's agent too
             self._start_watch()
         log.warning("rank %d joined the %d live rank(s) at step %d in %.2f s (%d in all), "
-                    "from rank 0's state; no checkpoint read", joining.rank,
+                    "from %s; no checkpoint read", joining.rank,
                     joining.growth.live, step, time.perf_counter() - start,
-                    joining.growth.world)
+                    joining.growth.world,
+                    "their shards" if self.recovery.reshards else "rank 0's state")
 
     # -- the watching thread ------------------------------------------------------------
     def _start_watch(self) -> None:
@@ -205,14 +213,12 @@ class Growing:
             self.ready = None
         # Rank 0's whole state, as the live ranks' world left it (so that every rank
         # splits the rest of the epoch anew and seeds itself for its new rank): what a
-        # checkpoint holds, read the same on every rank, rank 0 included.
-        data = None
-        if rank == 0:
-            buffer = io.BytesIO()
+        # checkpoint holds, read the same on every rank, rank 0 included. Sharded
+        # (fsdp, hsdp): each live rank's shards, joined into the whole state below.
+        mine = None
+        if rank < growth.live:
             at = Position(run.state.step, run.data.epoch, run.data.consumed)
-            torch.save({"state": run.checkpointer.rank_state(at),
-                        "max_steps": run.max_steps}, buffer)
-            data = buffer.getvalue()
+            mine = {"state": run.checkpointer.rank_state(at), "max_steps": run.max_steps}
         # The live ranks come last, to new ranks that said they are ready: they wait for
         # the group only GROW_MEET_S (a new rank that died since fails the join then,
         # not after dist.timeout), and the group's collectives get dist.timeout after.
@@ -224,9 +230,18 @@ class Growing:
             world_size=growth.world, timeout=timedelta(seconds=meet_s))
         if meet_s != self.timeout_s:
             set_timeout(timedelta(seconds=self.timeout_s))
-        recovery.rebuild(rank, growth.world)
-        sent = torch.load(io.BytesIO(_broadcast_bytes(data, run.device)), weights_only=True,
-                          map_location="cpu")  # restored into the live tensors
+        if recovery.reshards:
+            sent = self._live_shards(mine, rank, growth.live)
+            recovery.rebuild(rank, growth.world)
+        else:
+            data = None
+            if rank == 0:
+                buffer = io.BytesIO()
+                torch.save(mine, buffer)
+                data = buffer.getvalue()
+            recovery.rebuild(rank, growth.world)
+            sent = torch.load(io.BytesIO(broadcast_bytes(data, run.device)),
+                              weights_only=True, map_location="cpu")  # into the live tensors
         run.max_steps = sent["max_steps"]
         recovery.restore(sent["state"], "rank 0's live state")
         if run.monitors.preemption is not None:
@@ -242,15 +257,18 @@ class Growing:
         self.say_growable()
         return run.state.step
 
-
-def _broadcast_bytes(data: bytes | None, device: torch.device) -> bytes:
-    """Rank 0's ``data`` on every rank (COLLECTIVE: its length, then its bytes; on the
-    device the backend needs)."""
-    where = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64,
-                        device=where)
-    dist.broadcast(size, src=0)
-    buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(where)
-              if data is not None else torch.empty(int(size), dtype=torch.uint8, device=where))
-    dist.broadcast(buffer, src=0)
-    return data if data is not None else buffer.cpu().numpy().tobytes()
+    def _live_shards(self, mine: Any, rank: int, live: int) -> Any:
+        """The live ranks' whole state (and end step), joined from one live rank's
+        shards per shard position: rank 0 names them (only the live ranks know their
+        mesh), each named rank sends its own. COLLECTIVE over the new group."""
+        chosen = None
+        if rank == 0:
+            dims = self.run.strategy.dims  # the live ranks' mesh, until rebuild()
+            first: dict[int, int] = {}
+            for r in range(live):
+                first.setdefault(shard_position(r, dims), r)
+            chosen = json.dumps([first[p] for p in sorted(first)]).encode()
+        owners = json.loads(broadcast_bytes(chosen, self.run.device))
+        held = {rank: as_pieces(mine)} if rank in owners else {}
+        states = share_states(held, {owner: owner for owner in owners}, self.run.device)
+        return assemble([states[owner] for owner in owners])

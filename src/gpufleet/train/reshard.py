@@ -160,13 +160,15 @@ def broadcast_bytes(data: bytes | None, device: torch.device, src: int = 0) -> b
     return data if data is not None else buffer.cpu().numpy().tobytes()
 
 
-def tensors_of(state: Any) -> int:
-    """Bytes of the tensors in ``state`` (for the log)."""
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
+def as_pieces(state: Any) -> Any:
+    """A live state with each DTensor replaced by ``{PIECE: its local shard}`` (as
+    :meth:`HostState.state <gpufleet.fault.host_state.HostState.state>` gives a
+    snapshot's with ``pieces=True``)."""
+    if hasattr(state, "to_local"):
+        return {PIECE: state.to_local()}
     if isinstance(state, dict):
-        return sum(tensors_of(v) for v in state.values())
+        return {k: as_pieces(v) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
-        return sum(tensors_of(v) for v in state)
-    return 0
+        return type(state)(as_pieces(v) for v in state)
+    return state
 
