@@ -19,6 +19,7 @@ With ``--snapshot-every N`` every rank keeps an in-memory snapshot every N steps
 
     sudo python benchmarks/node_loss.py                 # about 2 minutes a repeat
     sudo python benchmarks/node_loss.py --snapshot-every 1   # recovery in process
+    sudo python benchmarks/node_loss.py --snapshot-every 1 --strategy fsdp   # shards too
     sudo python benchmarks/node_loss.py --lose-store    # node 0, the store's host, lost
 
 ``--lose-store`` kills node 0 instead, the node whose agent hosts the rendezvous store
@@ -79,7 +80,7 @@ def wait_until(test, timeout: float) -> list[dict]:
 def elastic_job(bed: NetBed, run_dir: Path, args: argparse.Namespace) -> list[str]:
     """The 1:2-node elastic command every node runs, the store on node 0."""
     return [*small_gpt_job(args.steps, n_embd=96, n_layer=2), "--log.every", "1",
-            "--strategy", "ddp", "--checkpoint.every", str(args.every), "--run-dir",
+            "--strategy", args.strategy, "--checkpoint.every", str(args.every), "--run-dir",
             str(run_dir), "--nproc", "1", "--nnodes", "1:2", "--rdzv-endpoint",
             f"{bed.addr(0)}:29400", "--rdzv-id", run_dir.name, "--max-restarts", "3",
             "--dist.rdzv_last_call_s", "2", "--dist.rdzv_keep_alive_s", "1",
@@ -239,6 +240,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--rejoin-after", type=float, default=25.0)
     parser.add_argument("--kill-at", type=int, default=22)
+    parser.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp", "hsdp"))
     parser.add_argument("--snapshot-every", type=int, default=0,
                         help="fault.snapshot_every: the survivor recovers in process from "
                              "its in-memory snapshot (0: off, the agent restarts it)")
@@ -259,8 +261,9 @@ def main() -> None:
     if reason:
         sys.exit(f"cannot run: {reason}")
     print(machine_summary())
-    print(f"elastic 1:2 nodes, 1 rank each, checkpoint every {args.every} steps, snapshot "
-          f"every {args.snapshot_every or '-'} steps, rendezvous heartbeat 1 s, last call "
+    print(f"elastic 1:2 nodes, 1 rank each, {args.strategy}, checkpoint every {args.every} "
+          f"steps, snapshot every {args.snapshot_every or '-'} steps, rendezvous heartbeat "
+          "1 s, last call "
           f"2 s, state read every {args.rdzv_poll:g} s; killed past step {args.kill_at}")
     if args.lose_store:
         where = "a third node (`gpufleet store`)" if args.store_host == "separate" else \

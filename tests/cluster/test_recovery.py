@@ -69,7 +69,7 @@ def test_survivor_recovers_in_process_with_exact_data_and_no_disk_read(netbed, t
     nodes = [start(netbed, 0, args, tmp_path)]
     time.sleep(0.5)  # node 0 hosts the store: let it listen first
     nodes.append(start(netbed, 1, args, tmp_path))
-    at = kill_node_1_past(netbed, run, nodes, 3)
+    kill_node_1_past(netbed, run, nodes, 3)
     # Trained to the end (the launcher then waits a while for the lost node's agent).
     wait_for(lambda: "step-0000024" in nodes[0].output(), 120, nodes[:1])
     said = nodes[0].output()
@@ -77,7 +77,11 @@ def test_survivor_recovers_in_process_with_exact_data_and_no_disk_read(netbed, t
     assert found, said[-4000:]
     step, world_from, world_to = map(int, found.groups())
     assert (world_from, world_to) == (2, 1)
-    assert at - 1 <= step <= at + 1  # at most the step under way is repeated
+    # At most one step the two ranks finished is trained again (the log's records of
+    # steps at world 2 end with the last step both finished; the metrics file can lag
+    # the kill, so the step seen when killing is not that step).
+    both = max(r["step"] for r in train_records(run) if len(r["rank_phases"]) == 2)
+    assert both - 1 <= step <= both
     assert "restarts the ranks from the newest checkpoint" not in said
     # One process on node 0 from start to end: no restart, and no file to resume from.
     per_process = reads(out)
