@@ -224,3 +224,46 @@ def test_a_sharded_write_that_fails_raises_oserror_and_leaves_the_old_ones(tmp_p
         _save_sharded(tmp_path, 2)
     assert ckpt.list_checkpoints(tmp_path) == [good]
     ckpt.verify_checkpoint(good)
+
+
+def _clip_on_one_rank() -> tuple[float, float, list[float], list[str]]:
+    """FSDP2 over a one-rank mesh (what a survivor alone, or an elastic run down to one
+    node, trains with): the norm measured and clipped, next to torch's on a plain copy."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gpufleet.launch import DistEnv, destroy_process_group, init_process_group
+    from gpufleet.parallel.dims import ParallelDims
+    from gpufleet.parallel.grad_norm import clip_whole_, grad_norm
+
+    init_process_group(DistEnv.detect(), "gloo", timeout_s=60)
+    try:
+        torch.manual_seed(0)
+        plain = nn.Linear(4, 3)
+        sharded_model = nn.Linear(4, 3)
+        sharded_model.load_state_dict(plain.state_dict())
+        fully_shard(sharded_model, mesh=init_device_mesh("cpu", (1,)))
+        x = torch.randn(8, 4)
+        for model in (plain, sharded_model):
+            (model(x) ** 2).sum().backward()
+        expected = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5))
+        params = list(sharded_model.parameters())
+        measured = grad_norm([p.grad for p in params], torch.device("cpu"), ParallelDims())
+        norm, each = clip_whole_(params, 0.5, torch.device("cpu"))
+        clipped = [float(a.to_local().sub(b).abs().max())
+                   for a, b in zip((p.grad for p in params), (p.grad for p in plain.parameters()))]
+        # Plain tensors, as the log interval's one host read (tolist) needs them.
+        kinds = [type(t).__name__ for t in (norm, measured, each.values)]
+        return float(norm) - expected, float(measured) - expected, clipped, kinds
+    finally:
+        destroy_process_group()
+
+
+def test_fsdp_on_one_rank_clips_its_dtensor_gradients_like_torch():
+    from gpufleet.launch import launch
+
+    norm_diff, measured_diff, clipped_diffs, kinds = launch(_clip_on_one_rank, nproc=1,
+                                                            launcher="spawn")[0]
+    assert norm_diff == 0.0 and measured_diff == 0.0
+    assert max(clipped_diffs) == 0.0
+    assert kinds == ["Tensor"] * 3

@@ -46,8 +46,8 @@ def grad_norm(grads: Iterable[torch.Tensor], device: torch.device,
     without gradients.
     """
     grads = list(grads)
-    if not spreads_gradients(dims):
-        return _whole_norm(grads, device)
+    if not spreads_gradients(dims):  # (DTensors of a one-rank mesh: their whole pieces)
+        return _whole_norm([_local_piece(g, None)[0] for g in grads], device)
     by_copies: dict[int, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
         local, copies = _local_piece(g, dims)
@@ -127,7 +127,9 @@ def clip_whole_(params: Sequence[torch.Tensor], max_norm: float,
     ``foreach=True`` on one device (so the same numbers, bit for bit). No collective,
     no host read.
     """
-    each, grads = each_norm(params, device)
+    # Local pieces: a one-rank mesh (fsdp or hsdp on one rank, or whole replicas per
+    # node) still holds DTensors, each piece the whole gradient.
+    each, grads = each_norm(params, device, local=True)
     if not grads:
         return torch.zeros((), device=device), each
     total = torch.linalg.vector_norm(each.values)
