@@ -20,15 +20,22 @@ connection a dead peer's kernel closed), every rank left, in :meth:`Recovery.rec
    scheduler, scaler, the global data position, which splits the rest of the epoch over
    the new world: every sample read once). No file is read.
 
+**Sharded state** (fsdp, hsdp): rank 0 also names, per position along the shard
+dimension, whose copy makes the whole state and who holds it (a survivor's own, or the
+partner copy of a lost rank); the holders send them over the new group, every rank
+joins them, builds its models again from their skeletons over the new mesh (with new
+optimizers) and loads the whole state (:mod:`gpufleet.train.reshard`).
+
 **A node that joins** (started again, or a new one in an elastic node range) joins the
 live ranks the same way, rebuilding as in step 3 (:mod:`gpufleet.train.growing`).
 
 In any other case the rank raises the original error, ends, and the elastic agent
 restarts the ranks from the newest checkpoint (the agent-restart path, as without
 snapshots); the log says which path was taken and why. That happens when the error is
-not a lost peer (every rank reported), when the strategy's state is not replicated
-(fsdp, hsdp, zero1, pipeline, tensor or local SGD: decided when the run is built), when
-no snapshot of one step is held by every rank left, when rank 0 (the store's host) is
+not a lost peer (every rank reported), when the strategy's state is split in ways not
+put together again (zero1, pipeline, tensor or local SGD: decided when the run is built),
+when no snapshot of one step is held by every rank left (sharded: for every shard
+position), when rank 0 (the store's host) is
 lost, or when a step of the recovery fails or times out.
 """
 

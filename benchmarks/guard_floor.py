@@ -1,0 +1,116 @@
+"""What the non-finite guard could cost at the least, beside what it costs, in one run.
+
+The MLP job of ``peers.py`` (256-256-10, batch 32, SGD, 1 torch thread) in loops that
+take turns a step at a time (``peers.Baton``): Lightning Fabric (no guard), gpufleet
+with its defaults, and gpufleet with the guard's per-step check swapped for cheaper
+ones that give up part of what it promises:
+
+* ``defaults``: each gradient's norm (one fused kernel), kept by reference for the log
+  interval so that a skipped step names its first bad parameter, then one fused
+  finiteness check of those norms and the loss; the flag goes to the fused optimizer.
+* ``one check, no culprit``: one fused finiteness check over the gradients themselves
+  and the loss (the least work that still reads every gradient); a skipped step could
+  not name its parameter.
+* ``loss only``: the check of the loss alone (does not see a non-finite gradient under
+  a finite loss: not a guard of the gradients at all).
+* ``no guard``: ``fault.skip_nonfinite = false``.
+
+Each swapped check is a stand-in for the cost only: it is patched into the guard of its
+own loop (by thread), with everything else of the guard (the interval's flags, the log
+read) as it is. Prints wall and CPU µs per step (median of 50-step blocks) and the ratio
+to Fabric's CPU time.
+
+    python benchmarks/guard_floor.py --steps 3000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import peers  # noqa: E402 (the peers' loops and their turn-taking)
+
+from gpufleet.bench.machine import machine_summary  # noqa: E402
+from gpufleet.train.nonfinite import NonFiniteGuard  # noqa: E402
+
+_REAL = NonFiniteGuard._flag_gradients
+
+
+def _one_check(self: NonFiniteGuard, step_loss: torch.Tensor, optimizer: Any) -> None:
+    grads = [g for p in self._params if (g := p.grad) is not None]
+    found = self._interval.next_flag(None, step_loss)
+    torch._amp_foreach_non_finite_check_and_unscale_([*grads, step_loss], found, self._one)
+    optimizer.found_inf = found
+
+
+def _loss_only(self: NonFiniteGuard, step_loss: torch.Tensor, optimizer: Any) -> None:
+    found = self._interval.next_flag(None, step_loss)
+    torch._amp_foreach_non_finite_check_and_unscale_([step_loss], found, self._one)
+    optimizer.found_inf = found
+
+
+CHECKS = {"gpufleet defaults": _REAL, "gpufleet one check, no culprit": _one_check,
+          "gpufleet loss only": _loss_only}
+
+
+def _by_thread(self: NonFiniteGuard, step_loss: torch.Tensor, optimizer: Any) -> None:
+    CHECKS[threading.current_thread().name](self, step_loss, optimizer)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--warmup", type=int, default=50)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    if not peers.installed("lightning.fabric"):
+        sys.exit("Lightning Fabric is not installed: pip install -e '.[bench]'")
+    NonFiniteGuard._flag_gradients = _by_thread  # every swapped loop pays the same lookup
+    job = peers.mlp_job(args.steps)
+    loops = {"Lightning Fabric": peers.fabric,
+             **{name: peers.gpufleet_loop({}) for name in CHECKS},
+             "gpufleet no guard": peers.gpufleet_loop({"fault.skip_nonfinite": False})}
+    print(machine_summary())
+    print(f"load average (1, 5, 15 min): {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    print(f"job: {job.name}; {args.steps} steps each, turns of one step, 1 torch thread")
+    names = list(loops)
+    baton = peers.Baton(names)
+
+    def worker(i: int) -> None:
+        baton.start(i)
+        try:
+            loops[names[i]](job, lambda: baton.step_done(i))
+        finally:
+            baton.finish(i)
+
+    threads = [threading.Thread(target=worker, args=(i,), name=n, daemon=True)
+               for i, n in enumerate(names)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    def blocks(xs: list[float]) -> float:
+        xs = xs[args.warmup:]
+        return statistics.median(statistics.fmean(xs[k:k + 50])
+                                 for k in range(0, len(xs) - 49, 50))
+
+    fabric_cpu = blocks(baton.cpu[0])
+    print(f"\n{'loop':<34}{'wall us/step':>13}{'cpu us/step':>13}{'cpu vs Fabric':>15}")
+    for i, name in enumerate(names):
+        c = blocks(baton.cpu[i])
+        print(f"{name:<34}{blocks(baton.wall[i]) * 1e6:>13.1f}{c * 1e6:>13.1f}"
+              f"{c / fabric_cpu:>15.3f}")
+    print(f"load average at the end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()
