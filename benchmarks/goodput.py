@@ -25,11 +25,10 @@ import argparse
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from node_loss import records
+from node_loss import records, workdir
 
 from gpufleet.bench.machine import machine_summary
 from gpufleet.bench.netbed import NetBed, netbed_available
@@ -63,15 +62,25 @@ def kept_samples(run_dir: Path, start: float, until: float) -> tuple[int, int, i
 
 def side_by_side(args: argparse.Namespace, extra: list[str], tmp: Path) -> dict[str, tuple]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    starts: dict[str, int] = {}
+
+    def output(name: str, node: int) -> dict:
+        """Where a node's launcher writes: nowhere, or with --keep a log per start."""
+        if not args.keep:
+            return {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+        key = f"{name}-node{node}"
+        starts[key] = starts.get(key, 0) + 1
+        log = open(tmp / f"{key}-{starts[key]}.log", "w")
+        return {"stdout": log, "stderr": subprocess.STDOUT}
+
     with NetBed(2) as clean_bed, NetBed(2) as faulted_bed:
         beds = {"clean": clean_bed, "faulted": faulted_bed}
         dirs = {name: tmp / name for name in beds}
         for name, bed in beds.items():
             command = job(bed, dirs[name], args, extra)
-            bed.popen(0, command, env=env, **quiet)
+            bed.popen(0, command, env=env, **output(name, 0))
             time.sleep(0.5)
-            bed.popen(1, command, env=env, **quiet)
+            bed.popen(1, command, env=env, **output(name, 1))
         start = time.time()
         end = start + 60 * args.minutes
         kills = 0
@@ -82,7 +91,7 @@ def side_by_side(args: argparse.Namespace, extra: list[str], tmp: Path) -> dict[
                 kills += 1
                 time.sleep(args.down_for)
                 faulted_bed.popen(1, job(faulted_bed, dirs["faulted"], args, extra),
-                                  env=env, **quiet)
+                                  env=env, **output("faulted", 1))
                 next_kill += args.kill_every
             time.sleep(0.5)
         until = time.time()
@@ -93,6 +102,8 @@ def side_by_side(args: argparse.Namespace, extra: list[str], tmp: Path) -> dict[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--keep", metavar="DIR", default="",
+                        help="keep the run directories and every launcher's log under DIR")
     parser.add_argument("--kill-every", type=float, default=120.0,
                         help="seconds between kills of node 1 on the faulted bed")
     parser.add_argument("--down-for", type=float, default=20.0,
@@ -111,7 +122,7 @@ def main() -> None:
           f"{args.kill_every:g} s, back {args.down_for:g} s later; extra options: "
           f"{' '.join(extra) or '-'}", flush=True)
     load_before = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as tmp:
+    with workdir(args.keep) as tmp:
         rows = side_by_side(args, extra, Path(tmp))
     print(f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
     print("| run | kills | wall s | steps kept | steps repeated | samples kept | "

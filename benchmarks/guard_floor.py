@@ -27,19 +27,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import threading
-from pathlib import Path
 from typing import Any
 
+import peers  # the peers' loops and their turn-taking (this script's folder)
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-import peers  # noqa: E402 (the peers' loops and their turn-taking)
-
-from gpufleet.bench.machine import machine_summary  # noqa: E402
-from gpufleet.train.nonfinite import NonFiniteGuard  # noqa: E402
+from gpufleet.bench.machine import machine_summary
+from gpufleet.train.nonfinite import NonFiniteGuard
 
 _REAL = NonFiniteGuard._flag_gradients
 
@@ -82,26 +78,10 @@ def main() -> None:
     print(f"load average (1, 5, 15 min): {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     print(f"job: {job.name}; {args.steps} steps each, turns of one step, 1 torch thread")
     names = list(loops)
-    baton = peers.Baton(names)
-
-    def worker(i: int) -> None:
-        baton.start(i)
-        try:
-            loops[names[i]](job, lambda: baton.step_done(i))
-        finally:
-            baton.finish(i)
-
-    threads = [threading.Thread(target=worker, args=(i,), name=n, daemon=True)
-               for i, n in enumerate(names)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    baton = peers.run_in_turns(job, loops)  # each loop's thread is named after it
 
     def blocks(xs: list[float]) -> float:
-        xs = xs[args.warmup:]
-        return statistics.median(statistics.fmean(xs[k:k + 50])
-                                 for k in range(0, len(xs) - 49, 50))
+        return peers.block_median(xs, args.warmup)
 
     fabric_cpu = blocks(baton.cpu[0])
     print(f"\n{'loop':<34}{'wall us/step':>13}{'cpu us/step':>13}{'cpu vs Fabric':>15}")

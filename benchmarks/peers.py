@@ -287,6 +287,36 @@ def fleet_loop(extra: dict[str, Any]) -> Callable[[Job, Callable[[], None]], Non
     return run
 
 
+def run_in_turns(job: Job, loops: dict[str, Any]) -> Baton:
+    """Run every loop of ``loops`` on ``job``, each in a thread named after it, a step at
+    a time in turn; the :class:`Baton` holds their timings."""
+    names = list(loops)
+    baton = Baton(names)
+
+    def worker(i: int) -> None:
+        baton.start(i)
+        try:
+            loops[names[i]](job, lambda: baton.step_done(i))
+        finally:
+            baton.finish(i)
+
+    threads = [threading.Thread(target=worker, args=(i,), name=n, daemon=True)
+               for i, n in enumerate(names)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return baton
+
+
+def block_median(xs: list[float], warmup: int) -> float:
+    """The median over blocks of :data:`BLOCK` steps of the block's mean, after the first
+    ``warmup`` steps."""
+    xs = xs[warmup:]
+    means = [statistics.fmean(xs[k:k + BLOCK]) for k in range(0, len(xs) - BLOCK + 1, BLOCK)]
+    return statistics.median(means) if means else float("nan")
+
+
 def installed(module: str) -> bool:
     try:
         importlib.import_module(module)
@@ -352,27 +382,10 @@ def main() -> None:
     if missing:
         print("not installed, left out: " + ", ".join(missing) + " (pip install -e '.[bench]')")
     names = list(loops)
-    baton = Baton(names)
-
-    def worker(i: int, fn: Any) -> None:
-        baton.start(i)
-        try:
-            fn(job, lambda: baton.step_done(i))
-        finally:
-            baton.finish(i)
-
-    threads = [threading.Thread(target=worker, args=(i, loops[n]), daemon=True)
-               for i, n in enumerate(names)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    baton = run_in_turns(job, loops)
 
     def blocks(xs: list[float]) -> float:
-        xs = xs[args.warmup:]
-        means = [statistics.fmean(xs[k:k + BLOCK]) for k in range(0, len(xs) - BLOCK + 1,
-                                                                   BLOCK)]
-        return statistics.median(means) if means else float("nan")
+        return block_median(xs, args.warmup)
 
     hw, hc = blocks(baton.wall[0]), blocks(baton.cpu[0])
     print(f"\n{'loop':<26}{'wall us/step':>13}{'vs hand':>9}{'+us':>8}{'cpu us/step':>13}"

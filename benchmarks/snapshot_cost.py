@@ -20,12 +20,13 @@ while the CPU seconds the run itself spends do much less, and a snapshot's extra
 
     python benchmarks/snapshot_cost.py                 # several minutes on 2 cores
     python benchmarks/snapshot_cost.py --every 10 --block 10 --steps 120
-    python benchmarks/snapshot_cost.py --nproc 2       # ddp: each rank also sends its
-                                                       # snapshot to its partner
+    python benchmarks/snapshot_cost.py --nproc 2 --strategy fsdp   # each rank also
+                                                       # sends its shards to its partner
 
-With ``--nproc 2`` the job runs as 2 ddp ranks (gloo, one node): each 'on' block's
-snapshot is copied and then sent to the partner rank over the snapshots' own gloo group,
-in the background, as on several nodes; the figures are rank 0's (its process's CPU
+With ``--nproc 2`` the job runs as 2 ranks (gloo, one node) of ``--strategy``: under
+fsdp each 'on' block's snapshot is copied and then sent to the partner rank over the
+snapshots' own gloo group, in the background, as on several nodes; ddp ranks keep their
+whole copy to themselves (nothing is sent). The figures are rank 0's (its process's CPU
 includes its copy and its send).
 """
 
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace, out: str) -> tuple[dict[int, float], str]:
         "log.every": args.block, "fault.snapshot_every": args.every,
         "log.progress": "off", "checkpoint.every": 0, "checkpoint.save_final": False,
         "monitor.report": False, "run.eval_every": 0,
-        **({"parallel.strategy": "ddp"} if args.nproc > 1 else {})})
+        **({"parallel.strategy": args.strategy} if args.nproc > 1 else {})})
     result = train(cfg)
     return cpu_at, result.run_dir
 
@@ -83,13 +84,16 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=10,
                         help="steps per block (a multiple of --every)")
     parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--nproc", type=int, default=1,
-                        help="ranks (ddp, one node): each snapshot is also sent to a partner")
+    parser.add_argument("--nproc", type=int, default=1, help="ranks (one node)")
+    parser.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp"),
+                        help="with --nproc > 1 (fsdp: each snapshot is also sent to a "
+                             "partner)")
     args = parser.parse_args()
     if args.block % args.every:
         parser.error(f"--block {args.block} is not a multiple of --every {args.every}")
     print(f"machine: {machine_summary()}")
-    print(f"torch {torch.__version__}; GPT default job, {args.nproc} rank(s), {args.steps} "
+    print(f"torch {torch.__version__}; GPT default job, {args.nproc} rank(s)"
+          f"{f' ({args.strategy})' if args.nproc > 1 else ''}, {args.steps} "
           "steps in "
           f"blocks of {args.block}, alternating off/on, a snapshot every {args.every} "
           "steps in the 'on' blocks")

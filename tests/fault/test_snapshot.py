@@ -199,7 +199,8 @@ def _two_rank_run(out_dir: str, strategy: str = "auto") -> bytes:
     snap.capture = recording_capture
     Trainer(run).fit()
     held = snap.snapshotter
-    result = {"captured": captured, "partner": map_tensors(held.partner.state(), torch.clone),
+    partner = held.partner.state() if held.partner.step is not None else None
+    result = {"captured": captured, "partner": map_tensors(partner, torch.clone),
             "partner_of": (held.partner.owner, held.partner.step),
             "own": (held.own.owner, held.own.step), "own_bytes": held.own.nbytes,
             "partner_bytes": held.partner.nbytes, "host_bytes": held.host_bytes,
@@ -212,16 +213,19 @@ def _two_rank_run(out_dir: str, strategy: str = "auto") -> bytes:
     return out.getvalue()
 
 
-# fsdp: slow (another 2-rank start); the default run proves the promise under ddp.
-@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
-def test_two_ranks_hold_each_others_snapshot_as_it_was_at_the_step(tmp_path, monkeypatch,
-                                                                   strategy):
+def _ranks(tmp_path, monkeypatch, strategy: str) -> dict[int, dict]:
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [tests, os.environ.get("PYTHONPATH", "")]))
-    ranks = {rank: torch.load(io.BytesIO(data), weights_only=True) for rank, data in
-             launch(_two_rank_run, (str(tmp_path / "runs"), strategy), nproc=2,
-                    launcher="spawn").items()}
+    return {rank: torch.load(io.BytesIO(data), weights_only=True) for rank, data in
+            launch(_two_rank_run, (str(tmp_path / "runs"), strategy), nproc=2,
+                   launcher="spawn").items()}
+
+
+def test_two_fsdp_ranks_hold_each_others_snapshot_as_it_was_at_the_step(tmp_path,
+                                                                        monkeypatch):
+    strategy = "fsdp"  # shards: a lost rank's state is only in its partner's copy
+    ranks = _ranks(tmp_path, monkeypatch, strategy)
     last = STEPS - STEPS % EVERY  # step 6
     for rank, other in ((0, 1), (1, 0)):
         mine, theirs = ranks[rank], ranks[other]
@@ -235,13 +239,26 @@ def test_two_ranks_hold_each_others_snapshot_as_it_was_at_the_step(tmp_path, mon
         assert _same(mine["partner"]["rng"]["torch"], expected["rng"]["torch"])
         # Training went on after the snapshot: the weights moved on at step 7.
         assert not torch.equal(expected["model"]["0.weight"], theirs["final_w"])
-        if strategy == "fsdp":  # each rank holds its shard: half the rows of a weight
-            assert expected["model"]["0.weight"].shape == (8, 8)
+        # Each rank holds its shard: half the rows of a weight.
+        assert expected["model"]["0.weight"].shape == (8, 8)
         # Bounded: its own copy plus one partner's, each buffer allocated once.
         assert mine["host_bytes"] == mine["own_bytes"] + mine["partner_bytes"]
         assert mine["partner_bytes"] == theirs["own_bytes"] > 0
         assert mine["allocations"] == (1, 1)
         assert set(mine["held"]) == {(rank, last), (other, last)}
+
+
+def test_ddp_ranks_keep_their_whole_snapshot_to_themselves(tmp_path, monkeypatch):
+    """Every ddp rank holds the whole state, and a survivor restores its own copy: a
+    partner's copy would be host memory and network for nothing, so none is sent."""
+    ranks = _ranks(tmp_path, monkeypatch, "ddp")
+    last = STEPS - STEPS % EVERY
+    for rank in (0, 1):
+        mine = ranks[rank]
+        assert sorted(mine["captured"]) == [EVERY, last]
+        assert mine["own"] == (rank, last) and mine["held"] == [(rank, last)]
+        assert mine["partner_bytes"] == 0 and mine["host_bytes"] == mine["own_bytes"] > 0
+        assert mine["allocations"] == (1, 0)
 
 
 def test_snapshots_are_off_by_default_and_a_negative_interval_is_refused():

@@ -217,6 +217,9 @@ class SnapshotCallback(Callback):
     Args:
         every: steps between snapshots.
         capture: gives this rank's state and the storages only the optimizer changes.
+        send: send each snapshot to a partner rank (False where every rank holds the
+            whole state, ddp: a survivor restores its own copy, and a partner's copy
+            would be host memory and network for nothing).
         rank / world_size / node_rank / local_rank: this rank's place.
         device: where the state lives.
         timeout_s: how long a send or receive may wait for a partner.
@@ -232,8 +235,8 @@ class SnapshotCallback(Callback):
 
     def __init__(self, every: int, capture: Capture, *, rank: int, world_size: int,
                  node_rank: int, local_rank: int, device: torch.device,
-                 timeout_s: float) -> None:
-        self.every, self.capture = every, capture
+                 timeout_s: float, send: bool = True) -> None:
+        self.every, self.capture, self.send = every, capture, send
         self.world_size, self.node_rank, self.local_rank = world_size, node_rank, local_rank
         self.timeout_s = timeout_s
         self.snapshotter = Snapshotter(rank, device)
@@ -241,7 +244,7 @@ class SnapshotCallback(Callback):
     def on_fit_start(self, trainer: Any) -> None:
         import torch.distributed as dist
 
-        if self.world_size > 1 and dist.is_initialized():  # COLLECTIVE: the gloo group
+        if self.send and self.world_size > 1 and dist.is_initialized():  # COLLECTIVE
             self.snapshotter.exchange = RingExchange.start(self.node_rank, self.local_rank,
                                                            self.timeout_s)
 
@@ -270,7 +273,7 @@ class SnapshotCallback(Callback):
 
         self.world_size, self.snapshotter.rank = world_size, rank
         self.snapshotter.exchange = None
-        if world_size > 1 and dist.is_initialized():
+        if self.send and world_size > 1 and dist.is_initialized():
             self.snapshotter.exchange = RingExchange.start(self.node_rank, self.local_rank,
                                                            self.timeout_s)
 

@@ -291,9 +291,9 @@ def _model_and_optimizer(cfg: Config, env: DistEnv, device: torch.device, strate
     # pipeline split, in that order (gpufleet.parallel.parallelize); your optimizer's
     # groups are found again by parameter name on what it placed.
     fault = cfg.fault
+    # (also at one rank: an elastic run down to one node takes a returning one in)
     source = source_of(model, spec) if (fault.recover_in_process and fault.snapshot_every
-                                        and env.world_size > 1 and reshardable(strategy)
-                                        ) else None
+                                        and reshardable(strategy)) else None
     model = parallelize(model, strategy, cfg, env.world_size)
     built = strategy.setup_optimizer(model, spec)
     scheduler = place_scheduler(scheduler, built)
@@ -467,8 +467,10 @@ def _snapshots(run: Run) -> Callback:
         at = Position(run.state.step, run.data.epoch, run.data.consumed)
         return run.checkpointer.rank_state(at), run.checkpointer.optimizer_storages()
 
-    env = run.env
+    env, dims, traits = run.env, run.strategy.dims, run.strategy.traits
+    whole = (traits.data_parallel == "replicate" and dims.world_size == dims.dp_replicate
+             and not traits.consolidates_optimizer)  # ddp: each rank its own whole copy
     return SnapshotCallback(run.cfg.fault.snapshot_every, capture, rank=env.rank,
                             world_size=env.world_size, node_rank=env.node_rank,
                             local_rank=env.local_rank, device=run.device,
-                            timeout_s=run.cfg.dist.timeout)
+                            timeout_s=run.cfg.dist.timeout, send=not whole)
