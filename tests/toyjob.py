@@ -394,10 +394,13 @@ def make_model_slow_stage(rank: int = 1, delay: float = 0.003) -> nn.Module:
 class _ReadLog(Dataset):
     """Appends ``<index> <world size>`` for every item read to ``<out>/<pid>.txt`` (the
     world size as this process sees it when it reads: WORLD_SIZE, which an in-process
-    recovery updates), each read taking ``delay`` seconds."""
+    recovery updates), each read taking ``delay`` seconds. ``die_at``: rank 1 kills its
+    launcher (the node's elastic agent) and itself with no cleanup when it is about to
+    read its ``die_at``-th item: the loss of its node at a chosen point of the run."""
 
-    def __init__(self, inner: Dataset, out: str, delay: float) -> None:
-        self.inner, self.out, self.delay = inner, out, delay
+    def __init__(self, inner: Dataset, out: str, delay: float, die_at: int = 0) -> None:
+        self.inner, self.out, self.delay, self.die_at = inner, out, delay, die_at
+        self.reads = 0
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -405,6 +408,10 @@ class _ReadLog(Dataset):
     def __getitem__(self, i: int):
         if _in_preflight():
             return self.inner[i]
+        self.reads += 1
+        if self.die_at and self.reads == self.die_at and os.environ.get("RANK") == "1":
+            os.kill(os.getppid(), signal.SIGKILL)
+            os._exit(1)
         time.sleep(self.delay)
         os.makedirs(self.out, exist_ok=True)
         with open(os.path.join(self.out, f"{os.getpid()}.txt"), "a") as f:
@@ -412,5 +419,5 @@ class _ReadLog(Dataset):
         return self.inner[i]
 
 
-def make_data_read_log(out: str, delay: float = 0.0, n: int = 256):
-    return _ReadLog(make_data(n), out, delay)
+def make_data_read_log(out: str, delay: float = 0.0, n: int = 256, die_at: int = 0):
+    return _ReadLog(make_data(n), out, delay, die_at)

@@ -63,13 +63,23 @@ def test_survivor_recovers_in_process_with_exact_data_and_no_disk_read(netbed, t
     whole state again over the new world. hsdp (one rank a node: whole replicas across
     the nodes): its own copy is a whole shard set, sharded again over the new mesh."""
     run, out = tmp_path / "runs" / "rec", tmp_path / "reads"
+    # ddp: node 1 killed from outside at any moment. Sharded: a loss while a snapshot is
+    # being sent leaves no whole copy of the lost rank's shards of one step (documented;
+    # within the memory bound of one own and one partner copy, the agents' restart then
+    # takes over), so node 1 ends itself where no send can be under way: a snapshot
+    # every 3 steps, and rank 1's agent and rank killed as the rank reads its 129th
+    # sample (step 9's batch, a step after snapshot 6's send began).
+    sharded = strategy != "ddp"
+    die = ", die_at = 129" if sharded else ""
     data = ["--data", "toyjob:make_data_read_log",
-            f"--data.kwargs={{out = '{out}', delay = 0.004}}"]
-    args = recovering_args(netbed.addr(0), "runs/rec", data, steps=24, strategy=strategy)
+            f"--data.kwargs={{out = '{out}', delay = 0.004{die}}}"]
+    args = recovering_args(netbed.addr(0), "runs/rec", data, steps=24, strategy=strategy,
+                           extra=("--fault.snapshot_every", "3") if sharded else ())
     nodes = [start(netbed, 0, args, tmp_path)]
     time.sleep(0.5)  # node 0 hosts the store: let it listen first
     nodes.append(start(netbed, 1, args, tmp_path))
-    kill_node_1_past(netbed, run, nodes, 3)
+    if not sharded:
+        kill_node_1_past(netbed, run, nodes, 3)
     # Trained to the end (the launcher then waits a while for the lost node's agent).
     wait_for(lambda: "step-0000024" in nodes[0].output(), 120, nodes[:1])
     said = nodes[0].output()
@@ -81,7 +91,7 @@ def test_survivor_recovers_in_process_with_exact_data_and_no_disk_read(netbed, t
     # steps at world 2 end with the last step both finished; the metrics file can lag
     # the kill, so the step seen when killing is not that step).
     both = max(r["step"] for r in train_records(run) if len(r["rank_phases"]) == 2)
-    assert both - 1 <= step <= both
+    assert both - 1 <= step <= both if not sharded else (step, both) in ((6, 7), (6, 8))
     assert "restarts the ranks from the newest checkpoint" not in said
     # One process on node 0 from start to end: no restart, and no file to resume from.
     per_process = reads(out)
@@ -268,14 +278,17 @@ def test_without_a_snapshot_the_agent_restarts_the_survivor_from_the_checkpoint(
 
 
 @pytest.mark.slow
-def test_a_cut_off_node_is_left_behind_in_process_once_its_heartbeat_stops(netbed, tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_cut_off_node_is_left_behind_in_process_once_its_heartbeat_stops(netbed, tmp_path,
+                                                                          strategy):
     """Node 1's link cut (no connection closes): the heartbeat names it after 5 s, rank
-    0 aborts its collective and goes on alone in process from its snapshot."""
+    0 aborts its collective and goes on alone in process from its snapshot (fsdp: and
+    its partner copy of node 1's shards)."""
     run = tmp_path / "runs" / "cut"
     data = ["--data", "toyjob:make_slow_data", "--data.kwargs={delay = 0.004}"]
     args = recovering_args(netbed.addr(0), "runs/cut", data, 60, (
         "--dist.timeout", "120", "--fault.heartbeat_timeout_s", "5",
-        "--fault.watchdog_poll_s", "0.5"))
+        "--fault.watchdog_poll_s", "0.5"), strategy)
     nodes = [start(netbed, 0, args, tmp_path)]
     time.sleep(0.5)
     nodes.append(start(netbed, 1, args, tmp_path))
@@ -286,7 +299,7 @@ def test_a_cut_off_node_is_left_behind_in_process_once_its_heartbeat_stops(netbe
     wait_for(past_step_5, 120, nodes)
     seen, cut_at = len(train_records(run)), time.time()
     netbed.link_down(1)
-    wait_for(lambda: "step-0000060.pt" in nodes[0].output(), 120, nodes[:1])
+    wait_for(lambda: "step-0000060" in nodes[0].output(), 120, nodes[:1])
     said = nodes[0].output()
     assert "stopped answering" in said and RECOVERED.search(said), said[-4000:]
     records = train_records(run)

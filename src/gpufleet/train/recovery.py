@@ -64,7 +64,7 @@ from gpufleet.launch import job_store
 from gpufleet.parallel.base import Strategy
 from gpufleet.parallel.data_parallel import replicate
 from gpufleet.train.recipe import place_scheduler
-from gpufleet.train.reshard import assemble, shard_position, share_states
+from gpufleet.train.reshard import shard_position, whole_from_snapshots
 from gpufleet.train.seed import seed_everything
 
 log = logging.getLogger(__name__)
@@ -231,7 +231,10 @@ class Recovery:
         self.generation += 1
         source = f"the step-{membership.step} in-memory snapshot"
         if self.reshards:  # every shard position's state, joined; then the new shards
-            state = self._whole_state(membership, snaps.snapshotter)
+            # (joined from every shard position's copy; rank and dims still the old ones)
+            state = whole_from_snapshots(membership.sources, membership.ranks,
+                                         snaps.snapshotter, membership.step, run.env.rank,
+                                         run.strategy.dims, run.device)
             self.rebuild(new_rank, world)
             self.restore(state, source + "s of every shard")
         else:
@@ -286,22 +289,6 @@ class Recovery:
             raise RecoveryFailed("every rank reported: no rank was lost, so the error "
                                  "is not a lost node")
         return membership
-
-    def _whole_state(self, membership: Membership, snapshotter: Any) -> Any:
-        """The whole training state at the agreed step, joined from the shard
-        positions' snapshot copies: each holder sends the copies it was named for
-        (its own, or the lost partner's). COLLECTIVE over the new group."""
-        ours = {copy.owner: copy for copy in (snapshotter.own, snapshotter.partner)
-                if copy.step == membership.step}
-        me = self.run.env.rank  # still the old rank here
-        held = {owner: ours[owner].state(pieces=True)
-                for owner, holder in membership.sources.items() if holder == me}
-        where = {owner: membership.ranks.index(holder)
-                 for owner, holder in membership.sources.items()}
-        states = share_states(held, where, self.run.device)
-        dims = self.run.strategy.dims  # the old mesh's, until rebuild()
-        return assemble([states[owner] for owner in
-                         sorted(states, key=lambda r: shard_position(r, dims))])
 
     def rebuild(self, rank: int, world: int) -> None:
         """Everything that depends on the process group, for this rank's new place."""

@@ -147,6 +147,22 @@ def share_states(held: dict[int, Any], sources: dict[int, int], device: torch.de
     return out
 
 
+def whole_from_snapshots(sources: dict[int, int], ranks: tuple[int, ...], snapshotter: Any,
+                         step: int, me: int, dims: Any, device: torch.device) -> Any:
+    """The whole training state at snapshot ``step``, joined from the shard positions'
+    copies: ``sources`` names, per old rank whose copy is used, the old rank holding it
+    (its own, or the lost partner's); ``ranks`` the old ranks in their new order; ``me``
+    this rank's old rank; ``dims`` the old mesh's. COLLECTIVE over the new group."""
+    ours = {copy.owner: copy for copy in (snapshotter.own, snapshotter.partner)
+            if copy.step == step}
+    held = {owner: ours[owner].state(pieces=True)
+            for owner, holder in sources.items() if holder == me}
+    where = {owner: ranks.index(holder) for owner, holder in sources.items()}
+    states = share_states(held, where, device)
+    return assemble([states[owner] for owner in
+                     sorted(states, key=lambda r: shard_position(r, dims))])
+
+
 def broadcast_bytes(data: bytes | None, device: torch.device, src: int = 0) -> bytes:
     """Rank ``src``'s ``data`` on every rank (COLLECTIVE: its length, then its bytes; on
     the device the backend needs)."""
