@@ -244,9 +244,10 @@ def main() -> None:
     parser.add_argument("--snapshot-every", type=int, default=0,
                         help="fault.snapshot_every: the survivor recovers in process from "
                              "its in-memory snapshot (0: off, the agent restarts it)")
-    parser.add_argument("--rdzv-poll", type=float, default=1.0,
+    parser.add_argument("--rdzv-poll", type=float, default=0.0,
                         help="dist.rdzv_poll_s: seconds between the agents' reads of the "
-                             "rendezvous state while they wait (1: torch's own)")
+                             "rendezvous state (1: torch's own; 0: gpufleet's default, "
+                             "0.1 s for these 2 nodes)")
     parser.add_argument("--keep", metavar="DIR", default="",
                         help="keep the run directories and node logs under DIR (the "
                              "restarted node's log shows where its rejoin time goes)")
@@ -263,8 +264,8 @@ def main() -> None:
     print(machine_summary())
     print(f"elastic 1:2 nodes, 1 rank each, {args.strategy}, checkpoint every {args.every} "
           f"steps, snapshot every {args.snapshot_every or '-'} steps, rendezvous heartbeat "
-          "1 s, last call "
-          f"2 s, state read every {args.rdzv_poll:g} s; killed past step {args.kill_at}")
+          f"1 s, last call 2 s, state read every {args.rdzv_poll or 'default'} s; killed "
+          f"past step {args.kill_at}")
     if args.lose_store:
         where = "a third node (`gpufleet store`)" if args.store_host == "separate" else \
             "node 0's launcher"

@@ -239,3 +239,24 @@ def test_the_rendezvous_polls_its_state_as_often_as_asked(monkeypatch):
     assert slept == [0.1, 0.2, 1]
     assert dynamic_rendezvous._delay is torch_delay
     assert dynamic_rendezvous._BackendRendezvousStateHolder is torch_holder
+
+
+def test_the_default_rendezvous_poll_scales_with_the_node_count(monkeypatch):
+    """dist.rdzv_poll_s = 0 (the default): 0.01 s a node of the largest node count, from
+    0.1 s to torch's 1 s, so the agents' reads of the store stay about 100 a second; a
+    poll given is kept."""
+    from gpufleet.config import load_config
+    from gpufleet.launch import launcher as launcher_module
+
+    assert load_config().dist.rdzv_poll_s == 0.0
+    assert [launcher_module.poll_for(n) for n in (1, 2, 10, 40, 100, 1000)] == \
+        [0.1, 0.1, 0.1, 0.4, 1.0, 1.0]
+    seen: list[float] = []
+    monkeypatch.setattr(launcher_module, "_launch_elastic",
+                        lambda fn, args, nproc, plan, restarts, logs, timeouts, grow:
+                        seen.append(timeouts.poll_s))
+    for poll in (0.0, 0.3):
+        launcher_module.launch(os.getpid, (), nproc=1, nnodes="1:40",
+                               rdzv_endpoint="127.0.0.1:29400", rdzv_id="x",
+                               rdzv_poll_s=poll)
+    assert seen == [0.4, 0.3]

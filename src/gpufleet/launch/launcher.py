@@ -68,7 +68,7 @@ def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, launcher: st
            master_port: int = 0, rdzv_endpoint: str = "", rdzv_backend: str = "c10d",
            rdzv_id: str = "", max_restarts: int = 0, log_dir: str | None = None,
            rdzv_timeout: float = 600.0, rdzv_last_call_s: float = 30.0,
-           rdzv_keep_alive_s: float = 5.0, rdzv_poll_s: float = 1.0,
+           rdzv_keep_alive_s: float = 5.0, rdzv_poll_s: float = 0.0,
            grow_in_process: bool = False) -> dict[int, Any]:
     """Run ``fn(*args)`` in ``nproc`` ranks on this node; return ``{global rank: result}``.
 
@@ -98,7 +98,9 @@ def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, launcher: st
         rdzv_keep_alive_s: Seconds between an elastic agent's rendezvous heartbeats; a
             node silent for three of them is dropped from the next round.
         rdzv_poll_s: Seconds between an elastic agent's reads of the rendezvous state
-            while it waits for the others to join or complete a round (torch's own: 1).
+            while it waits for the others to join or complete a round, and between its
+            checks for nodes waiting to join (torch's own: 1); 0: by the node count
+            (:func:`poll_for`).
         grow_in_process: in an elastic run whose node count may change, a node that
             joins joins the live ranks, which go on in their processes (see
             :mod:`.grow`; the ranks must support it: in-process recovery), instead of
@@ -130,7 +132,7 @@ def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, launcher: st
                                   master_port=master_port, rdzv_endpoint=rdzv_endpoint,
                                   rdzv_backend=rdzv_backend, rdzv_id=rdzv_id)
         timeouts = RendezvousTimeouts(rdzv_timeout, rdzv_last_call_s, rdzv_keep_alive_s,
-                                      rdzv_poll_s)
+                                      rdzv_poll_s or poll_for(plan.max_nodes))
         return _launch_elastic(fn, args, nproc, plan, max_restarts, log_dir, timeouts,
                                grow_in_process)
     if launcher == "spawn":
@@ -158,6 +160,21 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def poll_for(max_nodes: int) -> float:
+    """The rendezvous poll for a run of at most ``max_nodes`` nodes: 0.01 s a node, from
+    0.1 s to torch's own 1 s. Every agent reads the rendezvous state from the store once
+    a poll (torch's agent checks every 0.1 s for nodes waiting to join, and the state it
+    reads is at most a poll old), so the store serves about 100 reads a second in all up
+    to 100 nodes, as torch's 1 s gives at 100 nodes, while a small job's returning node
+    joins sooner.
+
+    Example:
+        >>> poll_for(2), poll_for(40), poll_for(1000)
+        (0.1, 0.4, 1.0)
+    """
+    return min(1.0, max(0.1, round(0.01 * max_nodes, 3)))
 
 
 @dataclass(frozen=True)
