@@ -178,3 +178,17 @@ def test_cutting_connections_fails_a_receive_under_way_at_once():
     finally:
         for s in (client, accepted, server):
             s.close()
+
+
+def test_hsdp_regrouped_keeps_sharding_within_a_node():
+    """After a loss or a join, hsdp's mesh is planned again with the node's rank count:
+    shards within a node, whole replicas across nodes (planned from the world size
+    alone, it sharded across the nodes)."""
+    cfg = Config()
+    traits = strategy_class("hsdp").traits
+    strategy = build_strategy("hsdp", cfg.parallel, torch.device("cpu"), None,
+                              plan_for(cfg.parallel, traits, 4, 2))
+    strategy.regroup(2, 1)  # one rank on each of two nodes
+    assert (strategy.dims.dp_replicate, strategy.dims.dp_shard) == (2, 1)
+    strategy.regroup(4, 2)  # two nodes of two again
+    assert (strategy.dims.dp_replicate, strategy.dims.dp_shard) == (2, 2)

@@ -157,12 +157,13 @@ class Strategy:
             return rank, world_size
         return self.dims.dp_rank(rank), self.dims.dp
 
-    def regroup(self, world_size: int) -> None:
-        """The process group was made again with ``world_size`` ranks (the ranks left
-        after a lost node, see :mod:`gpufleet.train.recovery`): the mesh degrees follow
-        it, the mesh is built again on first use, and the clip's choices are made again.
-        """
-        self.dims = plan_for(self.cfg, self.traits, world_size)
+    def regroup(self, world_size: int, local_world_size: int | None = None) -> None:
+        """The process group was made again with ``world_size`` ranks, ``local_world_size``
+        of them on each node (the ranks left after a lost node, see
+        :mod:`gpufleet.train.recovery`): the mesh degrees follow it (hsdp shards within
+        a node), the mesh is built again on first use, and the clip's choices are made
+        again."""
+        self.dims = plan_for(self.cfg, self.traits, world_size, local_world_size)
         self._mesh = None
         self._clip_model, self._clip_params, self.measured = None, None, None
 

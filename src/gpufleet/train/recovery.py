@@ -296,7 +296,7 @@ class Recovery:
         env = dataclasses.replace(run.env, rank=rank, world_size=world)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
         run.env = run.checkpointer.env = env
-        run.strategy.regroup(world)
+        run.strategy.regroup(world, run.env.local_world_size)  # (hsdp: a node's ranks)
         for part in run.parts:  # COLLECTIVE: DDP checks and broadcasts the parameters
             if self.reshards:  # a fresh module sharded over the new mesh, a new optimizer
                 part.model, part.optimizer = part.source.build(run.strategy, run.cfg, world)
