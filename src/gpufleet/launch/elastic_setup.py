@@ -78,9 +78,11 @@ def rendezvous_poll(seconds: float) -> Iterator[None]:
     copy of the state up to a second old instead of reading the store again
     (``cache_duration=1``). A node started again to rejoin a running job waits out
     several of them before the round that takes it in completes. Each read is one read
-    of the store by each waiting agent, so a shorter poll costs the store more reads,
-    only while agents wait. Nothing changes for ``seconds >= 1`` or a torch without
-    those names.
+    of the store by each agent: while it waits, and while its ranks train too (torch's
+    agent checks every 0.1 s for nodes waiting to join, from the copy of the state), so
+    a shorter poll costs the store more reads (:func:`~gpufleet.launch.launcher.poll_for`
+    scales the default with the node count). Nothing changes for ``seconds >= 1`` or a
+    torch without those names.
     """
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
 

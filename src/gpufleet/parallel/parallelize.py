@@ -112,9 +112,9 @@ def distribute(model: nn.Module, strategy: Strategy) -> nn.Module:
     else:
         model = model.to(device)
     kind = data_parallel_kind(traits, dims, pipelined=stage is not None)
-    if kind == "shard" and not dist.is_initialized():
-        pass  # a rank that joins live ones: sharded over their mesh when it does
-    elif kind == "shard":
+    # (Without a process group, a rank that joins live ones: sharded or replicated over
+    # their mesh when it does.)
+    if kind == "shard" and dist.is_initialized():
         if stage is None and dims.tp == 1:  # with tp, step 1 broadcast before the split
             broadcast_weights(model)  # every rank starts from rank 0's weights, as in DDP
         blocks = shard(model, strategy.mesh, dims, cfg, device, strategy.compute_dtype)
@@ -122,7 +122,7 @@ def distribute(model: nn.Module, strategy: Strategy) -> nn.Module:
             log.info("%s: %d block(s) sharded one by one over %s, then the root",
                      strategy.name, blocks, dims.describe())
     elif kind == "replicate" and dist.is_initialized():
-        model = replicate(model, cfg, device)  # (a rank that joins live ones: when it does)
+        model = replicate(model, cfg, device)
     elif kind == "threads":
         model = replicate_in_threads(model, getattr(strategy.precision, "autocast_dtype", None))
     if traits.device_map:

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
@@ -26,7 +25,6 @@ from gpufleet.core.phases import PhaseAnnouncer
 from gpufleet.data.loaders import build_eval_loader, build_train_loader
 from gpufleet.errors import ConfigError, GpufleetError
 from gpufleet.fault.preempt import PreemptionWatch
-from gpufleet.fault.snapshot import SnapshotCallback
 from gpufleet.fault.watchdog import Watchdog
 from gpufleet.job import import_object
 from gpufleet.launch import DistEnv, broadcast_object, is_initialized, job_store
@@ -49,7 +47,7 @@ from gpufleet.precision import build_precision
 from gpufleet.procs import record_process
 from gpufleet.train import runlock
 from gpufleet.train.batches import make_loss_fn
-from gpufleet.train.checkpointer import Checkpointer, Position
+from gpufleet.train.checkpointer import Checkpointer
 from gpufleet.train.evalmetrics import EvalMetric, build_metrics
 from gpufleet.train.evaluator import Evaluator
 from gpufleet.train.keeping import EarlyStopping, check_monitor
@@ -71,6 +69,7 @@ from gpufleet.train.recipe import (
     user_optimizer,
 )
 from gpufleet.train.reshard import reshardable, source_of
+from gpufleet.train.resilience import recovery_of, snapshots_of
 from gpufleet.train.run import ModelPart, Monitors, Run, TrainState
 from gpufleet.train.rundir import plan_and_lock
 from gpufleet.train.seed import seed_everything, set_deterministic
@@ -186,7 +185,7 @@ def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module]
             (cb for cb in callbacks if isinstance(cb, SystemSampler)), None)
     run.phases = PhaseAnnouncer(run.callbacks.phase_listeners, run.view,
                                 run.callbacks.mark_readers)
-    run.recovery = _recovery(run, join, plan.backend)
+    run.recovery = recovery_of(run, join, plan.backend)
     return run
 
 
@@ -400,7 +399,7 @@ def _own_callbacks(run: Run) -> list[Callback]:
     own: list[Callback] = [cb for cb in (monitors.phase_timer, monitors.arrival,
                                           monitors.watchdog) if cb]
     if cfg.fault.snapshot_every and isinstance(run, Run):  # before the sinks: it adds
-        monitors.snapshots = _snapshots(run)                 # to the metrics they write
+        monitors.snapshots = snapshots_of(run)               # to the metrics they write
         own.append(monitors.snapshots)
     elif cfg.fault.snapshot_every and env.is_main:
         log.warning("fault.snapshot_every = %d applies to gpufleet's own loop (gpufleet "
@@ -430,47 +429,3 @@ def _own_callbacks(run: Run) -> list[Callback]:
         if mon.sync_probe_steps and run.device.type == "cuda":
             own.append(SyncProbe(monitors.advisor, mon.sync_probe_steps))
     return own
-
-
-def _recovery(run: Run, join: Any, backend: str) -> Any:
-    """In-process recovery from the snapshots after a lost node, and for nodes that join
-    (``fault.recover_in_process``), where the run can have it; None otherwise. ``join``:
-    this rank's place among the live ranks it joins (None: it started with them)."""
-    fault, env = run.cfg.fault, run.env
-    if not (fault.recover_in_process and run.monitors.snapshots is not None
-            and (is_initialized() or join is not None)):
-        return None
-    from gpufleet.train.growing import Growing
-    from gpufleet.train.recovery import Recovery, not_replicated
-
-    reshards = all(part.source is not None for part in run.parts)
-    reason = not_replicated(run.strategy, run.data.sampler, reshards)
-    if join is not None:
-        if reason:  # the live ranks' agent offered; they cannot have built a Recovery
-            raise ConfigError(f"rank {env.rank} cannot join the live ranks: {reason}")
-        recovery = Recovery(run, None, backend)
-    elif reason:
-        if env.is_main:
-            log.info("a lost node is recovered by the elastic agent's restart from the "
-                     "newest checkpoint, not in process: %s", reason)
-        return None
-    else:
-        recovery = Recovery(run, job_store(), dist.get_backend())
-    recovery.growing = Growing(recovery, join)  # takes new ranks in, or joins live ones
-    return recovery
-
-
-def _snapshots(run: Run) -> Callback:
-    """In-memory snapshots of this rank's state (``fault.snapshot_every``), captured
-    with the checkpointer's own state functions."""
-    def capture() -> tuple[dict[str, Any], set[int]]:
-        at = Position(run.state.step, run.data.epoch, run.data.consumed)
-        return run.checkpointer.rank_state(at), run.checkpointer.optimizer_storages()
-
-    env, dims, traits = run.env, run.strategy.dims, run.strategy.traits
-    whole = (traits.data_parallel == "replicate" and dims.world_size == dims.dp_replicate
-             and not traits.consolidates_optimizer)  # ddp: each rank its own whole copy
-    return SnapshotCallback(run.cfg.fault.snapshot_every, capture, rank=env.rank,
-                            world_size=env.world_size, node_rank=env.node_rank,
-                            local_rank=env.local_rank, device=run.device,
-                            timeout_s=run.cfg.dist.timeout, send=not whole)

@@ -8,9 +8,10 @@ stop after the same step. Then every rank, old and new, joins one new process gr
 rebuilds what depends on it as after a lost node (:meth:`Recovery.rebuild
 <gpufleet.train.recovery.Recovery.rebuild>`); rank 0 sends its training state (model,
 optimizer, scheduler, scaler, data position; :meth:`Checkpointer.rank_state`) over it
-and every rank restores it. No rank restarts and none reads a file; the live ranks lose
-no step. When it fails, the ranks end and the agents restart them from the newest
-checkpoint.
+and every rank restores it (sharded, fsdp and hsdp: one live rank per shard position
+sends its shards, and every rank joins them, :mod:`gpufleet.train.reshard`). No rank
+restarts and none reads a file; the live ranks lose no step. When it fails, the ranks
+end and the agents restart them from the newest checkpoint.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ from gpufleet.launch import job_store
 from gpufleet.parallel.base import Strategy
 from gpufleet.parallel.data_parallel import replicate
 from gpufleet.train.recipe import place_scheduler
-from gpufleet.train.reshard import shard_position, whole_from_snapshots
+from gpufleet.train.reshard import rebuilt_from_sources, shard_position, whole_from_snapshots
 from gpufleet.train.seed import seed_everything
 
 log = logging.getLogger(__name__)
@@ -138,8 +138,7 @@ class Recovery:
         self.run, self.store, self.backend = run, store, backend
         #: the state is FSDP2's shards: put together again from every shard position
         #: (gpufleet.train.reshard), the models built again over the new mesh
-        self.reshards = bool(run.parts) and all(part.source is not None
-                                                for part in run.parts)
+        self.reshards = rebuilt_from_sources(run.parts)
         # The job's store as the process group made it: on rank 0 it holds the store's
         # server, which must live as long as the process (later stores are clients).
         self._server = store
@@ -230,8 +229,8 @@ class Recovery:
             rank=new_rank, world_size=world, timeout=timedelta(seconds=self.timeout_s))
         self.generation += 1
         source = f"the step-{membership.step} in-memory snapshot"
-        if self.reshards:  # every shard position's state, joined; then the new shards
-            # (joined from every shard position's copy; rank and dims still the old ones)
+        if self.reshards:  # every shard position's copy joined (old rank and mesh), then
+            # the models built again over the new mesh
             state = whole_from_snapshots(membership.sources, membership.ranks,
                                          snaps.snapshotter, membership.step, run.env.rank,
                                          run.strategy.dims, run.device)

@@ -69,6 +69,12 @@ def reshardable(strategy: Strategy) -> bool:
             and not strategy.traits.pipelined)
 
 
+def rebuilt_from_sources(parts: list[Any]) -> bool:
+    """Whether every model of a run (its ``ModelPart``) keeps a :class:`Source`: its
+    state is sharded and recovery builds it again from the shards."""
+    return bool(parts) and all(part.source is not None for part in parts)
+
+
 def source_of(model: nn.Module, spec: OptimizerSpec) -> Source | None:
     """The :class:`Source` of ``model`` (not yet wrapped), or None when it cannot be
     copied (a module holding something ``copy.deepcopy`` refuses)."""
