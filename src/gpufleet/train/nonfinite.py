@@ -235,10 +235,18 @@ class NonFiniteGuard:
         """:meth:`_flag_on_device` where no clip measured the gradients: one fused kernel
         measures each gradient (this rank's piece of it: FSDP and tensor parallel shard
         them), whose norms are kept by reference for the culprit, and one fused kernel
-        checks them with the loss. Every step, so kept to the fewest Python operations."""
-        each = each_norm_unstacked(self._params, self._sharded)
+        checks them with the loss. Every step, so kept to the fewest Python operations:
+        where every parameter is whole and has a gradient, the record is the bare list
+        of norms (:meth:`_culprit` knows the parameters)."""
+        params = self._params
+        grads = [g for p in params if (g := p.grad) is not None]
+        if self._sharded or len(grads) < len(params):
+            each = each_norm_unstacked(params, self._sharded)
+            norms = each.values
+        else:
+            each = norms = torch._foreach_norm(grads)
         found = self._interval.next_flag(each, step_loss)
-        torch._amp_foreach_non_finite_check_and_unscale_([*each.values, step_loss], found,
+        torch._amp_foreach_non_finite_check_and_unscale_([*norms, step_loss], found,
                                                          self._one)
         if self._agree is not None:
             self._agree(found, "max")  # COLLECTIVE: every rank, every step; no SYNC
@@ -298,7 +306,10 @@ class NonFiniteGuard:
     def _culprit(self, row: int, loss: float) -> tuple[bool, str | None, int]:
         """This rank's view of step ``row`` of the interval: its loss was not finite,
         the first parameter whose gradient was not, how many were not."""
-        bad = self._bad_names(self._interval.norms[row])
+        each = self._interval.norms[row]
+        if not isinstance(each, EachNorm):  # the bare norms of every parameter (_flag_gradients)
+            each = EachNorm(each, self._params, None)
+        bad = self._bad_names(each)
         return not math.isfinite(loss), bad[0] if bad else None, len(bad)
 
     def _bad_names(self, each: EachNorm) -> list[str]:
