@@ -65,6 +65,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--turn-steps", type=int, default=1,
+                   help="steps a loop runs before passing the baton (see peers.py)")
     args = p.parse_args()
     torch.set_num_threads(1)
     if not peers.installed("lightning.fabric"):
@@ -76,9 +78,11 @@ def main() -> None:
              "gpufleet no guard": peers.gpufleet_loop({"fault.skip_nonfinite": False})}
     print(machine_summary())
     print(f"load average (1, 5, 15 min): {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
-    print(f"job: {job.name}; {args.steps} steps each, turns of one step, 1 torch thread")
+    print(f"job: {job.name}; {args.steps} steps each, turns of {args.turn_steps} "
+          "step(s), 1 torch thread")
     names = list(loops)
-    baton = peers.run_in_turns(job, loops)  # each loop's thread is named after it
+    # Each loop's thread is named after it.
+    baton = peers.run_in_turns(job, loops, args.turn_steps)
 
     def blocks(xs: list[float]) -> float:
         return peers.block_median(xs, args.warmup)

@@ -10,7 +10,9 @@ take turns a step at a time (a baton passes after every step), so a noisy machin
 them alike; the order of the turns is shuffled every round (seeded), as a step right
 after a given other loop's pays for what that loop left behind (its garbage, the caches
 it took: about 20-35 µs of CPU per step here when one loop always follows the
-hand-written one). A step is timed from the moment its loop gets the baton to the end
+hand-written one). ``--turn-steps 50`` passes the baton after every block of 50 steps
+instead: each loop then runs warm, as a run trains alone, and the comparison still
+shares the machine's moments a block at a time. A step is timed from the moment its loop gets the baton to the end
 of its step, on the wall clock and on the loop thread's CPU clock; the figure is the median
 over blocks of 50 steps of the block's mean. Also printed: the time from a loop's first
 line to the end of its first step, with each framework's entry module imported before
@@ -20,6 +22,7 @@ imports later counted.
 
     python benchmarks/peers.py                      # MLP 256-256-10, batch 32, SGD
     python benchmarks/peers.py --job gpt --steps 300   # the built-in GPT's recipe
+    python benchmarks/peers.py --turn-steps 50      # warm: turns of a block each
 """
 
 from __future__ import annotations
@@ -103,11 +106,16 @@ def gpt_job(steps: int) -> Job:
 
 
 class Baton:
-    """Lets one loop run at a time, a step each, in turn: in the given order in the
-    first round, then in a new random order (seeded) every round."""
+    """Lets one loop run at a time, ``steps`` steps each, in turn: in the given order in
+    the first round, then in a new random order (seeded) every round.
 
-    def __init__(self, names: list[str], seed: int = 0) -> None:
-        self.names, self.turn = names, 0
+    One step a turn (the default) gives every loop the same moment of the machine, but
+    each step then starts with the caches the other loops left: it measures a cold step.
+    Turns of a block of steps (``steps`` = :data:`BLOCK`) measure the loops as a run
+    trains, warm after a turn's first step, still interleaved a block at a time."""
+
+    def __init__(self, names: list[str], seed: int = 0, steps: int = 1) -> None:
+        self.names, self.turn, self.steps = names, 0, steps
         self._order, self._pos = list(range(len(names))), 0
         self._rng = random.Random(seed)
         self.active = [True] * len(names)
@@ -130,6 +138,9 @@ class Baton:
         else:
             self.wall[i].append(wall - self._t0[i])
             self.cpu[i].append(cpu - self._c0[i])
+        if (len(self.wall[i]) + 1) % self.steps:  # the turn goes on (the first step is
+            self._t0[i], self._c0[i] = time.perf_counter(), time.thread_time()  # untimed)
+            return
         self._pass(i)
         self._wait(i)
 
@@ -287,11 +298,11 @@ def fleet_loop(extra: dict[str, Any]) -> Callable[[Job, Callable[[], None]], Non
     return run
 
 
-def run_in_turns(job: Job, loops: dict[str, Any]) -> Baton:
-    """Run every loop of ``loops`` on ``job``, each in a thread named after it, a step at
-    a time in turn; the :class:`Baton` holds their timings."""
+def run_in_turns(job: Job, loops: dict[str, Any], turn_steps: int = 1) -> Baton:
+    """Run every loop of ``loops`` on ``job``, each in a thread named after it,
+    ``turn_steps`` steps at a time in turn; the :class:`Baton` holds their timings."""
     names = list(loops)
-    baton = Baton(names)
+    baton = Baton(names, steps=turn_steps)
 
     def worker(i: int) -> None:
         baton.start(i)
@@ -344,6 +355,9 @@ def main() -> None:
     p.add_argument("--job", choices=("mlp", "gpt"), default="mlp")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--warmup", type=int, default=50, help="steps left out of the timing")
+    p.add_argument("--turn-steps", type=int, default=1,
+                   help="steps a loop runs before passing the baton (1: cold steps; "
+                        f"{BLOCK}: warm, a block a turn)")
     p.add_argument("--no-import-times", action="store_true",
                    help="do not time each entry module's import in a fresh process")
     args = p.parse_args()
@@ -377,12 +391,13 @@ def main() -> None:
         print("import of each entry module, fresh process, torch imported first: " +
               ", ".join(f"{m} {t:.2f} s" if t is not None else f"{m} failed"
                         for m, t in took.items()))
-    print(f"job: {job.name}; {args.steps} steps each, turns of one step, first "
+    turns = "one step" if args.turn_steps == 1 else f"{args.turn_steps} steps"
+    print(f"job: {job.name}; {args.steps} steps each, turns of {turns}, first "
           f"{args.warmup} not timed, blocks of {BLOCK}; 1 torch thread")
     if missing:
         print("not installed, left out: " + ", ".join(missing) + " (pip install -e '.[bench]')")
     names = list(loops)
-    baton = run_in_turns(job, loops)
+    baton = run_in_turns(job, loops, args.turn_steps)
 
     def blocks(xs: list[float]) -> float:
         return block_median(xs, args.warmup)
