@@ -12,9 +12,10 @@ after a given other loop's pays for what that loop left behind (its garbage, the
 it took: about 20-35 µs of CPU per step here when one loop always follows the
 hand-written one). ``--turn-steps 50`` passes the baton after every block of 50 steps
 instead: each loop then runs warm, as a run trains alone, and the comparison still
-shares the machine's moments a block at a time. A step is timed from the moment its loop gets the baton to the end
-of its step, on the wall clock and on the loop thread's CPU clock; the figure is the median
-over blocks of 50 steps of the block's mean. Also printed: the time from a loop's first
+shares the machine's moments a block at a time. A step is timed from the moment its
+loop gets the baton (or its previous step ended) to the end of its step, on the wall
+clock and on the loop thread's CPU clock; the figure is the median over blocks of 50
+steps of the block's mean. Also printed: the time from a loop's first
 line to the end of its first step, with each framework's entry module imported before
 (``lightning.fabric``, ``accelerate``, ``lightning``, ``gpufleet.api``: what a user's
 ``import`` line pays, itself timed in a fresh process and printed first) and what it
