@@ -16,13 +16,15 @@ pytestmark = pytest.mark.timeout(300)
 
 def elastic_args(addr: str, run_dir: str, steps: int, delay: float) -> list[str]:
     """A 1:2-node elastic job whose steps take ~16 x ``delay`` seconds, a checkpoint
-    every 5 steps, and rendezvous settings small enough for a test."""
+    every 5 steps, and rendezvous settings small enough for a test. Snapshots off: the
+    agents' restart from the newest checkpoint, the path a run without in-memory
+    snapshots takes (test_recovery.py covers the survivors going on in process)."""
     return [*TOY, "--data", "toyjob:make_slow_data", f"--data.kwargs={{delay = {delay}}}",
             "--max-steps", str(steps), "--nproc", "1", "--batch-size", "16",
             "--strategy", "ddp", "--checkpoint.every", "5", "--run-dir", run_dir,
             "--nnodes", "1:2", "--rdzv-endpoint", f"{addr}:29400", "--rdzv-id", "job",
             "--dist.rdzv_last_call_s", "2", "--dist.rdzv_keep_alive_s", "1",
-            "--max-restarts", "3"]
+            "--max-restarts", "3", "--fault.snapshot_every", "0"]
 
 
 def test_survivor_goes_on_alone_and_the_lost_node_rejoins(netbed, tmp_path):

@@ -261,10 +261,30 @@ def test_ddp_ranks_keep_their_whole_snapshot_to_themselves(tmp_path, monkeypatch
         assert mine["allocations"] == (1, 0)
 
 
-def test_snapshots_are_off_by_default_and_a_negative_interval_is_refused():
+def test_snapshots_are_on_by_default_only_where_measured_and_recovered_in_process():
     from gpufleet.config import load_config
     from gpufleet.errors import ConfigError
+    from gpufleet.resolve import Machine, resolve
 
-    assert load_config().fault.snapshot_every == 0
+    assert load_config().fault.snapshot_every == -1  # auto: decided when resolved
+    cpu, gpu = Machine(cuda=False, gpus=0, bf16=False), Machine(cuda=True, gpus=8, bf16=True)
+
+    def every(machine: Machine, nnodes: str, **overrides) -> int:
+        cfg = load_config(overrides={"parallel.strategy": "ddp", "dist.nnodes": nnodes,
+                                     **overrides})
+        return resolve(cfg, machine, 4, 2).fault.snapshot_every
+
+    # An elastic node range on CPUs, a strategy recovered in process: every 10 steps.
+    assert every(cpu, "1:2") == 10
+    assert every(cpu, "2:3", **{"parallel.strategy": "fsdp"}) == 10
+    # A fixed node count (the ranks left cannot go on), GPUs (not measured there yet), a
+    # strategy restarted from disk, or in-process recovery off: off.
+    assert every(cpu, "2") == every(cpu, "1") == 0
+    assert every(gpu, "1:2", **{"run.device": "cuda"}) == 0
+    assert every(cpu, "1:2", **{"parallel.strategy": "zero1"}) == 0
+    assert every(cpu, "1:2", **{"fault.recover_in_process": False}) == 0
+    # What the user sets is kept as it is.
+    assert every(cpu, "1", **{"fault.snapshot_every": 3}) == 3
+    assert every(cpu, "1:2", **{"fault.snapshot_every": 0}) == 0
     with pytest.raises(ConfigError, match="snapshot_every"):
-        load_config(overrides={"fault.snapshot_every": -1})
+        load_config(overrides={"fault.snapshot_every": -2})

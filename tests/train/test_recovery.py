@@ -35,12 +35,13 @@ def store():
 
 
 def recoveries(store, world: int, window_s: float = 0.3,
-               dp_shard: int | None = None) -> list[Recovery]:
-    """One Recovery per rank of ``world``, each with a client of its own to ``store``
-    (the run holds only what agreeing reads); ``dp_shard``: the state is sharded over
-    that many ranks (fsdp: ``world``; hsdp: ranks per node), else replicated."""
+               dp_shard: int | None = None, nnodes: str = "1:4") -> list[Recovery]:
+    """One Recovery per rank of ``world`` (a rank a node), each with a client of its own
+    to ``store`` (the run holds only what agreeing reads); ``dp_shard``: the state is
+    sharded over that many ranks (fsdp: ``world``; hsdp: ranks per node), else
+    replicated; ``nnodes``: the run's node range."""
     cfg = SimpleNamespace(fault=SimpleNamespace(recover_window_s=window_s),
-                          dist=SimpleNamespace(timeout=20))
+                          dist=SimpleNamespace(timeout=20, nnodes=nnodes))
     parts = [SimpleNamespace(source=object())] if dp_shard else []
     strategy = SimpleNamespace(dims=SimpleNamespace(dp_shard=dp_shard or 1))
     return [Recovery(SimpleNamespace(env=DistEnv(rank=r, world_size=world), cfg=cfg,
@@ -116,6 +117,19 @@ def test_every_rank_reporting_is_not_a_lost_node(store):
                for t in told.values())
 
 
+def test_fewer_nodes_left_than_the_range_allows_fall_back(store):
+    # 4 nodes of a 3:4 range: one lost leaves 3 (go on); two lost leave 2 (the agents
+    # wait for a third).
+    one = agree(recoveries(store, 4, nnodes="3:4"), {0: 5, 1: 5, 2: 5})
+    assert one[0] == Membership((0, 1, 2), 5, {0: 0, 1: 1, 2: 2})
+    again = recoveries(store, 4, nnodes="3:4")
+    for rank in again:
+        rank.generation = 1
+    two = agree(again, {0: 5, 1: 5})
+    assert all(isinstance(t, RecoveryFailed) and "2 node(s) left, fewer than the 3" in str(t)
+               for t in two.values()), two
+
+
 def test_a_rank_reporting_after_the_decision_falls_back(store):
     ranks = recoveries(store, 3, window_s=0.1)
     own = {0: 0, 1: 1}
@@ -145,6 +159,16 @@ def test_whole_replicas_and_fsdp_shards_recover_in_process(name, why, reshards):
     strategy = build_strategy(name, cfg.parallel, torch.device("cpu"), None, dims)
     reason = not_replicated(strategy, ResumableDistributedSampler(64, world_size=4), reshards)
     assert (reason == "") if not why else why in reason
+
+
+def test_a_fixed_node_count_does_not_recover_in_process():
+    cfg = Config()
+    dims = plan_for(cfg.parallel, strategy_class("ddp").traits, 4, 2)
+    strategy = build_strategy("ddp", cfg.parallel, torch.device("cpu"), None, dims)
+    sampler = ResumableDistributedSampler(64, world_size=4)
+    assert "fixed node count" in not_replicated(strategy, sampler, nnodes="2")
+    assert not_replicated(strategy, sampler, nnodes="1:2") == ""
+    assert not_replicated(strategy, sampler, nnodes="1") == ""  # torchrun's job: unknown
 
 
 def test_token_batches_do_not_recover_in_process():

@@ -292,6 +292,9 @@ class DistConfig(Section):
             )
 
 
+AUTO_SNAPSHOT_EVERY = 10  # fault.snapshot_every = -1 (auto), where it turns snapshots on
+
+
 @dataclass
 class FaultConfig(Section):
     skip_nonfinite: bool = opt(True, "Skip an optimizer step whose loss or gradients are "
@@ -320,11 +323,15 @@ class FaultConfig(Section):
                                      "(stopped, dead, or its node down or cut off): it is "
                                      "named and the run ends or restarts elastically, "
                                      "instead of waiting dist.timeout.", min=0.5)
-    snapshot_every: int = opt(0, "Every N steps each rank copies its whole training state "
+    snapshot_every: int = opt(-1, "Every N steps each rank copies its whole training state "
                               "(model and optimizer shards, scheduler, scaler, RNG, data "
                               "position) into host memory in a background thread and sends "
                               "one copy to a rank on the next node; 0: off. Host memory per "
-                              "rank: its own state plus one partner's.", min=0)
+                              "rank: its own state plus one partner's. -1 (auto): every "
+                              f"{AUTO_SNAPSHOT_EVERY} steps on a run of several nodes on CPUs "
+                              "whose strategy recovers in process (ddp, fsdp, hsdp), where "
+                              "their cost was measured within 2% of a step; off otherwise "
+                              "(on GPUs until their cost there is measured).", min=-1)
     recover_in_process: bool = opt(True, "With snapshots on and ranks lost mid-run (a node "
                                    "killed), the ranks left leave the broken process group, "
                                    "agree through the job's store on who is left, and go on "

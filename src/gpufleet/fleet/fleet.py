@@ -71,6 +71,7 @@ log = logging.getLogger(__name__)
 _OWN_LOOP = {
     "optim.preset": "none", "optim.clip_norm": 0.0,  # clip_gradients is yours to call
     "fault.preempt_check_every": 0,  # SIGTERM / Ctrl-C reach your loop as usual
+    "fault.snapshot_every": 0,  # gpufleet's own loop takes in-memory snapshots; yours not
 }
 
 

@@ -263,3 +263,23 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.R
 def grads_of(model: nn.Module) -> Iterator[torch.Tensor]:
     """The gradients that exist (parameters without a gradient are skipped)."""
     return (p.grad for p in model.parameters() if p.grad is not None)
+
+
+def why_not_in_process(cls: type[Strategy], dims: Any, reshards: bool) -> str:
+    """Why a strategy's state cannot be put together again in the ranks left after a
+    lost node ("" when it can): in-process recovery needs every rank to hold the whole
+    model and optimizer state (plain replicas, as ddp keeps them), or FSDP2's shards
+    that it joins again (``reshards``: fsdp and hsdp), and no state of the strategy's
+    own between steps. ``dims``: the run's mesh degrees."""
+    traits = cls.traits
+    what = f"parallel.strategy = {cls.name!r}"
+    if max(dims.tp, dims.pp) > 1 or traits.pipelined:
+        return f"{what} splits the model over the ranks (tp {dims.tp}, pp {dims.pp})"
+    if not reshards and (traits.data_parallel != "replicate" or dims.dp_shard > 1):
+        return f"{what} shards the model and optimizer state over the ranks"
+    if traits.consolidates_optimizer:
+        return f"{what} shards the optimizer state over the ranks"
+    if (cls.attach is not Strategy.attach
+            or cls.after_optimizer_step is not Strategy.after_optimizer_step):
+        return f"{what} keeps state of its own between steps (averaging, a schedule)"
+    return ""

@@ -61,7 +61,8 @@ from gpufleet.data.sampler import ResumableDistributedSampler
 from gpufleet.fault.liveness import Verdict
 from gpufleet.fault.snapshot_ring import Held, newest_replicated, newest_sharded
 from gpufleet.launch import job_store
-from gpufleet.parallel.base import Strategy
+from gpufleet.launch.rendezvous import parse_nnodes
+from gpufleet.parallel.base import Strategy, why_not_in_process
 from gpufleet.parallel.data_parallel import replicate
 from gpufleet.train.recipe import place_scheduler
 from gpufleet.train.reshard import rebuilt_from_sources, shard_position, whole_from_snapshots
@@ -93,23 +94,21 @@ class Membership:
     sources: dict[int, int] = dataclasses.field(default_factory=dict)  # owner -> holder
 
 
-def not_replicated(strategy: Strategy, sampler: Any, reshards: bool = False) -> str:
+def not_replicated(strategy: Strategy, sampler: Any, reshards: bool = False,
+                   nnodes: str = "1") -> str:
     """Why in-process recovery cannot serve this run ("" when it can): it needs every
     rank to hold the whole model and optimizer state (plain replicas, as ddp keeps
     them), or FSDP2's shards that it can put together again (``reshards``: fsdp and
-    hsdp, each model with a :class:`~gpufleet.train.reshard.Source`), and the global
-    data position of the resumable sampler."""
-    traits, dims, cls = strategy.traits, strategy.dims, type(strategy)
-    what = f"parallel.strategy = {strategy.name!r}"
-    if max(dims.tp, dims.pp) > 1 or traits.pipelined:
-        return f"{what} splits the model over the ranks (tp {dims.tp}, pp {dims.pp})"
-    if not reshards and (traits.data_parallel != "replicate" or dims.dp_shard > 1):
-        return f"{what} shards the model and optimizer state over the ranks"
-    if traits.consolidates_optimizer:
-        return f"{what} shards the optimizer state over the ranks"
-    if (cls.attach is not Strategy.attach
-            or cls.after_optimizer_step is not Strategy.after_optimizer_step):
-        return f"{what} keeps state of its own between steps (averaging, a schedule)"
+    hsdp, each model with a :class:`~gpufleet.train.reshard.Source`), the global data
+    position of the resumable sampler, and a node count (``dist.nnodes``) that the
+    ranks left can make: a range, or "1" where another launcher started the job."""
+    reason = why_not_in_process(type(strategy), strategy.dims, reshards)
+    if reason:
+        return reason
+    fewest, most = parse_nnodes(nnodes)
+    if fewest == most > 1:
+        return (f"dist.nnodes = {nnodes!r} is a fixed node count, which the ranks left "
+                "cannot make (give a range, e.g. --nnodes 1:2, to go on without a lost node)")
     if not isinstance(sampler, ResumableDistributedSampler):
         return "data.batching = 'tokens' plans batches for the world size it started with"
     return ""
@@ -287,6 +286,11 @@ class Recovery:
         if len(membership.ranks) == env.world_size:
             raise RecoveryFailed("every rank reported: no rank was lost, so the error "
                                  "is not a lost node")
+        fewest = parse_nnodes(self.run.cfg.dist.nnodes)[0]
+        nodes_left = -(-len(membership.ranks) // max(env.local_world_size, 1))
+        if nodes_left < fewest:
+            raise RecoveryFailed(f"{nodes_left} node(s) left, fewer than the {fewest} of "
+                                 f"dist.nnodes = {self.run.cfg.dist.nnodes!r}")
         return membership
 
     def rebuild(self, rank: int, world: int) -> None:

@@ -33,7 +33,8 @@ def recovery_of(run: Run, join: Any, backend: str) -> Any:
     from gpufleet.train.growing import Growing
     from gpufleet.train.recovery import Recovery, not_replicated
 
-    reason = not_replicated(run.strategy, run.data.sampler, rebuilt_from_sources(run.parts))
+    reason = not_replicated(run.strategy, run.data.sampler, rebuilt_from_sources(run.parts),
+                            run.cfg.dist.nnodes)
     if join is not None:
         if reason:  # the live ranks' agent offered; they cannot have built a Recovery
             raise ConfigError(f"rank {env.rank} cannot join the live ranks: {reason}")
