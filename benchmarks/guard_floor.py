@@ -13,6 +13,9 @@ ones that give up part of what it promises:
   not name its parameter.
 * ``loss only``: the check of the loss alone (does not see a non-finite gradient under
   a finite loss: not a guard of the gradients at all).
+* ``flags only``: no check at all, only what the guard does around one (the interval's
+  flag handed to the fused optimizer, read and settled at the log interval): the cost
+  of the machinery, not a guard.
 * ``no guard``: ``fault.skip_nonfinite = false``.
 
 Each swapped check is a stand-in for the cost only: it is patched into the guard of its
@@ -21,6 +24,7 @@ read) as it is. Prints wall and CPU µs per step (median of 50-step blocks) and 
 to Fabric's CPU time.
 
     python benchmarks/guard_floor.py --steps 3000
+    python benchmarks/guard_floor.py --steps 3000 --turn-steps 50   # warm loops
 """
 
 from __future__ import annotations
@@ -53,8 +57,12 @@ def _loss_only(self: NonFiniteGuard, step_loss: torch.Tensor, optimizer: Any) ->
     optimizer.found_inf = found
 
 
+def _flags_only(self: NonFiniteGuard, step_loss: torch.Tensor, optimizer: Any) -> None:
+    optimizer.found_inf = self._interval.next_flag(None, step_loss)
+
+
 CHECKS = {"gpufleet defaults": _REAL, "gpufleet one check, no culprit": _one_check,
-          "gpufleet loss only": _loss_only}
+          "gpufleet loss only": _loss_only, "gpufleet flags only": _flags_only}
 
 
 def _by_thread(self: NonFiniteGuard, step_loss: torch.Tensor, optimizer: Any) -> None:
