@@ -328,10 +328,11 @@ class FaultConfig(Section):
                               "position) into host memory in a background thread and sends "
                               "one copy to a rank on the next node; 0: off. Host memory per "
                               "rank: its own state plus one partner's. -1 (auto): every "
-                              f"{AUTO_SNAPSHOT_EVERY} steps on a run of several nodes on CPUs "
-                              "whose strategy recovers in process (ddp, fsdp, hsdp), where "
-                              "their cost was measured within 2% of a step; off otherwise "
-                              "(on GPUs until their cost there is measured).", min=-1)
+                              f"{AUTO_SNAPSHOT_EVERY} steps for an elastic node range "
+                              "(--nnodes MIN:MAX) on CPUs whose strategy recovers in process "
+                              "(ddp, fsdp, hsdp), where their cost was measured within 2% of "
+                              "a step; off otherwise (on GPUs until their cost there is "
+                              "measured).", min=-1)
     recover_in_process: bool = opt(True, "With snapshots on and ranks lost mid-run (a node "
                                    "killed), the ranks left leave the broken process group, "
                                    "agree through the job's store on who is left, and go on "

@@ -265,7 +265,7 @@ def grads_of(model: nn.Module) -> Iterator[torch.Tensor]:
     return (p.grad for p in model.parameters() if p.grad is not None)
 
 
-def why_not_in_process(cls: type[Strategy], dims: Any, reshards: bool) -> str:
+def why_not_in_process(cls: type[Strategy], dims: ParallelDims, reshards: bool) -> str:
     """Why a strategy's state cannot be put together again in the ranks left after a
     lost node ("" when it can): in-process recovery needs every rank to hold the whole
     model and optimizer state (plain replicas, as ddp keeps them), or FSDP2's shards
