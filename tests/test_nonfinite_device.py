@@ -144,9 +144,10 @@ class _PoisonAt(Callback):
         self.now = step + 1
 
 
-# The device path, and the host path (fp16's scaler) with and without a clip.
-@pytest.mark.parametrize(("mode", "clip"), [("fp32", 1.0), ("fp16-mixed", 1.0),
-                                            ("fp16-mixed", 0.0)])
+# The device path with the clip's norms and with its own record (each gradient's sum on
+# a CPU), and the host path (fp16's scaler) with and without a clip.
+@pytest.mark.parametrize(("mode", "clip"), [("fp32", 1.0), ("fp32", 0.0),
+                                            ("fp16-mixed", 1.0), ("fp16-mixed", 0.0)])
 def test_the_culprit_is_the_parameter_that_went_bad_before_clipping(tmp_path, caplog, mode,
                                                                     clip):
     # Clipping by norm (on here) spreads a NaN norm into every gradient; the culprit is

@@ -12,8 +12,9 @@ over: a flagged step leaves the weights, the moments and the step counter exactl
 they were. The flag costs two small operations per step: with clipping by norm (on by
 default) the clip's global norm, which is not finite exactly when some gradient is not,
 is checked together with the loss in one fused kernel, and the norm of each gradient
-the clip measured on the way is kept by reference for the culprit; without it, the
-norms are measured here (one fused kernel). The flags, and on an interval with a skip
+the clip measured on the way is kept by reference for the culprit; without it, one
+number per gradient is taken here (the norms in one fused kernel; on a CPU each
+gradient's sum, which costs less there). The flags, and on an interval with a skip
 the norms and losses, are read once per log interval, folded into the loop's own
 log-interval all-reduce: the skip count, the longest run of skips, the step and culprit
 (rank, first bad parameter) of the first skip, and the loss sum without the skipped
@@ -93,7 +94,8 @@ def _prime_momentum(optimizer: torch.optim.Optimizer) -> None:
 class _Interval:
     """What the device path keeps for each step of the log interval: the agreed flag
     (1.0: skipped) in a row of one device buffer zeroed once per interval, and by
-    reference (no copies) the norm of each gradient and the loss. Read on the host at
+    reference (no copies) one number per gradient (its norm, or on a CPU its sum: not
+    finite where the gradient is not) and the loss. Read on the host at
     the log interval; the norms and losses only when a step was skipped."""
 
     def __init__(self, device: torch.device, rows: int = 16) -> None:
@@ -154,6 +156,7 @@ class NonFiniteGuard:
     _names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> name
     _params: list[nn.Parameter] = field(default_factory=list)
     _sharded: bool = True  # some parameter is a DTensor (FSDP, tensor parallel)
+    _sums: bool = False  # the record is each gradient's sum (on a CPU), not its norm
     _one: torch.Tensor | None = None
     _before_clip: EachNorm | None = None  # the host path's norms of this step
     _agree: Any = None  # the strategy's all_reduce; None in a single process
@@ -186,6 +189,7 @@ class NonFiniteGuard:
         self._names = {id(p): n for n, p in named}
         self._params = [p for _, p in named if p.requires_grad]
         self._sharded = any(hasattr(p, "to_local") for p in self._params)  # DTensors
+        self._sums = device.type == "cpu"
         if self.on_device:
             _prime_momentum(optimizer)
             self._one = torch.ones((), device=device)
@@ -232,22 +236,32 @@ class NonFiniteGuard:
         return True
 
     def _flag_gradients(self, step_loss: torch.Tensor, optimizer: Any) -> None:
-        """:meth:`_flag_on_device` where no clip measured the gradients: one fused kernel
-        measures each gradient (this rank's piece of it: FSDP and tensor parallel shard
-        them), whose norms are kept by reference for the culprit, and one fused kernel
-        checks them with the loss. Every step, so kept to the fewest Python operations:
-        where every parameter is whole and has a gradient, the record is the bare list
-        of norms (:meth:`_culprit` knows the parameters)."""
+        """:meth:`_flag_on_device` where no clip measured the gradients: one number per
+        gradient (this rank's piece of it: FSDP and tensor parallel shard them), kept by
+        reference for the culprit, and one fused kernel that checks them with the loss.
+        Every step, so kept to the fewest Python operations.
+
+        The number is each gradient's norm (one fused kernel), except on a CPU where
+        every parameter is whole and has a gradient: there it is each gradient's sum in
+        float32, which reads each element once as the norm does but costs less per step
+        (about 9 µs of 400 on the MLP of ``benchmarks/peers.py``; there is no fused
+        kernel on a CPU to save launches). A sum is not finite exactly when an element
+        is not, or when finite elements add up past float32's range, which a norm's
+        squares reach sooner."""
         params = self._params
         grads = [g for p in params if (g := p.grad) is not None]
         if self._sharded or len(grads) < len(params):
             each = each_norm_unstacked(params, self._sharded)
-            norms = each.values
+            checked = [*each.values, step_loss]
+        elif self._sums:  # the bare values (_culprit knows the parameters)
+            checked = [g.sum(dtype=torch.float32) for g in grads]
+            each = tuple(checked)
+            checked.append(step_loss)
         else:
-            each = norms = torch._foreach_norm(grads)
+            each = torch._foreach_norm(grads)
+            checked = [*each, step_loss]
         found = self._interval.next_flag(each, step_loss)
-        torch._amp_foreach_non_finite_check_and_unscale_([*norms, step_loss], found,
-                                                         self._one)
+        torch._amp_foreach_non_finite_check_and_unscale_(checked, found, self._one)
         if self._agree is not None:
             self._agree(found, "max")  # COLLECTIVE: every rank, every step; no SYNC
         optimizer.found_inf = found
@@ -307,13 +321,14 @@ class NonFiniteGuard:
         """This rank's view of step ``row`` of the interval: its loss was not finite,
         the first parameter whose gradient was not, how many were not."""
         each = self._interval.norms[row]
-        if not isinstance(each, EachNorm):  # the bare norms of every parameter (_flag_gradients)
+        if not isinstance(each, EachNorm):  # every parameter's bare value (_flag_gradients)
             each = EachNorm(each, self._params, None)
         bad = self._bad_names(each)
         return not math.isfinite(loss), bad[0] if bad else None, len(bad)
 
     def _bad_names(self, each: EachNorm) -> list[str]:
-        """The names of the parameters whose gradient norm in ``each`` is not finite."""
+        """The names of the parameters whose value in ``each`` (a gradient norm or sum) is
+        not finite."""
         params = each.params if each.present is None else \
             [each.params[i] for i in each.present]
         values = each.values
