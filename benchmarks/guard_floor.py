@@ -1,13 +1,17 @@
 """What the non-finite guard could cost at the least, beside what it costs, in one run.
 
 The MLP job of ``peers.py`` (256-256-10, batch 32, SGD, 1 torch thread) in loops that
-take turns a step at a time (``peers.Baton``): Lightning Fabric (no guard), gpufleet
-with its defaults, and gpufleet with the guard's per-step check swapped for cheaper
-ones that give up part of what it promises:
+take turns a step, or with ``--turn-steps`` a block of steps, at a time
+(``peers.Baton``): Lightning Fabric (no guard), gpufleet with its defaults, and
+gpufleet with the guard's per-step check swapped for cheaper ones that give up part of
+what it promises:
 
-* ``defaults``: each gradient's norm (one fused kernel), kept by reference for the log
-  interval so that a skipped step names its first bad parameter, then one fused
-  finiteness check of those norms and the loss; the flag goes to the fused optimizer.
+* ``defaults``: one number per gradient (on this CPU its float32 sum), kept by
+  reference for the log interval so that a skipped step names its first bad parameter,
+  then one fused finiteness check of those numbers and the loss; the flag goes to the
+  fused optimizer.
+* ``norms kept``: the record as an accelerator keeps it, each gradient's norm (one fused
+  kernel there), where on a CPU the defaults keep each gradient's sum.
 * ``one check, no culprit``: one fused finiteness check over the gradients themselves
   and the loss (the least work that still reads every gradient); a skipped step could
   not name its parameter.
@@ -51,6 +55,14 @@ def _one_check(self: NonFiniteGuard, step_loss: torch.Tensor, optimizer: Any) ->
     optimizer.found_inf = found
 
 
+def _norms_kept(self: NonFiniteGuard, step_loss: torch.Tensor, optimizer: Any) -> None:
+    grads = [g for p in self._params if (g := p.grad) is not None]
+    norms = torch._foreach_norm(grads)
+    found = self._interval.next_flag(norms, step_loss)
+    torch._amp_foreach_non_finite_check_and_unscale_([*norms, step_loss], found, self._one)
+    optimizer.found_inf = found
+
+
 def _loss_only(self: NonFiniteGuard, step_loss: torch.Tensor, optimizer: Any) -> None:
     found = self._interval.next_flag(None, step_loss)
     torch._amp_foreach_non_finite_check_and_unscale_([step_loss], found, self._one)
@@ -61,7 +73,8 @@ def _flags_only(self: NonFiniteGuard, step_loss: torch.Tensor, optimizer: Any) -
     optimizer.found_inf = self._interval.next_flag(None, step_loss)
 
 
-CHECKS = {"gpufleet defaults": _REAL, "gpufleet one check, no culprit": _one_check,
+CHECKS = {"gpufleet defaults": _REAL, "gpufleet norms kept": _norms_kept,
+          "gpufleet one check, no culprit": _one_check,
           "gpufleet loss only": _loss_only, "gpufleet flags only": _flags_only}
 
 
