@@ -42,12 +42,13 @@ def reads(out: Path) -> dict[int, list[tuple[int, int]]]:
             for p in out.glob("*.txt")}
 
 
-def kill_node_1_past(netbed, run: Path, nodes: list, step: int) -> int:
-    """Wait until both nodes trained past ``step``, kill node 1; the step reached."""
+def kill_node_1_past(netbed, run: Path, nodes: list, step: int, world: int = 2) -> int:
+    """Wait until both nodes (``world`` ranks) trained past ``step``, kill node 1; the
+    step reached."""
     def both_past():
         records = train_records(run)
         return records and records[-1]["step"] >= step and \
-            len(records[-1]["rank_phases"]) == 2
+            len(records[-1]["rank_phases"]) == world
     wait_for(both_past, 120, nodes)
     at = train_records(run)[-1]["step"]
     assert len(netbed.kill_node(1)) >= 2  # the agent and its rank, at least
@@ -249,6 +250,46 @@ def test_weights_after_recovery_equal_a_run_resumed_at_the_new_world_size(netbed
     assert recovered.keys() == reference.keys()
     for name, tensor in reference.items():
         assert torch.equal(recovered[name], tensor), name
+
+
+@pytest.mark.slow
+def test_hsdp_with_two_ranks_a_node_goes_on_from_the_survivors_own_shards(netbed, tmp_path):
+    """hsdp over 2 nodes of 2 ranks: each node holds a whole replica, sharded over its
+    two ranks. Node 1 killed at any moment: node 0's two ranks put the whole state
+    together from their own shards (no partner copy needed) and go on at world 2, as
+    hsdp within the node again, every sample of the epoch's prefix read once."""
+    run, out, steps, n = tmp_path / "runs" / "h", tmp_path / "reads", 40, 4096
+    data = ["--data", "toyjob:make_data_read_log",
+            f"--data.kwargs={{out = '{out}', delay = 0.01, n = {n}}}"]
+    args = recovering_args(netbed.addr(0), "runs/h", data, steps, ("--nproc", "2"), "hsdp")
+    nodes = [start(netbed, 0, args, tmp_path)]
+    time.sleep(0.5)
+    nodes.append(start(netbed, 1, args, tmp_path))
+    kill_node_1_past(netbed, run, nodes, 3, world=4)
+    wait_for(lambda: f"step-{steps:07d}" in nodes[0].output(), 150, nodes[:1])
+    said = nodes[0].output()
+    found = RECOVERED.search(said)
+    assert found, said[-4000:]
+    step, world_from, world_to = map(int, found.groups())
+    assert (world_from, world_to) == (4, 2)
+    assert "restarts the ranks from the newest checkpoint" not in said
+    # Built over both nodes' replicas, then again over node 0's two ranks (a node's ranks
+    # shard; the regroup plans the mesh with the node's rank count).
+    assert "sharded one by one over dp_replicate=2 x dp_shard=2" in said
+    assert "sharded one by one over dp_shard=2, then the root" in said
+    by_process = {pid: phases(got) for pid, got in reads(out).items()}
+    assert len(by_process) == 4, sorted(by_process)
+    survivors = [p for p in by_process.values() if len(p) == 2]
+    lost = [p for p in by_process.values() if len(p) == 1]
+    assert len(survivors) == 2 and [w for w, _ in survivors[0]] == [4, 2]
+    used = [i for p in survivors for i in p[0][1][:16 * step] + p[1][1][:16 * (steps - step)]]
+    used += [i for p in lost for i in p[0][1][:16 * step]]
+    # The first samples of epoch 0's order, each once (the epoch is longer than the run).
+    order = list(ResumableDistributedSampler(n, seed=1337))
+    assert len(used) == 64 * step + 32 * (steps - step) < n
+    assert sorted(used) == sorted(order[:len(used)])
+    records = train_records(run)
+    assert records[-1]["step"] == steps and len(records[-1]["rank_phases"]) == 2
 
 
 @pytest.mark.slow
