@@ -237,17 +237,12 @@ class NonFiniteGuard:
 
     def _flag_gradients(self, step_loss: torch.Tensor, optimizer: Any) -> None:
         """:meth:`_flag_on_device` where no clip measured the gradients: one number per
-        gradient (this rank's piece of it: FSDP and tensor parallel shard them), kept by
-        reference for the culprit, and one fused kernel that checks them with the loss.
-        Every step, so kept to the fewest Python operations.
-
-        The number is each gradient's norm (one fused kernel), except on a CPU where
-        every parameter is whole and has a gradient: there it is each gradient's sum in
-        float32, which reads each element once as the norm does but costs less per step
-        (about 9 µs of 400 on the MLP of ``benchmarks/peers.py``; there is no fused
-        kernel on a CPU to save launches). A sum is not finite exactly when an element
-        is not, or when finite elements add up past float32's range, which a norm's
-        squares reach sooner."""
+        gradient (this rank's piece of it), kept by reference for the culprit, and one
+        fused kernel that checks them with the loss. Every step: the fewest Python
+        operations. The number is each gradient's norm (one fused kernel), or on a CPU,
+        where every parameter is whole, its float32 sum: no launches to save there, and
+        3-9 µs less a step (``benchmarks/guard_floor.py``). A sum is not finite exactly
+        when an element is not, or past float32's range, which squares reach sooner."""
         params = self._params
         grads = [g for p in params if (g := p.grad) is not None]
         if self._sharded or len(grads) < len(params):
