@@ -3,12 +3,14 @@ TCPStores on loopback, free ports; the two-node runs are in tests/cluster)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -36,10 +38,14 @@ def store_port():
     thread.join(10)
 
 
-def refused_endpoint() -> str:
-    with socket.socket() as sock:  # bound, never listening: connections are refused
+@contextlib.contextmanager
+def refused_endpoint() -> Iterator[str]:
+    """An endpoint whose connections are refused: a port bound and never listening, held
+    for the ``with`` block, so that no other process (a rank of a test running beside
+    this one) can listen there meanwhile and be connected to by mistake."""
+    with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{sock.getsockname()[1]}"
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
 
 
 def test_the_command_serves_a_store_clients_share_and_stops_on_sigterm():
@@ -84,8 +90,7 @@ def test_the_printed_endpoint_is_an_address_the_nodes_can_use():
 
 
 def test_an_unreachable_endpoint_names_itself_and_the_store_to_start():
-    endpoint = refused_endpoint()
-    with pytest.raises(LaunchError) as err:
+    with refused_endpoint() as endpoint, pytest.raises(LaunchError) as err:
         wait_for_store(endpoint, timeout_s=0.3, poll_s=0.1)
     port = endpoint.rsplit(":", 1)[1]
     assert f"Nothing answers at the rendezvous endpoint {endpoint}" in str(err.value)
@@ -93,11 +98,12 @@ def test_an_unreachable_endpoint_names_itself_and_the_store_to_start():
 
 
 def test_the_launch_path_checks_a_store_it_does_not_host(store_port):
-    plan = LaunchPlan.resolve(nnodes="1:2", rdzv_endpoint=refused_endpoint(), rdzv_id="job")
     quick = RendezvousTimeouts(join_s=0.3)
-    with pytest.raises(LaunchError, match="Nothing answers at the rendezvous endpoint"):
-        _store_elsewhere(plan, {"is_host": False}, quick)
-    assert _store_elsewhere(plan, {"is_host": True}, quick) is None  # this node hosts it
+    with refused_endpoint() as endpoint:
+        plan = LaunchPlan.resolve(nnodes="1:2", rdzv_endpoint=endpoint, rdzv_id="job")
+        with pytest.raises(LaunchError, match="Nothing answers at the rendezvous endpoint"):
+            _store_elsewhere(plan, {"is_host": False}, quick)
+        assert _store_elsewhere(plan, {"is_host": True}, quick) is None  # this node hosts it
     reachable = LaunchPlan.resolve(nnodes="1:2", rdzv_endpoint=f"127.0.0.1:{store_port}",
                                    rdzv_id="job")
     generations = _store_elsewhere(reachable, {"is_host": False}, quick)
