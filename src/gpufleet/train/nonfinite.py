@@ -218,7 +218,10 @@ class NonFiniteGuard:
                 measured = self.strategy.measured if grad_norm is not None else None
                 if measured is None:  # no clip ran: the gradients are as backward left them
                     measured = each_norm(self._params, step_loss.device)[0]
-                self._flag_on_device(measured, grad_norm, step_loss, optimizer)
+                # The global norm, when the clip gave it, is not finite exactly when some
+                # gradient is not: one value to check instead of every norm.
+                checked = [grad_norm if grad_norm is not None else measured.values, step_loss]
+                self._flag_on_device(measured, checked, step_loss, optimizer)
             return False
         each, self._before_clip = self._before_clip, None  # this step's, from inspect()
         if each is None:  # inspect() was not called: nothing was clipped since backward
@@ -255,23 +258,17 @@ class NonFiniteGuard:
         else:
             each = torch._foreach_norm(grads)
             checked = [*each, step_loss]
-        found = self._interval.next_flag(each, step_loss)
-        torch._amp_foreach_non_finite_check_and_unscale_(checked, found, self._one)
-        if self._agree is not None:
-            self._agree(found, "max")  # COLLECTIVE: every rank, every step; no SYNC
-        optimizer.found_inf = found
+        self._flag_on_device(each, checked, step_loss, optimizer)
 
-    def _flag_on_device(self, each: EachNorm, total: torch.Tensor | None,
+    def _flag_on_device(self, each: Any, checked: list[torch.Tensor],
                         step_loss: torch.Tensor, optimizer: Any) -> None:
-        """Flag the step (1.0) where the loss or a gradient norm is not finite (the
-        global ``total`` when given, else every norm), agreed over the ranks; the fused
-        optimizer then changes nothing. A few operations, no host read."""
+        """Flag the step (1.0) where a value of ``checked`` (the loss and the gradients'
+        numbers) is not finite, agreed over the ranks; the fused optimizer then changes
+        nothing. ``each``: the step's record for the culprit. A few operations, no host
+        read."""
         found = self._interval.next_flag(each, step_loss)
         # One fused kernel sets ``found`` where a value is not finite (it also multiplies
         # them by one, in place: no change).
-        values = each.values
-        checked = [total, step_loss] if total is not None else \
-            [*values, step_loss] if isinstance(values, (list, tuple)) else [values, step_loss]
         torch._amp_foreach_non_finite_check_and_unscale_(checked, found, self._one)
         if self._agree is not None:
             self._agree(found, "max")  # COLLECTIVE: every rank, every step; no SYNC
