@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from gpufleet.config import Config
-from gpufleet.config.schema import AUTO_SNAPSHOT_EVERY
+from gpufleet.config.distributed import AUTO_SNAPSHOT_EVERY
 from gpufleet.core.machine import default_num_workers
 from gpufleet.errors import ConfigError
 from gpufleet.launch.rendezvous import parse_nnodes
