@@ -18,7 +18,6 @@ from gpufleet.launch import (
     LaunchPlan,
     barrier,
     broadcast_object,
-    free_port,
     init_process_group,
     launch,
     rank_zero_first,
@@ -26,6 +25,7 @@ from gpufleet.launch import (
 )
 from gpufleet.launch.elastic_setup import agent_made_with, rendezvous_poll
 from gpufleet.launch.launcher import ELASTIC_EXIT_BARRIER_S
+from ports import refused_port
 
 HERE = Path(__file__).resolve().parent
 # The rank functions live in a module of their own, importable by name in spawned ranks
@@ -140,11 +140,12 @@ def test_helpers_without_process_group(tmp_path):
 
 
 def test_init_timeout_names_address_and_fixes():
-    port = free_port()  # nobody listens there
-    env = DistEnv(rank=1, world_size=2, local_rank=1, local_world_size=2, master_port=port,
-                  source="torchrun")
-    with pytest.raises(LaunchError, match=rf"(?s)127\.0\.0\.1:{port} within 2 s.*all 2 ranks"):
-        init_process_group(env, "gloo", timeout_s=2)
+    with refused_port() as port:  # nobody listens there, nor can meanwhile
+        env = DistEnv(rank=1, world_size=2, local_rank=1, local_world_size=2,
+                      master_port=port, source="torchrun")
+        with pytest.raises(LaunchError,
+                           match=rf"(?s)127\.0\.0\.1:{port} within 2 s.*all 2 ranks"):
+            init_process_group(env, "gloo", timeout_s=2)
     assert not dist.is_initialized()
 
 

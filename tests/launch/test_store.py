@@ -3,14 +3,12 @@ TCPStores on loopback, free ports; the two-node runs are in tests/cluster)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -21,6 +19,7 @@ from gpufleet.launch.launcher import RendezvousTimeouts, _store_elsewhere, launc
 from gpufleet.launch.rendezvous import LaunchPlan
 from gpufleet.launch.store import endpoint_hint, serve_store
 from gpufleet.launch.store_client import RunGenerations, torch_run_id, wait_for_store
+from ports import refused_endpoint
 
 
 @pytest.fixture
@@ -36,16 +35,6 @@ def store_port():
     yield ports[0]
     stop.set()
     thread.join(10)
-
-
-@contextlib.contextmanager
-def refused_endpoint() -> Iterator[str]:
-    """An endpoint whose connections are refused: a port bound and never listening, held
-    for the ``with`` block, so that no other process (a rank of a test running beside
-    this one) can listen there meanwhile and be connected to by mistake."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        yield f"127.0.0.1:{sock.getsockname()[1]}"
 
 
 def test_the_command_serves_a_store_clients_share_and_stops_on_sigterm():
