@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import gpufleet
 import toyjob
 from gpufleet.config import FaultConfig, ParallelConfig
+from gpufleet.errors import TrainingStopped
 from gpufleet.parallel import build_strategy
 from gpufleet.precision import build_precision
 from gpufleet.train.callbacks import Callback
@@ -186,3 +187,26 @@ def test_an_interval_with_a_skipped_step_logs_the_mean_loss_of_the_others(tmp_pa
     # The first interval's mean leaves step 3 out; the second holds no skipped step.
     assert grouped[4] == pytest.approx((each[1] + each[2] + each[4]) / 3, rel=1e-6)
     assert grouped[8] == pytest.approx(sum(each[s] for s in range(5, 9)) / 4, rel=1e-6)
+
+
+@pytest.mark.parametrize("limit", [4, 5])
+def test_a_run_of_skips_goes_on_across_log_intervals(tmp_path, limit):
+    # Steps 5-8 go bad; intervals of 3 steps: 1-3 (none skipped), 4-6 (two), 7-9 (two
+    # more): the run of four spans two intervals and stops a run whose limit is four.
+    torch.manual_seed(0)
+    data = toyjob.make_data_nan_on_rank(rank=0, after=4 * 16 + 1, nan=4 * 16, n=512)
+    overrides = {"run.out_dir": str(tmp_path), "run.max_steps": 12, "log.every": 3,
+                 "log.progress": "off", "data.batch_size": 16, "data.num_workers": 0,
+                 "fault.max_skips_in_row": limit}
+
+    def fit():
+        return gpufleet.fit(toyjob.make_model(), data, loss_fn=F.mse_loss,
+                            overrides=overrides)
+
+    if limit == 4:
+        with pytest.raises(TrainingStopped, match=r"4 optimizer steps in a row .*\(step 7:"):
+            fit()
+    else:
+        result = fit()
+        assert result.skipped_steps == 4 and result.steps == 12
+        assert all(math.isfinite(loss) for step, loss in result.losses if step in (3, 12))

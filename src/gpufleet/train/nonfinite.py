@@ -93,10 +93,10 @@ def _prime_momentum(optimizer: torch.optim.Optimizer) -> None:
 
 class _Interval:
     """What the device path keeps for each step of the log interval: the agreed flag
-    (1.0: skipped) in a row of one device buffer zeroed once per interval, and by
-    reference (no copies) one number per gradient (its norm, or on a CPU its sum: not
-    finite where the gradient is not) and the loss. Read on the host at
-    the log interval; the norms and losses only when a step was skipped."""
+    (1.0: skipped) in a row of one device buffer (zeroed again after an interval with a
+    skip), and by reference (no copies) one number per gradient (its norm, or on a CPU
+    its sum: not finite where the gradient is not) and the loss. Read on the host at the
+    log interval; the norms and losses only when a step was skipped."""
 
     def __init__(self, device: torch.device, rows: int = 16) -> None:
         self.rows = 0
@@ -118,10 +118,19 @@ class _Interval:
         return self._flags[row]
 
     def flags(self) -> torch.Tensor:
-        return self._buffer[:self.rows]
+        rows = self.rows
+        return self._buffer if rows == self._capacity else self._buffer[:rows]
 
-    def clear(self) -> None:
-        self._buffer.zero_()
+    def clear(self, flagged: bool) -> None:
+        """Start the next interval; ``flagged``: some row was set (else every row is
+        still zero). After an interval shorter than the buffer, the buffer takes its
+        length (intervals are alike), so that :meth:`flags` needs no slice."""
+        rows = self.rows
+        if rows and rows != self._capacity:
+            self._buffer = torch.zeros(rows, device=self._buffer.device)
+            self._flags, self._capacity = self._buffer.unbind(), rows
+        elif flagged:
+            self._buffer.zero_()
         self.rows, self.norms, self.losses = 0, [], []
 
 
@@ -286,6 +295,11 @@ class NonFiniteGuard:
         (:meth:`pending` as read on the host); report the first skip and stop the run
         after ``max_skips_in_row`` in a row. Returns ``loss_total`` (the loop's sum of
         every step's loss over the ranks) without the skipped steps' losses."""
+        if not flags or max(flags) < 0.5:  # nothing skipped: the usual interval
+            if flags:
+                self.in_row = 0
+            self._interval.clear(False)
+            return loss_total
         skipped = [v >= 0.5 for v in flags]
         run = longest = self.in_row  # a run of skips goes on across intervals
         for bad in skipped:
@@ -306,7 +320,7 @@ class NonFiniteGuard:
             self.report(first_step + first + 1, is_main,
                         f" ({count} in this log interval)" if count > 1 else "")
         self.in_row = run
-        self._interval.clear()
+        self._interval.clear(True)
         return loss_total
 
     def _culprit(self, row: int, loss: float) -> tuple[bool, str | None, int]:
