@@ -24,6 +24,12 @@ imports later counted.
     python benchmarks/peers.py                      # MLP 256-256-10, batch 32, SGD
     python benchmarks/peers.py --job gpt --steps 300   # the built-in GPT's recipe
     python benchmarks/peers.py --turn-steps 50      # warm: turns of a block each
+    python benchmarks/peers.py --turn-steps 50 --breakdown   # + where gpufleet's µs go
+
+``--breakdown`` adds gpufleet loops that each leave out one part of the defaults (the
+watchdog, the non-finite guard, monitoring), one with a metrics line every 50 steps
+instead of 10, and prints what each part costs a step against the defaults, in µs and
+as a share of Fabric's step: where the distance to Fabric sits.
 """
 
 from __future__ import annotations
@@ -263,6 +269,11 @@ MONITORING_OFF = {"monitor.phases": False, "monitor.diagnose": False,
                   "monitor.system_interval_s": 0, "monitor.report": False,
                   "monitor.link_probe": False}
 BARE = {**MONITORING_OFF, "fault.skip_nonfinite": False, "fault.watchdog": False}
+#: --breakdown: each loop leaves one part of the defaults out (name: overrides)
+#: (monitoring's part is the "gpufleet monitoring off" loop, always run)
+PARTS = {"watchdog": {"fault.watchdog": False},
+         "non-finite guard": {"fault.skip_nonfinite": False},
+         "log lines every 10 steps, not 50": {"log.every": 50}}
 
 
 def gpufleet_loop(extra: dict[str, Any]) -> Callable[[Job, Callable[[], None]], None]:
@@ -359,6 +370,9 @@ def main() -> None:
     p.add_argument("--turn-steps", type=int, default=1,
                    help="steps a loop runs before passing the baton (1: cold steps; "
                         f"{BLOCK}: warm, a block a turn)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also run gpufleet without each part of its defaults, and print "
+                        "what each part costs a step")
     p.add_argument("--no-import-times", action="store_true",
                    help="do not time each entry module's import in a fresh process")
     args = p.parse_args()
@@ -379,6 +393,9 @@ def main() -> None:
     loops["gpufleet bare"] = gpufleet_loop(BARE)
     loops["gpufleet Fleet"] = fleet_loop({})
     loops["gpufleet Fleet mon. off"] = fleet_loop(MONITORING_OFF)
+    if args.breakdown:
+        for part, extra in PARTS.items():
+            loops[f"gpufleet - {part}"] = gpufleet_loop(extra)
     print(machine_summary())
     print(f"load average (1, 5, 15 min): {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     if sys.flags.dont_write_bytecode:
@@ -404,13 +421,37 @@ def main() -> None:
         return block_median(xs, args.warmup)
 
     hw, hc = blocks(baton.wall[0]), blocks(baton.cpu[0])
-    print(f"\n{'loop':<26}{'wall us/step':>13}{'vs hand':>9}{'+us':>8}{'cpu us/step':>13}"
+    width = max(26, *(len(n) + 2 for n in names))
+    print(f"\n{'loop':<{width}}{'wall us/step':>13}{'vs hand':>9}{'+us':>8}{'cpu us/step':>13}"
           f"{'vs hand':>9}{'first step s':>14}")
     for i, name in enumerate(names):
         w, c = blocks(baton.wall[i]), blocks(baton.cpu[i])
-        print(f"{name:<26}{w * 1e6:>13.1f}{w / hw:>9.3f}{(w - hw) * 1e6:>8.1f}"
+        print(f"{name:<{width}}{w * 1e6:>13.1f}{w / hw:>9.3f}{(w - hw) * 1e6:>8.1f}"
               f"{c * 1e6:>13.1f}{c / hc:>9.3f}{baton.first[i]:>14.3f}")
+    if args.breakdown and "Lightning Fabric" in loops:
+        fabric_i, defaults_i = names.index("Lightning Fabric"), names.index("gpufleet defaults")
+        without = {"monitoring": "gpufleet monitoring off",
+                   **{part: f"gpufleet - {part}" for part in PARTS}}
+        print_breakdown({n: (blocks(baton.wall[i]), blocks(baton.cpu[i]))
+                         for i, n in enumerate(names)}, names[fabric_i], names[defaults_i],
+                        without)
     print(f"load average at the end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+
+
+def print_breakdown(times: dict[str, tuple[float, float]], fabric: str, defaults: str,
+                    without: dict[str, str]) -> None:
+    """What each part of gpufleet's defaults costs a step: the defaults' time less the
+    time of the loop without it (``without``: part -> loop), in µs and as a share of
+    Fabric's step (wall, CPU)."""
+    fw, fc = times[fabric]
+    dw, dc = times[defaults]
+    print(f"\nwhere the defaults' time over Fabric's goes ({(dw - fw) * 1e6:+.1f} µs wall, "
+          f"{(dc - fc) * 1e6:+.1f} µs CPU a step):")
+    print(f"{'part':<40}{'wall us':>9}{'% Fabric':>10}{'cpu us':>9}{'% Fabric':>10}")
+    for part, loop in without.items():
+        w, c = times[loop]
+        print(f"{part:<40}{(dw - w) * 1e6:>9.1f}{(dw - w) / fw * 100:>10.1f}"
+              f"{(dc - c) * 1e6:>9.1f}{(dc - c) / fc * 100:>10.1f}")
 
 
 if __name__ == "__main__":
