@@ -21,7 +21,7 @@ from torch.nn import functional as F
 import gpufleet
 import toyjob
 from gpufleet.errors import CheckpointError, TrainingStopped
-from gpufleet.fault.watchdog import stall_report
+from gpufleet.fault.stall_report import stall_report
 from gpufleet.precision import FP16Mixed
 from gpufleet.train import checkpoint as ckpt
 from gpufleet.train.callbacks import Callback

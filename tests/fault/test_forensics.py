@@ -11,7 +11,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from gpufleet.core import ring as ring_module
 from gpufleet.core.ring import CollectiveRing
-from gpufleet.fault import flight_recorder, forensics
+from gpufleet.fault import flight_recorder, forensics, stall_report
 from gpufleet.fault.forensics import capture, merge
 
 
@@ -140,7 +140,7 @@ def test_flight_recorder_dumps_are_found_on_nccl_only(tmp_path):
 
 
 def test_doctests():
-    for module in (ring_module, forensics, flight_recorder):
+    for module in (ring_module, forensics, flight_recorder, stall_report):
         assert doctest.testmod(module).failed == 0, module.__name__
 
 
