@@ -17,6 +17,7 @@ import toyjob
 from gpufleet.monitor import report, report_svg
 from gpufleet.monitor.diagnose import Finding
 from gpufleet.monitor.report import ReportError, write_report
+from gpufleet.monitor.report_cli import write_at_end
 
 FINDING = Finding(rule="input-bound", severity="warn", title="input-bound on rank 0",
                   message="rank 0 waits 41% of each step for data.",
@@ -134,6 +135,13 @@ def test_not_a_run_directory_is_a_clear_error(tmp_path):
         write_report(tmp_path / "run-2")
     with pytest.raises(ReportError, match=r"is not a run directory: it has no config\.toml"):
         write_report(tmp_path)
+
+
+def test_a_report_that_cannot_be_written_at_a_runs_end_is_logged_not_raised(tmp_path,
+                                                                            caplog):
+    write_at_end(tmp_path)  # no config.toml: not a run directory
+    assert "the HTML report could not be written: ReportError" in caplog.text
+    assert not (tmp_path / "report.html").exists()
 
 
 def test_report_command(run_dir, run_cli):

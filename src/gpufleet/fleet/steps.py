@@ -12,9 +12,7 @@ adds, besides the guard's off the device path).
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,11 +21,10 @@ from gpufleet.config import write_config
 from gpufleet.core.callbacks import Callback, CallbackList
 from gpufleet.core.phases import Phase, PhaseAnnouncer
 from gpufleet.fleet.run import FleetRun
+from gpufleet.monitor.report_cli import write_at_end
 from gpufleet.procs import forget_process
 from gpufleet.train.build import _own_callbacks
 from gpufleet.train.interval import LogInterval
-
-log = logging.getLogger(__name__)
 
 
 class StepTracker:
@@ -201,17 +198,7 @@ class StepTracker:
                 run.phases.hand_over()  # the monitors read every phase mark
                 run.callbacks.on_fit_end(run.view, result)
                 if run.env.is_main and run.cfg.monitor.report:
-                    _write_report(run.run_dir)
+                    write_at_end(run.run_dir)
             forget_process(run.run_dir)
         finally:
             run.close()
-
-
-def _write_report(run_dir: Path) -> None:
-    """report.html for the run (not essential: a failure is reported, not raised)."""
-    from gpufleet.monitor.report import write_report  # the report's renderer: deferred
-
-    try:
-        write_report(run_dir)
-    except Exception as e:
-        log.error("the HTML report could not be written: %s: %s", type(e).__name__, e)

@@ -1,8 +1,25 @@
-"""``gpufleet report RUN_DIR``: rebuild a run's report.html and print its diagnosis."""
+"""report.html written at a run's end (:func:`write_at_end`), and ``gpufleet report
+RUN_DIR``, which rebuilds it and prints the diagnosis. The renderer is imported only
+when a report is written."""
 
 from __future__ import annotations
 
 import argparse
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def write_at_end(run_dir: str | Path) -> None:
+    """report.html for a run that just ended (not essential: a failure is logged, not
+    raised)."""
+    from gpufleet.monitor.report import write_report
+
+    try:
+        write_report(run_dir)  # logs where it went
+    except Exception as e:
+        log.error("the HTML report could not be written: %s: %s", type(e).__name__, e)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -22,6 +22,7 @@ import torch
 
 from gpufleet.core.phases import Phase
 from gpufleet.fault.crash import crash_reported
+from gpufleet.monitor.report_cli import write_at_end
 from gpufleet.train.checkpointer import Position
 from gpufleet.train.growing import Regroup
 from gpufleet.train.interval import LogInterval
@@ -433,15 +434,5 @@ class Trainer:
         run.callbacks.on_fit_end(run.view, result)
         result.callback_errors = dict(run.callbacks.failures)
         if run.env.is_main and run.cfg.monitor.report:
-            _write_report(run.run_dir)
+            write_at_end(run.run_dir)
         return result
-
-
-def _write_report(run_dir: Any) -> None:
-    """report.html for the run (not essential: a failure is reported, not raised)."""
-    from gpufleet.monitor.report import write_report
-
-    try:
-        write_report(run_dir)  # logs where it went
-    except Exception as e:
-        log.error("the HTML report could not be written: %s: %s", type(e).__name__, e)
