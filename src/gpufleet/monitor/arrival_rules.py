@@ -14,7 +14,9 @@ the wait for late ranks subtracted: only that can make a run communication-bound
 
 from __future__ import annotations
 
-from gpufleet.monitor.findings import Finding, RunFacts, Summary
+from statistics import median
+
+from gpufleet.monitor.findings import Finding, RunFacts, Summary, ms
 from gpufleet.monitor.links import link_sentence, slow_node_fix, slow_nodes
 
 # How the phases are named in findings ("other" holds the step-end callbacks and the log).
@@ -27,16 +29,6 @@ _STEP_KEYS = ("data", "forward", "backward", "optimizer", "other")
 # A rank whose own work per step exceeds the others' by this share of the step (and by
 # 1 ms) is named at info level; from 15% (and 2 ms) on, as a warning.
 SMALL_EXCESS = 0.05
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f} ms"
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def _arrival_rows(s: Summary) -> list[dict[str, float]] | None:
@@ -84,12 +76,12 @@ def straggler(s: Summary, facts: RunFacts) -> Finding | None:
     own = own_phases(s, rows)
     slow = max(range(len(own)), key=lambda i: own[i]["total"])
     rest = [o for i, o in enumerate(own) if i != slow]
-    typical = _median([o["total"] for o in rest])
+    typical = median([o["total"] for o in rest])
     excess = own[slow]["total"] - typical
     small = excess < max(0.15 * s.step_s, 2e-3)
     if excess < max(SMALL_EXCESS * s.step_s, 1e-3):
         return None
-    extra = {k: own[slow][k] - _median([o[k] for o in rest]) for k in (*_STEP_KEYS, "gc")}
+    extra = {k: own[slow][k] - median([o[k] for o in rest]) for k in (*_STEP_KEYS, "gc")}
     # A GC pause is inside some phase: it wins when it explains most of the excess.
     phase = "gc" if extra["gc"] >= 0.5 * excess else max(_STEP_KEYS, key=extra.__getitem__)
     if phase == "forward" and _pipelined(rows):  # a slow stage: named from 15% on
@@ -97,13 +89,13 @@ def straggler(s: Summary, facts: RunFacts) -> Finding | None:
     rank = s.rank_phases[slow]["rank"]
     share = extra[phase] / excess
     waited = _where_they_wait(rows, slow, rank, facts.strategy)
-    message = (f"rank {rank} spends {_ms(own[slow]['total'])} per step on its own work, the "
-               f"other ranks {_ms(typical)}; {waited}. Its extra {_ms(excess)} goes to "
-               f"{_PHASE_WORDS[phase]}: {_ms(own[slow][phase])} against "
-               f"{_ms(_median([o[phase] for o in rest]))} elsewhere.")
+    message = (f"rank {rank} spends {ms(own[slow]['total'])} per step on its own work, the "
+               f"other ranks {ms(typical)}; {waited}. Its extra {ms(excess)} goes to "
+               f"{_PHASE_WORDS[phase]}: {ms(own[slow][phase])} against "
+               f"{ms(median([o[phase] for o in rest]))} elsewhere.")
     runner_up = max((k for k in (*_STEP_KEYS, "gc") if k != phase), key=extra.__getitem__)
     if share < 0.6 and extra[runner_up] > 0.25 * excess:
-        message += (f" Part of it ({_ms(extra[runner_up])}) sits in "
+        message += (f" Part of it ({ms(extra[runner_up])}) sits in "
                     f"{_PHASE_WORDS[runner_up]}: both are plausible places to look.")
     confidence = "high" if share >= 0.6 and excess >= 0.25 * s.step_s else "medium"
     severity = "warn"
@@ -124,15 +116,15 @@ def _where_they_wait(rows: list[dict[str, float]], slow: int, rank: int,
                      strategy: str) -> str:
     """Where the other ranks wait for rank ``rank`` (row ``slow``), with the waits."""
     others = [r for i, r in enumerate(rows) if i != slow]
-    bwd = _median([r["wait"] for r in others])
-    fwd = _median([r.get("wait_fwd", 0.0) for r in others])
+    bwd = median([r["wait"] for r in others])
+    fwd = median([r.get("wait_fwd", 0.0) for r in others])
     if strategy not in _SHARDED and not any(r.get("wait_fwd", 0.0) for r in rows):
-        return (f"they wait for it in the gradient all-reduce ({_ms(bwd)} per step at the "
-                f"end of their backward, rank {rank} {_ms(rows[slow]['wait'])})")
+        return (f"they wait for it in the gradient all-reduce ({ms(bwd)} per step at the "
+                f"end of their backward, rank {rank} {ms(rows[slow]['wait'])})")
     where = _SHARDED.get(strategy, _SHARDED["fsdp"])
     return (f"they wait for it in the collectives of forward and backward ({where}): "
-            f"{_ms(fwd)} and {_ms(bwd)} per step, rank {rank} "
-            f"{_ms(rows[slow].get('wait_fwd', 0.0))} and {_ms(rows[slow]['wait'])}")
+            f"{ms(fwd)} and {ms(bwd)} per step, rank {rank} "
+            f"{ms(rows[slow].get('wait_fwd', 0.0))} and {ms(rows[slow]['wait'])}")
 
 
 # The collectives a sharded strategy's forward and backward wait in.
@@ -148,21 +140,21 @@ def slow_stage(s: Summary, facts: RunFacts, rows: list[dict[str, float]],
     stage = int(rows[slow]["stage"])
     per_chunk = [o["forward"] / max(1.0, r.get("chunks", 0.0)) for o, r in zip(own, rows)]
     rest = [i for i in range(len(rows)) if int(rows[i]["stage"]) != stage]
-    typical = _median([per_chunk[i] for i in rest]) if rest else 0.0
-    excess = own[slow]["forward"] - (_median([own[i]["forward"] for i in rest])
+    typical = median([per_chunk[i] for i in rest]) if rest else 0.0
+    excess = own[slow]["forward"] - (median([own[i]["forward"] for i in rest])
                                      if rest else 0.0)
     ranks = [s.rank_phases[i]["rank"] for i in range(len(rows))
              if int(rows[i]["stage"]) == stage
              and own[i]["forward"] - own[slow]["forward"] > -0.5 * excess]
     waits = [r["wait_fwd"] + r["wait"] for r in rows]
-    others_wait = _median([waits[i] for i in rest]) if rest else 0.0
+    others_wait = median([waits[i] for i in rest]) if rest else 0.0
     who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
     stages = max(int(r["stage"]) for r in rows) + 1
     chunks = rows[slow].get("chunks", 0.0)
-    message = (f"pipeline stage {stage} of {stages} ({who}) computes {_ms(per_chunk[slow])} "
-               f"per micro-batch ({chunks:.0f} per step: {_ms(own[slow]['forward'])}), the "
-               f"other stages {_ms(typical)}; they wait for it in their sends and receives "
-               f"({_ms(others_wait)} per step, stage {stage} {_ms(waits[slow])}).")
+    message = (f"pipeline stage {stage} of {stages} ({who}) computes {ms(per_chunk[slow])} "
+               f"per micro-batch ({chunks:.0f} per step: {ms(own[slow]['forward'])}), the "
+               f"other stages {ms(typical)}; they wait for it in their sends and receives "
+               f"({ms(others_wait)} per step, stage {stage} {ms(waits[slow])}).")
     link = waits[slow] < 0.5 * others_wait  # only the others wait: not the link
     if link:
         message += (" It is the stage's own compute, not the link: a slow link would keep "
@@ -220,10 +212,10 @@ def communication_bound(s: Summary, facts: RunFacts) -> Finding | None:
     sharded = facts.strategy in _SHARDED or any(r.get("wait_fwd", 0.0) for r in rows)
     what = _SHARDED.get(facts.strategy, _SHARDED["fsdp"]) if sharded \
         else "the gradient all-reduce"
-    message = (f"the last rank to reach {what} still waits {_ms(comm)} of "
-               f"each {_ms(s.step_s)} step ({comm / s.step_s:.0%}) for them to finish, "
+    message = (f"the last rank to reach {what} still waits {ms(comm)} of "
+               f"each {ms(s.step_s)} step ({comm / s.step_s:.0%}) for them to finish, "
                f"moving {grad_bytes / 2**20:.3g} MiB per step (the wait for "
-               f"late ranks is not counted: the others wait {_ms(max(waits))} at most).")
+               f"late ranks is not counted: the others wait {ms(max(waits))} at most).")
     if facts.links:
         message += " " + link_sentence(facts.links)
     if sharded:
@@ -273,10 +265,10 @@ def _unmeasured(s: Summary, facts: RunFacts) -> Finding | None:
     wait = min(waits)
     if wait < max(0.3 * s.step_s, 2e-3):
         return None
-    message = (f"backward takes {_ms(min(p['backward'] for p in s.rank_phases))} against "
-               f"{_ms(min(p['forward'] for p in s.rank_phases))} of forward on every rank "
-               f"(it usually computes about twice the forward): about {_ms(wait)} of each "
-               f"{_ms(s.step_s)} step ({wait / s.step_s:.0%}) is spent waiting. Two causes "
+    message = (f"backward takes {ms(min(p['backward'] for p in s.rank_phases))} against "
+               f"{ms(min(p['forward'] for p in s.rank_phases))} of forward on every rank "
+               f"(it usually computes about twice the forward): about {ms(wait)} of each "
+               f"{ms(s.step_s)} step ({wait / s.step_s:.0%}) is spent waiting. Two causes "
                "are plausible and this run cannot tell them apart: a slow link between the "
                "nodes, or one rank whose backward does extra work (the all-reduce makes "
                "every rank wait for it).")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from statistics import median
 from typing import Any
 
 from gpufleet.monitor.arrival_rules import communication_bound, measured_waits, straggler
@@ -19,6 +20,7 @@ from gpufleet.monitor.findings import (
     Summary,
     findings_for_run,
     format_findings,
+    ms,
 )
 from gpufleet.monitor.host_rules import HOST_RULES, host_view
 from gpufleet.monitor.links import link_sentence, slow_node_fix, slow_nodes
@@ -37,16 +39,6 @@ def diagnose(s: Summary, facts: RunFacts, system: dict[str, Any] | None = None,
     return found
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f} ms"
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def _input_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
     worst = max(s.rank_phases, key=lambda p: p["data"])
     step = sum(worst[k] for k in ("data", "forward", "backward", "optimizer", "other"))
@@ -61,9 +53,9 @@ def _input_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
     needed = math.ceil(load / compute) + 1  # +1 absorbs jitter
     cap = max(1, facts.cpus_per_rank)
     rank = f" on rank {worst['rank']}" if facts.world > 1 else ""
-    message = (f"{_ms(worst['data'])} of each {_ms(step)} step ({share:.0%}) waits for "
+    message = (f"{ms(worst['data'])} of each {ms(step)} step ({share:.0%}) waits for "
                f"the next batch, with data.num_workers = {workers}. One batch takes about "
-               f"{_ms(load)} to load and {_ms(compute)} to train on.")
+               f"{ms(load)} to load and {ms(compute)} to train on.")
     changes = {"data.num_workers": min(needed, cap)}
     if needed <= cap:
         fix = f"raise data.num_workers from {workers} to {needed}."
@@ -105,19 +97,19 @@ def _straggler_found(s: Summary, facts: RunFacts) -> Finding | None:
     before = [p["data"] + p["forward"] for p in s.rank_phases]
     slow = max(range(len(before)), key=before.__getitem__)
     others = [b for i, b in enumerate(before) if i != slow]
-    excess = before[slow] - _median(others)
+    excess = before[slow] - median(others)
     if excess < max(0.15 * s.step_s, 2e-3):
         return None
     p = s.rank_phases[slow]
     rest = [q for i, q in enumerate(s.rank_phases) if i != slow]
-    data_excess = p["data"] - _median([q["data"] for q in rest])
+    data_excess = p["data"] - median([q["data"] for q in rest])
     kind = "input-bound" if data_excess > 0.5 * excess else "compute-bound"
-    message = (f"rank {p['rank']} spends {_ms(before[slow])} per step on data and forward, "
-               f"the other ranks {_ms(_median(others))}; they wait for it in the gradient "
-               f"all-reduce (their backward: {_ms(_median([q['backward'] for q in rest]))}, "
-               f"rank {p['rank']}'s: {_ms(p['backward'])}). It is {kind}: "
-               f"{_ms(p['data'])} of data wait against "
-               f"{_ms(_median([q['data'] for q in rest]))} elsewhere.")
+    message = (f"rank {p['rank']} spends {ms(before[slow])} per step on data and forward, "
+               f"the other ranks {ms(median(others))}; they wait for it in the gradient "
+               f"all-reduce (their backward: {ms(median([q['backward'] for q in rest]))}, "
+               f"rank {p['rank']}'s: {ms(p['backward'])}). It is {kind}: "
+               f"{ms(p['data'])} of data wait against "
+               f"{ms(median([q['data'] for q in rest]))} elsewhere.")
     if kind == "input-bound":
         fix = (f"make rank {p['rank']}'s input as fast as the others': its node's storage "
                "and CPU load, data.num_workers, or uneven sample sizes (data.batching="
@@ -151,11 +143,11 @@ def _host_bound(s: Summary, facts: RunFacts, system: dict[str, Any] | None = Non
         return None
     what = ("its peak" if facts.device_flops_source == "peak"
             else "a plain matmul on this CPU")
-    message = (f"a step does {s.tflops * s.step_s * 1e3:.3g} GFLOP in {_ms(s.step_s)}: "
+    message = (f"a step does {s.tflops * s.step_s * 1e3:.3g} GFLOP in {ms(s.step_s)}: "
                f"{s.tflops * 1e3:.3g} GFLOP/s, {use:.1%} of the "
                f"{facts.device_flops / 1e9:.3g} GFLOP/s of {what}")
     if waited:
-        message += f" (counting the {_ms(busy_s)} outside the gradient all-reduce)"
+        message += f" (counting the {ms(busy_s)} outside the gradient all-reduce)"
     if share < 1.0:
         message += f" and of the {share:.0%} of it other processes leave to the run"
     message += (f", while data is ready ({worst_data / s.step_s:.0%} of the step waits "

@@ -12,6 +12,16 @@ from typing import Any
 DIAGNOSIS_FILE = "diagnosis.json"
 
 
+def ms(seconds: float) -> str:
+    """Seconds as the rules write them.
+
+    Example:
+        >>> ms(0.01234)
+        '12.3 ms'
+    """
+    return f"{seconds * 1e3:.1f} ms"
+
+
 @dataclass(frozen=True)
 class Finding:
     """One thing that limits the run.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from gpufleet.monitor.findings import Finding, RunFacts, Summary
+from gpufleet.monitor.findings import Finding, RunFacts, Summary, ms
 
 #: share of the node's cores other processes must use, and how busy the node must be
 CONTENTION_OTHERS = 0.2
@@ -126,7 +126,7 @@ def _time_outside_steps(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
     wanted = max(2 * every, math.ceil(19 * each / max(s.step_s, 1e-6)))
     what = "checkpoint writes" if kind == "checkpoint" else "evaluations"
     message = (f"{what} take {each:.2f} s each, {count} so far, every {every} step(s) of "
-               f"{_ms(s.step_s)}: {share:.0%} of the run's time goes to work between "
+               f"{ms(s.step_s)}: {share:.0%} of the run's time goes to work between "
                "training steps.")
     fix = f"raise {key} from {every} to {_nice(wanted)} (about 5% of the time then)"
     changes = {key: _nice(wanted)} if attr else {}
@@ -152,16 +152,12 @@ def _slow_logging(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
         return None
     wanted = _nice(math.ceil(every * share / 0.02))
     message = (f"{name}.on_log takes {per_step * every * 1e3:.0f} ms at each log interval "
-               f"(every {every} step(s)): {_ms(per_step)} per {_ms(s.step_s)} step "
+               f"(every {every} step(s)): {ms(per_step)} per {ms(s.step_s)} step "
                f"({share:.0%}), while training waits.")
     fix = (f"raise log.every from {every} to {wanted}, or make {name} cheaper (write in "
            "a background thread, batch its writes, check its destination).")
     return Finding("slow-logging", "warn", f"slow log callback: {name}", message, fix,
                    changes={"log.every": wanted})
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f} ms"
 
 
 def _nice(n: int) -> int:
