@@ -94,7 +94,7 @@ class PhaseMarks:
 _HAND_OVER = frozenset({Phase.LOG, Phase.EVAL, Phase.CHECKPOINT})
 
 
-class _Scope:
+class PhaseScope:
     """``with``-block of one phase: announces it on entry (reused, allocates nothing)."""
 
     __slots__ = ("_announce", "_phase")
@@ -134,14 +134,14 @@ class PhaseAnnouncer:
         self.marks = PhaseMarks(capacity)
         #: the phase announced last (None before the first)
         self.current: Phase | None = None
-        self._scopes = {phase: _Scope(self.announce, phase) for phase in Phase}
+        self._scopes = {phase: PhaseScope(self.announce, phase) for phase in Phase}
         for read in self._readers:
             read(view, self.marks)
 
     def __bool__(self) -> bool:
         return bool(self._calls or self._readers)
 
-    def __call__(self, phase: Phase) -> _Scope:
+    def __call__(self, phase: Phase) -> PhaseScope:
         return self._scopes[phase]
 
     def announce(self, phase: Phase) -> None:

@@ -39,7 +39,7 @@ from torch import nn
 
 from gpufleet.config import Config, load_config
 from gpufleet.core.callbacks import Callback
-from gpufleet.core.phases import Phase
+from gpufleet.core.phases import Phase, PhaseScope
 from gpufleet.core.tree import to_device
 from gpufleet.entry import setup_logging
 from gpufleet.errors import ConfigError, unknown_choice
@@ -351,7 +351,7 @@ class Fleet:
             phase = Phase(name)
         except ValueError:
             raise ConfigError(unknown_choice("phase", name, [p.value for p in Phase])) from None
-        return _Marked(self._steps.phase_announce, phase)
+        return PhaseScope(self._steps.phase_announce, phase)
 
     # -- collectives ------------------------------------------------------------------
     def all_reduce(self, value: Any, reduce_op: str = "mean") -> Any:
@@ -414,19 +414,6 @@ class Fleet:
         finally:
             if collective and self._owns_group:
                 destroy_process_group()
-
-class _Marked:
-    """``with fleet.phase(...)``: announces the phase on entry."""
-
-    def __init__(self, announce: Callable[[Phase], None], phase: Phase) -> None:
-        self._announce, self._phase = announce, phase
-
-    def __enter__(self) -> None:
-        self._announce(self._phase)
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
 
 def _script_name() -> str:
     """The running script's name (``train`` for ``train.py``), or ``fleet``."""
