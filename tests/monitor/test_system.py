@@ -6,8 +6,9 @@ import time
 
 import pytest
 
-from gpufleet.monitor import system
-from gpufleet.monitor.system import SYSTEM_FILE, Nvml, SystemSampler, read_system
+from gpufleet.monitor import nvml, system
+from gpufleet.monitor.nvml import Nvml
+from gpufleet.monitor.system import SYSTEM_FILE, SystemSampler, read_system
 
 from .fake_pynvml import FakeGpu, install
 
@@ -141,4 +142,5 @@ def test_a_broken_line_is_skipped(tmp_path):
 def test_doctests():
     import doctest
 
-    assert doctest.testmod(system).failed == 0
+    for module in (system, nvml):
+        assert doctest.testmod(module).failed == 0, module.__name__

@@ -6,7 +6,7 @@ from io import StringIO
 from rich.console import Console
 
 from gpufleet.monitor import top
-from gpufleet.monitor.system import Nvml
+from gpufleet.monitor.nvml import Nvml
 
 from .fake_pynvml import MB, FakeGpu, install
 

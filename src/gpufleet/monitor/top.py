@@ -39,7 +39,7 @@ def snapshot(nvml: Any, cpu_window_s: float = 0.2) -> dict[str, Any]:
     """What ``top`` shows, as a dict: the host, each GPU with its processes.
 
     Args:
-        nvml: an open :class:`~gpufleet.monitor.system.Nvml`, or None (no GPUs).
+        nvml: an open :class:`~gpufleet.monitor.nvml.Nvml`, or None (no GPUs).
         cpu_window_s: seconds over which CPU use is measured (per core and per process).
 
     Example:
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.live import Live
 
     from gpufleet.errors import ConfigError
-    from gpufleet.monitor.system import Nvml
+    from gpufleet.monitor.nvml import Nvml
 
     if args.interval <= 0:
         raise ConfigError(f"--interval {args.interval}: must be a positive number of seconds.")
