@@ -52,12 +52,8 @@ from gpufleet.fleet.steps import StepTracker
 from gpufleet.fleet.wrappers import FleetModule, hook_step
 from gpufleet.launch import DistEnv, barrier, destroy_process_group, is_initialized
 from gpufleet.plan import RunPlan, make_plan
-from gpufleet.train.build import (
-    _device,
-    _monitors,
-    _precision_and_strategy,
-    _run_dir,
-)
+from gpufleet.train.build import _device, _precision_and_strategy, _run_dir
+from gpufleet.train.monitors import build_monitors
 from gpufleet.train.nonfinite import NonFiniteGuard
 from gpufleet.train.perf import share_cores
 from gpufleet.train.rank import join_process_group
@@ -152,7 +148,7 @@ class Fleet:
         self.plan = plan.with_config(cfg)
         self.run = FleetRun(cfg=cfg, env=env, device=device, run_dir=run_dir,
                             precision=precision, strategy=strategy, run_lock=run_lock,
-                            monitors=_monitors(cfg, env, device, run_dir))
+                            monitors=build_monitors(cfg, env, device, run_dir))
         self.run.result.run_dir = str(run_dir)
         self.run.view = RunView(self.run)
         self._steps = StepTracker(self.run, self._user_callbacks)

@@ -23,8 +23,8 @@ from gpufleet.core.phases import Phase, PhaseAnnouncer
 from gpufleet.fleet.run import FleetRun
 from gpufleet.monitor.report_cli import write_at_end
 from gpufleet.procs import forget_process
-from gpufleet.train.build import _own_callbacks
 from gpufleet.train.interval import LogInterval
+from gpufleet.train.monitors import own_callbacks
 
 
 class StepTracker:
@@ -73,7 +73,7 @@ class StepTracker:
                 num_workers=first.num_workers))
             if run.env.is_main:
                 write_config(run.cfg, run.run_dir / "config.toml")
-        run.callbacks = CallbackList(_own_callbacks(run) + self._user_callbacks)
+        run.callbacks = CallbackList(own_callbacks(run) + self._user_callbacks)
         if run.monitors.system_sampler is None:  # one the caller added (its own interval)
             from gpufleet.monitor.system import SystemSampler  # psutil, NVML: deferred
 

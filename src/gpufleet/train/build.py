@@ -19,26 +19,16 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
-from gpufleet.config import Config, config_to_dict, write_config
+from gpufleet.config import Config, write_config
 from gpufleet.core.callbacks import Callback, CallbackList
 from gpufleet.core.phases import PhaseAnnouncer
 from gpufleet.data.loaders import build_eval_loader, build_train_loader
 from gpufleet.errors import ConfigError, GpufleetError
-from gpufleet.fault.preempt import PreemptionWatch
-from gpufleet.fault.watchdog import Watchdog
 from gpufleet.job import import_object
-from gpufleet.launch import DistEnv, broadcast_object, is_initialized, job_store
+from gpufleet.launch import DistEnv, broadcast_object, is_initialized
 from gpufleet.launch.grow import joining
-from gpufleet.launch.netif import node_address
 from gpufleet.launch.rankmain import restarts
-from gpufleet.monitor.advisor import Advisor, SyncProbe, run_facts
-from gpufleet.monitor.arrival import ArrivalTimer
 from gpufleet.monitor.flops import device_peak_flops
-from gpufleet.monitor.jsonl import MetricsFile
-from gpufleet.monitor.links import probe_node_links
-from gpufleet.monitor.phases import PhaseTimer
-from gpufleet.monitor.profile import ProfilerCallback
-from gpufleet.monitor.sinks import build_sinks
 from gpufleet.monitor.system import SystemSampler
 from gpufleet.parallel import build_strategy, strategy_class
 from gpufleet.parallel.parallelize import parallelize
@@ -50,8 +40,9 @@ from gpufleet.train.batches import make_loss_fn
 from gpufleet.train.checkpointer import Checkpointer
 from gpufleet.train.evalmetrics import EvalMetric, build_metrics
 from gpufleet.train.evaluator import Evaluator
-from gpufleet.train.keeping import EarlyStopping, check_monitor
+from gpufleet.train.keeping import check_monitor
 from gpufleet.train.modelrecord import record_transformers_model
+from gpufleet.train.monitors import build_monitors, own_callbacks
 from gpufleet.train.nonfinite import NonFiniteGuard
 from gpufleet.train.optim import (
     build_scheduler,
@@ -69,8 +60,8 @@ from gpufleet.train.recipe import (
     user_optimizer,
 )
 from gpufleet.train.reshard import reshardable, source_of
-from gpufleet.train.resilience import recovery_of, snapshots_of
-from gpufleet.train.run import ModelPart, Monitors, Run, TrainState
+from gpufleet.train.resilience import recovery_of
+from gpufleet.train.run import ModelPart, Run, TrainState
 from gpufleet.train.rundir import plan_and_lock
 from gpufleet.train.seed import seed_everything, set_deterministic
 from gpufleet.train.steps import UserStep, models_and_step, per_model
@@ -172,14 +163,14 @@ def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module]
                                   precision, data.sampler, parts),
         nonfinite=nonfinite, max_steps=max_steps,
         peak_flops=device_peak_flops(cfg, device), resume_from=resume_from,
-        run_lock=run_lock, monitors=_monitors(cfg, env, device, run_dir),
+        run_lock=run_lock, monitors=build_monitors(cfg, env, device, run_dir),
         # FLOPs per step: counted on the second step (None: not yet; 0: not counted).
         state=TrainState(flops_per_step=None if (mon.phases or mon.diagnose) else 0),
         parts=parts,
         user_step=None if training_step is None else UserStep(training_step, list(placed)))
     run.result.run_dir = str(run_dir)
     run.view = RunView(run)  # what callbacks get: read-only, reads live values
-    run.callbacks = CallbackList(_own_callbacks(run) + list(callbacks))
+    run.callbacks = CallbackList(own_callbacks(run) + list(callbacks))
     if run.monitors.system_sampler is None:  # one the caller added (its own interval)
         run.monitors.system_sampler = next(
             (cb for cb in callbacks if isinstance(cb, SystemSampler)), None)
@@ -376,56 +367,3 @@ def _max_steps(cfg: Config, env: DistEnv, data: TrainStream) -> int:
                      f"; run.max_steps = {run.max_steps} ends the run first"
                      if run.max_steps and run.max_steps < batches // accum else "")
     return min(limits)
-
-
-def _monitors(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path) -> Monitors:
-    """The phase timer, the stall watchdog and the preemption watch, as configured."""
-    fault = cfg.fault
-    return Monitors(
-        phase_timer=PhaseTimer(device) if cfg.monitor.phases else None,
-        arrival=ArrivalTimer() if cfg.monitor.phases else None,
-        watchdog=(Watchdog(fault, run_dir, env.rank, env.world_size, job_store(),
-                           env.restart_count, node=(env.node_rank, node_address(env)))
-                  if fault.watchdog else None),
-        preemption=(PreemptionWatch(fault.preempt_check_every, is_initialized())
-                    if fault.preempt_check_every else None))
-
-
-def _own_callbacks(run: Run) -> list[Callback]:
-    """The run's own callbacks, in the order they hear each hook: phase timing first
-    (its clock reads bracket the others' work least), the file sinks before the advisor
-    that reads what they were given. Fills in the monitors built here."""
-    cfg, env, mon, monitors = run.cfg, run.env, run.cfg.monitor, run.monitors
-    own: list[Callback] = [cb for cb in (monitors.phase_timer, monitors.arrival,
-                                          monitors.watchdog) if cb]
-    if cfg.fault.snapshot_every and isinstance(run, Run):  # before the sinks: it adds
-        monitors.snapshots = snapshots_of(run)               # to the metrics they write
-        own.append(monitors.snapshots)
-    elif cfg.fault.snapshot_every and env.is_main:
-        log.warning("fault.snapshot_every = %d applies to gpufleet's own loop (gpufleet "
-                    "train, gpufleet.fit); this loop takes no snapshots",
-                    cfg.fault.snapshot_every)
-    if cfg.early_stop.metric:
-        own.append(EarlyStopping(cfg.early_stop))
-    if cfg.profile.steps:  # every rank writes its own trace
-        own.append(ProfilerCallback(cfg.profile.steps, run.run_dir, env.rank,
-                                    env.world_size))
-    if env.local_rank == 0 and mon.system_interval_s > 0:  # one sampler per node
-        monitors.system_sampler = SystemSampler(run.run_dir, interval_s=mon.system_interval_s)
-        own.append(monitors.system_sampler)
-    # COLLECTIVE on several nodes: every rank runs it or none (the config is rank 0's,
-    # from _run_dir). How fast each node reaches the others, for the advisor.
-    links = probe_node_links(env, mon.link_probe and mon.diagnose and mon.phases,
-                             run.device)
-    if not env.is_main:
-        return own
-    metrics = MetricsFile(run.run_dir / "metrics.jsonl")
-    own.append(metrics)
-    own.extend(build_sinks(mon.sinks, run.run_dir, config_to_dict(cfg)))
-    if mon.diagnose and mon.phases:
-        monitors.advisor = Advisor(run_facts(run.view, links), run.run_dir, metrics,
-                                   monitors.system_sampler, phase_timer=monitors.phase_timer)
-        own.append(monitors.advisor)
-        if mon.sync_probe_steps and run.device.type == "cuda":
-            own.append(SyncProbe(monitors.advisor, mon.sync_probe_steps))
-    return own
