@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,8 +21,10 @@ from torch.nn import functional as F
 
 import gpufleet
 import toyjob
+from gpufleet.config import FaultConfig
 from gpufleet.errors import CheckpointError, TrainingStopped
 from gpufleet.fault.stall_report import stall_report
+from gpufleet.fault.watchdog import Watchdog
 from gpufleet.precision import FP16Mixed
 from gpufleet.train import checkpoint as ckpt
 from gpufleet.train.callbacks import Callback
@@ -421,6 +424,47 @@ def test_liveness_names_a_rank_that_stops_beating_and_the_rank_that_lost_the_sto
         time.sleep(0.05)
     lonely.stop()
     assert verdicts[1].cut_off_s > 0.5 and not verdicts[1].silent
+
+
+@pytest.mark.parametrize("own_connection", [True, False])
+def test_a_blocking_store_call_of_the_training_thread_does_not_cut_the_rank_off(
+        own_connection):
+    """A survivor waits in the store for rank 0's decision after a lost node (its
+    training thread in a blocking ``wait``). Its heartbeats go over the watchdog's own
+    connection and keep flowing; over the shared one they would wait behind that call
+    and the rank would judge itself cut off (the case shown with ``own_connection``
+    False)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from gpufleet.fault.liveness import Liveness
+
+    host = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                    timeout=timedelta(seconds=5))
+    job = TCPStore("127.0.0.1", host.port, is_master=False, timeout=timedelta(seconds=5))
+    dog = Watchdog(FaultConfig(), tempfile.mkdtemp(), rank=1, world_size=2, store=job)
+    assert dog.store is not job and dog.liveness.store is dog.store  # its own connection
+    verdicts: dict[int, object] = {}
+    ranks = [Liveness(host, "w", 0, 2, lambda: {"rank": 0, "step": 1, "phase": "data"},
+                      0.05, 0.6, lambda v: verdicts.setdefault(0, v)),
+             Liveness(dog.store if own_connection else job, "w", 1, 2,
+                      lambda: {"rank": 1, "step": 1, "phase": "data"}, 0.05, 0.6,
+                      lambda v: verdicts.setdefault(1, v))]
+    for r in ranks:
+        r.start()
+    try:
+        time.sleep(0.3)
+        with pytest.raises(RuntimeError):  # DistStoreError: nobody decides here
+            job.wait(["decision"], timedelta(seconds=2))  # the training thread waits
+        time.sleep(0.3)
+        if own_connection:
+            assert not verdicts  # nobody was lost, nobody cut off
+        else:
+            assert verdicts[1].cut_off_s > 0.6
+    finally:
+        for r in ranks:
+            r._stop.set()
 
 
 def test_liveness_reads_the_same_when_no_rank_hosts_the_store():

@@ -55,6 +55,7 @@ from gpufleet.fault import flight_recorder, forensics, signal_stacks
 from gpufleet.fault.liveness import Liveness, Verdict
 from gpufleet.fault.signal_stacks import SignalStacks
 from gpufleet.fault.stall_report import stall_report, where_is
+from gpufleet.launch.process_group import side_channel
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,9 @@ class Watchdog(Callback):
                  world_size: int = 1, store: Any = None, restart: int = 0,
                  node: tuple[int, str] = (0, "")) -> None:
         self.cfg, self.run_dir = cfg, Path(run_dir)
+        # Heartbeats and hang counters go over a connection of their own: a blocking
+        # store call of the training thread must not hold them back.
+        store = side_channel(store) if store is not None else None
         self.rank, self.world_size, self.store = rank, world_size, store
         self.node = node
         self.prefix = f"{_KEY}/{restart}"
@@ -135,6 +139,7 @@ class Watchdog(Callback):
         of this ``generation``, so the lost ranks are not reported as silent."""
         if self.liveness is not None:
             self.liveness.stop()
+        store = side_channel(store) if store is not None else None
         self.rank, self.world_size, self.store = rank, world_size, store
         self.liveness = (Liveness(store, f"{self.prefix}/g{generation}", rank, world_size,
                                   self.heartbeat, self.cfg.watchdog_poll_s,

@@ -18,6 +18,7 @@ from gpufleet.launch.process_group import (
     job_store,
     rank,
     rank_zero_first,
+    side_channel,
     world_size,
 )
 from gpufleet.launch.rendezvous import LaunchPlan
@@ -38,6 +39,7 @@ __all__ = [
     "init_process_group",
     "is_initialized",
     "job_store",
+    "side_channel",
     "launch",
     "rank",
     "rank_zero_first",
