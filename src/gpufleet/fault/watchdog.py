@@ -52,10 +52,9 @@ from gpufleet.core.callbacks import Callback
 from gpufleet.core.phases import Phase, PhaseMarks
 from gpufleet.core.ring import RING
 from gpufleet.fault import flight_recorder, forensics, signal_stacks
-from gpufleet.fault.liveness import Liveness, Verdict
+from gpufleet.fault.liveness import Liveness, Verdict, side_channel
 from gpufleet.fault.signal_stacks import SignalStacks
 from gpufleet.fault.stall_report import stall_report, where_is
-from gpufleet.launch.process_group import side_channel
 
 log = logging.getLogger(__name__)
 

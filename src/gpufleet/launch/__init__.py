@@ -18,7 +18,6 @@ from gpufleet.launch.process_group import (
     job_store,
     rank,
     rank_zero_first,
-    side_channel,
     world_size,
 )
 from gpufleet.launch.rendezvous import LaunchPlan
@@ -39,7 +38,6 @@ __all__ = [
     "init_process_group",
     "is_initialized",
     "job_store",
-    "side_channel",
     "launch",
     "rank",
     "rank_zero_first",

@@ -172,26 +172,6 @@ def job_store() -> Any:
         return None
 
 
-def side_channel(store: Any) -> Any:
-    """A connection of its own to ``store`` (the same keys), for threads that must keep
-    talking to the store whatever the training thread does there.
-
-    A ``TCPStore`` client serves one call at a time: while the training thread sits in a
-    blocking ``wait`` (a survivor waiting for rank 0's decision after a lost node, say),
-    every other call on the same client waits too, and heartbeats held back that way
-    look like a rank cut off from the job. ``store`` itself where torch cannot clone it
-    (before torch 2.5, or a store type without connections).
-    """
-    clone = getattr(store, "clone", None)
-    if clone is None:
-        return store
-    try:
-        return clone()
-    except (RuntimeError, NotImplementedError, ValueError) as e:
-        logger.debug("the store (%s) has no second connection: %s", type(store).__name__, e)
-        return store
-
-
 def barrier() -> None:
     """Wait until every rank gets here; does nothing without a process group.
 
