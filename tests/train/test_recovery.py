@@ -19,11 +19,11 @@ from gpufleet.fault.snapshot_ring import Held, newest_replicated
 from gpufleet.launch import DistEnv
 from gpufleet.parallel import build_strategy, strategy_class
 from gpufleet.parallel.dims import plan_for
+from gpufleet.train.disconnect import cut_connections, cut_old_group, store_endpoint
 from gpufleet.train.recovery import (
     Membership,
     Recovery,
     RecoveryFailed,
-    cut_connections,
     is_peer_loss,
     not_replicated,
 )
@@ -201,6 +201,33 @@ def test_cutting_connections_fails_a_receive_under_way_at_once():
         assert got == [b""]  # the receive ended as on a closed connection
     finally:
         for s in (client, accepted, server):
+            s.close()
+
+
+def test_leaving_the_old_group_cuts_the_peers_connections_and_keeps_the_stores():
+    """A survivor entering recovery shuts down its connections to the old group's nodes
+    (here two peers on 127.0.0.2, a gloo pair and a stand-in for another's) so a peer
+    blocked on it fails at once; its connection to the job's store stays."""
+    from types import SimpleNamespace
+
+    job = dist.TCPStore("127.0.0.2", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.2", job.port, is_master=False)
+    prefixed = dist.PrefixStore("gpufleet", client)
+    assert store_endpoint(prefixed) == frozenset({("127.0.0.2", job.port)})
+    peer = socket.create_server(("127.0.0.2", 0))
+    pair = socket.create_connection(peer.getsockname())
+    accepted, _ = peer.accept()
+    accepted.settimeout(10)  # a connection left open fails the test, not hangs it
+    watchdog = SimpleNamespace(heartbeats=lambda: [{"rank": 0, "addr": "127.0.0.2"},
+                                                   None, {"rank": 2, "addr": ""}])
+    try:
+        assert cut_old_group(watchdog, prefixed) == 1  # the pair; not the store's
+        assert accepted.recv(10) == b""  # the peer sees the connection closed
+        prefixed.set("still", "here")  # the store connection works on
+        assert client.get("gpufleet/still") == b"here"
+        assert cut_old_group(None, prefixed) == 0  # no watchdog: nothing known, nothing cut
+    finally:
+        for s in (pair, accepted, peer):
             s.close()
 
 

@@ -265,7 +265,8 @@ class Watchdog(Callback):
             return int(self.store.add(f"{self.prefix}/hangs", 0))  # an atomic read
         return self._local_hangs
 
-    def _heartbeats(self) -> list[dict[str, Any] | None]:
+    def heartbeats(self) -> list[dict[str, Any] | None]:
+        """Every rank's newest heartbeat (None: none yet), read from the store."""
         if self.store is None:
             return [self.heartbeat()]
         if self.liveness is not None and self.rank == 0:
@@ -341,7 +342,7 @@ class Watchdog(Callback):
         self.exit(EXIT_RANK_LOST)  # the training thread sits in a collective: end here
 
     def _write_report(self, folder: Path) -> None:
-        beats = self._heartbeats()
+        beats = self.heartbeats()
         text = stall_report(beats, time.time(), silent_after=self.cfg.heartbeat_timeout_s / 2)
         answering = [b["rank"] for b in beats
                      if b and b.get("age_s", 0.0) <= self.cfg.heartbeat_timeout_s / 2]

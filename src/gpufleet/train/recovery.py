@@ -46,7 +46,6 @@ import gc
 import json
 import logging
 import os
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -64,6 +63,7 @@ from gpufleet.launch import job_store
 from gpufleet.launch.rendezvous import parse_nnodes
 from gpufleet.parallel.base import Strategy, why_not_in_process
 from gpufleet.parallel.data_parallel import replicate
+from gpufleet.train.disconnect import cut_connections, cut_old_group
 from gpufleet.train.recipe import place_scheduler
 from gpufleet.train.reshard import rebuilt_from_sources, shard_position, whole_from_snapshots
 from gpufleet.train.seed import seed_everything
@@ -214,6 +214,10 @@ class Recovery:
         if not snaps.snapshotter.wait(THREAD_WAIT_S):
             raise RecoveryFailed(f"the snapshot exchange still ran after {THREAD_WAIT_S:g} s")
         run.checkpointer.wait()  # a checkpoint written in the background ends first
+        # A survivor still blocked on this rank in the failed collective (one not next
+        # to the lost rank in the ring) fails at once, as if this rank had gone too, and
+        # reports here instead of waiting for its heartbeat timeout.
+        cut_old_group(run.monitors.watchdog, self.store)
         leave_groups(run.device)
         held = snaps.snapshotter.held() if self.reshards else \
             ([] if own is None else [Held(run.env.rank, run.env.rank, own.step)])
@@ -338,29 +342,6 @@ class Recovery:
         result = run.result  # the steps after the snapshot are trained again
         result.losses = [(s, v) for s, v in result.losses if s <= at.step]
         result.eval_losses = [(s, v) for s, v in result.eval_losses if s <= at.step]
-
-
-def cut_connections(addresses: set[str]) -> int:
-    """Shut down this process's TCP connections to any of ``addresses`` (what a peer's
-    kernel does when its process is killed): an operation waiting on one fails at once.
-    Returns how many were shut down."""
-    cut = 0
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            sock = socket.socket(fileno=os.dup(int(name)))
-        except (OSError, ValueError):  # not a socket (or gone meanwhile)
-            continue
-        with sock:
-            try:
-                if sock.type != socket.SOCK_STREAM:
-                    continue
-                peer = sock.getpeername()[0].removeprefix("::ffff:")
-            except OSError:  # not connected
-                continue
-            if peer in addresses:
-                sock.shutdown(socket.SHUT_RDWR)
-                cut += 1
-    return cut
 
 
 def leave_groups(device: torch.device) -> None:
