@@ -206,8 +206,8 @@ def test_cutting_connections_fails_a_receive_under_way_at_once():
 
 def test_leaving_the_old_group_cuts_the_peers_connections_and_keeps_the_stores():
     """A survivor entering recovery shuts down its connections to the old group's nodes
-    (here two peers on 127.0.0.2, a gloo pair and a stand-in for another's) so a peer
-    blocked on it fails at once; its connection to the job's store stays."""
+    (a gloo pair stands in for them) so a peer blocked on it fails at once; its
+    connection to the job's store stays, both ends."""
     from types import SimpleNamespace
 
     job = dist.TCPStore("127.0.0.2", 0, is_master=True, wait_for_workers=False)
@@ -218,10 +218,13 @@ def test_leaving_the_old_group_cuts_the_peers_connections_and_keeps_the_stores()
     pair = socket.create_connection(peer.getsockname())
     accepted, _ = peer.accept()
     accepted.settimeout(10)  # a connection left open fails the test, not hangs it
+    # Connections here leave from 127.0.0.1: this process is both ends of the pair and
+    # of the store's connection (as rank 0 is when it serves the store).
     watchdog = SimpleNamespace(heartbeats=lambda: [{"rank": 0, "addr": "127.0.0.2"},
-                                                   None, {"rank": 2, "addr": ""}])
+                                                   {"rank": 1, "addr": "127.0.0.1"},
+                                                   None, {"rank": 3, "addr": ""}])
     try:
-        assert cut_old_group(watchdog, prefixed) == 1  # the pair; not the store's
+        assert cut_old_group(watchdog, prefixed) == 2  # the pair's two ends; no store's
         assert accepted.recv(10) == b""  # the peer sees the connection closed
         prefixed.set("still", "here")  # the store connection works on
         assert client.get("gpufleet/still") == b"here"

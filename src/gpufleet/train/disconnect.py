@@ -14,9 +14,10 @@ log = logging.getLogger(__name__)
 
 def cut_connections(addresses: set[str],
                     keep: frozenset[tuple[str, int]] = frozenset()) -> int:
-    """Shut down this process's TCP connections to any of ``addresses``, except those to
-    an ``(address, port)`` of ``keep``: an operation waiting on one fails at once.
-    Returns how many were shut down."""
+    """Shut down this process's TCP connections to any of ``addresses``, except those
+    whose either end is an ``(address, port)`` of ``keep`` (a store this process reaches,
+    or serves): an operation waiting on one fails at once. Returns how many were shut
+    down."""
     cut = 0
     for name in os.listdir("/proc/self/fd"):
         try:
@@ -28,10 +29,12 @@ def cut_connections(addresses: set[str],
                 if sock.type != socket.SOCK_STREAM:
                     continue
                 peer, port = sock.getpeername()[:2]
+                local, local_port = sock.getsockname()[:2]
             except OSError:  # not connected
                 continue
-            peer = peer.removeprefix("::ffff:")
-            if peer in addresses and (peer, port) not in keep:
+            peer, local = peer.removeprefix("::ffff:"), local.removeprefix("::ffff:")
+            if peer in addresses and (peer, port) not in keep \
+                    and (local, local_port) not in keep:
                 sock.shutdown(socket.SHUT_RDWR)
                 cut += 1
     return cut
