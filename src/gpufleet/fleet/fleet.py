@@ -52,7 +52,7 @@ from gpufleet.fleet.steps import StepTracker
 from gpufleet.fleet.wrappers import FleetModule, hook_step
 from gpufleet.launch import DistEnv, barrier, destroy_process_group, is_initialized
 from gpufleet.plan import RunPlan, make_plan
-from gpufleet.train.build import _device, _precision_and_strategy, _run_dir
+from gpufleet.train.build import plan_run_dir, precision_and_strategy, rank_device
 from gpufleet.train.monitors import build_monitors
 from gpufleet.train.nonfinite import NonFiniteGuard
 from gpufleet.train.perf import share_cores
@@ -141,9 +141,9 @@ class Fleet:
         share_cores(env.local_world_size, env.is_main)
         if self._seed is not None:  # the same seed on every rank, as you asked
             seed_everything(self._seed)
-        device = _device(cfg, env)
-        precision, strategy = _precision_and_strategy(cfg, plan.dims, device)
-        cfg, _, run_lock = _run_dir(cfg, env)  # COLLECTIVE: rank 0 chooses and locks it
+        device = rank_device(cfg, env)
+        precision, strategy = precision_and_strategy(cfg, plan.dims, device)
+        cfg, _, run_lock = plan_run_dir(cfg, env)  # COLLECTIVE: rank 0 chooses and locks it
         run_dir = Path(cfg.run.dir)
         self.plan = plan.with_config(cfg)
         self.run = FleetRun(cfg=cfg, env=env, device=device, run_dir=run_dir,

@@ -118,8 +118,8 @@ def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module]
     cfg = plan.cfg
     models, training_step = models_and_step(cfg, model, training_step, eval_data)
     share_cores(env.local_world_size, env.is_main)
-    device = _device(cfg, env)
-    precision, strategy = _precision_and_strategy(cfg, plan.dims, device, join is not None)
+    device = rank_device(cfg, env)
+    precision, strategy = precision_and_strategy(cfg, plan.dims, device, join is not None)
     cfg, placed = _place_models(cfg, env, device, strategy, models, optimizer, scheduler)
     model, optimizer, scheduler, _ = next(iter(placed.values()))
     metrics = _eval_metrics(cfg, eval_metrics)  # before the run directory: may fail
@@ -132,7 +132,7 @@ def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module]
     # own generator and is independent of this.
     seed_everything(cfg.run.seed + env.rank)
     if join is None:
-        cfg, resume_from, run_lock = _run_dir(cfg, env)  # COLLECTIVE
+        cfg, resume_from, run_lock = plan_run_dir(cfg, env)  # COLLECTIVE
     else:  # the live ranks' run directory, written already; their state, not a file
         resume_from, run_lock = None, None
         record_process(Path(cfg.run.dir), "rank", env.rank)
@@ -180,7 +180,7 @@ def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module]
     return run
 
 
-def _device(cfg: Config, env: DistEnv) -> torch.device:
+def rank_device(cfg: Config, env: DistEnv) -> torch.device:
     """This rank's device, with the determinism and backend flags the config asks for."""
     if cfg.run.device == "cuda":
         # A one-process strategy (dp drives every GPU from it) starts on GPU 0.
@@ -194,8 +194,8 @@ def _device(cfg: Config, env: DistEnv) -> torch.device:
     return device
 
 
-def _precision_and_strategy(cfg: Config, dims: Any, device: torch.device,
-                            joins: bool = False) -> tuple[Any, Any]:
+def precision_and_strategy(cfg: Config, dims: Any, device: torch.device,
+                           joins: bool = False) -> tuple[Any, Any]:
     """Mixed precision, and the strategy that applies the plan's mesh degrees (``dims``,
     over one DeviceMesh) to the model. ``joins``: this rank joins live ranks, and builds
     for one rank until it meets them."""
@@ -297,7 +297,7 @@ def _model_and_optimizer(cfg: Config, env: DistEnv, device: torch.device, strate
     return dataclasses.replace(cfg, optim=optim), model, built, scheduler, source
 
 
-def _run_dir(cfg: Config, env: DistEnv) -> tuple[Config, Path | None, runlock.RunLock | None]:
+def plan_run_dir(cfg: Config, env: DistEnv) -> tuple[Config, Path | None, runlock.RunLock | None]:
     """Rank 0 plans the run directory (new, or the one to resume) and locks it; every
     rank takes its plan (COLLECTIVE). Returns the config as written there, the
     checkpoint to resume from, and the lock (rank 0's, when its launcher holds none)."""
