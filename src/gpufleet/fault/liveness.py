@@ -54,7 +54,7 @@ def side_channel(store: Any) -> Any:
     blocking ``wait`` (a survivor waiting for rank 0's decision after a lost node, say),
     every other call on the same client waits too, and heartbeats held back that way
     look like a rank cut off from the job. ``store`` itself where torch cannot clone it
-    (before torch 2.5, or a store type without connections).
+    (before torch 2.5, or a store type without connections), and None for None.
     """
     clone = getattr(store, "clone", None)
     if clone is None:

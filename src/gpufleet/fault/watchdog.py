@@ -87,7 +87,7 @@ class Watchdog(Callback):
         self.cfg, self.run_dir = cfg, Path(run_dir)
         # Heartbeats and hang counters go over a connection of their own: a blocking
         # store call of the training thread must not hold them back.
-        store = side_channel(store) if store is not None else None
+        store = side_channel(store)
         self.rank, self.world_size, self.store = rank, world_size, store
         self.node = node
         self.prefix = f"{_KEY}/{restart}"
@@ -138,7 +138,7 @@ class Watchdog(Callback):
         of this ``generation``, so the lost ranks are not reported as silent."""
         if self.liveness is not None:
             self.liveness.stop()
-        store = side_channel(store) if store is not None else None
+        store = side_channel(store)
         self.rank, self.world_size, self.store = rank, world_size, store
         self.liveness = (Liveness(store, f"{self.prefix}/g{generation}", rank, world_size,
                                   self.heartbeat, self.cfg.watchdog_poll_s,

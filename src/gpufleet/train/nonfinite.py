@@ -307,18 +307,17 @@ class NonFiniteGuard:
             longest = max(longest, run)
         count = sum(skipped)
         self.in_row = longest
-        if count:
-            first = skipped.index(True)
-            losses = torch.stack(self._interval.losses).float().tolist()  # SYNC (skips only)
-            kept = math.fsum(v for v, bad in zip(losses, skipped) if not bad)
-            mine = (*self._culprit(first, losses[first]), kept)
-            seen = gather_objects(mine)  # COLLECTIVE: intervals with a skip only, all ranks
-            loss_total = math.fsum(s[3] for s in seen)
-            self.records.append(_record_of(seen, None))
-            self.skipped += count
-            self.interval_skipped += count
-            self.report(first_step + first + 1, is_main,
-                        f" ({count} in this log interval)" if count > 1 else "")
+        first = skipped.index(True)
+        losses = torch.stack(self._interval.losses).float().tolist()  # SYNC (skips only)
+        kept = math.fsum(v for v, bad in zip(losses, skipped) if not bad)
+        mine = (*self._culprit(first, losses[first]), kept)
+        seen = gather_objects(mine)  # COLLECTIVE: intervals with a skip only, all ranks
+        loss_total = math.fsum(s[3] for s in seen)
+        self.records.append(_record_of(seen, None))
+        self.skipped += count
+        self.interval_skipped += count
+        self.report(first_step + first + 1, is_main,
+                    f" ({count} in this log interval)" if count > 1 else "")
         self.in_row = run
         self._interval.clear(True)
         return loss_total
