@@ -48,19 +48,9 @@ from gpufleet.parallel.grad_norm import (
     each_norm_unstacked,
     spreads_gradients,
 )
+from gpufleet.train.skips import SkipRecord, describe, record_of
 
 log = logging.getLogger(__name__)
-
-@dataclass
-class SkipRecord:
-    """One skipped step, as every rank saw it."""
-
-    step: int
-    loss_ranks: list[int]  # ranks whose own loss was not finite
-    grad_ranks: list[int]  # ranks whose gradients were not finite
-    first_bad_param: str | None
-    bad_params: int
-    loss_scale: float | None = None
 
 
 def takes_found_inf(optimizer: Any, precision: Any) -> bool:
@@ -313,7 +303,7 @@ class NonFiniteGuard:
         mine = (*self._culprit(first, losses[first]), kept)
         seen = gather_objects(mine)  # COLLECTIVE: intervals with a skip only, all ranks
         loss_total = math.fsum(s[3] for s in seen)
-        self.records.append(_record_of(seen, None))
+        self.records.append(record_of(seen, None))
         self.skipped += count
         self.interval_skipped += count
         self.report(first_step + first + 1, is_main,
@@ -351,7 +341,7 @@ class NonFiniteGuard:
         # COLLECTIVE, on skipped steps only (every rank is here: the flags agreed).
         seen = gather_objects(mine)
         scale = self.precision.backoff() if self.precision.scales_loss else None
-        record = _record_of(seen, scale)
+        record = record_of(seen, scale)
         self.skipped += 1
         self.interval_skipped += 1
         self.records.append(record)
@@ -380,30 +370,3 @@ class NonFiniteGuard:
             else:
                 log.warning("step %d skipped on every rank: %s%s (%d skipped so far)",
                             step, what, more, self.skipped)
-
-
-def _record_of(seen: list[tuple[bool, str | None, int]], scale: float | None) -> SkipRecord:
-    return SkipRecord(
-        step=0, loss_ranks=[r for r, s in enumerate(seen) if s[0]],
-        grad_ranks=[r for r, s in enumerate(seen) if s[2]],
-        first_bad_param=next((s[1] for s in seen if s[1]), None),
-        bad_params=max(s[2] for s in seen), loss_scale=scale)
-
-
-def describe(record: SkipRecord) -> str:
-    """One line for a skipped step: which ranks, which parameter, the loss scale."""
-    parts = []
-    if record.loss_ranks:
-        parts.append(f"non-finite loss on rank {_ranks(record.loss_ranks)}")
-    if record.grad_ranks:
-        parts.append(f"non-finite gradients on rank {_ranks(record.grad_ranks)} in "
-                     f"{record.bad_params} parameter(s), first: {record.first_bad_param}")
-    if record.loss_scale is not None:
-        collapsed = " (collapsed: the model itself overflows fp16)" \
-            if record.loss_scale < 1.0 else ""
-        parts.append(f"fp16 loss scale now {record.loss_scale:g}{collapsed}")
-    return "; ".join(parts) or "non-finite values"
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks))
