@@ -24,6 +24,7 @@ MFU_TARGET = 0.50  # bf16 + compile, against the dense bf16 peak
 BF16_SPEEDUP_TARGET = 2.0  # bf16 tokens/s over fp32 tokens/s
 HAND_RATIO_TARGET = 1.02  # gpufleet step time / hand-written loop step time
 MONITOR_RATIO_TARGET = 1.01  # step time with a monitor part on / all off
+PEER_RATIO_TARGET = 1.02  # gpufleet (defaults, Fleet) step time / Lightning Fabric's
 CURVE_MEAN_DIFF = 0.05  # fp32 vs bf16 loss curves: mean |diff| in nats, "within noise"
 
 
@@ -64,7 +65,8 @@ def summarize(stage: str, ctx: Any, status: str) -> dict[str, Any]:
     """The numbers of one finished (or failed) stage; empty when it left nothing."""
     reader = {"tests": _summary_tests, "default_job": _summary_default_job,
               "mfu": _summary_mfu, "monitor": _summary_monitor,
-              "prefetch": _summary_prefetch}.get(stage)
+              "prefetch": _summary_prefetch, "peers_mlp": _summary_peers("mlp"),
+              "peers_gpt": _summary_peers("gpt")}.get(stage)
     return reader(ctx) if reader is not None else {}
 
 
@@ -124,6 +126,10 @@ def _summary_prefetch(ctx: Any) -> dict[str, Any]:
     return _read_json(ctx.work / "prefetch.json") or {}
 
 
+def _summary_peers(job: str) -> Any:
+    return lambda ctx: _read_json(ctx.work / f"peers_{job}.json") or {}
+
+
 # -- targets ------------------------------------------------------------------------------
 
 def targets(stages: dict[str, dict[str, Any]]) -> list[tuple[str, str, str]]:
@@ -151,6 +157,14 @@ def targets(stages: dict[str, dict[str, Any]]) -> list[tuple[str, str, str]]:
         rows.append(_check(f"monitor '{r['row']}' on / off <= {MONITOR_RATIO_TARGET}",
                            r["ratio"], lambda v: v <= MONITOR_RATIO_TARGET,
                            lambda v: f"{v:.3f}"))
+    for job in ("peers_mlp", "peers_gpt"):
+        loops = {r["loop"]: r["wall_us"] for r in stages.get(job, {}).get("rows", [])}
+        fabric = loops.get("Lightning Fabric")
+        for loop in ("gpufleet defaults", "gpufleet Fleet"):
+            value = loops[loop] / fabric if fabric and loop in loops else None
+            rows.append(_check(f"{job}: {loop} / Lightning Fabric <= {PEER_RATIO_TARGET}",
+                               value, lambda v: v <= PEER_RATIO_TARGET,
+                               lambda v: f"{v:.3f}"))
     return rows
 
 
@@ -181,7 +195,8 @@ def render_markdown(data: dict[str, Any]) -> str:
               for a, b, c in targets(stages)]
     for name, render in (("tests", _md_tests), ("default_job", _md_default_job),
                          ("mfu", _md_mfu), ("monitor", _md_monitor),
-                         ("prefetch", _md_prefetch)):
+                         ("prefetch", _md_prefetch), ("peers_mlp", _md_peers),
+                         ("peers_gpt", _md_peers)):
         if stages.get(name):
             lines += ["", *render(stages[name])]
     return "\n".join(lines) + "\n"
@@ -249,4 +264,17 @@ def _md_prefetch(s: dict[str, Any]) -> list[str]:
                    f"{_fmt(r['data_wait_s'] and r['data_wait_s'] * 1e3, '.3f')} | "
                    f"{_fmt(r['device_data_s'] and r['device_data_s'] * 1e3, '.3f')} |")
     out += ["", f"Step time off / on: {_fmt(s.get('off_over_on'), '.3f')}."]
+    return out
+
+
+def _md_peers(s: dict[str, Any]) -> list[str]:
+    rows = s.get("rows", [])
+    fabric = next((r["wall_us"] for r in rows if r["loop"] == "Lightning Fabric"), None)
+    out = [f"`benchmarks/peers.py` ({s.get('job')}; {s.get('device')}, {s.get('precision')}; "
+           f"{s.get('steps')} steps each, turns of {s.get('turn_steps')}; block medians):", "",
+           "| loop | wall µs/step | CPU µs/step | vs Fabric | first step s |",
+           "|---|---|---|---|---|"]
+    out += [f"| {r['loop']} | {r['wall_us']:.1f} | {r['cpu_us']:.1f} | "
+            f"{_fmt(fabric and r['wall_us'] / fabric, '.3f')} | {r['first_s']:.3f} |"
+            for r in rows]
     return out

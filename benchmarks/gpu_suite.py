@@ -10,6 +10,9 @@ time is recorded, and the next one runs):
 4. ``monitor``: ``benchmarks/monitor_overhead.py`` on the GPU (all monitoring, phase
    timing, the sampler and the non-finite check, each on against off, interleaved).
 5. ``prefetch``: ``benchmarks/prefetch.py`` (the side-stream prefetcher on against off).
+6. ``peers_mlp``, ``peers_gpt``: ``benchmarks/peers.py --device cuda`` (gpufleet's
+   defaults, ``Fleet`` and the hand-written loop beside Lightning Fabric, Accelerate
+   and the Lightning Trainer, on the MLP in fp32 and the built-in GPT in bf16, warm).
 
 What lands in ``--out``: ``results.md`` (ready to paste into benchmarks/RESULTS.md),
 ``results.json`` and one ``<stage>.log`` per stage; both results files are rewritten
@@ -134,6 +137,18 @@ def _monitor(ctx: Context) -> list[str]:
     return cmd
 
 
+def _peers(job: str, precision: str) -> Callable[[Context], list[str]]:
+    def command(ctx: Context) -> list[str]:
+        cmd = [ctx.python, str(REPO / "benchmarks" / "peers.py"), f"--job={job}",
+               f"--precision={precision}", "--turn-steps=50", "--no-import-times",
+               "--json", str(ctx.work / f"peers_{job}.json")]
+        if ctx.dry_run:
+            return cmd + ["--device=cpu", "--precision=fp32", "--steps=60", "--warmup=5"]
+        return cmd + ["--device=cuda", "--steps=1000" if job == "mlp" else "--steps=400",
+                      *(["--breakdown"] if job == "mlp" else [])]
+    return command
+
+
 def _prefetch(ctx: Context) -> list[str]:
     cmd = [ctx.python, str(REPO / "benchmarks" / "prefetch.py"), "--json",
            str(ctx.work / "prefetch.json")]
@@ -145,6 +160,8 @@ def _prefetch(ctx: Context) -> list[str]:
 
 STAGES = [
     Stage("tests", 150, _tests),
+    Stage("peers_mlp", 60, _peers("mlp", "fp32"), "peers_mlp.json"),
+    Stage("peers_gpt", 60, _peers("gpt", "bf16"), "peers_gpt.json"),
     Stage("default_job", 70, _default_job, "default-job"),
     Stage("mfu", 210, _mfu, "mfu.json"),
     Stage("monitor", 75, _monitor, "monitor.json"),

@@ -25,6 +25,14 @@ imports later counted.
     python benchmarks/peers.py --job gpt --steps 300   # the built-in GPT's recipe
     python benchmarks/peers.py --turn-steps 50      # warm: turns of a block each
     python benchmarks/peers.py --turn-steps 50 --breakdown   # + where gpufleet's µs go
+    python benchmarks/peers.py --device cuda --precision bf16 --turn-steps 50   # a GPU
+
+On a GPU every loop runs on one device at the named precision (each framework's own
+switch: Fabric's and the Trainer's ``precision``, Accelerate's ``mixed_precision``,
+gpufleet's ``precision.mode``, autocast in the hand-written loop). The device is
+synchronized at the end of every turn, inside the turn's last timed step, so a loop never
+hands its queued kernels to the next one: a block's mean is then the loop's throughput,
+its host work hidden behind the GPU's as far as the loop lets it be.
 
 ``--breakdown`` adds gpufleet loops that each leave out one part of the defaults (the
 watchdog, the non-finite guard, monitoring), one with a metrics line every 50 steps
@@ -35,7 +43,9 @@ as a share of Fabric's step: where the distance to Fabric sits.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
+import json
 import os
 import random
 import statistics
@@ -75,6 +85,13 @@ class Job:
     clip: float  # clip the gradient norm to this (0: no clip)
     loss: Callable[[nn.Module, Any], torch.Tensor]
     gpufleet: dict[str, Any] = field(default_factory=dict)  # the same recipe as config
+    device: str = "cpu"
+    precision: str = "fp32"  # or "bf16": mixed, autocast to bfloat16
+
+    def autocast(self) -> Any:
+        """The hand-written loop's autocast for ``precision`` (a no-op for fp32)."""
+        return torch.autocast(self.device, dtype=torch.bfloat16,
+                              enabled=self.precision == "bf16")
 
 
 def mlp_job(steps: int) -> Job:
@@ -121,8 +138,9 @@ class Baton:
     Turns of a block of steps (``steps`` = :data:`BLOCK`) measure the loops as a run
     trains, warm after a turn's first step, still interleaved a block at a time."""
 
-    def __init__(self, names: list[str], seed: int = 0, steps: int = 1) -> None:
-        self.names, self.turn, self.steps = names, 0, steps
+    def __init__(self, names: list[str], seed: int = 0, steps: int = 1,
+                 sync: Callable[[], None] | None = None) -> None:
+        self.names, self.turn, self.steps, self.sync = names, 0, steps, sync
         self._order, self._pos = list(range(len(names))), 0
         self._rng = random.Random(seed)
         self.active = [True] * len(names)
@@ -139,8 +157,11 @@ class Baton:
         self._started[i] = self._t0[i]
 
     def step_done(self, i: int) -> None:
+        first = not self.wall[i] and not self.first[i]
+        if self.sync and (len(self.wall[i]) + (1 if first else 2)) % self.steps == 0:
+            self.sync()  # the turn ends: its queued device work is its own
         wall, cpu = time.perf_counter(), time.thread_time()
-        if not self.wall[i] and not self.first[i]:
+        if first:
             self.first[i] = wall - self._started[i]
         else:
             self.wall[i].append(wall - self._t0[i])
@@ -152,6 +173,8 @@ class Baton:
         self._wait(i)
 
     def finish(self, i: int) -> None:
+        if self.sync:
+            self.sync()
         with self.cv:
             self.active[i] = False
         self._pass(i)
@@ -202,15 +225,22 @@ def _steps(job: Job, model: nn.Module, opt: Any, sched: Any, data: Any,
                 return
 
 
-def _parts(job: Job) -> tuple[nn.Module, Any, Any]:
+def _parts(job: Job, device: str = "cpu") -> tuple[nn.Module, Any, Any]:
     torch.manual_seed(0)
-    model = job.make_model()
+    model = job.make_model().to(device)
     opt = job.make_opt(model.parameters())
     return model, opt, job.make_sched(opt) if job.make_sched else None
 
 
 def hand(job: Job, done: Callable[[], None]) -> None:
-    model, opt, sched = _parts(job)
+    model, opt, sched = _parts(job, job.device)
+    loss_fn = job.loss
+
+    def loss_on_device(m: nn.Module, batch: Any) -> torch.Tensor:
+        with job.autocast():
+            return loss_fn(m, [t.to(job.device, non_blocking=True) for t in batch])
+
+    job = dataclasses.replace(job, loss=loss_on_device)
     _steps(job, model, opt, sched, loader(job), lambda loss: loss.backward(),
            lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), job.clip), done)
 
@@ -218,7 +248,8 @@ def hand(job: Job, done: Callable[[], None]) -> None:
 def fabric(job: Job, done: Callable[[], None]) -> None:
     from lightning.fabric import Fabric
 
-    f = Fabric(accelerator="cpu", devices=1, precision="32-true")
+    f = Fabric(accelerator=job.device, devices=1,
+               precision="bf16-mixed" if job.precision == "bf16" else "32-true")
     model, opt, sched = _parts(job)
     model, opt = f.setup(model, opt)
     _steps(job, model, opt, sched, f.setup_dataloaders(loader(job)), f.backward,
@@ -228,7 +259,8 @@ def fabric(job: Job, done: Callable[[], None]) -> None:
 def accelerate(job: Job, done: Callable[[], None]) -> None:
     from accelerate import Accelerator
 
-    acc = Accelerator(cpu=True)
+    acc = Accelerator(cpu=job.device == "cpu",
+                      mixed_precision="bf16" if job.precision == "bf16" else "no")
     model, opt, sched = _parts(job)
     model, opt, data = acc.prepare(model, opt, loader(job))
     _steps(job, model, opt, sched, data, acc.backward,
@@ -258,7 +290,9 @@ def lightning_trainer(job: Job, done: Callable[[], None]) -> None:
             done()
 
     torch.manual_seed(0)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=job.steps, logger=False,
+    trainer = L.Trainer(accelerator="gpu" if job.device == "cuda" else "cpu", devices=1,
+                        precision="bf16-mixed" if job.precision == "bf16" else "32-true",
+                        max_steps=job.steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, gradient_clip_val=job.clip or None,
                         callbacks=[Turns()], num_sanity_val_steps=0)
@@ -276,6 +310,10 @@ PARTS = {"watchdog": {"fault.watchdog": False},
          "log lines every 10 steps, not 50": {"log.every": 50}}
 
 
+def _mode(job: Job) -> str:
+    return "bf16-mixed" if job.precision == "bf16" else "fp32"
+
+
 def gpufleet_loop(extra: dict[str, Any]) -> Callable[[Job, Callable[[], None]], None]:
     def run(job: Job, done: Callable[[], None]) -> None:
         class Turns(gpufleet.Callback):
@@ -290,7 +328,9 @@ def gpufleet_loop(extra: dict[str, Any]) -> Callable[[Job, Callable[[], None]], 
                                     "data.shuffle": False, "data.num_workers": 0,
                                     "run.eval_every": 0, "log.progress": "off",
                                     "log.level": "WARNING", "checkpoint.save_final": False,
-                                    "run.out_dir": tmp, **job.gpufleet, **extra})
+                                    "run.out_dir": tmp, "run.device": job.device,
+                                    "precision.mode": _mode(job), **job.gpufleet,
+                                    **extra})
     return run
 
 
@@ -299,7 +339,7 @@ def fleet_loop(extra: dict[str, Any]) -> Callable[[Job, Callable[[], None]], Non
     row changes, changed the same way)."""
     def run(job: Job, done: Callable[[], None]) -> None:
         with tempfile.TemporaryDirectory() as tmp:
-            f = gpufleet.Fleet(accelerator="cpu", devices=1, precision="32-true",
+            f = gpufleet.Fleet(accelerator=job.device, devices=1, precision=_mode(job),
                                run_dir=tmp, overrides={"log.level": "WARNING", **extra})
             model, opt, _ = _parts(job)
             model, opt = f.setup(model, opt)  # rebuilt on the placed parameters
@@ -314,7 +354,8 @@ def run_in_turns(job: Job, loops: dict[str, Any], turn_steps: int = 1) -> Baton:
     """Run every loop of ``loops`` on ``job``, each in a thread named after it,
     ``turn_steps`` steps at a time in turn; the :class:`Baton` holds their timings."""
     names = list(loops)
-    baton = Baton(names, steps=turn_steps)
+    baton = Baton(names, steps=turn_steps,
+                  sync=torch.cuda.synchronize if job.device == "cuda" else None)
 
     def worker(i: int) -> None:
         baton.start(i)
@@ -373,11 +414,18 @@ def main() -> None:
     p.add_argument("--breakdown", action="store_true",
                    help="also run gpufleet without each part of its defaults, and print "
                         "what each part costs a step")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: each framework's bf16 mixed precision (autocast)")
+    p.add_argument("--json", metavar="PATH", help="also write the table here as JSON")
     p.add_argument("--no-import-times", action="store_true",
                    help="do not time each entry module's import in a fresh process")
     args = p.parse_args()
     torch.set_num_threads(1)
-    job = (mlp_job if args.job == "mlp" else gpt_job)(args.steps)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible here")
+    job = dataclasses.replace((mlp_job if args.job == "mlp" else gpt_job)(args.steps),
+                              device=args.device, precision=args.precision)
     loops: dict[str, Any] = {"hand-written": hand}
     missing = []
     for name, module, fn in (("Lightning Fabric", "lightning.fabric", fabric),
@@ -410,8 +458,10 @@ def main() -> None:
               ", ".join(f"{m} {t:.2f} s" if t is not None else f"{m} failed"
                         for m, t in took.items()))
     turns = "one step" if args.turn_steps == 1 else f"{args.turn_steps} steps"
+    where = "CPU" if job.device == "cpu" else torch.cuda.get_device_name()
     print(f"job: {job.name}; {args.steps} steps each, turns of {turns}, first "
-          f"{args.warmup} not timed, blocks of {BLOCK}; 1 torch thread")
+          f"{args.warmup} not timed, blocks of {BLOCK}; 1 torch thread; on {where}, "
+          f"{job.precision}")
     if missing:
         print("not installed, left out: " + ", ".join(missing) + " (pip install -e '.[bench]')")
     names = list(loops)
@@ -436,6 +486,14 @@ def main() -> None:
                          for i, n in enumerate(names)}, names[fabric_i], names[defaults_i],
                         without)
     print(f"load average at the end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    if args.json:
+        rows = [{"loop": n, "wall_us": blocks(baton.wall[i]) * 1e6,
+                 "cpu_us": blocks(baton.cpu[i]) * 1e6, "first_s": baton.first[i]}
+                for i, n in enumerate(names)]
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine_summary(), "job": job.name, "device": where,
+                       "precision": job.precision, "steps": args.steps,
+                       "turn_steps": args.turn_steps, "rows": rows}, f, indent=1)
 
 
 def print_breakdown(times: dict[str, tuple[float, float]], fabric: str, defaults: str,

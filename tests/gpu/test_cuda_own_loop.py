@@ -1,0 +1,125 @@
+"""The CUDA paths of your own loop and of in-memory snapshots: ``Fleet`` on one GPU in
+bf16 (the same losses as the plain-PyTorch loop it replaces, the guard on the fused
+optimizer's device flag, phases timed by CUDA events, the run's files), and the
+snapshot's pinned buffers filled on a side stream while the next step's kernels run.
+Skipped without CUDA (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import gpufleet
+from gpufleet.fault.snapshot import Snapshotter, storage_of
+
+pytestmark = pytest.mark.gpu
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 1))
+
+
+def _loader() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 32, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=32)
+
+
+def _plain_losses() -> list[float]:
+    """The loop as plain PyTorch writes it: bf16 autocast on cuda:0, SGD."""
+    model = _net().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = []
+    for x, y in _loader():
+        x, y = x.cuda(), y.cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_fleet_on_a_gpu_in_bf16_matches_the_plain_loop_and_writes_its_files(tmp_path):
+    run = tmp_path / "run"
+    fleet = gpufleet.Fleet(accelerator="cuda", devices=1, precision="bf16-mixed",
+                           run_dir=str(run), log_every=4)
+    net = _net()
+    model, opt = fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+    assert next(model.parameters()).device.type == "cuda"
+    losses = []
+    for x, y in fleet.setup_dataloaders(_loader()):
+        assert x.device.type == "cuda"
+        loss = F.mse_loss(model(x), y)
+        assert loss.dtype == torch.float32  # autocast: the loss of a bf16 output, in fp32
+        fleet.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    fleet.finish()
+    assert losses == pytest.approx(_plain_losses(), rel=1e-3, abs=1e-4)
+    assert {"diagnosis.json", "report.html", "metrics.jsonl"} <= {p.name for p in run.iterdir()}
+    train = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in train if r.get("kind") == "train"]
+    assert [r["step"] for r in train] == [4, 8]
+    # The phases the loop's calls mark are timed on the GPU too (CUDA events).
+    late = train[1:]
+    assert all(r["device_phases"]["forward"] > 0 and r["device_phases"]["backward"] > 0
+               for r in late), late
+
+
+def test_fleet_skips_a_nonfinite_step_through_the_fused_optimizers_flag(tmp_path):
+    fleet = gpufleet.Fleet(accelerator="cuda", devices=1, precision="32-true",
+                           run_dir=str(tmp_path / "run"), log_every=3)
+    net = _net()
+    model, opt = fleet.setup(net, torch.optim.AdamW(net.parameters(), lr=0.1, fused=True))
+    x, y = torch.randn(8, 32, device="cuda"), torch.randn(8, 1, device="cuda")
+    weights = []
+    for step in (1, 2, 3):
+        loss = F.mse_loss(model(x), y)
+        fleet.backward(loss * float("nan") if step == 2 else loss)
+        opt.step()
+        opt.zero_grad()
+        weights.append({k: v.clone() for k, v in model.state_dict().items()})
+    assert fleet.run.nonfinite.on_device
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert not all(torch.equal(weights[1][k], weights[2][k]) for k in weights[0])
+    assert fleet.skipped_steps == 1 and fleet.skip_records[0].step == 2
+    fleet.finish()
+
+
+def test_a_snapshot_of_cuda_state_holds_the_step_while_the_next_step_changes_it():
+    """The parameter (changed only by the optimizer step) is copied on the side stream;
+    the buffer (changed by the next forward) on the training stream. Both are changed
+    right after ``take``, in kernel order, with no host sync between: the pinned host
+    copy still holds the values of the snapshot's step."""
+    snap = Snapshotter(0, torch.device("cuda"))
+    weight = torch.randn(4096, 4096, device="cuda")  # 64 MB: the copy takes a while
+    buffer = torch.arange(1000, device="cuda", dtype=torch.float32)
+    state = {"model": {"weight": weight, "running": buffer}, "step": 7}
+    expected = {"weight": weight.cpu(), "running": buffer.cpu()}
+    snap.take(7, state, {storage_of(weight)})
+    buffer.mul_(-1)  # the next forward, queued on the training stream
+    snap.wait_copied()  # the optimizer step waits for the side stream, on the device
+    weight.add_(1.0)
+    assert snap.wait(60) and not snap.errors
+    assert snap.own.buffer.is_pinned()
+    held = snap.own.state()
+    assert held["step"] == 7 and snap.own.step == 7
+    assert torch.equal(held["model"]["weight"], expected["weight"])
+    assert torch.equal(held["model"]["running"], expected["running"])
+    torch.cuda.synchronize()
+    assert torch.equal(weight.cpu(), expected["weight"] + 1.0)
+
+
+def test_a_run_on_cuda_takes_snapshots_and_reports_their_memory(fit_cuda):
+    result, cap = fit_cuda({"fault.snapshot_every": 5, "log.every": 10})
+    logged = [m for m in cap.logs if "snapshot_mb" in m]
+    assert logged and logged[-1]["snapshot_mb"] > 0, cap.logs[-1]
