@@ -273,8 +273,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def missing_requirements(python: str) -> str | None:
+    """What stops ``python`` from importing gpufleet from the source tree (a package of
+    its requirements missing there), or None: every stage needs it, so a missing one is
+    named before the budget is spent on stages that would all fail the same way."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([python, "-c", "import gpufleet.config, gpufleet.api"], env=env,
+                          capture_output=True, text=True, check=False)
+    if done.returncode == 0:
+        return None
+    lines = done.stderr.strip().splitlines()
+    return lines[-1] if lines else f"exit {done.returncode}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    problem = missing_requirements(sys.executable)
+    if problem:
+        print(f"gpufleet does not import here: {problem}. Install what is missing first "
+              "(on a machine without a registry: carry its wheel and put it on PYTHONPATH)",
+              file=sys.stderr, flush=True)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     facts = machine_facts()

@@ -196,3 +196,34 @@ def test_an_error_in_the_loop_leaves_a_crash_report(tmp_path):
     report = (tmp_path / "run" / "crash" / "rank-0.txt").read_text()
     assert "RuntimeError: the loop broke" in report and "step: 1" in report
     fleet.finish()
+
+
+def test_mixed_precision_outputs_come_back_in_float32_as_fabric_returns_them(tmp_path):
+    """Under bf16-mixed the forward runs in autocast and its outputs come back as
+    float32, so a loss computed in the loop, outside the forward, sees one dtype (on
+    CUDA, mse_loss's backward refuses a bf16 output beside an fp32 target). The losses
+    equal those of the plain loop that puts its loss inside autocast."""
+    fleet = gpufleet.Fleet(accelerator="cpu", precision="bf16-mixed",
+                           run_dir=str(tmp_path / "run"))
+    net = _net()
+    model, optimizer = fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    plain = _net()
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for x, y in DataLoader(_data(), batch_size=8):
+        out = model(x)
+        assert out.dtype == torch.float32
+        loss = F.mse_loss(out, y)
+        fleet.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            plain_loss = F.mse_loss(plain(x).float(), y)
+        plain_loss.backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        assert loss.item() == pytest.approx(plain_loss.item(), rel=1e-6)
+    # Outputs that are not an autocast dtype, and containers, keep their types.
+    out = FleetModule(lambda x: {"n": x.long(), "h": (x.bfloat16(),)}, net, lambda p: None,
+                      fleet.run.precision)(torch.ones(2))
+    assert out["n"].dtype == torch.int64 and out["h"][0].dtype == torch.float32
+    fleet.finish()

@@ -3,8 +3,11 @@ each telling the run when its part of a step begins.
 
 * :class:`FleetModule` wraps the model as the strategy placed it (DDP, FSDP, or the
   module itself): a forward announces the forward phase (evaluation when the module is
-  in ``eval()`` mode) and runs under the run's autocast; attributes of your module read
-  through; ``state_dict`` is your module's own (no ``module.`` prefix).
+  in ``eval()`` mode) and runs under the run's autocast, and its floating-point outputs
+  come back in float32 under mixed precision (as Fabric returns them), so the loss your
+  loop computes outside the forward sees one dtype, not a bf16 output beside an fp32
+  target (whose backward CUDA refuses); attributes of your module read through;
+  ``state_dict`` is your module's own (no ``module.`` prefix).
 * :func:`hook_step` replaces ``optimizer.step`` on the optimizer object itself (it stays
   a ``torch.optim.Optimizer``: your LR scheduler takes it as it is), so that a step goes
   through the run: unscale, the non-finite guard, the step, then the step's end.
@@ -18,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from gpufleet.core.phases import Phase
 
@@ -48,7 +52,8 @@ class FleetModule(nn.Module):
         if self._precision.autocast_dtype is None:  # fp32: no autocast to enter
             return self._placed(*args, **kwargs)
         with self._precision.autocast():
-            return self._placed(*args, **kwargs)
+            out = self._placed(*args, **kwargs)
+        return tree_map_only(torch.Tensor, _to_float32, out)
 
     @property
     def module(self) -> nn.Module:
@@ -66,6 +71,11 @@ class FleetModule(nn.Module):
             return super().__getattr__(name)  # parameters, buffers, submodules
         except AttributeError:
             return getattr(object.__getattribute__(self, "_original"), name)
+
+
+def _to_float32(t: torch.Tensor) -> torch.Tensor:
+    """An autocast output (bf16, fp16) as float32; any other tensor as it is."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
 
 
 def hook_step(optimizer: torch.optim.Optimizer,
