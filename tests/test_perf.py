@@ -124,3 +124,19 @@ def test_ranks_on_one_node_share_its_cores(monkeypatch):
         assert torch.get_num_threads() == before
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("strategy", "scope"), [("single", "model"), ("ddp", "model"),
+                                                  ("zero1", "model"), ("fsdp", "blocks"),
+                                                  ("pipeline", "blocks")])
+def test_compile_scope_auto_is_blocks_only_where_the_strategy_works_by_blocks(strategy, scope):
+    """One graph for a model that stays whole (it fuses across blocks and the loss head);
+    block by block where FSDP hooks each block or a pipeline splits the model."""
+    from gpufleet.config import ParallelConfig, load_config
+    from gpufleet.parallel import build_strategy
+    from gpufleet.parallel.parallelize import compile_scope
+
+    built = build_strategy(strategy, ParallelConfig(), torch.device("cpu"))
+    assert compile_scope(load_config().perf, built) == scope
+    chosen = load_config(overrides={"perf.compile_scope": "blocks"}).perf
+    assert compile_scope(chosen, built) == "blocks"  # a scope named is kept

@@ -198,11 +198,13 @@ class PerfConfig(Section):
     compile_mode: str = opt("default", "torch.compile mode; reduce-overhead replays CUDA "
                             "graphs (best for small models whose steps are launch-bound).",
                             choices=("default", "reduce-overhead", "max-autotune"))
-    compile_scope: str = opt("blocks", "What perf.compile compiles: blocks (each of the "
-                             "model's repeated blocks on its own, as FSDP shards them: small "
-                             "graphs that compile once and are reused; the whole model when it "
-                             "repeats none) or model (one graph for the whole model).",
-                             choices=("blocks", "model"))
+    compile_scope: str = opt("auto", "What perf.compile compiles: auto (blocks when the "
+                             "strategy shards or splits the model by blocks: fsdp, hsdp, tp, "
+                             "pipeline; else the whole model, which fuses more), blocks (each "
+                             "of the model's repeated blocks on its own, as FSDP shards them: "
+                             "small graphs that compile once and are reused; the whole model "
+                             "when it repeats none) or model (one graph for the whole model).",
+                             choices=("auto", "blocks", "model"))
     tf32: bool = opt(True, "TF32 tensor cores for fp32 matmuls and convolutions on CUDA "
                      "(Ampere and newer): about 8x fp32 speed, 10-bit mantissa.")
     cudnn_benchmark: bool = opt(False, "cuDNN times its convolution algorithms and keeps the "
