@@ -143,9 +143,9 @@ def _peers(job: str, precision: str) -> Callable[[Context], list[str]]:
                f"--precision={precision}", "--turn-steps=50", "--no-import-times",
                "--json", str(ctx.work / f"peers_{job}.json")]
         if ctx.dry_run:
-            return cmd + ["--device=cpu", "--precision=fp32", "--steps=60", "--warmup=5"]
-        return cmd + ["--device=cuda", "--steps=1000" if job == "mlp" else "--steps=400",
-                      *(["--breakdown"] if job == "mlp" else [])]
+            return [*cmd, "--device=cpu", "--precision=fp32", "--steps=60", "--warmup=5"]
+        return [*cmd, "--device=cuda", "--steps=1000" if job == "mlp" else "--steps=400",
+                *(["--breakdown"] if job == "mlp" else [])]
     return command
 
 

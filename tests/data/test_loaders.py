@@ -1,12 +1,17 @@
-"""The training loader changing world size in place (an in-process recovery)."""
+"""The training loader changing world size in place (an in-process recovery), and the
+workers of gpufleet's loaders leaving the garbage they inherit alone."""
 
 from __future__ import annotations
 
+import gc
+import os
+
+import pytest
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from gpufleet.config import Config
-from gpufleet.data.loaders import build_train_loader
+from gpufleet.data.loaders import ForkSafeLoader, build_train_loader
 
 
 def test_a_loader_resharded_to_one_rank_reads_the_rest_of_the_epoch_once():
@@ -27,3 +32,47 @@ def test_a_loader_resharded_to_one_rank_reads_the_rest_of_the_epoch_once():
     assert survivor.batches_in_epoch(0) == 16  # a whole epoch, now on one rank
     rest = [int(i) for batch in survivor.loader for i in batch[0]]
     assert len(rest) == 40 and sorted(read + rest) == list(range(64))
+
+
+class _Inherited:
+    """Garbage in a reference cycle whose finalizer notes the process that ran it (a
+    loader iterator's or a CUDA tensor's finalizer must not run in a forked worker)."""
+
+    def __init__(self, marks: str) -> None:
+        self.marks, self.me = marks, self
+
+    def __del__(self) -> None:
+        with open(self.marks, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+class _CollectingData(torch.utils.data.Dataset):
+    """Every sample runs a full garbage collection in the worker that reads it."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        gc.collect()
+        return torch.tensor(i)
+
+
+@pytest.mark.parametrize("loader_class", [ForkSafeLoader, DataLoader])
+def test_forked_workers_never_finalize_the_garbage_they_inherit(tmp_path, loader_class):
+    marks = tmp_path / f"{loader_class.__name__}.txt"
+    marks.touch()
+    gc.disable()  # the garbage is still uncollected when the workers fork
+    try:
+        _Inherited(str(marks))  # unreachable at once: only the collector frees a cycle
+        loader = loader_class(_CollectingData(), batch_size=2, num_workers=2,
+                              multiprocessing_context="fork")
+        assert sorted(b.tolist() for b in loader) == [[0, 1], [2, 3]]
+    finally:
+        gc.enable()
+    gc.collect()  # in this process the finalizer runs, once
+    pids = marks.read_text().split()
+    in_workers = [p for p in pids if int(p) != os.getpid()]
+    if loader_class is ForkSafeLoader:
+        assert pids == [str(os.getpid())] and not in_workers
+    else:  # the control: a plain DataLoader's workers do run it
+        assert in_workers, pids

@@ -120,6 +120,6 @@ def test_a_snapshot_of_cuda_state_holds_the_step_while_the_next_step_changes_it(
 
 
 def test_a_run_on_cuda_takes_snapshots_and_reports_their_memory(fit_cuda):
-    result, cap = fit_cuda({"fault.snapshot_every": 5, "log.every": 10})
+    _, cap = fit_cuda({"fault.snapshot_every": 5, "log.every": 10})
     logged = [m for m in cap.logs if "snapshot_mb" in m]
     assert logged and logged[-1]["snapshot_mb"] > 0, cap.logs[-1]

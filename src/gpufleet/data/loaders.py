@@ -10,7 +10,8 @@ Two ways to batch the training set:
   :func:`pad_collate` unless the data set has its own ``collate_fn``.
 
 Worker processes are seeded by :func:`seed_worker`; :func:`default_num_workers` picks
-their number when the config leaves it to gpufleet.
+their number when the config leaves it to gpufleet. Every loader is a
+:class:`ForkSafeLoader`: its workers never collect the garbage they inherit.
 
 Either sampler resumes from the count the loop consumed (samples for "fixed", batches
 for "tokens"), because a DataLoader prefetches and runs its sampler ahead of training.
@@ -18,6 +19,7 @@ for "tokens"), because a DataLoader prefetches and runs its sampler ahead of tra
 
 from __future__ import annotations
 
+import gc
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +32,32 @@ from gpufleet.config import DataConfig
 from gpufleet.data.bucket import BucketBatchSampler, pad_collate
 from gpufleet.data.sampler import ResumableDistributedSampler
 from gpufleet.errors import ConfigError
+
+
+class ForkSafeLoader(DataLoader):
+    """A ``DataLoader`` whose forked workers never run the finalizers of objects they
+    inherited.
+
+    A worker is forked with a copy of everything the parent held, its uncollected
+    garbage too: an earlier run's loader iterator and the CUDA tensors the prefetcher
+    kept. When the worker's garbage collector frees them, the iterator's finalizer
+    shuts down workers that are not its children, and freeing a CUDA tensor in a forked
+    process aborts it ("CUDA error: initialization error"; seen on an H200 with
+    ``gpufleet.fit`` called four times in one process with 4 workers). So the parent's
+    objects are frozen (``gc.freeze``: left out of every collection) while the workers
+    are forked, as Python's documentation advises for fork without exec, and thawed
+    again at once in the parent; the workers keep them frozen. With no workers
+    nothing is forked and nothing is frozen.
+    """
+
+    def __iter__(self) -> Any:
+        if not self.num_workers:
+            return super().__iter__()
+        gc.freeze()
+        try:
+            return super().__iter__()
+        finally:
+            gc.unfreeze()
 
 
 def seed_worker(worker_id: int) -> None:
@@ -123,8 +151,8 @@ def build_train_loader(data: Dataset, cfg: DataConfig, *, rank: int, world_size:
             lengths, token_budget=cfg.token_budget, max_samples=cfg.max_samples,
             max_len=cfg.max_len, sort_size=cfg.sort_size, rank=rank, world_size=world_size,
             seed=seed, shuffle=cfg.shuffle)
-        loader = DataLoader(data, batch_sampler=sampler, collate_fn=train_collate(data, cfg),
-                            **options)
+        loader = ForkSafeLoader(data, batch_sampler=sampler,
+                                collate_fn=train_collate(data, cfg), **options)
         return TrainLoader(loader, sampler, unit=1, variable=True)
     sampler = ResumableDistributedSampler(len(data), rank=rank, world_size=world_size,
                                           shuffle=cfg.shuffle, seed=seed)
@@ -134,8 +162,8 @@ def build_train_loader(data: Dataset, cfg: DataConfig, *, rank: int, world_size:
             f"fewer than data.batch_size={cfg.batch_size}. Lower data.batch_size or use "
             "more data.")
     # drop_last: every step sees a full batch, so every rank runs the same number.
-    loader = DataLoader(data, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
-                        collate_fn=train_collate(data, cfg), **options)
+    loader = ForkSafeLoader(data, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
+                            collate_fn=train_collate(data, cfg), **options)
     return TrainLoader(loader, sampler, unit=cfg.batch_size, variable=False)
 
 
@@ -149,5 +177,5 @@ def build_eval_loader(data: Dataset | None, cfg: DataConfig, *, rank: int, world
                                           eval_mode=True)
     collate = getattr(data, "collate_fn", None) or (
         pad_collate if cfg.batching == "tokens" else None)
-    return DataLoader(data, batch_size=cfg.batch_size, sampler=sampler, collate_fn=collate,
-                      **loader_options(cfg, cfg.num_workers, pin_memory))
+    return ForkSafeLoader(data, batch_size=cfg.batch_size, sampler=sampler,
+                          collate_fn=collate, **loader_options(cfg, cfg.num_workers, pin_memory))

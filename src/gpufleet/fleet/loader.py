@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from gpufleet.core.tree import batch_size_of
+from gpufleet.data.loaders import ForkSafeLoader
 from gpufleet.data.sampler import ResumableDistributedSampler
 from gpufleet.errors import ConfigError
 
@@ -56,7 +57,7 @@ def shard_loader(loader: DataLoader, *, rank: int, world_size: int, seed: int
     if not kwargs.get("num_workers"):  # torch refuses these without workers
         kwargs.pop("prefetch_factor", None)
         kwargs["persistent_workers"] = False
-    return DataLoader(loader.dataset, sampler=sampler, **kwargs), sampler
+    return ForkSafeLoader(loader.dataset, sampler=sampler, **kwargs), sampler
 
 
 class FleetLoader:
