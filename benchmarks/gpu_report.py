@@ -276,5 +276,6 @@ def _md_peers(s: dict[str, Any]) -> list[str]:
            "|---|---|---|---|---|"]
     out += [f"| {r['loop']} | {r['wall_us']:.1f} | {r['cpu_us']:.1f} | "
             f"{_fmt(fabric and r['wall_us'] / fabric, '.3f')} | {r['first_s']:.3f} |"
+            if not r.get("error") else f"| {r['loop']} | failed: {r['error']} | | | |"
             for r in rows]
     return out

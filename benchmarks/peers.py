@@ -148,6 +148,7 @@ class Baton:
         self.wall: list[list[float]] = [[] for _ in names]
         self.cpu: list[list[float]] = [[] for _ in names]
         self.first: list[float] = [0.0] * len(names)
+        self.errors: dict[int, str] = {}  # loop -> why it stopped before its last step
         self._t0 = [0.0] * len(names)
         self._c0 = [0.0] * len(names)
         self._started = [0.0] * len(names)
@@ -361,6 +362,8 @@ def run_in_turns(job: Job, loops: dict[str, Any], turn_steps: int = 1) -> Baton:
         baton.start(i)
         try:
             loops[names[i]](job, lambda: baton.step_done(i))
+        except Exception as e:  # one loop failing leaves the others' comparison
+            baton.errors[i] = f"{type(e).__name__}: {str(e).splitlines()[0][:150]}"
         finally:
             baton.finish(i)
 
@@ -478,6 +481,8 @@ def main() -> None:
         w, c = blocks(baton.wall[i]), blocks(baton.cpu[i])
         print(f"{name:<{width}}{w * 1e6:>13.1f}{w / hw:>9.3f}{(w - hw) * 1e6:>8.1f}"
               f"{c * 1e6:>13.1f}{c / hc:>9.3f}{baton.first[i]:>14.3f}")
+    for i, why in baton.errors.items():
+        print(f"{names[i]} failed: {why}")
     if args.breakdown and "Lightning Fabric" in loops:
         fabric_i, defaults_i = names.index("Lightning Fabric"), names.index("gpufleet defaults")
         without = {"monitoring": "gpufleet monitoring off",
@@ -488,8 +493,8 @@ def main() -> None:
     print(f"load average at the end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     if args.json:
         rows = [{"loop": n, "wall_us": blocks(baton.wall[i]) * 1e6,
-                 "cpu_us": blocks(baton.cpu[i]) * 1e6, "first_s": baton.first[i]}
-                for i, n in enumerate(names)]
+                 "cpu_us": blocks(baton.cpu[i]) * 1e6, "first_s": baton.first[i],
+                 "error": baton.errors.get(i)} for i, n in enumerate(names)]
         with open(args.json, "w") as f:
             json.dump({"machine": machine_summary(), "job": job.name, "device": where,
                        "precision": job.precision, "steps": args.steps,
