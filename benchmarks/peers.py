@@ -305,10 +305,14 @@ MONITORING_OFF = {"monitor.phases": False, "monitor.diagnose": False,
                   "monitor.link_probe": False}
 BARE = {**MONITORING_OFF, "fault.skip_nonfinite": False, "fault.watchdog": False}
 #: --breakdown: each loop leaves one part of the defaults out (name: overrides)
-#: (monitoring's part is the "gpufleet monitoring off" loop, always run)
+#: (monitoring's whole part is the "gpufleet monitoring off" loop, always run; its
+#: pieces follow, as on CUDA the phase times are CUDA events recorded at every change)
 PARTS = {"watchdog": {"fault.watchdog": False},
          "non-finite guard": {"fault.skip_nonfinite": False},
-         "log lines every 10 steps, not 50": {"log.every": 50}}
+         "log lines every 10 steps, not 50": {"log.every": 50},
+         "  of monitoring: phase times": {"monitor.phases": False},
+         "  of monitoring: system sampler": {"monitor.system_interval_s": 0},
+         "  of monitoring: diagnosis": {"monitor.diagnose": False}}
 
 
 def _mode(job: Job) -> str:
