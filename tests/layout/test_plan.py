@@ -7,13 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from gpufleet.config import load_config
 from gpufleet.errors import ConfigError
 from gpufleet.layout.cli import layout_dims, trainable_with
 from gpufleet.layout.devices import GIB, named_device
 from gpufleet.layout.estimate import estimate_layout
-from gpufleet.layout.measure import MemoryParts
+from gpufleet.layout.measure import MemoryParts, saved_activation_bytes
+from gpufleet.layout.saved import saved_bytes
+from gpufleet.models.gpt import GPT, GPTConfig
 from gpufleet.parallel.dims import ParallelDims
 from meshjob import make_gpt, make_tokens
 
@@ -94,6 +97,38 @@ def test_planned_memory_matches_a_real_four_rank_fsdp_tp_run(tmp_path):
             assert abs(getattr(est, part) - real[part]) <= 0.10 * real[part], (part, est, real)
 
 
+def test_saved_activations_at_bf16_are_what_a_real_cpu_forward_saves():
+    """The CPU's autocast applies to the planner's forward (it does nothing to meta
+    tensors): a small GPT's saved bytes at bf16 match a real forward's to the byte."""
+    def gpt() -> GPT:
+        return GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128))
+
+    x, y = torch.randint(0, 256, (2, 4, 64))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        real = saved_activation_bytes(gpt(), (x,), y)
+    with torch.device("meta"):
+        meta = gpt()
+    tokens = torch.zeros(4, 64, dtype=torch.long, device="meta")
+    assert saved_bytes(meta, (tokens, tokens.clone()), torch.bfloat16, "cpu") == real
+
+
+def test_saved_activations_for_a_gpu_follow_cudas_autocast():
+    """A hand count of what CUDA's autocast saves, where the CPU's saves less: CUDA runs
+    layer_norm and softmax in fp32, the CPU in bf16."""
+    n = 10
+    with torch.device("meta"):
+        net = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Softmax(-1),
+                            nn.Linear(32, 8))
+    x = torch.empty(n, 16, device="meta")
+    cuda = (16 * n * 2  # the input cast to bf16, for the first matmul
+            + 32 * n * 4 + 2 * n * 4  # layer_norm's input cast to fp32; mean and rstd
+            + 32 * n * 4  # softmax's fp32 result
+            + 32 * n * 2 + 32 * 8 * 2)  # the result and the weight cast to bf16
+    assert saved_bytes(net, (x,), torch.bfloat16, "cuda") == cuda
+    assert saved_bytes(net, (x,), torch.bfloat16, "cpu") < 0.6 * cuda
+    assert saved_bytes(net, (x,), None, "cuda") == (16 + 32 + 2 + 32) * n * 4  # fp32
+
+
 @pytest.mark.gpu
 def test_planned_memory_is_near_a_real_gpu_steps_peak():
     """One rank of the built-in GPT at bf16 on this GPU: the planner's total against
@@ -106,7 +141,7 @@ def test_planned_memory_is_near_a_real_gpu_steps_peak():
     def model() -> torch.nn.Module:
         return build_gpt(n_layer=12, n_head=12, n_embd=768, block_size=1024)
 
-    est = estimate_layout(cfg, ParallelDims(), model).ranks[0]
+    est = estimate_layout(cfg, ParallelDims(), model, device_type="cuda").ranks[0]
     net = model().cuda()
     opt = torch.optim.AdamW(net.parameters(), fused=True)
     x = torch.randint(0, 256, (8, 1024), device="cuda")

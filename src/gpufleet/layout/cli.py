@@ -50,7 +50,9 @@ def run(args: argparse.Namespace) -> int:
     from gpufleet.layout.estimate import estimate_layout
     from gpufleet.layout.report import print_estimate, print_suggestion
 
-    estimate = estimate_layout(cfg, dims, build_model, sample)
+    # A plan checked against a GPU sizes the activations as CUDA's autocast keeps them.
+    device_type = "cuda" if device is not None else "cpu"
+    estimate = estimate_layout(cfg, dims, build_model, sample, device_type)
     print_estimate(cfg, estimate, nodes, per_node, device, trainable_with(cfg, dims,
                                                                            per_node))
     if device is not None and estimate.peak.total > device.usable_bytes:
@@ -142,7 +144,7 @@ def nearest_fitting(cfg: Any, dims: Any, per_node: int, device: Any, build_model
         key = (candidate.pp, candidate.dp_shard, candidate.tp)  # replicas hold the same
         if key not in tried:
             try:
-                tried[key] = estimate_layout(cfg, candidate, build_model, sample)
+                tried[key] = estimate_layout(cfg, candidate, build_model, sample, "cuda")
             except ConfigError:  # heads or layers that do not divide, ...
                 tried[key] = None
         found = tried[key]

@@ -10,8 +10,9 @@ and applies tensor parallelism and FSDP with gpufleet's own functions
 * parameters, gradients, optimizer state: the local shard sizes of the sharded
   parameters (fp32 master weights and gradients; AdamW keeps 2 states, SGD with momentum 1);
 * activations: the tensors autograd saves for backward in one micro-batch's forward
-  through the stage (``saved_tensors_hooks`` on the meta device, under the run's
-  autocast), times the micro-batches a pipeline schedule keeps in flight;
+  through the stage (``saved_tensors_hooks`` on fake tensors, under the run's autocast
+  as the CPU or, for a plan for GPUs, CUDA applies it: :mod:`gpufleet.layout.saved`),
+  times the micro-batches a pipeline schedule keeps in flight;
 * buffers: DDP's gradient buckets, or FSDP's gathered blocks (two in flight) and one
   block's unsharded gradients before they are reduce-scattered;
 * FLOPs per step: torch's FLOP counter over one forward, times 3 (backward is two
@@ -38,6 +39,7 @@ from torch import nn
 
 from gpufleet.config import Config
 from gpufleet.errors import ConfigError, GpufleetError
+from gpufleet.layout.saved import saved_bytes
 from gpufleet.layout.stages import Stage, gpt_stage, sequential_stage
 from gpufleet.models.gpt import GPT
 from gpufleet.monitor.flops import flop_counter
@@ -103,7 +105,8 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
 
 
 def estimate_layout(cfg: Config, dims: ParallelDims, build_model: Any,
-                    sample: tuple[torch.Tensor, ...] = ()) -> LayoutEstimate:
+                    sample: tuple[torch.Tensor, ...] = (),
+                    device_type: str = "cpu") -> LayoutEstimate:
     """Estimate every pipeline stage of ``dims`` for the run ``cfg`` describes.
 
     Args:
@@ -113,6 +116,8 @@ def estimate_layout(cfg: Config, dims: ParallelDims, build_model: Any,
         build_model: ``build_model()`` returns the model; called on the meta device.
         sample: one batch of inputs for a model other than the built-in GPT (on any
             device; only shapes and dtypes are used).
+        device_type: the devices the ranks train on, "cuda" or "cpu": whose autocast
+            decides the dtypes of the saved activations under mixed precision.
 
     Raises:
         ConfigError: a batch that does not divide into the pipeline's micro-batches, or
@@ -134,13 +139,13 @@ def estimate_layout(cfg: Config, dims: ParallelDims, build_model: Any,
             m = par.pipeline.microbatches
             in_flight = m if par.pipeline.schedule == "gpipe" else min(dims.pp - stage, m)
         ranks.append(_estimate_rank(cfg, dims, stage * per_stage, stage, build_model,
-                                    sample, micro_batch, in_flight))
+                                    sample, micro_batch, in_flight, device_type))
     return LayoutEstimate(dims, micro_batch, ranks)
 
 
 def _estimate_rank(cfg: Config, dims: ParallelDims, rank: int, stage: int, build_model: Any,
-                   sample: tuple[torch.Tensor, ...], micro_batch: int,
-                   in_flight: int) -> RankEstimate:
+                   sample: tuple[torch.Tensor, ...], micro_batch: int, in_flight: int,
+                   device_type: str) -> RankEstimate:
     from torch.distributed.device_mesh import init_device_mesh
 
     from gpufleet.parallel.fsdp import shard_model
@@ -155,7 +160,7 @@ def _estimate_rank(cfg: Config, dims: ParallelDims, rank: int, stage: int, build
         if dims.tp > 1:
             apply_tensor_parallel(part.module, mesh["tp"])
         block_full = max((_local_numel(b) for b in part.blocks), default=0)
-        activations, fwd_flops = _forward(part, cfg.precision.mode)
+        activations, fwd_flops = _forward(part, cfg.precision.mode, device_type)
         if dims.dp_shard > 1:
             dp_mesh = (mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1
                        else mesh["dp_shard"])
@@ -194,61 +199,15 @@ def _stage(model: nn.Module, cfg: Config, dims: ParallelDims, stage: int, micro_
     return sequential_stage(model, stage, dims.pp, cfg.parallel.pipeline.split, meta)
 
 
-def _forward(part: Stage, precision: str) -> tuple[int, int]:
-    """Bytes autograd saves for backward in one micro-batch (attention as a fused
-    kernel saves it), and the forward's FLOPs (attention counted in full)."""
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        base = t._base if t._base is not None else t  # views share their base's memory
-        if isinstance(base, nn.Parameter):  # weights: counted as parameters
-            return t
-        local = base.to_local() if hasattr(base, "to_local") else base
-        saved[id(base)] = local.numel() * local.element_size()
-        return t
-
+def _forward(part: Stage, precision: str, device_type: str) -> tuple[int, int]:
+    """Bytes autograd saves for backward in one micro-batch on ``device_type`` (see
+    :mod:`gpufleet.layout.saved`), and the forward's FLOPs (attention counted in full)."""
     dtype = COMPUTE_DTYPES.get(precision)
-
-    def autocast() -> contextlib.AbstractContextManager:
-        return (torch.autocast("cpu", dtype=dtype) if dtype is not None
-                else contextlib.nullcontext())
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(), \
-            _fused_attention():
-        part.module(*part.inputs)
+    activations = saved_bytes(part.module, part.inputs, dtype, device_type)
     counter = flop_counter()
-    with autocast(), counter:
+    with counter:
         part.module(*part.inputs)
-    return sum(saved.values()), counter.get_total_flops()
-
-
-class _FusedAttentionSaves(torch.autograd.Function):
-    """What a fused attention kernel (flash, memory-efficient) keeps for backward: its
-    inputs, its output and one float per query row (the log-sum-exp), not the
-    ``T x T`` score matrix that the math kernel, the only one on the meta device, keeps."""
-
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
-        return out
-
-
-@contextlib.contextmanager
-def _fused_attention() -> Iterator[None]:
-    """``F.scaled_dot_product_attention`` as a fused kernel saves, for the planner's
-    meta-device forward only (the function is put back on exit)."""
-    original = torch.nn.functional.scaled_dot_product_attention
-
-    def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any,
-              **kwargs: Any) -> torch.Tensor:
-        return _FusedAttentionSaves.apply(q, k, v)
-
-    torch.nn.functional.scaled_dot_product_attention = fused
-    try:
-        yield
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = original
+    return activations, counter.get_total_flops()
 
 
 def _comm(cfg: Config, dims: ParallelDims, stage: int, part: Stage, local: int, full: int,

@@ -49,8 +49,9 @@ def print_estimate(cfg: Any, est: LayoutEstimate, nodes: int, per_node: int,
                      f"{peak.flops / rate:.3f} s / {peak.flops / rate / 0.4:.3f} s")
     console.print(comm)
     console.print("activations: the tensors autograd saves in one micro-batch's forward, "
-                  "measured on the meta device (attention as a fused flash kernel saves "
-                  "it), times the micro-batches a stage holds "
+                  "counted on fake tensors in the dtypes the device's autocast gives "
+                  "(CUDA's with --gpu, else the CPU's; attention as a fused flash kernel "
+                  "saves it), times the micro-batches a stage holds "
                   "(in flight); not counted: the CUDA context, NCCL buffers, temporaries "
                   "inside kernels.", highlight=False)
     if strategy:
