@@ -45,6 +45,10 @@ def test_a_layout_says_which_strategy_trains_it_today():
 def test_named_devices_and_their_mistakes():
     assert named_device("H100-80GB").memory_bytes == 80 * GIB
     assert named_device("24").memory_bytes == 24 * GIB
+    # precision "auto" is planned as a run on that GPU resolves it
+    assert named_device("a100-40gb").precision("auto") == "bf16-mixed"
+    assert named_device("v100-32gb").precision("auto") == "fp32"
+    assert named_device("t4-16gb").precision("fp16-mixed") == "fp16-mixed"
     with pytest.raises(ConfigError, match="Did you mean 'h100-80gb'"):
         named_device("h100-80g")
 

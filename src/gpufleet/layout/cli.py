@@ -43,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = args.train_config  # gpufleet.cli read train's flags into it
     device = named_device(args.gpu) if args.gpu else None
+    if device is not None:  # precision "auto" as a run on that GPU resolves it
+        cfg = dataclasses.replace(cfg, precision=dataclasses.replace(
+            cfg.precision, mode=device.precision(cfg.precision.mode)))
     nodes, per_node = _world(cfg)
     dims = layout_dims(cfg, nodes * per_node, per_node)
     build_model, sample = _model_and_sample(cfg)

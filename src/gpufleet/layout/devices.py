@@ -23,6 +23,9 @@ GPU_MEMORY_GIB: dict[str, float] = {
     "t4-16gb": 16,
 }
 
+#: Named GPUs without bfloat16 tensor cores (before Ampere): precision "auto" runs fp32.
+NO_BF16 = frozenset({"v100-32gb", "v100-16gb", "t4-16gb"})
+
 #: Share of a GPU's memory a training process can count on (context, NCCL buffers and
 #: allocator fragmentation take the rest; 0.9 is the usual planning margin).
 USABLE_SHARE = 0.9
@@ -35,10 +38,24 @@ class Device:
     Attributes:
         name: as given (``h100-80gb``), or ``"<N> GiB"``.
         memory_bytes: the card's memory.
+        bf16: it has bfloat16 tensor cores (a size alone is taken to be a recent GPU).
     """
 
     name: str
     memory_bytes: int
+    bf16: bool = True
+
+    def precision(self, mode: str) -> str:
+        """``precision.mode`` as a run on this GPU resolves it: ``auto`` is bf16-mixed
+        where the GPU has bfloat16, else fp32.
+
+        Example:
+            >>> [named_device(g).precision("auto") for g in ("h100-80gb", "t4-16gb")]
+            ['bf16-mixed', 'fp32']
+        """
+        if mode != "auto":
+            return mode
+        return "bf16-mixed" if self.bf16 else "fp32"
 
     @property
     def usable_bytes(self) -> int:
@@ -57,7 +74,7 @@ def named_device(text: str) -> Device:
     """
     key = text.strip().lower()
     if key in GPU_MEMORY_GIB:
-        return Device(key, int(GPU_MEMORY_GIB[key] * GIB))
+        return Device(key, int(GPU_MEMORY_GIB[key] * GIB), bf16=key not in NO_BF16)
     try:
         gib = float(key.removesuffix("gib").removesuffix("gb"))
     except ValueError:
