@@ -18,7 +18,7 @@ from gpufleet.errors import TrainingStopped
 from gpufleet.parallel import build_strategy
 from gpufleet.precision import build_precision
 from gpufleet.train.callbacks import Callback
-from gpufleet.train.nonfinite import NonFiniteGuard
+from gpufleet.train.nonfinite import NonFiniteGuard, _say_host_path
 
 
 class _HostReads(TorchDispatchMode):
@@ -210,3 +210,24 @@ def test_a_run_of_skips_goes_on_across_log_intervals(tmp_path, limit):
         result = fit()
         assert result.skipped_steps == 4 and result.steps == 12
         assert all(math.isfinite(loss) for step, loss in result.losses if step in (3, 12))
+
+
+def test_a_cuda_run_with_an_unfused_optimizer_is_told_the_guard_syncs(caplog):
+    """On a GPU, a user's optimizer built without fused=True puts the guard's decision on
+    the host every step (a sync): the run says so once, with the fix; a fused one, or an
+    optimizer with no fused kernel, is not told."""
+    model, _, guard = _guarded(torch.optim.SGD, lr=0.1)
+    unfused = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level("INFO", logger="gpufleet.train.nonfinite"):
+        guard.start(model, unfused, torch.device("cuda"))  # only names it: no CUDA call
+    assert guard.on_device is False
+    assert "SGD is not fused" in caplog.text and "fused=True" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="gpufleet.train.nonfinite"):
+        # no fused kernel to suggest: the host path, said nothing of
+        _guarded(torch.optim.SGD, lr=0.1)[2].start(model, torch.optim.Rprop(
+            model.parameters()), torch.device("cuda"))
+        # a fused one decides on the device: nothing to say (start() would touch CUDA)
+        _say_host_path(torch.optim.SGD(model.parameters(), lr=0.1, fused=True),
+                       guard.precision)
+    assert "not fused" not in caplog.text

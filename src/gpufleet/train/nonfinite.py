@@ -64,6 +64,19 @@ def takes_found_inf(optimizer: Any, precision: Any) -> bool:
         getattr(optimizer, "_step_supports_amp_scaling", False)
 
 
+def _say_host_path(optimizer: Any, precision: Any) -> None:
+    """Say once that the guard will read a number on the host every step, where a fused
+    build of the user's optimizer would keep the decision on the GPU (as the optimizers
+    gpufleet builds itself are). fp16's loss scaler reads its own flag every step as it
+    is, and an optimizer without a fused kernel has no other way."""
+    defaults = getattr(optimizer, "defaults", {})
+    if precision.scales_loss or "fused" not in defaults or defaults.get("fused"):
+        return
+    log.info("non-finite guard: %s is not fused, so whether to skip a step is read on the "
+             "host every step, a GPU sync per step. Build it with fused=True to decide on "
+             "the GPU, or set fault.skip_nonfinite=false.", type(optimizer).__name__)
+
+
 def _prime_momentum(optimizer: torch.optim.Optimizer) -> None:
     """Zero momentum buffers for SGD before its first step.
 
@@ -184,6 +197,8 @@ class NonFiniteGuard:
         flag); the first :meth:`inspect` or :meth:`should_skip` calls it if the loop
         did not."""
         self.on_device = self.device_path and takes_found_inf(optimizer, self.precision)
+        if not self.on_device and device.type == "cuda":
+            _say_host_path(optimizer, self.precision)
         named = list(self.strategy.unwrap(model).named_parameters())
         self._names = {id(p): n for n, p in named}
         self._params = [p for _, p in named if p.requires_grad]
