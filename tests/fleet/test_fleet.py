@@ -89,14 +89,16 @@ def test_the_optimizer_is_rebuilt_by_name_and_stays_an_optimizer(tmp_path):
     fleet.finish()
 
 
-def test_a_nonfinite_step_is_skipped_on_the_device_path(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_nonfinite_step_is_skipped_on_the_device_path(tmp_path, device):
     """A fused optimizer takes the guard's flag: the skipped step changes nothing and
     is counted at the log interval, with the parameter named."""
-    fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run"), log_every=3)
+    fleet = gpufleet.Fleet(accelerator=device, precision="32-true",
+                           run_dir=str(tmp_path / "run"), log_every=3)
     net = _net()
     model, optimizer = fleet.setup(net, torch.optim.AdamW(net.parameters(), lr=0.1,
                                                           fused=True))
-    x, y = torch.randn(4, 4), torch.randn(4, 1)
+    x, y = torch.randn(4, 4, device=device), torch.randn(4, 1, device=device)
     weights = []
     for step in (1, 2, 3):
         loss = F.mse_loss(model(x), y)

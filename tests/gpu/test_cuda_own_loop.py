@@ -1,8 +1,8 @@
 """The CUDA paths of your own loop and of in-memory snapshots: ``Fleet`` on one GPU in
-bf16 (the same losses as the plain-PyTorch loop it replaces, the guard on the fused
-optimizer's device flag, phases timed by CUDA events, the run's files), and the
-snapshot's pinned buffers filled on a side stream while the next step's kernels run.
-Skipped without CUDA (tests/conftest.py)."""
+bf16 (the same losses as the plain-PyTorch loop it replaces, phases timed by CUDA
+events, the run's files; its guard on a fused optimizer's flag is a case of
+tests/fleet/test_fleet.py), and the snapshot's pinned buffers filled on a side stream
+while the next step's kernels run. Skipped without CUDA (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -73,26 +73,6 @@ def test_fleet_on_a_gpu_in_bf16_matches_the_plain_loop_and_writes_its_files(tmp_
     late = train[1:]
     assert all(r["device_phases"]["forward"] > 0 and r["device_phases"]["backward"] > 0
                for r in late), late
-
-
-def test_fleet_skips_a_nonfinite_step_through_the_fused_optimizers_flag(tmp_path):
-    fleet = gpufleet.Fleet(accelerator="cuda", devices=1, precision="32-true",
-                           run_dir=str(tmp_path / "run"), log_every=3)
-    net = _net()
-    model, opt = fleet.setup(net, torch.optim.AdamW(net.parameters(), lr=0.1, fused=True))
-    x, y = torch.randn(8, 32, device="cuda"), torch.randn(8, 1, device="cuda")
-    weights = []
-    for step in (1, 2, 3):
-        loss = F.mse_loss(model(x), y)
-        fleet.backward(loss * float("nan") if step == 2 else loss)
-        opt.step()
-        opt.zero_grad()
-        weights.append({k: v.clone() for k, v in model.state_dict().items()})
-    assert fleet.run.nonfinite.on_device
-    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
-    assert not all(torch.equal(weights[1][k], weights[2][k]) for k in weights[0])
-    assert fleet.skipped_steps == 1 and fleet.skip_records[0].step == 2
-    fleet.finish()
 
 
 def test_a_snapshot_of_cuda_state_holds_the_step_while_the_next_step_changes_it():
