@@ -76,3 +76,22 @@ def test_forked_workers_never_finalize_the_garbage_they_inherit(tmp_path, loader
         assert pids == [str(os.getpid())] and not in_workers
     else:  # the control: a plain DataLoader's workers do run it
         assert in_workers, pids
+
+
+def test_a_programs_own_freeze_is_kept_and_its_workers_still_inherit_no_garbage(tmp_path):
+    marks = tmp_path / "marks.txt"
+    marks.touch()
+    gc.freeze()  # the program's own (say, a server that forks after loading)
+    frozen = gc.get_freeze_count()
+    gc.disable()
+    try:
+        _Inherited(str(marks))
+        loader = ForkSafeLoader(_CollectingData(), batch_size=2, num_workers=2,
+                                multiprocessing_context="fork")
+        assert len(list(loader)) == 2
+        assert gc.get_freeze_count() >= frozen  # not thawed
+    finally:
+        gc.enable()
+        gc.unfreeze()
+    gc.collect()
+    assert marks.read_text().split() == [str(os.getpid())]  # collected here, before the fork

@@ -46,12 +46,17 @@ class ForkSafeLoader(DataLoader):
     ``gpufleet.fit`` called four times in one process with 4 workers). So the parent's
     objects are frozen (``gc.freeze``: left out of every collection) while the workers
     are forked, as Python's documentation advises for fork without exec, and thawed
-    again at once in the parent; the workers keep them frozen. With no workers
-    nothing is forked and nothing is frozen.
+    again at once in the parent; the workers keep them frozen. Where the program froze
+    objects of its own, thawing would thaw those too: the parent's garbage is collected
+    before the fork instead, so the workers inherit none. With no workers nothing is
+    forked and nothing is frozen.
     """
 
     def __iter__(self) -> Any:
         if not self.num_workers:
+            return super().__iter__()
+        if gc.get_freeze_count():  # the program's own freeze stays as it is
+            gc.collect()
             return super().__iter__()
         gc.freeze()
         try:
