@@ -65,8 +65,7 @@ def summarize(stage: str, ctx: Any, status: str) -> dict[str, Any]:
     """The numbers of one finished (or failed) stage; empty when it left nothing."""
     reader = {"tests": _summary_tests, "default_job": _summary_default_job,
               "mfu": _summary_mfu, "monitor": _summary_monitor,
-              "prefetch": _summary_prefetch, "peers_mlp": _summary_peers("mlp"),
-              "peers_gpt": _summary_peers("gpt")}.get(stage)
+              "prefetch": _summary_prefetch, "peers": _summary_peers}.get(stage)
     return reader(ctx) if reader is not None else {}
 
 
@@ -126,8 +125,10 @@ def _summary_prefetch(ctx: Any) -> dict[str, Any]:
     return _read_json(ctx.work / "prefetch.json") or {}
 
 
-def _summary_peers(job: str) -> Any:
-    return lambda ctx: _read_json(ctx.work / f"peers_{job}.json") or {}
+def _summary_peers(ctx: Any) -> dict[str, Any]:
+    """Each job's table (``mlp``, ``gpt``), as far as the stage wrote them."""
+    return {job: found for job in ("mlp", "gpt")
+            if (found := _read_json(ctx.work / f"peers_{job}.json"))}
 
 
 # -- targets ------------------------------------------------------------------------------
@@ -157,12 +158,12 @@ def targets(stages: dict[str, dict[str, Any]]) -> list[tuple[str, str, str]]:
         rows.append(_check(f"monitor '{r['row']}' on / off <= {MONITOR_RATIO_TARGET}",
                            r["ratio"], lambda v: v <= MONITOR_RATIO_TARGET,
                            lambda v: f"{v:.3f}"))
-    for job in ("peers_mlp", "peers_gpt"):
-        loops = {r["loop"]: r["wall_us"] for r in stages.get(job, {}).get("rows", [])}
+    for job, table in stages.get("peers", {}).items():
+        loops = {r["loop"]: r["wall_us"] for r in table.get("rows", [])}
         fabric = loops.get("Lightning Fabric")
         for loop in ("gpufleet defaults", "gpufleet Fleet"):
             value = loops[loop] / fabric if fabric and loop in loops else None
-            rows.append(_check(f"{job}: {loop} / Lightning Fabric <= {PEER_RATIO_TARGET}",
+            rows.append(_check(f"peers {job}: {loop} / Fabric <= {PEER_RATIO_TARGET}",
                                value, lambda v: v <= PEER_RATIO_TARGET,
                                lambda v: f"{v:.3f}"))
     return rows
@@ -195,8 +196,7 @@ def render_markdown(data: dict[str, Any]) -> str:
               for a, b, c in targets(stages)]
     for name, render in (("tests", _md_tests), ("default_job", _md_default_job),
                          ("mfu", _md_mfu), ("monitor", _md_monitor),
-                         ("prefetch", _md_prefetch), ("peers_mlp", _md_peers),
-                         ("peers_gpt", _md_peers)):
+                         ("prefetch", _md_prefetch), ("peers", _md_peers)):
         if stages.get(name):
             lines += ["", *render(stages[name])]
     return "\n".join(lines) + "\n"
@@ -267,7 +267,14 @@ def _md_prefetch(s: dict[str, Any]) -> list[str]:
     return out
 
 
-def _md_peers(s: dict[str, Any]) -> list[str]:
+def _md_peers(tables: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    for s in tables.values():
+        out += [*([""] if out else []), *_md_peer_table(s)]
+    return out
+
+
+def _md_peer_table(s: dict[str, Any]) -> list[str]:
     rows = s.get("rows", [])
     fabric = next((r["wall_us"] for r in rows if r["loop"] == "Lightning Fabric"), None)
     out = [f"`benchmarks/peers.py` ({s.get('job')}; {s.get('device')}, {s.get('precision')}; "

@@ -10,9 +10,10 @@ time is recorded, and the next one runs):
 4. ``monitor``: ``benchmarks/monitor_overhead.py`` on the GPU (all monitoring, phase
    timing, the sampler and the non-finite check, each on against off, interleaved).
 5. ``prefetch``: ``benchmarks/prefetch.py`` (the side-stream prefetcher on against off).
-6. ``peers_mlp``, ``peers_gpt``: ``benchmarks/peers.py --device cuda`` (gpufleet's
-   defaults, ``Fleet`` and the hand-written loop beside Lightning Fabric, Accelerate
-   and the Lightning Trainer, on the MLP in fp32 and the built-in GPT in bf16, warm).
+6. ``peers``: ``benchmarks/peers.py --device cuda`` twice (gpufleet's defaults,
+   ``Fleet`` and the hand-written loop beside Lightning Fabric, Accelerate and the
+   Lightning Trainer, on the MLP in fp32 with ``--breakdown``, then on the built-in GPT
+   in bf16, warm); one stage, so that ``--out`` holds at most 8 files.
 
 What lands in ``--out``: ``results.md`` (ready to paste into benchmarks/RESULTS.md),
 ``results.json`` and one ``<stage>.log`` per stage; both results files are rewritten
@@ -137,16 +138,21 @@ def _monitor(ctx: Context) -> list[str]:
     return cmd
 
 
-def _peers(job: str, precision: str) -> Callable[[Context], list[str]]:
-    def command(ctx: Context) -> list[str]:
+def _peers(ctx: Context) -> list[str]:
+    """Both jobs, one after the other, in one shell (the second runs when the first
+    fails too; the stage fails when either does)."""
+    runs = []
+    for job, precision, extra in (("mlp", "fp32", ["--steps=1000", "--breakdown"]),
+                                  ("gpt", "bf16", ["--steps=400"])):
         cmd = [ctx.python, str(REPO / "benchmarks" / "peers.py"), f"--job={job}",
-               f"--precision={precision}", "--turn-steps=50", "--no-import-times",
-               "--json", str(ctx.work / f"peers_{job}.json")]
+               "--turn-steps=50", "--no-import-times", "--json",
+               str(ctx.work / f"peers_{job}.json")]
         if ctx.dry_run:
-            return [*cmd, "--device=cpu", "--precision=fp32", "--steps=60", "--warmup=5"]
-        return [*cmd, "--device=cuda", "--steps=1000" if job == "mlp" else "--steps=400",
-                *(["--breakdown"] if job == "mlp" else [])]
-    return command
+            cmd += ["--device=cpu", "--precision=fp32", "--steps=60", "--warmup=5"]
+        else:
+            cmd += ["--device=cuda", f"--precision={precision}", *extra]
+        runs.append(shlex.join(cmd))
+    return ["bash", "-c", f"{runs[0]}; first=$?; {runs[1]} && exit $first"]
 
 
 def _prefetch(ctx: Context) -> list[str]:
@@ -160,8 +166,7 @@ def _prefetch(ctx: Context) -> list[str]:
 
 STAGES = [  # budgets: what each took on an H200 (2026-11-27), plus a margin
     Stage("tests", 125, _tests),
-    Stage("peers_mlp", 45, _peers("mlp", "fp32"), "peers_mlp.json"),
-    Stage("peers_gpt", 50, _peers("gpt", "bf16"), "peers_gpt.json"),
+    Stage("peers", 95, _peers, "peers_mlp.json"),
     Stage("default_job", 70, _default_job, "default-job"),
     Stage("mfu", 145, _mfu, "mfu.json"),
     Stage("monitor", 70, _monitor, "monitor.json"),
