@@ -229,3 +229,22 @@ def test_mixed_precision_outputs_come_back_in_float32_as_fabric_returns_them(tmp
                       fleet.run.precision)(torch.ones(2))
     assert out["n"].dtype == torch.int64 and out["h"][0].dtype == torch.float32
     fleet.finish()
+
+
+def test_fleet_keeps_fp32_by_default_on_a_gpu_with_bf16_as_fabric_does():
+    """Fabric's default precision is 32-true: a loop moved to Fleet with the same
+    arguments computes the same numbers on a bf16 GPU too; "auto" is asked for."""
+    import inspect
+
+    from gpufleet.config import load_config
+    from gpufleet.resolve import Machine, resolve
+
+    h100 = Machine(cuda=True, gpus=1, bf16=True)
+    default = inspect.signature(gpufleet.Fleet).parameters["precision"].default
+
+    def mode(precision):
+        cfg = load_config(overrides=fleet_overrides("cuda", 1, precision))
+        return resolve(cfg, h100, world_size=1).precision.mode
+
+    assert mode(default) == "fp32"
+    assert mode("auto") == "bf16-mixed"

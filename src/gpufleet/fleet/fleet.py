@@ -77,8 +77,10 @@ class Fleet:
     Args:
         accelerator: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"gpu"``.
         devices: ranks per node (``"auto"``: one per visible GPU, 1 on a CPU).
-        precision: ``"auto"``, ``"32-true"``/``"fp32"``, ``"bf16-mixed"``,
-            ``"16-mixed"``/``"fp16-mixed"``.
+        precision: ``"32-true"``/``"fp32"`` (the default, as Fabric's: your loop's
+            numbers as plain PyTorch gives them; the diagnosis says when bf16 would pay),
+            ``"bf16-mixed"``, ``"16-mixed"``/``"fp16-mixed"``, or ``"auto"`` (bf16-mixed
+            on a GPU that has it, as ``gpufleet train`` chooses).
         strategy: ``"auto"`` (ddp on several ranks, single on one), ``"single"``,
             ``"ddp"``, ``"fsdp"``, and gpufleet's other strategy names.
         num_nodes: nodes (the ranks of each are started there).
@@ -100,7 +102,7 @@ class Fleet:
     """
 
     def __init__(self, accelerator: str = "auto", devices: int | str = "auto",
-                 precision: str | int = "auto", strategy: str = "auto", num_nodes: int = 1,
+                 precision: str | int = "32-true", strategy: str = "auto", num_nodes: int = 1,
                  *, seed: int | None = None, run_dir: str | None = None,
                  name: str | None = None, log_every: int = 10,
                  overrides: dict[str, Any] | None = None, config: Config | None = None,
