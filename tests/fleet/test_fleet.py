@@ -231,20 +231,52 @@ def test_mixed_precision_outputs_come_back_in_float32_as_fabric_returns_them(tmp
     fleet.finish()
 
 
-def test_fleet_keeps_fp32_by_default_on_a_gpu_with_bf16_as_fabric_does():
+def test_fleet_keeps_fp32_by_default_on_a_gpu_with_bf16_as_fabric_does(tmp_path):
     """Fabric's default precision is 32-true: a loop moved to Fleet with the same
-    arguments computes the same numbers on a bf16 GPU too; "auto" is asked for."""
-    import inspect
-
+    arguments computes the same numbers on a bf16 GPU too; "auto" is asked for. With a
+    config, what the arguments leave out stays the config's."""
     from gpufleet.config import load_config
+    from gpufleet.fleet.fleet import FABRIC_DEFAULTS
     from gpufleet.resolve import Machine, resolve
 
     h100 = Machine(cuda=True, gpus=1, bf16=True)
-    default = inspect.signature(gpufleet.Fleet).parameters["precision"].default
 
     def mode(precision):
         cfg = load_config(overrides=fleet_overrides("cuda", 1, precision))
         return resolve(cfg, h100, world_size=1).precision.mode
 
-    assert mode(default) == "fp32"
+    assert mode(FABRIC_DEFAULTS["precision"]) == "fp32"
     assert mode("auto") == "bf16-mixed"
+    cfg = load_config(overrides={"precision.mode": "bf16-mixed", "run.device": "cpu"})
+    fleet = gpufleet.Fleet(config=cfg, run_dir=str(tmp_path / "run"))
+    assert fleet.plan.cfg.precision.mode == "bf16-mixed"  # the config's, kept
+    fleet.finish()
+    fleet = gpufleet.Fleet(precision="fp32", config=cfg, run_dir=str(tmp_path / "run2"))
+    assert fleet.plan.cfg.precision.mode == "fp32"  # an argument given wins
+    fleet.finish()
+
+
+def test_float32_outputs_reach_into_every_container_without_changing_the_models():
+    import collections
+    import dataclasses
+
+    from gpufleet.fleet.wrappers import float32_outputs
+
+    @dataclasses.dataclass
+    class Out:
+        logits: torch.Tensor
+        steps: int = 1
+
+    class Named(dict):
+        pass
+
+    pair = collections.namedtuple("Pair", "a b")
+    half = torch.ones(2, dtype=torch.bfloat16)
+    kept = {"cache": half}  # a dict the model keeps and returns
+    out = float32_outputs([Out(half), Named(x=half), pair(half, 2), kept,
+                           torch.ones(1, dtype=torch.float64), torch.ones(1, dtype=torch.int64)])
+    assert out[0].logits.dtype == torch.float32 and out[0].steps == 1
+    assert type(out[1]) is Named and out[1]["x"].dtype == torch.float32
+    assert type(out[2]) is pair and out[2].a.dtype == torch.float32 and out[2].b == 2
+    assert out[3]["cache"].dtype == torch.float32 and kept["cache"].dtype == torch.bfloat16
+    assert [t.dtype for t in out[4:]] == [torch.float64, torch.int64]

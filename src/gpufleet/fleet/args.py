@@ -27,29 +27,33 @@ STRATEGIES = {"auto": "auto", "single": "single", "single_device": "single", "dd
               "local_sgd": "local_sgd"}
 
 
-def fleet_overrides(accelerator: str = "auto", devices: int | str = "auto",
-                    precision: str | int = "auto", strategy: str = "auto",
+def fleet_overrides(accelerator: str | None = "auto", devices: int | str = "auto",
+                    precision: str | int | None = "auto", strategy: str | None = "auto",
                     num_nodes: int = 1) -> dict[str, Any]:
-    """The config overrides for Fabric-style arguments (see the module doc).
+    """The config overrides for Fabric-style arguments (see the module doc); an argument
+    given as None sets nothing (a config's own value stays).
 
     Raises:
         ConfigError: a value with no gpufleet meaning, naming the valid ones.
     """
     out: dict[str, Any] = {}
-    if str(accelerator) not in ACCELERATORS:
-        raise ConfigError(unknown_choice("accelerator", str(accelerator), ACCELERATORS))
-    out["run.device"] = ACCELERATORS[str(accelerator)]
+    if accelerator is not None:
+        if str(accelerator) not in ACCELERATORS:
+            raise ConfigError(unknown_choice("accelerator", str(accelerator), ACCELERATORS))
+        out["run.device"] = ACCELERATORS[str(accelerator)]
     if devices != "auto":
         if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
             raise ConfigError(f"devices = {devices!r}: give a number of ranks per node "
                               "(1 or more) or 'auto' (one per visible GPU, 1 on a CPU).")
         out["dist.nproc"] = devices
-    if str(precision) not in PRECISIONS:
-        raise ConfigError(unknown_choice("precision", str(precision), PRECISIONS))
-    out["precision.mode"] = PRECISIONS[str(precision)]
-    if strategy not in STRATEGIES:
-        raise ConfigError(unknown_choice("strategy", strategy, STRATEGIES))
-    out["parallel.strategy"] = STRATEGIES[strategy]
+    if precision is not None:
+        if str(precision) not in PRECISIONS:
+            raise ConfigError(unknown_choice("precision", str(precision), PRECISIONS))
+        out["precision.mode"] = PRECISIONS[str(precision)]
+    if strategy is not None:
+        if strategy not in STRATEGIES:
+            raise ConfigError(unknown_choice("strategy", strategy, STRATEGIES))
+        out["parallel.strategy"] = STRATEGIES[strategy]
     if num_nodes != 1:
         out["dist.nnodes"] = str(num_nodes)
     return out

@@ -70,19 +70,25 @@ _OWN_LOOP = {
     "fault.snapshot_every": 0,  # gpufleet's own loop takes in-memory snapshots; yours not
 }
 
+#: What Fleet takes for an argument left out when no config is given: Fabric's defaults
+#: (fp32 above all: a loop moved from Fabric computes the same numbers).
+FABRIC_DEFAULTS = {"accelerator": "auto", "precision": "32-true", "strategy": "auto"}
+
 
 class Fleet:
     """Run your own training loop on one or many ranks with gpufleet underneath.
 
     Args:
-        accelerator: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"gpu"``.
+        accelerator: ``"auto"`` (the default), ``"cpu"``, ``"cuda"`` or ``"gpu"``.
         devices: ranks per node (``"auto"``: one per visible GPU, 1 on a CPU).
         precision: ``"32-true"``/``"fp32"`` (the default, as Fabric's: your loop's
             numbers as plain PyTorch gives them; the diagnosis says when bf16 would pay),
             ``"bf16-mixed"``, ``"16-mixed"``/``"fp16-mixed"``, or ``"auto"`` (bf16-mixed
             on a GPU that has it, as ``gpufleet train`` chooses).
-        strategy: ``"auto"`` (ddp on several ranks, single on one), ``"single"``,
-            ``"ddp"``, ``"fsdp"``, and gpufleet's other strategy names.
+        strategy: ``"auto"`` (the default: ddp on several ranks, single on one),
+            ``"single"``, ``"ddp"``, ``"fsdp"``, and gpufleet's other strategy names.
+            With ``config``, an ``accelerator``, ``precision`` or ``strategy`` left out
+            keeps the config's own.
         num_nodes: nodes (the ranks of each are started there).
         seed: seeds python, numpy and torch on every rank (the same seed everywhere)
             and the loaders' shuffling (``run.seed``); None: your random state is left
@@ -101,8 +107,9 @@ class Fleet:
         >>> loader = fleet.setup_dataloaders(loader)  # doctest: +SKIP
     """
 
-    def __init__(self, accelerator: str = "auto", devices: int | str = "auto",
-                 precision: str | int = "32-true", strategy: str = "auto", num_nodes: int = 1,
+    def __init__(self, accelerator: str | None = None, devices: int | str = "auto",
+                 precision: str | int | None = None, strategy: str | None = None,
+                 num_nodes: int = 1,
                  *, seed: int | None = None, run_dir: str | None = None,
                  name: str | None = None, log_every: int = 10,
                  overrides: dict[str, Any] | None = None, config: Config | None = None,
@@ -112,6 +119,11 @@ class Fleet:
                                run_dir=run_dir,
                                name=name, log_every=log_every, overrides=overrides,
                                config=config, callbacks=list(callbacks))
+        if config is None:  # Fabric's defaults for what is left out
+            accelerator, precision, strategy = (
+                FABRIC_DEFAULTS[k] if v is None else v for k, v in (
+                    ("accelerator", accelerator), ("precision", precision),
+                    ("strategy", strategy)))
         keys: dict[str, Any] = {**_OWN_LOOP, "log.every": log_every,
                                 **fleet_overrides(accelerator, devices, precision, strategy,
                                                   num_nodes)}
