@@ -43,6 +43,7 @@ as a share of Fabric's step: where the distance to Fabric sits.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -175,7 +176,8 @@ class Baton:
 
     def finish(self, i: int) -> None:
         if self.sync:
-            self.sync()
+            with contextlib.suppress(Exception):  # a loop that broke the device still
+                self.sync()  # hands the baton on
         with self.cv:
             self.active[i] = False
         self._pass(i)
@@ -367,7 +369,7 @@ def run_in_turns(job: Job, loops: dict[str, Any], turn_steps: int = 1) -> Baton:
         try:
             loops[names[i]](job, lambda: baton.step_done(i))
         except Exception as e:  # one loop failing leaves the others' comparison
-            baton.errors[i] = f"{type(e).__name__}: {str(e).splitlines()[0][:150]}"
+            baton.errors[i] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:150]}"
         finally:
             baton.finish(i)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import random
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,8 @@ from gpufleet.config import DataConfig
 from gpufleet.data.bucket import BucketBatchSampler, pad_collate
 from gpufleet.data.sampler import ResumableDistributedSampler
 from gpufleet.errors import ConfigError
+
+_FORKING = threading.Lock()
 
 
 class ForkSafeLoader(DataLoader):
@@ -53,16 +56,25 @@ class ForkSafeLoader(DataLoader):
     """
 
     def __iter__(self) -> Any:
-        if not self.num_workers:
+        if not self._forks():
             return super().__iter__()
-        if gc.get_freeze_count():  # the program's own freeze stays as it is
-            gc.collect()
-            return super().__iter__()
-        gc.freeze()
-        try:
-            return super().__iter__()
-        finally:
-            gc.unfreeze()
+        with _FORKING:  # one loader at a time: another's thaw cannot reach our fork
+            if gc.get_freeze_count():  # the program's own freeze stays as it is
+                gc.collect()
+                return super().__iter__()
+            gc.freeze()
+            try:
+                return super().__iter__()
+            finally:
+                gc.unfreeze()
+
+    def _forks(self) -> bool:
+        """Whether this ``iter()`` forks workers: some are asked for, persistent ones
+        are not running already, and the start method is fork (the default on Linux)."""
+        if not self.num_workers or (self.persistent_workers and self._iterator is not None):
+            return False
+        context = self.multiprocessing_context
+        return context is None or context.get_start_method() == "fork"
 
 
 def seed_worker(worker_id: int) -> None:
