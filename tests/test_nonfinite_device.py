@@ -17,6 +17,7 @@ from gpufleet.config import FaultConfig, ParallelConfig
 from gpufleet.errors import TrainingStopped
 from gpufleet.parallel import build_strategy
 from gpufleet.precision import build_precision
+from gpufleet.train import nonfinite
 from gpufleet.train.callbacks import Callback
 from gpufleet.train.nonfinite import NonFiniteGuard, _say_host_path
 
@@ -212,10 +213,11 @@ def test_a_run_of_skips_goes_on_across_log_intervals(tmp_path, limit):
         assert all(math.isfinite(loss) for step, loss in result.losses if step in (3, 12))
 
 
-def test_a_cuda_run_with_an_unfused_optimizer_is_told_the_guard_syncs(caplog):
+def test_a_cuda_run_with_an_unfused_optimizer_is_told_the_guard_syncs(caplog, monkeypatch):
     """On a GPU, a user's optimizer built without fused=True puts the guard's decision on
     the host every step (a sync): the run says so once, with the fix; a fused one, or an
     optimizer with no fused kernel, is not told."""
+    monkeypatch.setattr(nonfinite, "_SAID_HOST_PATH", False)
     model, _, guard = _guarded(torch.optim.SGD, lr=0.1)
     unfused = torch.optim.SGD(model.parameters(), lr=0.1)
     with caplog.at_level("INFO", logger="gpufleet.train.nonfinite"):
@@ -223,6 +225,10 @@ def test_a_cuda_run_with_an_unfused_optimizer_is_told_the_guard_syncs(caplog):
     assert guard.on_device is False
     assert "SGD is not fused" in caplog.text and "fused=True" in caplog.text
     caplog.clear()
+    with caplog.at_level("INFO", logger="gpufleet.train.nonfinite"):
+        guard.start(model, unfused, torch.device("cuda"))  # said once a process
+    assert "not fused" not in caplog.text
+    monkeypatch.setattr(nonfinite, "_SAID_HOST_PATH", False)
     with caplog.at_level("INFO", logger="gpufleet.train.nonfinite"):
         # no fused kernel to suggest: the host path, said nothing of
         _guarded(torch.optim.SGD, lr=0.1)[2].start(model, torch.optim.Rprop(

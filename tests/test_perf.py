@@ -128,7 +128,8 @@ def test_ranks_on_one_node_share_its_cores(monkeypatch):
 
 @pytest.mark.parametrize(("strategy", "scope"), [("single", "model"), ("ddp", "model"),
                                                   ("zero1", "model"), ("fsdp", "blocks"),
-                                                  ("pipeline", "blocks")])
+                                                  ("pipeline", "blocks"),
+                                                  ("model_parallel", "blocks")])
 def test_compile_scope_auto_is_blocks_only_where_the_strategy_works_by_blocks(strategy, scope):
     """One graph for a model that stays whole (it fuses across blocks and the loss head);
     block by block where FSDP hooks each block or a pipeline splits the model."""

@@ -91,14 +91,17 @@ def parallelize(model: nn.Module, strategy: Strategy, cfg: Any, world_size: int)
 def compile_scope(perf: PerfConfig, strategy: Strategy) -> str:
     """``perf.compile_scope`` with ``auto`` decided: ``blocks`` when the strategy works
     on the model block by block (FSDP's per-block hooks, a tensor-parallel split, pipeline
-    stages), where one whole-model graph would break at every block or be split apart;
-    else ``model``: one graph fuses across the blocks and the loss head too (on an H200,
-    GPT-2-124M bf16: 33.9 ms a step whole against 40.0 ms block by block)."""
+    stages, modules placed on several devices), where one whole-model graph would break
+    at every block or be split apart; else ``model``: one graph fuses across the blocks
+    and the loss head too. On an H200, GPT-2-124M bf16 took 40.0 ms a step in gpufleet
+    compiled block by block and 33.9 ms in a hand-written loop compiled whole
+    (``benchmarks/mfu.py``); gpufleet compiled whole is not measured yet."""
     if perf.compile_scope != "auto":
         return perf.compile_scope
     dims, traits = strategy.dims, strategy.traits
     pipelined = dims.pp > 1 or traits.pipelined
-    by_blocks = pipelined or data_parallel_kind(traits, dims, pipelined) == "shard"
+    by_blocks = (pipelined or traits.device_map  # a model over several devices
+                 or data_parallel_kind(traits, dims, pipelined) == "shard")
     return "blocks" if by_blocks else "model"
 
 

@@ -64,14 +64,22 @@ def takes_found_inf(optimizer: Any, precision: Any) -> bool:
         getattr(optimizer, "_step_supports_amp_scaling", False)
 
 
+_SAID_HOST_PATH = False  # once a process: a recovery starts the guard again
+
+
 def _say_host_path(optimizer: Any, precision: Any) -> None:
     """Say once that the guard will read a number on the host every step, where a fused
     build of the user's optimizer would keep the decision on the GPU (as the optimizers
     gpufleet builds itself are). fp16's loss scaler reads its own flag every step as it
     is, and an optimizer without a fused kernel has no other way."""
+    global _SAID_HOST_PATH
     defaults = getattr(optimizer, "defaults", {})
-    if precision.scales_loss or "fused" not in defaults or defaults.get("fused"):
+    if precision.scales_loss or "fused" not in defaults or defaults.get("fused") or \
+            _SAID_HOST_PATH:
         return
+    if any(g.get("momentum") and g.get("dampening") for g in optimizer.param_groups):
+        return  # fused, it would still decide on the host (see _prime_momentum)
+    _SAID_HOST_PATH = True
     log.info("non-finite guard: %s is not fused, so whether to skip a step is read on the "
              "host every step, a GPU sync per step. Build it with fused=True to decide on "
              "the GPU, or set fault.skip_nonfinite=false.", type(optimizer).__name__)
@@ -197,7 +205,7 @@ class NonFiniteGuard:
         flag); the first :meth:`inspect` or :meth:`should_skip` calls it if the loop
         did not."""
         self.on_device = self.device_path and takes_found_inf(optimizer, self.precision)
-        if not self.on_device and device.type == "cuda":
+        if not self.on_device and device.type == "cuda" and self.device_path:
             _say_host_path(optimizer, self.precision)
         named = list(self.strategy.unwrap(model).named_parameters())
         self._names = {id(p): n for n, p in named}
