@@ -49,6 +49,8 @@ def test_named_devices_and_their_mistakes():
     assert named_device("a100-40gb").precision("auto") == "bf16-mixed"
     assert named_device("v100-32gb").precision("auto") == "fp32"
     assert named_device("t4-16gb").precision("fp16-mixed") == "fp16-mixed"
+    with pytest.raises(ConfigError, match="no bf16 support"):
+        named_device("v100-16gb").precision("bf16-mixed")
     with pytest.raises(ConfigError, match="Did you mean 'h100-80gb'"):
         named_device("h100-80g")
 

@@ -53,6 +53,10 @@ class Device:
             >>> [named_device(g).precision("auto") for g in ("h100-80gb", "t4-16gb")]
             ['bf16-mixed', 'fp32']
         """
+        if mode == "bf16-mixed" and not self.bf16:
+            raise ConfigError(f"precision.mode = 'bf16-mixed' on {self.name}, which has no "
+                              "bf16 support (a run there is refused too). Plan fp16-mixed "
+                              "or fp32.")
         if mode != "auto":
             return mode
         return "bf16-mixed" if self.bf16 else "fp32"
