@@ -89,7 +89,8 @@ def test_a_programs_own_freeze_is_kept_and_its_workers_still_inherit_no_garbage(
         loader = ForkSafeLoader(_CollectingData(), batch_size=2, num_workers=2,
                                 multiprocessing_context="fork")
         assert len(list(loader)) == 2
-        assert gc.get_freeze_count() >= frozen  # not thawed
+        # not thawed (a thaw leaves 0; frozen objects that die leave the count too)
+        assert gc.get_freeze_count() > frozen // 2
     finally:
         gc.enable()
         gc.unfreeze()
