@@ -236,7 +236,7 @@ def test_fleet_keeps_fp32_by_default_on_a_gpu_with_bf16_as_fabric_does(tmp_path)
     arguments computes the same numbers on a bf16 GPU too; "auto" is asked for. With a
     config, what the arguments leave out stays the config's."""
     from gpufleet.config import load_config
-    from gpufleet.fleet.fleet import FABRIC_DEFAULTS
+    from gpufleet.fleet.args import FABRIC_DEFAULTS
     from gpufleet.resolve import Machine, resolve
 
     h100 = Machine(cuda=True, gpus=1, bf16=True)

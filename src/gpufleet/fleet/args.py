@@ -27,33 +27,44 @@ STRATEGIES = {"auto": "auto", "single": "single", "single_device": "single", "dd
               "local_sgd": "local_sgd"}
 
 
-def fleet_overrides(accelerator: str | None = "auto", devices: int | str = "auto",
-                    precision: str | int | None = "auto", strategy: str | None = "auto",
-                    num_nodes: int = 1) -> dict[str, Any]:
-    """The config overrides for Fabric-style arguments (see the module doc); an argument
-    given as None sets nothing (a config's own value stays).
+#: What an argument left out means when no config is given: Fabric's defaults (fp32
+#: above all: a loop moved from Fabric computes the same numbers).
+FABRIC_DEFAULTS = {"accelerator": "auto", "precision": "32-true", "strategy": "auto"}
+
+
+def fleet_overrides(accelerator: str | None = None, devices: int | str = "auto",
+                    precision: str | int | None = None, strategy: str | None = None,
+                    num_nodes: int = 1, *, defaults: bool = True) -> dict[str, Any]:
+    """The config overrides for Fabric-style arguments (see the module doc). An argument
+    left out (None) takes :data:`FABRIC_DEFAULTS`, or with ``defaults=False`` (a config
+    was given) sets nothing, so the config's own value stays.
 
     Raises:
         ConfigError: a value with no gpufleet meaning, naming the valid ones.
     """
+    given = {"accelerator": accelerator, "precision": precision, "strategy": strategy}
+    if defaults:
+        given = {k: FABRIC_DEFAULTS[k] if v is None else v for k, v in given.items()}
     out: dict[str, Any] = {}
-    if accelerator is not None:
-        if str(accelerator) not in ACCELERATORS:
-            raise ConfigError(unknown_choice("accelerator", str(accelerator), ACCELERATORS))
-        out["run.device"] = ACCELERATORS[str(accelerator)]
+    if given["accelerator"] is not None:
+        out["run.device"] = _mapped("accelerator", given["accelerator"], ACCELERATORS)
     if devices != "auto":
         if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
             raise ConfigError(f"devices = {devices!r}: give a number of ranks per node "
                               "(1 or more) or 'auto' (one per visible GPU, 1 on a CPU).")
         out["dist.nproc"] = devices
-    if precision is not None:
-        if str(precision) not in PRECISIONS:
-            raise ConfigError(unknown_choice("precision", str(precision), PRECISIONS))
-        out["precision.mode"] = PRECISIONS[str(precision)]
-    if strategy is not None:
-        if strategy not in STRATEGIES:
-            raise ConfigError(unknown_choice("strategy", strategy, STRATEGIES))
-        out["parallel.strategy"] = STRATEGIES[strategy]
+    if given["precision"] is not None:
+        out["precision.mode"] = _mapped("precision", given["precision"], PRECISIONS)
+    if given["strategy"] is not None:
+        out["parallel.strategy"] = _mapped("strategy", given["strategy"], STRATEGIES)
     if num_nodes != 1:
         out["dist.nnodes"] = str(num_nodes)
     return out
+
+
+def _mapped(name: str, value: Any, table: dict[str, str]) -> str:
+    """The config value ``table`` gives for an argument, or the error naming the valid
+    ones."""
+    if str(value) not in table:
+        raise ConfigError(unknown_choice(name, str(value), table))
+    return table[str(value)]

@@ -70,10 +70,6 @@ _OWN_LOOP = {
     "fault.snapshot_every": 0,  # gpufleet's own loop takes in-memory snapshots; yours not
 }
 
-#: What Fleet takes for an argument left out when no config is given: Fabric's defaults
-#: (fp32 above all: a loop moved from Fabric computes the same numbers).
-FABRIC_DEFAULTS = {"accelerator": "auto", "precision": "32-true", "strategy": "auto"}
-
 
 class Fleet:
     """Run your own training loop on one or many ranks with gpufleet underneath.
@@ -119,14 +115,9 @@ class Fleet:
                                run_dir=run_dir,
                                name=name, log_every=log_every, overrides=overrides,
                                config=config, callbacks=list(callbacks))
-        if config is None:  # Fabric's defaults for what is left out
-            accelerator, precision, strategy = (
-                FABRIC_DEFAULTS[k] if v is None else v for k, v in (
-                    ("accelerator", accelerator), ("precision", precision),
-                    ("strategy", strategy)))
         keys: dict[str, Any] = {**_OWN_LOOP, "log.every": log_every,
                                 **fleet_overrides(accelerator, devices, precision, strategy,
-                                                  num_nodes)}
+                                                  num_nodes, defaults=config is None)}
         if seed is not None:
             keys["run.seed"] = seed
         if run_dir:

@@ -156,7 +156,7 @@ def broadcast_weights(model: nn.Module) -> None:
         dist.broadcast(tensor.detach(), src=0)
 
 
-def compile_model(model: nn.Module, perf: PerfConfig, scope: str = "model") -> nn.Module:
+def compile_model(model: nn.Module, perf: PerfConfig, scope: str) -> nn.Module:
     """Memory format and compilation, before the model is wrapped.
 
     ``nn.Module.compile`` compiles in place: each module keeps its class and its

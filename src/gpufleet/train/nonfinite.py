@@ -58,10 +58,15 @@ def takes_found_inf(optimizer: Any, precision: Any) -> bool:
     no loss scaler deciding on its own)."""
     if precision.scales_loss or not isinstance(optimizer, torch.optim.Optimizer):
         return False
-    if any(g.get("momentum") and g.get("dampening") for g in optimizer.param_groups):
+    if _dampened_momentum(optimizer):
         return False  # see _prime_momentum
     return bool(optimizer.defaults.get("fused")) and \
         getattr(optimizer, "_step_supports_amp_scaling", False)
+
+
+def _dampened_momentum(optimizer: Any) -> bool:
+    """SGD momentum with dampening: a flagged step cannot be skipped on the device."""
+    return any(g.get("momentum") and g.get("dampening") for g in optimizer.param_groups)
 
 
 _SAID_HOST_PATH = False  # once a process: a recovery starts the guard again
@@ -77,7 +82,7 @@ def _say_host_path(optimizer: Any, precision: Any) -> None:
     if precision.scales_loss or "fused" not in defaults or defaults.get("fused") or \
             _SAID_HOST_PATH:
         return
-    if any(g.get("momentum") and g.get("dampening") for g in optimizer.param_groups):
+    if _dampened_momentum(optimizer):
         return  # fused, it would still decide on the host (see _prime_momentum)
     _SAID_HOST_PATH = True
     log.info("non-finite guard: %s is not fused, so whether to skip a step is read on the "
