@@ -317,6 +317,10 @@ PARTS = {"watchdog": {"fault.watchdog": False},
          "  of monitoring: diagnosis": {"monitor.diagnose": False}}
 
 
+#: --breakdown: your own loop on Fleet without its guard (Fleet's guard: the row's gap)
+FLEET_NO_GUARD = "gpufleet Fleet - non-finite guard"
+
+
 def _mode(job: Job) -> str:
     return "bf16-mixed" if job.precision == "bf16" else "fp32"
 
@@ -453,6 +457,7 @@ def main() -> None:
     if args.breakdown:
         for part, extra in PARTS.items():
             loops[f"gpufleet - {part}"] = gpufleet_loop(extra)
+        loops[FLEET_NO_GUARD] = fleet_loop(PARTS["non-finite guard"])
     print(machine_summary())
     print(f"load average (1, 5, 15 min): {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     if sys.flags.dont_write_bytecode:
@@ -493,9 +498,10 @@ def main() -> None:
         fabric_i, defaults_i = names.index("Lightning Fabric"), names.index("gpufleet defaults")
         without = {"monitoring": "gpufleet monitoring off",
                    **{part: f"gpufleet - {part}" for part in PARTS}}
-        print_breakdown({n: (blocks(baton.wall[i]), blocks(baton.cpu[i]))
-                         for i, n in enumerate(names)}, names[fabric_i], names[defaults_i],
-                        without)
+        times = {n: (blocks(baton.wall[i]), blocks(baton.cpu[i])) for i, n in enumerate(names)}
+        print_breakdown(times, names[fabric_i], names[defaults_i], without)
+        print_breakdown(times, names[fabric_i], "gpufleet Fleet",
+                        {"non-finite guard": FLEET_NO_GUARD})
     print(f"load average at the end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     if args.json:
         rows = [{"loop": n, "wall_us": blocks(baton.wall[i]) * 1e6,
@@ -514,7 +520,7 @@ def print_breakdown(times: dict[str, tuple[float, float]], fabric: str, defaults
     Fabric's step (wall, CPU)."""
     fw, fc = times[fabric]
     dw, dc = times[defaults]
-    print(f"\nwhere the defaults' time over Fabric's goes ({(dw - fw) * 1e6:+.1f} µs wall, "
+    print(f"\nwhere {defaults}'s time over Fabric's goes ({(dw - fw) * 1e6:+.1f} µs wall, "
           f"{(dc - fc) * 1e6:+.1f} µs CPU a step):")
     print(f"{'part':<40}{'wall us':>9}{'% Fabric':>10}{'cpu us':>9}{'% Fabric':>10}")
     for part, loop in without.items():

@@ -154,7 +154,7 @@ def test_the_culprit_is_the_parameter_that_went_bad_before_clipping(tmp_path, ca
                                                                     clip):
     # Clipping by norm (on here) spreads a NaN norm into every gradient; the culprit is
     # read before it, so the one bad parameter is named. fp16's loss scaler decides on
-    # the host, after the clip: its culprit comes from the norms kept before.
+    # the host: it reads its culprit before the clip too.
     torch.manual_seed(0)
     model = toyjob.make_model()
     poison = _PoisonAt(model[3].weight, step=3)

@@ -145,6 +145,11 @@ def _clip_coef(max_norm: float, norm: torch.Tensor) -> torch.Tensor:
     return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
+def local_piece(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``grad`` (a ``DTensor``'s local shard; a plain tensor as is)."""
+    return grad.to_local() if hasattr(grad, "to_local") else grad
+
+
 def _local_piece(grad: torch.Tensor, dims: ParallelDims | None) -> tuple[torch.Tensor, int]:
     """This rank's piece of ``grad`` and how many ranks hold an identical copy of it."""
     if not hasattr(grad, "to_local"):  # a plain tensor: the same on every rank of a stage

@@ -9,12 +9,11 @@ and every rank acts on the same answer.
 The answer stays on the device. A fused optimizer (AdamW and SGD are built fused where
 torch has the kernel) takes it as its ``found_inf`` flag, the way a loss scaler hands it
 over: a flagged step leaves the weights, the moments and the step counter exactly as
-they were. The flag costs two small operations per step: with clipping by norm (on by
-default) the clip's global norm, which is not finite exactly when some gradient is not,
-is checked together with the loss in one fused kernel, and the norm of each gradient
-the clip measured on the way is kept by reference for the culprit; without it, one
-number per gradient is taken here (the norms in one fused kernel; on a CPU each
-gradient's sum, which costs less there). The flags, and on an interval with a skip
+they were. The flag costs two small operations per step: with clipping by norm the
+clip's global norm (not finite exactly when some gradient is not) is checked with the
+loss in one fused kernel, and the norm of each gradient the clip measured on the way is
+kept for the culprit; without it, one number per gradient is taken here (the norms in
+one fused kernel; on a CPU each gradient's sum). The flags, and on an interval with a skip
 the norms and losses, are read once per log interval, folded into the loop's own
 log-interval all-reduce: the skip count, the longest run of skips, the step and culprit
 (rank, first bad parameter) of the first skip, and the loss sum without the skipped
@@ -22,11 +21,11 @@ steps. So the default configuration has no host sync per step;
 ``fault.max_skips_in_row`` is checked at the log interval.
 
 Where the optimizer cannot take the flag (ZeRO, Horovod, an unfused optimizer) or the
-loss scaler decides (fp16), the flag is read on the host every step, as the step depends
-on it. With fp16 loss scaling, gradients that overflow while the loss is finite are the
-scaler's ordinary calibration: the step is skipped and the scale backed off on every
-rank, without counting towards ``fault.max_skips_in_row`` until the scale has fallen
-below 1 (a scale that low means the model itself produces inf, a collapse).
+loss scaler decides (fp16), one fused check of the loss and gradients is read on the
+host every step; the culprit is looked for on a flagged step only. With fp16 loss
+scaling, gradients that overflow while the loss is finite are the scaler's ordinary
+calibration: the step is skipped and the scale backed off on every rank, not counting
+towards ``fault.max_skips_in_row`` until the scale is below 1 (the model's own inf).
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ from gpufleet.parallel.grad_norm import (
     EachNorm,
     each_norm,
     each_norm_unstacked,
+    local_piece,
     spreads_gradients,
 )
 from gpufleet.train.skips import SkipRecord, describe, record_of
@@ -183,7 +183,7 @@ class NonFiniteGuard:
     _sharded: bool = True  # some parameter is a DTensor (FSDP, tensor parallel)
     _sums: bool = False  # the record is each gradient's sum (on a CPU), not its norm
     _one: torch.Tensor | None = None
-    _before_clip: EachNorm | None = None  # the host path's norms of this step
+    _verdict: Any = False  # the host path's, from inspect() (False: not decided yet)
     _agree: Any = None  # the strategy's all_reduce; None in a single process
     inspects: bool = True  #: set by start(): False where inspect() has nothing to do
 
@@ -192,18 +192,14 @@ class NonFiniteGuard:
         """Right after backward (and unscaling), before any clipping changes the
         gradients: on the device path, flag the step and hand the flag to ``optimizer``
         (no host read), unless the clip measures the gradients next (see
-        ``clip_by_norm``); on the host path, measure each gradient's norm for
-        :meth:`should_skip` to decide on. After :meth:`start`, :attr:`inspects` says
-        whether the loop calls this (not where the clip's norms are the check)."""
+        ``clip_by_norm``); on the host path, decide (:meth:`should_skip` answers).
+        :attr:`inspects` says whether the loop calls this."""
         if self.on_device is None:
             self.start(model, optimizer, step_loss.device)
         if self.on_device and not self._reuse_clip:
             self._flag_gradients(step_loss, optimizer)
-        elif not self.on_device:
-            # The host path reads the culprit after the clip, which spreads a NaN norm
-            # into every gradient (and clamps an inf by value): keep each gradient's norm
-            # as backward left it (one fused kernel; this path syncs every step anyway).
-            self._before_clip = each_norm(self._params, step_loss.device, local=True)[0]
+        elif not self.on_device:  # decided now, before a clip spreads a NaN into every
+            self._verdict = self._host_verdict(step_loss)  # gradient: the culprit is read
 
     def start(self, model: nn.Module, optimizer: Any, device: torch.device) -> None:
         """Choose the path for this run (the device path where ``optimizer`` takes the
@@ -234,9 +230,8 @@ class NonFiniteGuard:
 
         On the device path (a fused ``optimizer``) the answer is always False: the
         optimizer received the agreed flag and skips by itself, and nothing is read on
-        the host. Otherwise: whether any rank's loss or gradients are non-finite;
-        ``grad_norm`` is the (unscaled) global norm when clipping computed it, else None
-        and the norms :meth:`inspect` measured decide.
+        the host; ``grad_norm`` is the clip's global norm (None: no clip ran). Otherwise:
+        whether any rank's loss or gradients, as backward left them, are not finite.
         """
         if self.on_device is None:
             self.start(model, optimizer, step_loss.device)
@@ -250,20 +245,33 @@ class NonFiniteGuard:
                 checked = [grad_norm if grad_norm is not None else measured.values, step_loss]
                 self._flag_on_device(measured, checked, step_loss, optimizer)
             return False
-        each, self._before_clip = self._before_clip, None  # this step's, from inspect()
-        if each is None:  # inspect() was not called: nothing was clipped since backward
-            each = each_norm(self._params, step_loss.device, local=True)[0]
-        if grad_norm is None:  # no clip: this rank's norms, measured once, are the check
-            grad_norm = each.values.sum()
-        # One number carries both flags: loss + norm is finite only if both are, and a
-        # sum over ranks is finite only if every rank's is (NaN and inf propagate).
-        probe = step_loss.detach().float() + grad_norm.detach().float()
-        self.strategy.all_reduce(probe)  # COLLECTIVE: every rank, every step
-        if math.isfinite(probe.item()):  # SYNC: the step depends on the answer
+        verdict, self._verdict = self._verdict, False  # this step's, from inspect()
+        if verdict is False:  # inspect() was not called: nothing was clipped since backward
+            verdict = self._host_verdict(step_loss)
+        if verdict is None:
             self.in_row = 0
             return False
-        self._record(each, step_loss)
+        self._record(verdict)
         return True
+
+    def _host_verdict(self, step_loss: torch.Tensor) -> tuple[bool, str | None, int] | None:
+        """The host path's check: one fused kernel over the loss and this rank's
+        gradients, agreed over the ranks and read here. None: no rank flagged the step;
+        else this rank's view of it (:meth:`_record`)."""
+        grads = [g for p in self._params if (g := p.grad) is not None]
+        if self._sharded:
+            grads = [local_piece(g) for g in grads]
+        found = torch.zeros((), device=step_loss.device)
+        if self._one is None:
+            self._one = torch.ones((), device=step_loss.device)
+        torch._amp_foreach_non_finite_check_and_unscale_(  # (times one, in place)
+            [step_loss.detach().float(), *grads], found, self._one)
+        self.strategy.all_reduce(found)  # COLLECTIVE: every rank, every step
+        if not found.item():  # SYNC: the step depends on the answer
+            return None
+        names = [self._names.get(id(p), "?") for p in self._params  # SYNC: flagged only
+                 if (g := p.grad) is not None and not bool(local_piece(g).isfinite().all())]
+        return not bool(torch.isfinite(step_loss).all()), names[0] if names else None, len(names)
 
     def _flag_gradients(self, step_loss: torch.Tensor, optimizer: Any) -> None:
         """:meth:`_flag_on_device` where no clip measured the gradients: one number per
@@ -343,29 +351,20 @@ class NonFiniteGuard:
     def _culprit(self, row: int, loss: float) -> tuple[bool, str | None, int]:
         """This rank's view of step ``row`` of the interval: its loss was not finite,
         the first parameter whose gradient was not, how many were not."""
-        each = self._interval.norms[row]
+        each = self._interval.norms[row]  # a gradient norm or sum: not finite where it is
         if not isinstance(each, EachNorm):  # every parameter's bare value (_flag_gradients)
             each = EachNorm(each, self._params, None)
-        bad = self._bad_names(each)
-        return not math.isfinite(loss), bad[0] if bad else None, len(bad)
-
-    def _bad_names(self, each: EachNorm) -> list[str]:
-        """The names of the parameters whose value in ``each`` (a gradient norm or sum) is
-        not finite."""
-        params = each.params if each.present is None else \
-            [each.params[i] for i in each.present]
+        params = each.params if each.present is None else [each.params[i] for i in each.present]
         values = each.values
         if isinstance(values, (list, tuple)):  # unstacked norms (the device path's every step)
             values = torch.stack(values) if values else torch.zeros(0)
-        return [self._names.get(id(p), "?") for p, v in zip(params, values.tolist())
-                if not math.isfinite(v)]
+        bad = [self._names.get(id(p), "?") for p, v in zip(params, values.tolist())
+               if not math.isfinite(v)]
+        return not math.isfinite(loss), bad[0] if bad else None, len(bad)
 
-    def _record(self, each: EachNorm, step_loss: torch.Tensor) -> None:
-        """Count a step skipped on the host; ``each``: its gradients' norms before any
-        clip (the culprit is the first parameter whose norm is not finite)."""
-        names = self._bad_names(each)  # SYNC: skipped steps only
-        mine = (not bool(torch.isfinite(step_loss).all()), names[0] if names else None,
-                len(names))
+    def _record(self, mine: tuple[bool, str | None, int]) -> None:
+        """Count a step skipped on the host; ``mine``: this rank's view of it (its loss
+        was not finite, its first bad parameter, how many were bad)."""
         # COLLECTIVE, on skipped steps only (every rank is here: the flags agreed).
         seen = gather_objects(mine)
         scale = self.precision.backoff() if self.precision.scales_loss else None
