@@ -120,3 +120,40 @@ def test_each_parallelism_has_its_own_table_and_old_flat_keys_name_the_new_one(t
         load_config(tmp_path / "old.toml")
     with pytest.raises(ConfigError, match=r"Did you mean 'comm_hook'"):
         load_config(overrides=["parallel.ddp.comm_hok=fp16"])
+
+
+def test_auto_precision_and_tf32_keep_your_models_recipe_and_give_the_gpt_its_own():
+    """On a GPU with bf16, only the built-in GPT's recipe (the gpt preset) is switched to
+    bf16-mixed and TF32; your model (given to fit, built by a factory, or your own loop)
+    computes in fp32 with torch's TF32 settings left alone, as your plain script does."""
+    from torch import nn
+
+    from gpufleet.models import GPT, GPTConfig
+
+    def chosen(overrides=(), **how):
+        cfg = resolve(load_config(overrides=list(overrides)), GPU4, 1, **how)
+        return cfg.precision.mode, cfg.perf.tf32
+
+    assert chosen() == ("bf16-mixed", "true")  # gpufleet train's built-in GPT
+    assert chosen(model=GPT(GPTConfig(vocab_size=8, block_size=4, n_layer=1, n_head=1,
+                                      n_embd=4))) == ("bf16-mixed", "true")
+    assert chosen(model=nn.Linear(2, 2)) == ("fp32", "default")
+    assert chosen(["model.name=mypkg.nets:resnet"]) == ("fp32", "default")
+    assert chosen(own_loop=True) == ("fp32", "default")
+    # a preset or a value you name wins
+    assert chosen(["optim.preset=gpt"], model=nn.Linear(2, 2)) == ("bf16-mixed", "true")
+    assert chosen(["precision.mode=bf16-mixed", "perf.tf32=true"],
+                  model=nn.Linear(2, 2)) == ("bf16-mixed", "true")
+    assert chosen(["optim.preset=none"]) == ("fp32", "default")
+    # on a CPU nothing changes: fp32, and TF32 does not apply
+    assert resolve(Config(), CPU, 1).perf.tf32 == "default"
+
+
+def test_tf32_takes_true_and_false_as_before_and_names_its_choices(tmp_path):
+    (tmp_path / "c.toml").write_text("[perf]\ntf32 = true\n")
+    assert load_config(tmp_path / "c.toml").perf.tf32 == "true"  # an older config.toml
+    assert load_config(overrides={"perf.tf32": False}).perf.tf32 == "false"
+    assert load_config(overrides=["perf.tf32=default"]).perf.tf32 == "default"
+    for wrong in ("fast", 1):
+        with pytest.raises(ConfigError, match=r"perf\.tf32: unknown value.*Valid: "):
+            load_config(overrides={"perf.tf32": wrong})

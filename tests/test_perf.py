@@ -72,10 +72,16 @@ def test_backend_flags_follow_the_config():
     before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
               torch.backends.cudnn.benchmark)
     try:
-        apply_backend_flags(load_config(overrides=["perf.cudnn_benchmark=true"]).perf, False)
+        on = load_config(overrides=["perf.cudnn_benchmark=true", "perf.tf32=true"]).perf
+        apply_backend_flags(on, False)
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.benchmark
         apply_backend_flags(load_config(overrides=["perf.tf32=false"]).perf, False)
         assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        # default (and auto, unresolved) leave torch's settings as the script set them
+        torch.backends.cuda.matmul.allow_tf32 = True
+        for value in ("default", "auto"):
+            apply_backend_flags(load_config(overrides=[f"perf.tf32={value}"]).perf, False)
+            assert torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
         apply_backend_flags(load_config(overrides=["perf.cudnn_benchmark=true"]).perf, True)
         assert not torch.backends.cudnn.benchmark  # deterministic wins
     finally:

@@ -155,7 +155,8 @@ def _factory_word(spec: str) -> str:
 
 
 def make_plan(cfg: Config, env: DistEnv | None = None, *, model: Any = None,
-              machine: Machine | None = None, here: bool = False) -> RunPlan:
+              machine: Machine | None = None, here: bool = False,
+              own_loop: bool = False) -> RunPlan:
     """Resolve ``cfg`` once into the run's plan (the one resolve of a run).
 
     Args:
@@ -163,10 +164,13 @@ def make_plan(cfg: Config, env: DistEnv | None = None, *, model: Any = None,
         env: this process's place in the job (default: detected). A process started
             as a rank (torchrun, SLURM, mpirun) plans for the world it is in; any other
             decides here how many ranks to start and with which launcher.
-        model: the module :func:`gpufleet.fit` was given, which names an unnamed run.
+        model: the module :func:`gpufleet.fit` was given, which names an unnamed run
+            and decides the recipe's preset (:func:`gpufleet.resolve.recipe_preset`).
         machine: the devices to resolve against (default: this machine's).
         here: this process is the run's one rank, whatever ``dist.nproc`` says (a
             :func:`gpufleet.fit` that starts no ranks, a direct ``build_run``).
+        own_loop: the run is your own loop (:class:`gpufleet.Fleet`): no preset of
+            gpufleet's recipes applies.
 
     Raises:
         ConfigError: a setting this machine or world cannot run, naming the fix.
@@ -178,23 +182,26 @@ def make_plan(cfg: Config, env: DistEnv | None = None, *, model: Any = None,
         if env.source == "slurm":  # config.toml records the layout srun started
             cfg = dataclasses.replace(cfg, dist=dataclasses.replace(
                 cfg.dist, **launched_layout(env)))
-        return _plan_for_world(cfg, machine, "external", env)
+        return _plan_for_world(cfg, machine, "external", env, model, own_loop)
     if here:
-        return _plan_for_world(cfg, machine, "none", env)
+        return _plan_for_world(cfg, machine, "none", env, model, own_loop)
     dist = cfg.dist
     launcher, nproc = _ranks_here(cfg, machine)
     cfg = dataclasses.replace(cfg, dist=dataclasses.replace(dist, nproc=nproc,
                                                             launcher=launcher))
     world = nproc * parse_nnodes(dist.nnodes)[1]
-    resolved, dims = resolve_with_dims(cfg, machine, world, nproc)
+    resolved, dims = resolve_with_dims(cfg, machine, world, nproc, model=model,
+                                       own_loop=own_loop)
     return RunPlan(cfg=resolved, launcher=launcher, nproc=nproc, nnodes=dist.nnodes,
                    node_rank=dist.node_rank, world_size=world, local_world_size=nproc,
                    dims=dims)
 
 
-def _plan_for_world(cfg: Config, machine: Machine, launcher: str, env: DistEnv) -> RunPlan:
+def _plan_for_world(cfg: Config, machine: Machine, launcher: str, env: DistEnv,
+                    model: Any = None, own_loop: bool = False) -> RunPlan:
     """The plan of a rank whose world is already set (``env``)."""
-    resolved, dims = resolve_with_dims(cfg, machine, env.world_size, env.local_world_size)
+    resolved, dims = resolve_with_dims(cfg, machine, env.world_size, env.local_world_size,
+                                       model=model, own_loop=own_loop)
     nodes = max(1, env.world_size // max(env.local_world_size, 1))
     return RunPlan(cfg=resolved, launcher=launcher, nproc=env.local_world_size,
                    nnodes=str(nodes), node_rank=env.node_rank, world_size=env.world_size,

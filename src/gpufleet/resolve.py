@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from gpufleet.config import Config
 from gpufleet.config.distributed import AUTO_SNAPSHOT_EVERY
@@ -20,7 +21,8 @@ from gpufleet.parallel import strategy_class
 from gpufleet.parallel.base import why_not_in_process
 from gpufleet.parallel.dims import ParallelDims, plan_for
 
-__all__ = ["Machine", "resolve", "resolve_with_dims", "strategy_for"]
+__all__ = ["Machine", "auto_precision", "recipe_preset", "resolve", "resolve_with_dims",
+           "strategy_for"]
 
 
 @dataclass(frozen=True)
@@ -59,20 +61,58 @@ def strategy_for(name: str, world_size: int) -> str:
     return "ddp" if world_size > 1 else "single"
 
 
-def resolve(cfg: Config, machine: Machine, world_size: int,
-            local_world_size: int = 1) -> Config:
-    """Replace every ``auto`` by its value on this machine and check the combinations.
+def recipe_preset(cfg: Config, model: Any = None, own_loop: bool = False) -> str:
+    """The recipe preset (``optim.preset``) as far as it is known before the model is
+    built: the one named; else by the model :func:`gpufleet.fit` was given; ``gpt`` for
+    the built-in GPT; ``none`` for your own loop (:class:`gpufleet.Fleet`); ``auto``
+    for a factory's model, which decides when it is built.
+
+    Example:
+        >>> from gpufleet.config import load_config
+        >>> recipe_preset(load_config()), recipe_preset(load_config(), own_loop=True)
+        ('gpt', 'none')
+    """
+    if cfg.optim.preset != "auto":
+        return cfg.optim.preset
+    if own_loop:
+        return "none"
+    if model is not None:
+        from gpufleet.models import model_kind
+
+        return {"gpt": "gpt", "transformers": "transformers"}.get(model_kind(model), "none")
+    return "gpt" if cfg.model.name == "gpt" else "auto"
+
+
+def auto_precision(preset: str, device: str, bf16: bool) -> str:
+    """``precision.mode = auto``: bf16-mixed for the built-in GPT's recipe (the ``gpt``
+    preset) on a GPU with native bf16; otherwise fp32, as your own script computes (the
+    diagnosis says when bf16-mixed would be faster).
+
+    Example:
+        >>> auto_precision("gpt", "cuda", True), auto_precision("none", "cuda", True)
+        ('bf16-mixed', 'fp32')
+    """
+    return "bf16-mixed" if preset == "gpt" and device == "cuda" and bf16 else "fp32"
+
+
+def resolve(cfg: Config, machine: Machine, world_size: int, local_world_size: int = 1,
+            *, model: Any = None, own_loop: bool = False) -> Config:
+    """Replace every ``auto`` by its value on this machine and check the combinations
+    (``model``, ``own_loop``: as :func:`recipe_preset` takes them).
 
     The result is what a run writes to its directory, so a rerun from that file does
     not depend on which machine it lands on.
     """
-    return resolve_with_dims(cfg, machine, world_size, local_world_size)[0]
+    return resolve_with_dims(cfg, machine, world_size, local_world_size, model=model,
+                             own_loop=own_loop)[0]
 
 
 def resolve_with_dims(cfg: Config, machine: Machine, world_size: int,
-                      local_world_size: int = 1) -> tuple[Config, ParallelDims]:
+                      local_world_size: int = 1, *, model: Any = None,
+                      own_loop: bool = False) -> tuple[Config, ParallelDims]:
     """:func:`resolve`, and the mesh degrees it checked (``parallel.*`` for this world)."""
     run, prec, par, dist = cfg.run, cfg.precision, cfg.parallel, cfg.dist
+    preset = recipe_preset(cfg, model, own_loop)
     device = run.device if run.device != "auto" else ("cuda" if machine.cuda else "cpu")
     if device == "cuda" and not machine.cuda:
         raise ConfigError("run.device = 'cuda' but no CUDA GPU is visible. "
@@ -80,7 +120,10 @@ def resolve_with_dims(cfg: Config, machine: Machine, world_size: int,
                           "(`nvidia-smi`).")
     mode = prec.mode
     if mode == "auto":
-        mode = "bf16-mixed" if device == "cuda" and machine.bf16 else "fp32"
+        mode = auto_precision(preset, device, machine.bf16)
+    # TF32 where the recipe is the built-in GPT's; else as torch (or your script) has it.
+    tf32 = cfg.perf.tf32 if cfg.perf.tf32 != "auto" else \
+        "true" if preset == "gpt" and device == "cuda" else "default"
     if mode == "bf16-mixed" and device == "cuda" and not machine.bf16:
         raise ConfigError("precision.mode = 'bf16-mixed' but this GPU has no bf16 support. "
                           "Use precision.mode=fp16-mixed (with loss scaling) or fp32.")
@@ -137,6 +180,7 @@ def resolve_with_dims(cfg: Config, machine: Machine, world_size: int,
         parallel=dataclasses.replace(par, strategy=strategy),
         dist=dataclasses.replace(dist, backend=backend),
         fault=dataclasses.replace(cfg.fault, snapshot_every=snapshot_every),
+        perf=dataclasses.replace(cfg.perf, tf32=tf32),
     )
     return resolved, dims
 

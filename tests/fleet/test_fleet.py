@@ -233,8 +233,9 @@ def test_mixed_precision_outputs_come_back_in_float32_as_fabric_returns_them(tmp
 
 def test_fleet_keeps_fp32_by_default_on_a_gpu_with_bf16_as_fabric_does(tmp_path):
     """Fabric's default precision is 32-true: a loop moved to Fleet with the same
-    arguments computes the same numbers on a bf16 GPU too; "auto" is asked for. With a
-    config, what the arguments leave out stays the config's."""
+    arguments computes the same numbers on a bf16 GPU too; "auto" is your own loop's
+    recipe, fp32 as well, and bf16 is asked for by name. With a config, what the
+    arguments leave out stays the config's."""
     from gpufleet.config import load_config
     from gpufleet.fleet.args import FABRIC_DEFAULTS
     from gpufleet.resolve import Machine, resolve
@@ -243,10 +244,11 @@ def test_fleet_keeps_fp32_by_default_on_a_gpu_with_bf16_as_fabric_does(tmp_path)
 
     def mode(precision):
         cfg = load_config(overrides=fleet_overrides("cuda", 1, precision))
-        return resolve(cfg, h100, world_size=1).precision.mode
+        return resolve(cfg, h100, world_size=1, own_loop=True).precision.mode
 
     assert mode(FABRIC_DEFAULTS["precision"]) == "fp32"
-    assert mode("auto") == "bf16-mixed"
+    assert mode("auto") == "fp32"
+    assert mode("bf16-mixed") == "bf16-mixed"
     cfg = load_config(overrides={"precision.mode": "bf16-mixed", "run.device": "cpu"})
     fleet = gpufleet.Fleet(config=cfg, run_dir=str(tmp_path / "run"))
     assert fleet.plan.cfg.precision.mode == "bf16-mixed"  # the config's, kept

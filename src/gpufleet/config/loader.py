@@ -122,6 +122,7 @@ def _build_section(name: str, cls: type, values: Mapping[str, Any]) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
     subtables = tables(cls)
+    choices = {f.name: f.metadata.get("choices", ()) for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in values.items():
         if key in subtables:
@@ -141,7 +142,7 @@ def _build_section(name: str, cls: type, values: Mapping[str, Any]) -> Any:
                                              f"Valid keys of [{name}] are listed; "
                                              "`gpufleet train --help` explains each."))
         else:
-            kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
+            kwargs[key] = _coerce(f"{name}.{key}", value, hints[key], choices.get(key, ()))
     return cls(**kwargs)
 
 
@@ -149,9 +150,11 @@ def _flag_value(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def _coerce(dotted: str, value: Any, kind: type) -> Any:
+def _coerce(dotted: str, value: Any, kind: type, choices: tuple[str, ...] = ()) -> Any:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if kind is str and isinstance(value, bool) and "true" in choices:
+        return "true" if value else "false"  # e.g. perf.tf32 = true
     if kind is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)  # e.g. dist.nnodes=2 parses as an integer
     if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):

@@ -184,8 +184,9 @@ class SchedConfig(Section):
 
 @dataclass
 class PrecisionConfig(Section):
-    mode: str = opt("auto", "Numeric precision: auto (bf16-mixed on a GPU that supports it, "
-                    "else fp32), fp32, bf16-mixed, fp16-mixed.",
+    mode: str = opt("auto", "Numeric precision: auto (the built-in GPT's recipe: bf16-mixed "
+                    "on a GPU with native bf16; your model: fp32, as your script computes), "
+                    "fp32, bf16-mixed, fp16-mixed.",
                     choices=("auto", "fp32", "bf16-mixed", "fp16-mixed"))
     init_scale: float = opt(65536.0, "fp16-mixed: initial loss scale.", min=1.0)
     growth_interval: int = opt(2000, "fp16-mixed: steps between loss-scale increases.", min=1)
@@ -205,8 +206,12 @@ class PerfConfig(Section):
                              "small graphs that compile once and are reused; the whole model "
                              "when it repeats none) or model (one graph for the whole model).",
                              choices=("auto", "blocks", "model"))
-    tf32: bool = opt(True, "TF32 tensor cores for fp32 matmuls and convolutions on CUDA "
-                     "(Ampere and newer): about 8x fp32 speed, 10-bit mantissa.")
+    tf32: str = opt("auto", "TF32 tensor cores for fp32 matmuls and convolutions on CUDA "
+                    "(Ampere and newer; about 8x fp32 speed, 10-bit mantissa): true, false, "
+                    "default (left as torch or your script set it: torch's own default "
+                    "runs matmuls in full fp32, convolutions in TF32), or auto (true for the "
+                    "built-in GPT's recipe, else default).",
+                    choices=("auto", "default", "true", "false"))
     cudnn_benchmark: bool = opt(False, "cuDNN times its convolution algorithms and keeps the "
                                 "fastest (for conv nets with fixed input shapes).")
     channels_last: bool = opt(False, "NHWC memory format for conv nets: model weights and "

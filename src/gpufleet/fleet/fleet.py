@@ -126,7 +126,7 @@ class Fleet:
             keys["run.name"] = name or _script_name()
         keys.update(overrides or {})
         cfg = load_config(overrides=keys, base=config)
-        self.plan: RunPlan = make_plan(cfg)  # the one resolve of this run
+        self.plan: RunPlan = make_plan(cfg, own_loop=True)  # the one resolve of this run
         self._user_callbacks = list(callbacks)
         self._seed = seed
         self.run: FleetRun | None = None

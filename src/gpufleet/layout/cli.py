@@ -40,12 +40,13 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gpufleet.layout.devices import named_device
+    from gpufleet.resolve import recipe_preset
 
     cfg = args.train_config  # gpufleet.cli read train's flags into it
     device = named_device(args.gpu) if args.gpu else None
     if device is not None:  # precision "auto" as a run on that GPU resolves it
         cfg = dataclasses.replace(cfg, precision=dataclasses.replace(
-            cfg.precision, mode=device.precision(cfg.precision.mode)))
+            cfg.precision, mode=device.precision(cfg.precision.mode, recipe_preset(cfg))))
     nodes, per_node = _world(cfg)
     dims = layout_dims(cfg, nodes * per_node, per_node)
     build_model, sample = _model_and_sample(cfg)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpufleet.errors import ConfigError, unknown_choice
+from gpufleet.resolve import auto_precision
 
 GIB = 1024**3
 
@@ -45,13 +46,16 @@ class Device:
     memory_bytes: int
     bf16: bool = True
 
-    def precision(self, mode: str) -> str:
-        """``precision.mode`` as a run on this GPU resolves it: ``auto`` is bf16-mixed
-        where the GPU has bfloat16, else fp32.
+    def precision(self, mode: str, preset: str = "gpt") -> str:
+        """``precision.mode`` as a run on this GPU resolves it for the recipe ``preset``
+        (:func:`gpufleet.resolve.auto_precision`): ``auto`` is bf16-mixed for the built-in
+        GPT where the GPU has bfloat16, else fp32.
 
         Example:
             >>> [named_device(g).precision("auto") for g in ("h100-80gb", "t4-16gb")]
             ['bf16-mixed', 'fp32']
+            >>> named_device("h100-80gb").precision("auto", preset="none")
+            'fp32'
         """
         if mode == "bf16-mixed" and not self.bf16:
             raise ConfigError(f"precision.mode = 'bf16-mixed' on {self.name}, which has no "
@@ -59,7 +63,7 @@ class Device:
                               "or fp32.")
         if mode != "auto":
             return mode
-        return "bf16-mixed" if self.bf16 else "fp32"
+        return auto_precision(preset, "cuda", self.bf16)
 
     @property
     def usable_bytes(self) -> int:

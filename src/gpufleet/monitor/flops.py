@@ -176,8 +176,9 @@ def device_peak_flops(cfg: Any, device: Any) -> float | None:
     if device.type != "cuda":
         return None
     override = cfg.monitor.peak_tflops * 1e12 or None
+    tf32 = torch.backends.cuda.matmul.allow_tf32  # as the run set it, or left it
     return peak_flops(torch.cuda.get_device_name(device),
-                      matmul_precision(cfg.precision.mode, cfg.perf.tf32), override)
+                      matmul_precision(cfg.precision.mode, tf32), override)
 
 
 def matmul_precision(precision_mode: str, tf32: bool) -> str:

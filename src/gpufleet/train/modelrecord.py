@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet.files import atomic_write_text
-from gpufleet.train.optim import model_kind
+from gpufleet.models import model_kind
 
 log = logging.getLogger(__name__)
 

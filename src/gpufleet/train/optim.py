@@ -13,7 +13,7 @@ from torch import nn
 
 from gpufleet.config import OptimConfig
 from gpufleet.config.schema import AUTO
-from gpufleet.models.gpt import GPT
+from gpufleet.models import model_kind
 from gpufleet.parallel import OptimizerSpec
 
 log = logging.getLogger(__name__)
@@ -49,16 +49,6 @@ PRESET_VALUES: dict[str, dict[str, Any]] = {
                      "clip_norm": 1.0, "warmup_steps": 0, "decay": "linear",
                      "min_lr_ratio": 0.0},
 }
-
-
-def model_kind(model: nn.Module) -> str:
-    """``gpt`` (gpufleet's GPT), ``transformers`` (a PreTrainedModel) or ``model``."""
-    if isinstance(model, GPT):
-        return "gpt"
-    if any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel"
-           for c in type(model).__mro__):
-        return "transformers"
-    return "model"
 
 
 def fill_optimizer_defaults(cfg: OptimConfig, model: nn.Module) -> OptimConfig:

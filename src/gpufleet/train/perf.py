@@ -43,11 +43,13 @@ def share_cores(local_world_size: int, is_main: bool = True) -> int | None:
 def apply_backend_flags(perf: PerfConfig, deterministic: bool) -> None:
     """Process-wide matmul and cuDNN settings (they only matter on CUDA).
 
-    TF32 runs fp32 matmuls and convolutions on tensor cores with a 10-bit mantissa;
+    TF32 runs fp32 matmuls and convolutions on tensor cores with a 10-bit mantissa
+    (``perf.tf32`` true or false; ``default`` leaves torch's settings as they are);
     cuDNN benchmarking times the convolution algorithms once per input shape.
     """
-    torch.backends.cuda.matmul.allow_tf32 = perf.tf32
-    torch.backends.cudnn.allow_tf32 = perf.tf32
+    if perf.tf32 in ("true", "false"):
+        torch.backends.cuda.matmul.allow_tf32 = perf.tf32 == "true"
+        torch.backends.cudnn.allow_tf32 = perf.tf32 == "true"
     torch.backends.cudnn.benchmark = perf.cudnn_benchmark and not deterministic
 
 

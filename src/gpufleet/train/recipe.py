@@ -173,9 +173,11 @@ def recipe_line(optimizer: torch.optim.Optimizer, schedule: str, cfg: Any,
     clip = [f"by value {o.clip_value:g}"] if o.clip_value else []
     if o.clip_norm:
         clip.append(f"by norm {o.clip_norm:g}")
+    tf32 = {"true": ", TF32 on", "false": ", TF32 off"}.get(cfg.perf.tf32, "") \
+        if cfg.run.device == "cuda" else ""
     return (f"{describe_optimizer(optimizer)} | schedule: {schedule} | clip: "
             f"{' then '.join(clip) or 'off'} | grad_accum {o.grad_accum} | precision "
-            f"{cfg.precision.mode} | strategy {strategy} on {world} rank(s) | preset "
+            f"{cfg.precision.mode}{tf32} | strategy {strategy} on {world} rank(s) | preset "
             f"{o.preset}")
 
 
