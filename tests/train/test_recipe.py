@@ -186,3 +186,24 @@ def test_every_torch_optimizer_object_is_rebuilt_with_its_groups(cls):
     assert type(rebuilt) is cls
     assert [{k: v for k, v in g.items() if k != "params"} for g in rebuilt.param_groups] == [
         {k: v for k, v in g.items() if k != "params"} for g in given.param_groups]
+
+
+def test_the_recipe_line_says_when_tf32_is_set_on_a_gpu():
+    """The line names TF32 where a CUDA run sets it (the built-in GPT's recipe, or asked
+    for), and says nothing where torch's own setting is left alone, or on a CPU."""
+    from gpufleet.config import load_config
+    from gpufleet.resolve import Machine, resolve
+    from gpufleet.train.recipe import recipe_line
+
+    gpu = Machine(cuda=True, gpus=1, bf16=True)
+    sgd = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+
+    def line(machine, overrides=(), **how):
+        cfg = resolve(load_config(overrides=list(overrides)), machine, 1, **how)
+        return recipe_line(sgd, "constant", cfg, "single", 1)
+
+    assert "precision bf16-mixed, TF32 on |" in line(gpu)  # the built-in GPT
+    assert "precision fp32 |" in line(gpu, own_loop=True)
+    assert "precision fp32, TF32 on |" in line(gpu, ["perf.tf32=true"], own_loop=True)
+    assert "precision bf16-mixed, TF32 off |" in line(gpu, ["perf.tf32=false"])
+    assert "TF32" not in line(Machine(cuda=False, gpus=0, bf16=False), ["perf.tf32=true"])

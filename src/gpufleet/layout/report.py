@@ -7,9 +7,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from gpufleet.config import Config
 from gpufleet.layout.devices import GIB, USABLE_SHARE
 from gpufleet.layout.estimate import LayoutEstimate
 from gpufleet.monitor.flops import PEAK_FLOPS
+from gpufleet.resolve import recipe_preset
 
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers")
 
@@ -43,7 +45,7 @@ def print_estimate(cfg: Any, est: LayoutEstimate, nodes: int, per_node: int,
     for dim, sent in sorted(peak.comm.items()):
         comm.add_row(f"sent on {dim}", f"{sent / GIB:,.3f} GiB")
     comm.add_row("FLOPs", f"{peak.flops:.3e}")
-    rate = _peak_rate(device, cfg.precision.mode)
+    rate = _peak_rate(device, cfg)
     if rate:
         comm.add_row("compute time at 100% / 40% MFU",
                      f"{peak.flops / rate:.3f} s / {peak.flops / rate / 0.4:.3f} s")
@@ -84,11 +86,15 @@ def print_suggestion(found: LayoutEstimate | None, device: Any,
                   f"its fullest rank): {flags}", highlight=False)
 
 
-def _peak_rate(device: Any, mode: str) -> float | None:
+def _peak_rate(device: Any, cfg: Config) -> float | None:
+    """The GPU's peak rate for the run's matmuls: fp32 ones at the TF32 rate only where
+    the run turns TF32 on (``auto``: the built-in GPT's recipe does)."""
     if device is None:
         return None
     name = device.name.split("-")[0].lower()
-    precision = {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}.get(mode, "tf32")
+    tf32 = cfg.perf.tf32 == "true" or (cfg.perf.tf32 == "auto" and recipe_preset(cfg) == "gpt")
+    precision = {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}.get(
+        cfg.precision.mode, "tf32" if tf32 else "fp32")
     for key, rates in PEAK_FLOPS.items():
         if key.lower().replace(" ", "") == name or key.lower() == name:
             return rates.get(precision)
