@@ -308,7 +308,7 @@ MONITORING_OFF = {"monitor.phases": False, "monitor.diagnose": False,
 BARE = {**MONITORING_OFF, "fault.skip_nonfinite": False, "fault.watchdog": False}
 #: --breakdown: each loop leaves one part of the defaults out (name: overrides)
 #: (monitoring's whole part is the "gpufleet monitoring off" loop, always run; its
-#: pieces follow, as on CUDA the phase times are CUDA events recorded at every change)
+#: pieces follow; on CUDA the phase times also sample one step per log line with events)
 PARTS = {"watchdog": {"fault.watchdog": False},
          "non-finite guard": {"fault.skip_nonfinite": False},
          "log lines every 10 steps, not 50": {"log.every": 50},

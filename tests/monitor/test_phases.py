@@ -32,3 +32,70 @@ def test_the_phase_times_come_from_the_marks_between_log_lines():
         {"data": 0.001, "forward": 0.002, "backward": 0.003, "optimizer": 0.004,
          "other": 0.0005})  # from each step's end to what follows it
     assert timer.outside["eval"] == pytest.approx([0.25, 1])
+
+
+class _ClockEvent:
+    """Stands in for a CUDA timing event on a machine without CUDA: ``record`` reads a
+    clock the test sets, ``elapsed_time`` answers in milliseconds, as CUDA's does."""
+
+    clock = 0.0
+    made = 0
+
+    def __init__(self) -> None:
+        _ClockEvent.made += 1
+        self.at: float | None = None
+
+    def record(self) -> None:
+        self.at = _ClockEvent.clock
+
+    def elapsed_time(self, end: _ClockEvent) -> float:
+        return (end.at - self.at) * 1000.0
+
+
+def test_the_stream_times_are_sampled_on_one_step_in_each_log_interval():
+    """Events are recorded on one step of every ``every`` (from the end of a step s with
+    (s - 1) % every == 0 to the end of the next), never spanning a log line; a log
+    interval reads the mean of its sampled steps, and one still being sampled waits."""
+    from types import SimpleNamespace
+
+    from gpufleet.monitor.phases import StreamSample
+
+    sample, view = StreamSample(every=4, event=_ClockEvent), SimpleNamespace(step=0)
+    recorded = []
+    real = sample._record
+    sample._record = lambda bucket: (recorded.append(view.step), real(bucket))
+    # Step s: data s ms, forward 2, backward 3, optimizer 4, other 1 (a log line after
+    # every fourth step); on the stream the same, as these events see it.
+    taken = []
+    for s in range(1, 13):
+        for phase, ms in ((Phase.DATA, s), (Phase.FORWARD, 2), (Phase.BACKWARD, 3),
+                          (Phase.OPTIMIZER, 4)):
+            sample.on_phase(view, phase)
+            _ClockEvent.clock += ms / 1000
+        view.step = s
+        sample.on_phase(view, Phase.END)
+        _ClockEvent.clock += 0.001
+        if s % 4 == 0:
+            sample.on_phase(view, Phase.LOG)
+            taken.append(sample.take())
+    # Sampled: steps 2, 6 and 10 (after the ends of steps 1, 5 and 9), six events each.
+    assert sorted(set(recorded)) == [1, 2, 5, 6, 9, 10] and len(recorded) == 18
+    assert _ClockEvent.made == 6  # the events of a sampled step are reused by the next
+    for got, s in zip(taken, (2, 6, 10), strict=True):
+        assert dict(zip(PHASES, got)) == pytest.approx(
+            {"data": s / 1000, "forward": 0.002, "backward": 0.003, "optimizer": 0.004,
+             "other": 0.001})
+    # A step being sampled when the interval is read is left for the next read.
+    view.step = 13
+    sample.on_phase(view, Phase.END)  # (13 - 1) % 4 == 0: step 14 is sampled
+    sample.on_phase(view, Phase.DATA)
+    assert sample.take() is None
+    _ClockEvent.clock += 0.005
+    view.step = 14
+    sample.on_phase(view, Phase.END)
+    assert sample.take()[0] == pytest.approx(0.005)
+
+
+def test_only_cuda_runs_sample_the_stream():
+    assert PhaseTimer(torch.device("cpu")).stream is None
+    assert PhaseTimer(torch.device("cpu")).device_times() is None

@@ -253,7 +253,8 @@ class EarlyStopConfig(Section):
 @dataclass
 class MonitorConfig(Section):
     phases: bool = opt(True, "Time each step's phases on every rank (data, forward, "
-                       "backward, optimizer, other); CUDA events on a GPU, read lazily.")
+                       "backward, optimizer, other); on a GPU also one step in each log interval "
+                       "on the stream (CUDA events, read at the log line).")
     system_interval_s: float = opt(1.0, "Seconds between system samples (GPUs through NVML, "
                                    "host through psutil) to system.jsonl; 0: off.", min=0.0)
     diagnose: bool = opt(True, "Say in plain words what limits the run, with numbers and "

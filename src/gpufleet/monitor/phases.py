@@ -3,10 +3,10 @@ gradient all-reduce), optimizer, other.
 
 The loop marks each phase change (:mod:`gpufleet.core.phases`: a clock read into a
 reused buffer); the timer reads the marks in batches, at the log interval at the latest,
-and adds the host time between marks to the phase that ran. On CUDA it instead hears
-each change as it happens (:meth:`PhaseTimer.on_phase`) and also records an event on
-the current stream there; the events are read at the log interval, when the loop
-synchronises anyway, so the GPU-side times cost no sync per step.
+and adds the host time between marks to the phase that ran. On CUDA the stream's time
+per phase is sampled as well (:class:`StreamSample`): events recorded at the phase
+changes of one step in each log interval, read at the log interval when the loop
+synchronises anyway. The other steps record nothing, and no step waits for the GPU.
 
 Evaluation and checkpointing are not part of a step: their time is kept apart
 (:attr:`PhaseTimer.outside`), for the rule that finds a run spending its time outside
@@ -15,8 +15,10 @@ training steps.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,41 +30,36 @@ PHASES = ("data", "forward", "backward", "optimizer", "other")
 # What the loop's phase names count as.
 _BUCKET = {Phase.DATA: 0, Phase.FORWARD: 1, Phase.BACKWARD: 2, Phase.OPTIMIZER: 3,
            Phase.END: 4, Phase.LOG: 4}
+_SAMPLE_ENDS = -2  # StreamSample: the event that ends a sampled step
 
 
 class PhaseTimer(Callback):
-    """Accumulates per-phase host (and CUDA) time over a log interval.
+    """Accumulates per-phase host time over a log interval, from the loop's marks.
 
     Args:
-        device: the rank's device; CUDA events are used on a CUDA device.
+        device: the rank's device; on CUDA, :attr:`stream` samples the stream's times.
+        every: the log interval in steps (one step in each is sampled on CUDA).
     """
 
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        # Off CUDA the marks' clock reads are all it needs; on CUDA each change also
-        # records an event on the stream, as it happens.
-        self.phase_marks = not self.cuda
+    phase_marks = True
+
+    def __init__(self, device: torch.device, every: int = 10) -> None:
         self._host = [0.0] * len(PHASES)
         self._current: int | None = None
         self._since = 0.0
         self._steps = 0
-        self._events: list[tuple[int, Any]] = []  # (bucket that starts, event) on CUDA
-        self._pool: list[Any] = []
-        self._interval_steps = 1
+        #: on CUDA, the stream's time per phase (a callback of its own, told each phase)
+        self.stream = StreamSample(every) if device.type == "cuda" else None
         #: host seconds and counts of what ran between steps: "eval", "checkpoint"
         self.outside: dict[str, list[float]] = {}
         self._outside_kind: str | None = None
 
-    def on_fit_start(self, trainer: Any) -> None:
-        self._current, self._since = None, time.perf_counter()
+    def on_phase(self, trainer: Any, phase: Phase) -> None:
+        """A direct call (the loop hands over marks instead): ``phase`` begins now."""
+        self.on_phase_marks(trainer, [(phase, time.perf_counter())])
 
-    def on_phase(self, trainer: Any, phase: str) -> None:
-        self._add(phase, time.perf_counter())
-        if self.cuda:
-            self._record(-1 if self._current is None else self._current)
-
-    def on_phase_marks(self, trainer: Any, marks: PhaseMarks) -> None:
-        # _add for each mark, inlined: this runs for every mark of the log interval.
+    def on_phase_marks(self, trainer: Any, marks: PhaseMarks | list) -> None:
+        # For each mark: the time since the last one goes to the phase that ran.
         host, buckets, end = self._host, _BUCKET, Phase.END
         current, since, kind = self._current, self._since, self._outside_kind
         for phase, now in marks:
@@ -78,25 +75,6 @@ class PhaseTimer(Callback):
                 self._steps += 1
         self._current, self._since, self._outside_kind = current, since, kind
 
-    def _add(self, phase: str, now: float) -> None:
-        """Phase ``phase`` began at ``now`` (perf_counter seconds)."""
-        if self._current is not None:
-            self._host[self._current] += now - self._since
-        elif self._outside_kind is not None:
-            kept = self.outside.setdefault(self._outside_kind, [0.0, 0])
-            kept[0] += now - self._since
-            kept[1] += 1
-        bucket = _BUCKET.get(phase)  # None: eval / checkpoint, outside the step
-        self._outside_kind = str(phase) if bucket is None else None
-        if phase == Phase.END:
-            self._steps += 1
-        self._current, self._since = bucket, now
-
-    def _record(self, bucket: int) -> None:
-        event = self._pool.pop() if self._pool else torch.cuda.Event(enable_timing=True)
-        event.record()
-        self._events.append((bucket, event))
-
     def take(self) -> tuple[list[float], int]:
         """Mean host seconds per step of each phase since the last call, and the number
         of steps; resets the interval."""
@@ -104,22 +82,59 @@ class PhaseTimer(Callback):
         host = [t / steps for t in self._host]
         self._host = [0.0] * len(PHASES)
         self._steps = 0
-        self._interval_steps = steps
         return host, steps
 
     def device_times(self) -> list[float] | None:
-        """Mean CUDA-stream seconds per step of each phase over the interval just taken
-        (None off CUDA). Call after the loop's log-interval sync: every event recorded
-        before it has completed, so nothing waits here."""
-        if not self.cuda:
-            return None
-        steps = self._interval_steps
-        totals = [0.0] * len(PHASES)
+        """Mean CUDA-stream seconds of each phase per sampled step, over the steps
+        sampled since the last call (None off CUDA, or when none finished). Call after
+        the loop's log-interval sync."""
+        return self.stream.take() if self.stream is not None else None
+
+
+class StreamSample(Callback):
+    """Each phase's time on the current CUDA stream, from events recorded at the phase
+    changes of one step in every ``every``: from the end of a step ``s`` with
+    ``(s - 1) % every == 0`` (where the time between steps, "other", begins) to the end
+    of the next. Such a step never spans a log line, so each log interval has one.
+
+    Args:
+        every: the log interval in steps.
+        event: makes a timing event (default: ``torch.cuda.Event(enable_timing=True)``).
+    """
+
+    def __init__(self, every: int, event: Callable[[], Any] | None = None) -> None:
+        self.every = every
+        self._event = event or functools.partial(torch.cuda.Event, enable_timing=True)
+        self._on = False  # recording the sampled step's changes
+        self._events: list[tuple[int, Any]] = []  # (bucket that starts, or < 0; event)
+        self._pool: list[Any] = []
+
+    def on_phase(self, trainer: Any, phase: Phase) -> None:
+        if phase is Phase.END:
+            if self._on:
+                self._record(_SAMPLE_ENDS)
+            self._on = (trainer.step - 1) % self.every == 0
+        if self._on:
+            bucket = _BUCKET.get(phase)
+            self._record(-1 if bucket is None else bucket)
+
+    def _record(self, bucket: int) -> None:
+        event = self._pool.pop() if self._pool else self._event()
+        event.record()
+        self._events.append((bucket, event))
+
+    def take(self) -> list[float] | None:
+        """Mean seconds per phase of the sampled steps that ended since the last call
+        (None: none did); a step still being sampled is kept for the next call. Every
+        event taken was recorded before the caller's sync, so nothing waits here."""
         events = self._events
-        for (bucket, start), (_, end) in itertools.pairwise(events):
+        done = [i for i, (bucket, _) in enumerate(events) if bucket == _SAMPLE_ENDS]
+        if not done:
+            return None
+        taken, self._events = events[:done[-1] + 1], events[done[-1] + 1:]
+        totals = [0.0] * len(PHASES)
+        for (bucket, start), (_, end) in itertools.pairwise(taken):
             if bucket >= 0:
                 totals[bucket] += start.elapsed_time(end) / 1000.0  # ms -> s
-        # Keep the newest event: it opens the phase running now.
-        self._pool.extend(e for _, e in events[:-1])
-        self._events = events[-1:]
-        return [t / steps for t in totals]
+        self._pool.extend(e for _, e in taken)
+        return [t / len(done) for t in totals]

@@ -34,7 +34,7 @@ def build_monitors(cfg: Config, env: DistEnv, device: torch.device, run_dir: Pat
     """The phase timer, the stall watchdog and the preemption watch, as configured."""
     fault = cfg.fault
     return Monitors(
-        phase_timer=PhaseTimer(device) if cfg.monitor.phases else None,
+        phase_timer=PhaseTimer(device, cfg.log.every) if cfg.monitor.phases else None,
         arrival=ArrivalTimer() if cfg.monitor.phases else None,
         watchdog=(Watchdog(fault, run_dir, env.rank, env.world_size, job_store(),
                            env.restart_count, node=(env.node_rank, node_address(env)))
@@ -48,7 +48,8 @@ def own_callbacks(run: Run) -> list[Callback]:
     (its clock reads bracket the others' work least), the file sinks before the advisor
     that reads what they were given. Fills in the monitors built here."""
     cfg, env, mon, monitors = run.cfg, run.env, run.cfg.monitor, run.monitors
-    own: list[Callback] = [cb for cb in (monitors.phase_timer, monitors.arrival,
+    timer = monitors.phase_timer
+    own: list[Callback] = [cb for cb in (timer, timer and timer.stream, monitors.arrival,
                                           monitors.watchdog) if cb]
     if cfg.fault.snapshot_every and isinstance(run, Run):  # before the sinks: it adds
         monitors.snapshots = snapshots_of(run)               # to the metrics they write
