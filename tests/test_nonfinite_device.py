@@ -237,3 +237,52 @@ def test_a_cuda_run_with_an_unfused_optimizer_is_told_the_guard_syncs(caplog, mo
         _say_host_path(torch.optim.SGD(model.parameters(), lr=0.1, fused=True),
                        guard.precision)
     assert "not fused" not in caplog.text
+
+
+@pytest.mark.parametrize("fused", [True, False])  # the device path, and the host path
+def test_where_the_fused_check_cannot_take_the_gradients_their_norms_decide(fused):
+    """CUDA's kernel of the fused check has no bfloat16 and takes one device: for
+    such gradients the guard checks each one's float32 norm on the loss's device instead
+    (driven here on a CPU). A good step passes; a NaN, an inf, and a NaN loss are caught
+    and the culprit is named."""
+    torch.manual_seed(0)
+    model = toyjob.make_model()
+    precision = build_precision("fp32", "cpu")
+    strategy = build_strategy("single", ParallelConfig(), torch.device("cpu"), precision)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, fused=fused)
+    guard = NonFiniteGuard(FaultConfig(), strategy, precision)
+    x = torch.randn(4, 8)
+    guard.start(model, opt, torch.device("cpu"))
+    guard._direct = False  # as start() decides for bf16 or offloaded gradients on CUDA
+    assert guard.on_device is fused
+
+    def step(poison=None, loss_scale=1.0):
+        loss = F.mse_loss(model(x), torch.zeros(4, 1)) * loss_scale
+        loss.backward()
+        if poison is not None:
+            model[poison].weight.grad[0, 0] = float("nan") if poison == 0 else float("inf")
+        guard.inspect(model, loss.detach(), opt)
+        skip = guard.should_skip(model, loss.detach(), None, opt)
+        if not skip:  # the host path skips here; the device path in the fused step
+            opt.step()
+        opt.zero_grad()
+        return skip
+
+    outcomes = [step(), step(poison=0), step(poison=3), step(loss_scale=float("nan")),
+                step()]
+    if fused:  # decided on the device: the flags tell, read at the log interval
+        outcomes = [bool(flag) for flag in guard.pending()]
+        names = [guard._culprit(row, 0.0)[1] for row in (1, 2)]
+    else:
+        names = [r.first_bad_param for r in guard.records[:2]]
+        assert guard.records[2].loss_ranks == [0]
+    assert outcomes == [False, True, True, True, False]
+    assert names == ["0.weight", "3.weight"]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    # start() takes this route where the gradients live off the loss's device (CPU
+    # offload under a CUDA run); said of an unfused optimizer, which touches no CUDA.
+    offloaded = NonFiniteGuard(FaultConfig(), strategy, precision)
+    offloaded.start(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cuda"))
+    assert not offloaded._direct
+    guard.start(model, opt, torch.device("cpu"))
+    assert guard._direct  # all on the loss's CPU: the kernel takes the gradients

@@ -48,25 +48,15 @@ from gpufleet.parallel.grad_norm import (
     local_piece,
     spreads_gradients,
 )
+from gpufleet.train.nonfinite_optim import (
+    dampened_momentum,
+    norms_on,
+    prime_momentum,
+    takes_found_inf,
+)
 from gpufleet.train.skips import SkipRecord, describe, record_of
 
 log = logging.getLogger(__name__)
-
-
-def takes_found_inf(optimizer: Any, precision: Any) -> bool:
-    """Whether ``optimizer`` can skip a step on a device flag (a fused torch optimizer,
-    no loss scaler deciding on its own)."""
-    if precision.scales_loss or not isinstance(optimizer, torch.optim.Optimizer):
-        return False
-    if _dampened_momentum(optimizer):
-        return False  # see _prime_momentum
-    return bool(optimizer.defaults.get("fused")) and \
-        getattr(optimizer, "_step_supports_amp_scaling", False)
-
-
-def _dampened_momentum(optimizer: Any) -> bool:
-    """SGD momentum with dampening: a flagged step cannot be skipped on the device."""
-    return any(g.get("momentum") and g.get("dampening") for g in optimizer.param_groups)
 
 
 _SAID_HOST_PATH = False  # once a process: a recovery starts the guard again
@@ -82,29 +72,12 @@ def _say_host_path(optimizer: Any, precision: Any) -> None:
     if precision.scales_loss or "fused" not in defaults or defaults.get("fused") or \
             _SAID_HOST_PATH:
         return
-    if _dampened_momentum(optimizer):
-        return  # fused, it would still decide on the host (see _prime_momentum)
+    if dampened_momentum(optimizer):
+        return  # fused, it would still decide on the host (see prime_momentum)
     _SAID_HOST_PATH = True
     log.info("non-finite guard: %s is not fused, so whether to skip a step is read on the "
              "host every step, a GPU sync per step. Build it with fused=True to decide on "
              "the GPU, or set fault.skip_nonfinite=false.", type(optimizer).__name__)
-
-
-def _prime_momentum(optimizer: torch.optim.Optimizer) -> None:
-    """Zero momentum buffers for SGD before its first step.
-
-    Fused SGD allocates them uninitialised on its first step and fills them from the
-    gradient, which a flagged step does not do. Starting from zeros, the first update
-    (``buf = momentum * 0 + grad``, without dampening) is the same, and a skipped one
-    leaves clean zeros.
-    """
-    for group in optimizer.param_groups:
-        if not group.get("momentum") or "dampening" not in group:
-            continue
-        for p in group["params"]:
-            state = optimizer.state[p]
-            if state.get("momentum_buffer") is None:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 class _Interval:
@@ -184,6 +157,7 @@ class NonFiniteGuard:
     _sums: bool = False  # the record is each gradient's sum (on a CPU), not its norm
     _one: torch.Tensor | None = None
     _verdict: Any = False  # the host path's, from inspect() (False: not decided yet)
+    _direct: bool = True  # the fused check takes the gradients as they are (see start)
     _agree: Any = None  # the strategy's all_reduce; None in a single process
     inspects: bool = True  #: set by start(): False where inspect() has nothing to do
 
@@ -213,8 +187,12 @@ class NonFiniteGuard:
         self._params = [p for _, p in named if p.requires_grad]
         self._sharded = any(hasattr(p, "to_local") for p in self._params)  # DTensors
         self._sums = device.type == "cpu"
+        # The fused check takes tensors on the loss's device, on CUDA not bf16 (its kernel
+        # has none, pytorch#127176); otherwise it checks each one's float32 norm.
+        self._direct = all(p.device == device and not (
+            device.type == "cuda" and p.dtype == torch.bfloat16) for p in self._params)
         if self.on_device:
-            _prime_momentum(optimizer)
+            prime_momentum(optimizer)
             self._one = torch.ones((), device=device)
             self._interval = _Interval(device)
             self._agree = self.strategy.all_reduce if self.strategy.reduces() else None
@@ -264,8 +242,9 @@ class NonFiniteGuard:
         found = torch.zeros((), device=step_loss.device)
         if self._one is None:
             self._one = torch.ones((), device=step_loss.device)
+        checked = [step_loss.detach().float(), *grads]
         torch._amp_foreach_non_finite_check_and_unscale_(  # (times one, in place)
-            [step_loss.detach().float(), *grads], found, self._one)
+            checked if self._direct else norms_on(checked, found.device), found, self._one)
         self.strategy.all_reduce(found)  # COLLECTIVE: every rank, every step
         if not found.item():  # SYNC: the step depends on the answer
             return None
@@ -304,6 +283,8 @@ class NonFiniteGuard:
         found = self._interval.next_flag(each, step_loss)
         # One fused kernel sets ``found`` where a value is not finite (it also multiplies
         # them by one, in place: no change).
+        if not self._direct or step_loss.dtype == torch.bfloat16:
+            checked = norms_on(checked, found.device)
         torch._amp_foreach_non_finite_check_and_unscale_(checked, found, self._one)
         if self._agree is not None:
             self._agree(found, "max")  # COLLECTIVE: every rank, every step; no SYNC
