@@ -65,7 +65,9 @@ def recipe_preset(cfg: Config, model: Any = None, own_loop: bool = False) -> str
     """The recipe preset (``optim.preset``) as far as it is known before the model is
     built: the one named; else by the model :func:`gpufleet.fit` was given; ``gpt`` for
     the built-in GPT; ``none`` for your own loop (:class:`gpufleet.Fleet`); ``auto``
-    for a factory's model, which decides when it is built.
+    for a factory's model, whose optimizer preset is decided when it is built (its
+    precision and TF32 are then those of your model: fp32 and torch's, also when the
+    factory returns gpufleet's GPT; ``optim.preset = gpt`` asks for the GPT's).
 
     Example:
         >>> from gpufleet.config import load_config

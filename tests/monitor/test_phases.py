@@ -54,8 +54,8 @@ class _ClockEvent:
 
 def test_the_stream_times_are_sampled_on_one_step_in_each_log_interval():
     """Events are recorded on one step of every ``every`` (from the end of a step s with
-    (s - 1) % every == 0 to the end of the next), never spanning a log line; a log
-    interval reads the mean of its sampled steps, and one still being sampled waits."""
+    s % every == 2 to the end of the next: not the FLOP-counted step 2, never spanning a
+    log line); a log interval reads its sampled step, and one still being sampled waits."""
     from types import SimpleNamespace
 
     from gpufleet.monitor.phases import StreamSample
@@ -78,22 +78,37 @@ def test_the_stream_times_are_sampled_on_one_step_in_each_log_interval():
         if s % 4 == 0:
             sample.on_phase(view, Phase.LOG)
             taken.append(sample.take())
-    # Sampled: steps 2, 6 and 10 (after the ends of steps 1, 5 and 9), six events each.
-    assert sorted(set(recorded)) == [1, 2, 5, 6, 9, 10] and len(recorded) == 18
+    # Sampled: steps 3, 7 and 11 (after the ends of steps 2, 6 and 10), six events each.
+    assert sorted(set(recorded)) == [2, 3, 6, 7, 10, 11] and len(recorded) == 18
     assert _ClockEvent.made == 6  # the events of a sampled step are reused by the next
-    for got, s in zip(taken, (2, 6, 10), strict=True):
+    for got, s in zip(taken, (3, 7, 11), strict=True):
         assert dict(zip(PHASES, got)) == pytest.approx(
             {"data": s / 1000, "forward": 0.002, "backward": 0.003, "optimizer": 0.004,
              "other": 0.001})
     # A step being sampled when the interval is read is left for the next read.
-    view.step = 13
-    sample.on_phase(view, Phase.END)  # (13 - 1) % 4 == 0: step 14 is sampled
+    view.step = 14
+    sample.on_phase(view, Phase.END)  # 14 % 4 == 2: step 15 is sampled
     sample.on_phase(view, Phase.DATA)
     assert sample.take() is None
     _ClockEvent.clock += 0.005
-    view.step = 14
+    view.step = 15
     sample.on_phase(view, Phase.END)
     assert sample.take()[0] == pytest.approx(0.005)
+
+
+def test_short_log_intervals_are_sampled_too():
+    from types import SimpleNamespace
+
+    from gpufleet.monitor.phases import StreamSample
+
+    for every, sampled in ((1, [1, 2, 3, 4, 5]), (2, [1, 3, 5]), (3, [2, 5])):
+        sample, view, opened = StreamSample(every, event=_ClockEvent), SimpleNamespace(), []
+        for s in range(1, 6):
+            view.step = s
+            sample.on_phase(view, Phase.END)
+            if sample._on:
+                opened.append(s)
+        assert opened == sampled, every
 
 
 def test_only_cuda_runs_sample_the_stream():

@@ -79,8 +79,8 @@ class Fleet:
         devices: ranks per node (``"auto"``: one per visible GPU, 1 on a CPU).
         precision: ``"32-true"``/``"fp32"`` (the default, as Fabric's: your loop's
             numbers as plain PyTorch gives them; the diagnosis says when bf16 would pay),
-            ``"bf16-mixed"``, ``"16-mixed"``/``"fp16-mixed"``, or ``"auto"`` (bf16-mixed
-            on a GPU that has it, as ``gpufleet train`` chooses).
+            ``"bf16-mixed"``, ``"16-mixed"``/``"fp16-mixed"``, or ``"auto"`` (your
+            loop's own recipe: fp32 too; TF32 is left as torch or your script set it).
         strategy: ``"auto"`` (the default: ddp on several ranks, single on one),
             ``"single"``, ``"ddp"``, ``"fsdp"``, and gpufleet's other strategy names.
             With ``config``, an ``accelerator``, ``precision`` or ``strategy`` left out

@@ -93,9 +93,11 @@ class PhaseTimer(Callback):
 
 class StreamSample(Callback):
     """Each phase's time on the current CUDA stream, from events recorded at the phase
-    changes of one step in every ``every``: from the end of a step ``s`` with
-    ``(s - 1) % every == 0`` (where the time between steps, "other", begins) to the end
-    of the next. Such a step never spans a log line, so each log interval has one.
+    changes of one step in every ``every``: from the end of a step ``s`` with ``s %
+    every == 2`` (where the time between steps, "other", begins) to the end of the next.
+    So the first sample is step 3, after the step whose FLOPs are counted; with
+    ``every`` of 3 or more no sample spans a log line (with 2, ``s`` is odd; with 1,
+    every step is sampled), and each log interval of ``every`` steps has one.
 
     Args:
         every: the log interval in steps.
@@ -103,7 +105,7 @@ class StreamSample(Callback):
     """
 
     def __init__(self, every: int, event: Callable[[], Any] | None = None) -> None:
-        self.every = every
+        self.every, self._opens = every, min(2, every - 1)
         self._event = event or functools.partial(torch.cuda.Event, enable_timing=True)
         self._on = False  # recording the sampled step's changes
         self._events: list[tuple[int, Any]] = []  # (bucket that starts, or < 0; event)
@@ -113,7 +115,7 @@ class StreamSample(Callback):
         if phase is Phase.END:
             if self._on:
                 self._record(_SAMPLE_ENDS)
-            self._on = (trainer.step - 1) % self.every == 0
+            self._on = trainer.step % self.every == self._opens
         if self._on:
             bucket = _BUCKET.get(phase)
             self._record(-1 if bucket is None else bucket)
