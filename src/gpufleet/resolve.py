@@ -21,8 +21,8 @@ from gpufleet.parallel import strategy_class
 from gpufleet.parallel.base import why_not_in_process
 from gpufleet.parallel.dims import ParallelDims, plan_for
 
-__all__ = ["Machine", "auto_precision", "recipe_preset", "resolve", "resolve_with_dims",
-           "strategy_for"]
+__all__ = ["Machine", "auto_precision", "auto_tf32", "recipe_preset", "resolve",
+           "resolve_with_dims", "strategy_for"]
 
 
 @dataclass(frozen=True)
@@ -79,9 +79,9 @@ def recipe_preset(cfg: Config, model: Any = None, own_loop: bool = False) -> str
     if own_loop:
         return "none"
     if model is not None:
-        from gpufleet.models import model_kind
+        from gpufleet.models import model_preset
 
-        return {"gpt": "gpt", "transformers": "transformers"}.get(model_kind(model), "none")
+        return model_preset(model)
     return "gpt" if cfg.model.name == "gpt" else "auto"
 
 
@@ -95,6 +95,17 @@ def auto_precision(preset: str, device: str, bf16: bool) -> str:
         ('bf16-mixed', 'fp32')
     """
     return "bf16-mixed" if preset == "gpt" and device == "cuda" and bf16 else "fp32"
+
+
+def auto_tf32(preset: str, device: str) -> str:
+    """``perf.tf32 = auto``: ``true`` for the built-in GPT's recipe on a GPU; otherwise
+    ``default``, torch's flags as torch or your script set them.
+
+    Example:
+        >>> auto_tf32("gpt", "cuda"), auto_tf32("none", "cuda"), auto_tf32("gpt", "cpu")
+        ('true', 'default', 'default')
+    """
+    return "true" if preset == "gpt" and device == "cuda" else "default"
 
 
 def resolve(cfg: Config, machine: Machine, world_size: int, local_world_size: int = 1,
@@ -123,9 +134,7 @@ def resolve_with_dims(cfg: Config, machine: Machine, world_size: int,
     mode = prec.mode
     if mode == "auto":
         mode = auto_precision(preset, device, machine.bf16)
-    # TF32 where the recipe is the built-in GPT's; else as torch (or your script) has it.
-    tf32 = cfg.perf.tf32 if cfg.perf.tf32 != "auto" else \
-        "true" if preset == "gpt" and device == "cuda" else "default"
+    tf32 = cfg.perf.tf32 if cfg.perf.tf32 != "auto" else auto_tf32(preset, device)
     if mode == "bf16-mixed" and device == "cuda" and not machine.bf16:
         raise ConfigError("precision.mode = 'bf16-mixed' but this GPU has no bf16 support. "
                           "Use precision.mode=fp16-mixed (with loss scaling) or fp32.")

@@ -11,7 +11,7 @@ from gpufleet.config import Config
 from gpufleet.layout.devices import GIB, USABLE_SHARE
 from gpufleet.layout.estimate import LayoutEstimate
 from gpufleet.monitor.flops import PEAK_FLOPS
-from gpufleet.resolve import recipe_preset
+from gpufleet.resolve import auto_tf32, recipe_preset
 
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers")
 
@@ -92,9 +92,9 @@ def _peak_rate(device: Any, cfg: Config) -> float | None:
     if device is None:
         return None
     name = device.name.split("-")[0].lower()
-    tf32 = cfg.perf.tf32 == "true" or (cfg.perf.tf32 == "auto" and recipe_preset(cfg) == "gpt")
+    tf32 = cfg.perf.tf32 if cfg.perf.tf32 != "auto" else auto_tf32(recipe_preset(cfg), "cuda")
     precision = {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}.get(
-        cfg.precision.mode, "tf32" if tf32 else "fp32")
+        cfg.precision.mode, "tf32" if tf32 == "true" else "fp32")
     for key, rates in PEAK_FLOPS.items():
         if key.lower().replace(" ", "") == name or key.lower() == name:
             return rates.get(precision)

@@ -6,7 +6,7 @@ from typing import Any
 
 from gpufleet.models.gpt import GPT, GPTConfig, build_gpt
 
-__all__ = ["GPT", "GPTConfig", "build_gpt", "model_kind"]
+__all__ = ["GPT", "GPTConfig", "build_gpt", "model_kind", "model_preset"]
 
 
 def model_kind(model: Any) -> str:
@@ -17,3 +17,9 @@ def model_kind(model: Any) -> str:
            for c in type(model).__mro__):
         return "transformers"
     return "model"
+
+
+def model_preset(model: Any) -> str:
+    """The recipe preset (``optim.preset``) ``auto`` gives ``model``: ``gpt`` for
+    gpufleet's GPT, ``transformers`` for a Transformers model, ``none`` for any other."""
+    return {"gpt": "gpt", "transformers": "transformers"}.get(model_kind(model), "none")

@@ -13,7 +13,7 @@ from torch import nn
 
 from gpufleet.config import OptimConfig
 from gpufleet.config.schema import AUTO
-from gpufleet.models import model_kind
+from gpufleet.models import model_preset
 from gpufleet.parallel import OptimizerSpec
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def fill_optimizer_defaults(cfg: OptimConfig, model: nn.Module) -> OptimConfig:
     """
     preset = cfg.preset
     if preset == "auto":
-        preset = {"gpt": "gpt", "transformers": "transformers"}.get(model_kind(model), "none")
+        preset = model_preset(model)
     values = PRESET_VALUES[preset]
     chosen = {key: value for key, value in values.items()
               if getattr(cfg, key) in (AUTO, -1, "auto")}
