@@ -81,12 +81,12 @@ def test_the_default_configuration_reads_nothing_on_the_host_between_log_interva
     assert all(fp16[s] > 0 for s in range(2, 21)), fp16
 
 
-def _guarded(opt_cls, **kwargs):
+def _guarded(opt_cls, fused=True, **kwargs):
     torch.manual_seed(0)
     model = toyjob.make_model()
     precision = build_precision("fp32", "cpu")
     strategy = build_strategy("single", ParallelConfig(), torch.device("cpu"), precision)
-    opt = opt_cls(model.parameters(), fused=True, **kwargs)
+    opt = opt_cls(model.parameters(), fused=fused, **kwargs)
     return model, opt, NonFiniteGuard(FaultConfig(), strategy, precision)
 
 
@@ -245,12 +245,7 @@ def test_where_the_fused_check_cannot_take_the_gradients_their_norms_decide(fuse
     such gradients the guard checks each one's float32 norm on the loss's device instead
     (driven here on a CPU). A good step passes; a NaN, an inf, and a NaN loss are caught
     and the culprit is named."""
-    torch.manual_seed(0)
-    model = toyjob.make_model()
-    precision = build_precision("fp32", "cpu")
-    strategy = build_strategy("single", ParallelConfig(), torch.device("cpu"), precision)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2, fused=fused)
-    guard = NonFiniteGuard(FaultConfig(), strategy, precision)
+    model, opt, guard = _guarded(torch.optim.SGD, fused=fused, lr=1e-2)
     x = torch.randn(4, 8)
     guard.start(model, opt, torch.device("cpu"))
     guard._direct = False  # as start() decides for bf16 or offloaded gradients on CUDA
@@ -281,7 +276,7 @@ def test_where_the_fused_check_cannot_take_the_gradients_their_norms_decide(fuse
     assert all(torch.isfinite(p).all() for p in model.parameters())
     # start() takes this route where the gradients live off the loss's device (CPU
     # offload under a CUDA run); said of an unfused optimizer, which touches no CUDA.
-    offloaded = NonFiniteGuard(FaultConfig(), strategy, precision)
+    offloaded = NonFiniteGuard(FaultConfig(), guard.strategy, guard.precision)
     offloaded.start(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cuda"))
     assert not offloaded._direct
     guard.start(model, opt, torch.device("cpu"))
