@@ -282,3 +282,35 @@ def test_float32_outputs_reach_into_every_container_without_changing_the_models(
     assert type(out[2]) is pair and out[2].a.dtype == torch.float32 and out[2].b == 2
     assert out[3]["cache"].dtype == torch.float32 and kept["cache"].dtype == torch.bfloat16
     assert [t.dtype for t in out[4:]] == [torch.float64, torch.int64]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["device path", "host path"])
+def test_the_guard_judges_the_gradients_the_optimizer_steps_on(tmp_path, fused):
+    """A loop that clips and then does not step (it drops that batch), or runs backward
+    again after a clip, has the guard look at the gradients of the step as stepped."""
+    fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run"), log_every=2)
+    net = _net()
+    model, optimizer = fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1,
+                                                        fused=fused))
+    x, y = torch.randn(4, 4), torch.randn(4, 1)
+
+    def weights():
+        return [p.detach().clone() for p in model.parameters()]
+
+    fleet.backward(F.mse_loss(model(x), y) * float("nan"))
+    fleet.clip_gradients(model, optimizer, max_norm=1.0)
+    optimizer.zero_grad()  # the loop drops this batch: no step
+    before = weights()
+    fleet.backward(F.mse_loss(model(x), y))
+    optimizer.step()  # finite gradients: stepped
+    optimizer.zero_grad()
+    assert not all(torch.equal(a, b) for a, b in zip(before, weights()))
+    fleet.backward(F.mse_loss(model(x), y))
+    fleet.clip_gradients(model, optimizer, max_norm=1.0)
+    fleet.backward(F.mse_loss(model(x), y) * float("nan"))  # more gradient after the clip
+    before = weights()
+    optimizer.step()  # not finite: skipped
+    optimizer.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(before, weights()))
+    fleet.finish()
+    assert fleet.skipped_steps == 1 and [r.step for r in fleet.skip_records] == [2]

@@ -89,6 +89,8 @@ class StepTracker:
     def backward(self, loss: torch.Tensor) -> None:
         """The backward phase, the precision's backward, the loss kept."""
         self.announce(Phase.BACKWARD)
+        if self._prepared:  # gradients change after the guard saw them (rare loops)
+            self._look_again()
         self.run.precision.backward(loss)
         detached = loss.detach()
         self._step_loss = detached if self._step_loss is None else self._step_loss + detached
@@ -127,6 +129,16 @@ class StepTracker:
         if guard is not None and (guard.on_device is None or guard.inspects):
             guard.inspect(run.model, self._loss_or_zero(), optimizer)
         self._prepared = True
+
+    def _look_again(self) -> None:
+        """A backward after a clip and before the optimizer's step: the guard looks at
+        the gradients again before the step. If they were zeroed since (the loop
+        dropped that batch), the step starts anew, without the dropped batch's loss."""
+        self._prepared = False
+        if self.run.nonfinite is not None:
+            self.run.nonfinite.forget_step()
+        if all(p.grad is None or not p.grad.any() for p in self.run.model.parameters()):
+            self._step_loss, self._micro = None, 0
 
     def _loss_or_zero(self) -> torch.Tensor:
         if self._step_loss is None:

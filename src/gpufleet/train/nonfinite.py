@@ -106,6 +106,14 @@ class _Interval:
         self.losses.append(loss)
         return self._flags[row]
 
+    def drop_last(self) -> None:
+        """Take back the last step's row (its flag zeroed again): that step is checked
+        anew."""
+        self.rows -= 1
+        self._flags[self.rows].zero_()
+        self.norms.pop()
+        self.losses.pop()
+
     def flags(self) -> torch.Tensor:
         rows = self.rows
         return self._buffer if rows == self._capacity else self._buffer[:rows]
@@ -174,6 +182,14 @@ class NonFiniteGuard:
             self._flag_gradients(step_loss, optimizer)
         elif not self.on_device:  # decided now, before a clip spreads a NaN into every
             self._verdict = self._host_verdict(step_loss)  # gradient: the culprit is read
+
+    def forget_step(self) -> None:
+        """The gradients :meth:`inspect` saw for this step changed before the optimizer
+        stepped (your loop clipped, then ran backward again or dropped the batch): the
+        next :meth:`inspect` looks at them anew, in place of the last one."""
+        self._verdict = False
+        if self.on_device and self.inspects and self._interval.rows:
+            self._interval.drop_last()
 
     def start(self, model: nn.Module, optimizer: Any, device: torch.device) -> None:
         """Choose the path for this run (the device path where ``optimizer`` takes the
