@@ -151,6 +151,19 @@ def test_fp32_on_a_tensor_core_gpu_suggests_bf16(precision, expect):
     assert ("fp32-on-tensor-cores" in rules) is expect
 
 
+def test_fp32_with_tf32_on_is_not_told_to_turn_tf32_on():
+    facts = RunFacts(device="cuda", device_name="NVIDIA H100", precision="fp32",
+                     tensor_cores=True, tf32=True)
+    (f,) = [f for f in diagnose(_summary((0.0, 0.005, 0.01, 0.004, 0.001)), facts)
+            if f.rule == "fp32-on-tensor-cores"]
+    assert "tf32" not in f.fix and "bf16-mixed" in f.fix and "TF32" in f.title
+    off = RunFacts(device="cuda", device_name="NVIDIA H100", precision="fp32",
+                   tensor_cores=True)
+    (g,) = [f for f in diagnose(_summary((0.0, 0.005, 0.01, 0.004, 0.001)), off)
+            if f.rule == "fp32-on-tensor-cores"]
+    assert "perf.tf32=true" in g.fix
+
+
 def test_memory_headroom_and_dp_imbalance():
     facts = RunFacts(device="cuda", strategy="dp", copies_module_each_step=True,
                      mem_total_gb=80.0, batch_size=8)

@@ -219,6 +219,7 @@ def run_facts(trainer: Any, links: dict[str, Any] | None = None) -> RunFacts:
         props = torch.cuda.get_device_properties(device)
         facts.device_name = props.name
         facts.tensor_cores = props.major >= 8
+        facts.tf32 = torch.backends.cuda.matmul.allow_tf32
         facts.mem_total_gb = props.total_memory / 2**30
         facts.device_flops = device_peak_flops(cfg, device)
     else:

@@ -90,6 +90,8 @@ class RunFacts:
             or on a CPU a measured matmul rate); None when unknown.
         device_flops_source: "peak" or "measured matmul".
         tensor_cores: a GPU with bf16 tensor cores (compute capability 8.0 or newer).
+        tf32: fp32 matmuls ran as TF32 on the tensor cores (torch's flag, as the run had
+            it).
         mem_total_gb: device memory (CUDA), else 0.
         cores: CPU cores this node's ranks may use; torch_threads: each rank's torch
             intra-op threads.
@@ -120,6 +122,7 @@ class RunFacts:
     device_flops: float | None = None
     device_flops_source: str = "peak"
     tensor_cores: bool = False
+    tf32: bool = False
     mem_total_gb: float = 0.0
     cores: int = 1
     torch_threads: int = 1
