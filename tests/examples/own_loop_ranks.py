@@ -2,7 +2,8 @@
 
 ``twin OUT``: the plain PyTorch loop, then the same loop on Fleet (saving a checkpoint
 every 4 steps), then a short Fleet loop whose rank 1 loss turns NaN at step 2, then the Fleet loop
-with strategy fsdp; each rank writes what it saw to ``OUT/twin-rank<R>.pt``.
+with strategy fsdp, then Fabric's collectives (all_gather, broadcast, rank_zero_first,
+log); each rank writes what it saw to ``OUT/twin-rank<R>.pt``.
 ``crash OUT``: the Fleet loop again; on the first attempt rank 1 kills itself (SIGKILL)
 during step 7, after the checkpoint of step 4; the elastic agent restarts both ranks,
 which resume from it. Rank 0 writes the final weights to ``OUT/crash-final.pt``.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -50,6 +52,26 @@ def _nonfinite_loop(out: Path) -> dict:
     return {"weights": seen, "skipped": fleet.skipped_steps, "records": records}
 
 
+def _collectives(out: Path) -> dict:
+    """Fabric's collectives as a loop calls them, on every rank."""
+    fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(out / "comm-run"))
+    rank = fleet.global_rank
+    x = torch.tensor([float(rank + 1)], requires_grad=True)
+    gathered = fleet.all_gather(x * 2, sync_grads=True)  # [[2.], [4.]] on every rank
+    gathered.sum().backward()  # each rank's x gets both ranks' gradients: 2 + 2
+    with fleet.rank_zero_first():  # rank 1 waits for rank 0's slow block
+        if rank == 0:
+            time.sleep(0.5)
+        with open(out / "first.txt", "a") as f:
+            f.write(f"{rank}\n")
+    fleet.log("rank_seen", rank)  # rank 0's alone reaches the metrics file
+    seen = {"gathered": gathered.detach(), "x_grad": x.grad,
+            "numbers": fleet.all_gather({"n": rank, "t": torch.arange(2) + 10 * rank}),
+            "broadcast": fleet.broadcast({"from": rank}, src=1), "node": fleet.node_rank}
+    fleet.finish()
+    return seen
+
+
 def twin(out: Path) -> None:
     plain_model, plain = own_loop.train(EPOCHS, BATCH)  # joins the process group
     fleet = gpufleet.Fleet(accelerator="cpu", seed=own_loop.SEED,
@@ -60,9 +82,11 @@ def twin(out: Path) -> None:
     sharded = gpufleet.Fleet(accelerator="cpu", strategy="fsdp", seed=own_loop.SEED,
                              run_dir=str(out / "fsdp-run"), log_every=4)
     _, fsdp = sharded.launch(own_loop_fleet.train, EPOCHS, BATCH)
+    comm = _collectives(out)
     rank = int(os.environ["RANK"])
     torch.save({"plain": plain, "fleet": ours, "plain_weights": plain_model.state_dict(),
-                "fleet_weights": model.state_dict(), "nan": nan, "fsdp": fsdp},
+                "fleet_weights": model.state_dict(), "nan": nan, "fsdp": fsdp,
+                "comm": comm},
                out / f"twin-rank{rank}.pt")
 
 

@@ -100,3 +100,18 @@ def test_a_killed_rank_resumes_to_the_same_weights(twin):
     whole = torch.load(twin / "twin-rank0.pt", weights_only=True)["fleet_weights"]
     for name, value in whole.items():
         assert torch.equal(resumed[name], value), name
+
+
+def test_fabric_collectives_on_two_ranks(twin):
+    first = (twin / "first.txt").read_text().split()
+    assert first == ["0", "1"]  # rank 1 entered after rank 0's block ended
+    for rank in (0, 1):
+        comm = torch.load(twin / f"twin-rank{rank}.pt", weights_only=True)["comm"]
+        assert torch.equal(comm["gathered"], torch.tensor([[2.0], [4.0]]))
+        assert torch.equal(comm["x_grad"], torch.tensor([4.0]))  # 2 ranks x d(2x)/dx
+        assert comm["numbers"]["n"].tolist() == [0, 1]
+        assert comm["numbers"]["t"].tolist() == [[0, 1], [10, 11]]
+        assert comm["broadcast"] == {"from": 1} and comm["node"] == 0
+    logged = [json.loads(line) for line in
+              (twin / "comm-run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rank_seen"] for r in logged if r["kind"] == "user"] == [0.0]

@@ -314,3 +314,65 @@ def test_the_guard_judges_the_gradients_the_optimizer_steps_on(tmp_path, fused):
     assert all(torch.equal(a, b) for a, b in zip(before, weights()))
     fleet.finish()
     assert fleet.skipped_steps == 1 and [r.step for r in fleet.skip_records] == [2]
+
+
+def test_fabric_helpers_on_one_rank(tmp_path):
+    """all_gather, broadcast, autocast, to_device and log_dict as a Fabric loop calls
+    them, on one rank: what a one-rank job gathers, and rank 0's logged values in
+    metrics.jsonl."""
+    fleet = gpufleet.Fleet(accelerator="cpu", precision="bf16-mixed",
+                           run_dir=str(tmp_path / "run"), log_every=2)
+    gathered = fleet.all_gather({"x": torch.tensor([1.0, 2.0]), "n": [3, 4.5]})
+    assert torch.equal(gathered["x"], torch.tensor([[1.0, 2.0]]))
+    assert [t.tolist() for t in gathered["n"]] == [[3], [4.5]]
+    with pytest.raises(ConfigError, match="all_gather got str"):
+        fleet.all_gather("text")
+    assert fleet.broadcast({"path": "a"}) == {"path": "a"}
+    with fleet.autocast():
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+    assert fleet.to_device([torch.ones(1)])[0].device.type == "cpu"
+    with fleet.rank_zero_first():
+        pass
+    fleet.log("lr_seen", 0.5)  # before the first step
+    net = _net()
+    model, optimizer = fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for _ in range(2):
+        fleet.backward(F.mse_loss(model(torch.ones(2, 4)), torch.zeros(2, 1)))
+        optimizer.step()
+        optimizer.zero_grad()
+    fleet.log_dict({"acc": torch.tensor(0.75), "count": 3}, step=7)
+    with pytest.raises(ConfigError, match="'bad' is str"):
+        fleet.log_dict({"bad": "x"})
+    fleet.finish()
+    lines = [json.loads(line) for line in
+             (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    user = [{k: v for k, v in r.items() if k != "time"} for r in lines
+            if r["kind"] == "user"]
+    assert user == [{"kind": "user", "step": 0, "lr_seen": 0.5},
+                    {"kind": "user", "step": 7, "acc": 0.75, "count": 3.0}]
+    assert [r["step"] for r in lines if r["kind"] == "train"] == [2]
+
+
+def test_setup_optimizers_takes_an_optimizer_built_after_setup_module(tmp_path):
+    fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run"))
+    model = fleet.setup_module(_net())
+    optimizer = fleet.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    before = [p.detach().clone() for p in model.parameters()]
+    fleet.backward(F.mse_loss(model(torch.ones(2, 4)), torch.zeros(2, 1)))
+    optimizer.step()
+    assert fleet.step == 1 and fleet.run.nonfinite is not None
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    stranger = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="parameters of no model set up"):
+        fleet.setup_optimizers(torch.optim.SGD(stranger.parameters(), lr=0.1))
+    fleet.finish()
+
+
+def test_a_loop_that_only_evaluates_keeps_what_it_logged(tmp_path):
+    fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run"))
+    model = fleet.setup(_net())
+    with torch.no_grad():
+        fleet.log("val_loss", F.mse_loss(model(torch.ones(2, 4)), torch.zeros(2, 1)))
+    fleet.finish()
+    (line,) = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(line)["kind"] == "user" and "val_loss" in json.loads(line)

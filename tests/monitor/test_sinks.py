@@ -150,3 +150,28 @@ def test_a_sink_that_cannot_log_is_named_in_the_result_and_summary(tmp_path, mon
     _print_summary(result)
     out = capsys.readouterr().out
     assert "mlflow failed" in out and "on_fit_start: MlflowException" in out
+
+
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="tensorboard is not installed "
+                                                "(pip install tensorboard)")
+def test_tensorboard_gets_what_an_own_loop_logs(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run"),
+                           overrides={"monitor.sinks": "tensorboard"})
+    model, optimizer = fleet.setup(*_model_and_optimizer())
+    for step in range(3):
+        fleet.backward(model(torch.ones(2, 4)).square().mean())
+        optimizer.step()
+        fleet.log("my/accuracy", 0.5 + step / 10)
+    fleet.finish()
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert [(e.step, round(e.value, 6)) for e in events.Scalars("my/accuracy")] == \
+        [(1, 0.5), (2, 0.6), (3, 0.7)]
+
+
+def _model_and_optimizer():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)

@@ -60,6 +60,10 @@ class Callback:
     def on_eval(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
         """After an evaluation, with exact cross-rank metrics."""
 
+    def on_user_log(self, trainer: Any, step: int, values: dict[str, float]) -> None:
+        """Numbers your own loop logged (``Fleet.log``/``log_dict``), on rank 0 only, as
+        they were given (not reduced across ranks), at ``step``."""
+
     def on_checkpoint(self, trainer: Any, step: int, path: str) -> None:
         """After a checkpoint was written."""
 
@@ -97,7 +101,7 @@ class CallbackList:
 
 
 _HOOKS = ("on_fit_start", "on_phase", "on_phase_marks", "on_step_end", "on_log", "on_eval",
-          "on_checkpoint", "on_fit_end")
+          "on_user_log", "on_checkpoint", "on_fit_end")
 
 
 def _dispatcher(listeners: list[Any]) -> Any:

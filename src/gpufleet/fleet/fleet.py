@@ -30,7 +30,7 @@ import atexit
 import contextlib
 import logging
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,19 +45,18 @@ from gpufleet.entry import setup_logging
 from gpufleet.errors import ConfigError, unknown_choice
 from gpufleet.fault.crash import crash_reported
 from gpufleet.fleet.args import fleet_overrides
-from gpufleet.fleet.loader import FleetLoader, shard_loader
+from gpufleet.fleet.comm import FleetComm
 from gpufleet.fleet.run import FleetRun
+from gpufleet.fleet.setup import FleetSetup
 from gpufleet.fleet.state import load_state, save_state
 from gpufleet.fleet.steps import StepTracker
-from gpufleet.fleet.wrappers import FleetModule, hook_step
-from gpufleet.launch import DistEnv, barrier, destroy_process_group, is_initialized
+from gpufleet.fleet.wrappers import FleetModule
+from gpufleet.launch import DistEnv, destroy_process_group, is_initialized
 from gpufleet.plan import RunPlan, make_plan
 from gpufleet.train.build import plan_run_dir, precision_and_strategy, rank_device
 from gpufleet.train.monitors import build_monitors
-from gpufleet.train.nonfinite import NonFiniteGuard
 from gpufleet.train.perf import share_cores
 from gpufleet.train.rank import join_process_group
-from gpufleet.train.recipe import spec_from_optimizer
 from gpufleet.train.seed import seed_everything
 from gpufleet.train.view import RunView
 
@@ -71,7 +70,7 @@ _OWN_LOOP = {
 }
 
 
-class Fleet:
+class Fleet(FleetSetup, FleetComm):
     """Run your own training loop on one or many ranks with gpufleet underneath.
 
     Args:
@@ -130,6 +129,7 @@ class Fleet:
         self._user_callbacks = list(callbacks)
         self._seed = seed
         self.run: FleetRun | None = None
+        self._placed: list[nn.Module] = []  # every model set up, as placed
         if self.plan.launcher in ("none", "external"):  # this process is a rank
             self._start_rank()
 
@@ -207,6 +207,11 @@ class Fleet:
         return self.run.env.local_rank if self.run is not None else 0
 
     @property
+    def node_rank(self) -> int:
+        """This node's index (0 before the ranks are started)."""
+        return self.run.env.node_rank if self.run is not None else 0
+
+    @property
     def world_size(self) -> int:
         """Ranks in the job."""
         return self.run.env.world_size if self.run is not None else self.plan.world_size
@@ -251,76 +256,23 @@ class Fleet:
         """Seed python, numpy and torch with ``seed`` on this rank."""
         seed_everything(seed)
 
-    # -- setup ------------------------------------------------------------------------
-    def setup(self, model: nn.Module, *optimizers: torch.optim.Optimizer
-              ) -> Any:
-        """Place ``model`` as the run's strategy says and rebuild ``optimizers`` on the
-        placed parameters (by parameter name: groups and settings kept, state not).
-        COLLECTIVE (ddp broadcasts rank 0's weights).
-
-        Returns:
-            The model (a :class:`FleetModule`), or ``(model, *optimizers)``. Build an
-            LR scheduler on the optimizer returned here.
-        """
-        run = self._rank_run()
-        specs = [spec_from_optimizer(opt, model) for opt in optimizers]
-        from gpufleet.parallel.parallelize import parallelize  # heavy: layer options
-
-        placed = parallelize(model, run.strategy, run.cfg, run.env.world_size)
-        steps = self._steps
-        wrapped = FleetModule(placed, run.strategy.unwrap(placed), steps.phase_announce,
-                              run.precision)
-        built = [run.strategy.setup_optimizer(placed, spec) for spec in specs]
-        for opt in built:
-            primary = run.optimizer is None
-            if primary:
-                run.model, run.optimizer = placed, opt
-                run.scheduler.optimizer = opt
-                if run.cfg.fault.skip_nonfinite:
-                    run.nonfinite = NonFiniteGuard(run.cfg.fault, run.strategy,
-                                                   run.precision)
-            hook_step(opt, steps.primary_step if primary else steps.other_step)
-        return wrapped if not built else (wrapped, *built)
-
-    def setup_module(self, model: nn.Module) -> FleetModule:
-        """:meth:`setup` without an optimizer."""
-        return self.setup(model)
-
-    def setup_dataloaders(self, *loaders: Any, use_distributed_sampler: bool = True,
-                          move_to_device: bool = True) -> Any:
-        """Each loader sharded over the ranks with a resumable sampler (its position is
-        saved by :meth:`save`), its batches moved to this rank's device.
-
-        A loader that shuffled is shuffled per epoch from the run's seed
-        (``run.seed``), as torch's ``DistributedSampler(seed=...)`` would.
-
-        Returns:
-            One :class:`~gpufleet.fleet.loader.FleetLoader`, or a tuple of them.
-        """
-        run = self._rank_run()
-        shard, shards = run.strategy.data_shard(run.env.rank, run.env.world_size)
-        out = []
-        for loader in loaders:
-            sampler = None
-            if use_distributed_sampler:
-                loader, sampler = shard_loader(loader, rank=shard, world_size=shards,
-                                               seed=run.cfg.run.seed)
-            mover = None
-            if move_to_device and run.device.type != "cpu":
-                device = run.device
-                mover = lambda batch, d=device: to_device(batch, d, non_blocking=True)  # noqa: E731
-            fleet_loader = FleetLoader(loader, sampler, self._steps.on_batch, mover)
-            run.data.loaders.append(fleet_loader)
-            run.data.pin_memory = run.data.pin_memory or bool(loader.pin_memory)
-            out.append(fleet_loader)
-        return out[0] if len(out) == 1 else tuple(out)
-
     # -- the step ---------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` through the run: the backward phase, the precision's loss
         scaling, and the loss kept for the log line and the non-finite guard."""
         self._rank_run()
         self._steps.backward(loss)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The run's autocast (bf16-mixed, fp16-mixed; nothing under fp32), for what
+        your loop computes outside the model's forward (a loss on its outputs)."""
+        return self._rank_run().precision.autocast()
+
+    def to_device(self, obj: Any) -> Any:
+        """``obj`` (a tensor, a module, or a dict, list or tuple of tensors) on this
+        rank's device."""
+        device = self._rank_run().device
+        return obj.to(device) if isinstance(obj, nn.Module) else to_device(obj, device)
 
     @contextlib.contextmanager
     def no_backward_sync(self, model: nn.Module, enabled: bool = True) -> Iterator[None]:
@@ -354,27 +306,29 @@ class Fleet:
             raise ConfigError(unknown_choice("phase", name, [p.value for p in Phase])) from None
         return PhaseScope(self._steps.phase_announce, phase)
 
-    # -- collectives ------------------------------------------------------------------
-    def all_reduce(self, value: Any, reduce_op: str = "mean") -> Any:
-        """``value`` (a tensor or a number) reduced over every rank: ``"mean"``,
-        ``"sum"``, ``"max"`` or ``"min"``. COLLECTIVE; a number comes back as a float
-        (SYNC)."""
-        run = self._rank_run()
-        ops = ("mean", "sum", "max", "min")
-        if reduce_op not in ops:
-            raise ConfigError(unknown_choice("reduce_op", reduce_op, ops))
-        number = not isinstance(value, torch.Tensor)
-        tensor = torch.tensor(float(value), device=run.device) if number \
-            else value.detach().clone()
-        run.strategy.all_reduce(tensor, "sum" if reduce_op == "mean" else reduce_op)
-        if reduce_op == "mean":
-            tensor = tensor / run.env.world_size
-        return float(tensor) if number else tensor
+    # -- your numbers ----------------------------------------------------------------
+    def log(self, name: str, value: Any, step: int | None = None) -> None:
+        """:meth:`log_dict` of one value."""
+        self.log_dict({name: value}, step)
 
-    def barrier(self) -> None:
-        """Wait until every rank is here (COLLECTIVE)."""
-        self._rank_run()
-        barrier()
+    def log_dict(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Numbers (or one-element tensors: read on the host, a SYNC) of rank 0 at
+        ``step`` (default: the steps done): a ``"user"`` line in metrics.jsonl and the
+        sinks (``monitor.sinks``), under the names given. Other ranks' calls do
+        nothing, as with Fabric's loggers; reduce first (:meth:`all_reduce`) for a
+        value over every rank."""
+        run = self._rank_run()
+        if not run.env.is_main:
+            return
+        values = {}
+        for key, value in metrics.items():
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.item()
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ConfigError(f"log_dict: {key!r} is {type(value).__name__}: log "
+                                  "numbers or one-element tensors.")
+            values[str(key)] = float(value)
+        self._steps.user_log(run.state.step if step is None else int(step), values)
 
     # -- checkpoints ------------------------------------------------------------------
     def save(self, path: str | Path, state: dict[str, Any]) -> Path:

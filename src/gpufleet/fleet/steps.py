@@ -21,6 +21,7 @@ from gpufleet.config import write_config
 from gpufleet.core.callbacks import Callback, CallbackList
 from gpufleet.core.phases import Phase, PhaseAnnouncer
 from gpufleet.fleet.run import FleetRun
+from gpufleet.monitor.jsonl import MetricsFile
 from gpufleet.monitor.report_cli import write_at_end
 from gpufleet.procs import forget_process
 from gpufleet.train.interval import LogInterval
@@ -44,6 +45,7 @@ class StepTracker:
         self._step_loss: torch.Tensor | None = None
         self._micro = 0  # backward passes in this step
         self._prepared = False  # unscaled and inspected since the last step
+        self._early_logs: list[tuple[int, dict[str, float]]] = []  # before the 1st step
         self.finished = False
 
     # -- phases -------------------------------------------------------------------------
@@ -61,6 +63,14 @@ class StepTracker:
         """The loop's first step begins: build the monitors, then announce as usual."""
         self._begin()
         self.announce(phase)
+
+    def user_log(self, step: int, values: dict[str, float]) -> None:
+        """Values your loop logged (rank 0), to the callbacks; before the first step
+        they wait for the callbacks to be built."""
+        if self.interval is None:
+            self._early_logs.append((step, values))
+        else:
+            self.run.callbacks.on_user_log(self.run.view, step, values)
 
     def _begin(self) -> None:
         """The run's own callbacks (phase timer, watchdog, system sampler, metrics file,
@@ -84,6 +94,9 @@ class StepTracker:
         self.announce = run.phases.announce
         self.interval = LogInterval(run)
         run.callbacks.on_fit_start(run.view)
+        for step, values in self._early_logs:
+            run.callbacks.on_user_log(run.view, step, values)
+        self._early_logs = []
 
     # -- the step -----------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
@@ -211,6 +224,12 @@ class StepTracker:
                 run.callbacks.on_fit_end(run.view, result)
                 if run.env.is_main and run.cfg.monitor.report:
                     write_at_end(run.run_dir)
+            elif self._early_logs:  # a loop that logged and never stepped (evaluation)
+                metrics = MetricsFile(run.run_dir / "metrics.jsonl")
+                metrics.on_fit_start(run.view)
+                for step, values in self._early_logs:
+                    metrics.on_user_log(run.view, step, values)
+                metrics.on_fit_end(run.view, run.result)
             forget_process(run.run_dir)
         finally:
             run.close()

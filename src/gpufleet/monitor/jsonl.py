@@ -1,4 +1,5 @@
-"""``metrics.jsonl``: one JSON object per log interval and per evaluation, always written."""
+"""``metrics.jsonl``: one JSON object per log interval, per evaluation and per value your
+own loop logs (``Fleet.log``), always written."""
 
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ class MetricsFile(Callback):
 
     def on_eval(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
         self.write("eval", metrics)
+
+    def on_user_log(self, trainer: Any, step: int, values: dict[str, float]) -> None:
+        self.write("user", {"step": step, **values})
 
     def on_fit_end(self, trainer: Any, result: Any) -> None:
         if self._file is not None:

@@ -21,7 +21,8 @@ fixes it.
 
 Metric names: ``train/<key>`` for each number of a log interval (loss, lr, grad_norm,
 samples_per_s, ...), ``phases/<phase>_ms`` for rank 0's phase times, ``eval/loss`` and
-``eval/<metric>`` (``eval.metrics``), and ``system/<key>`` for the node's newest system
+``eval/<metric>`` (``eval.metrics``), what your own loop logs (``Fleet.log``) under
+the names you gave, and ``system/<key>`` for the node's newest system
 sample at each log interval (``system/cpu_pct``, ``system/ram_used_mb``,
 ``system/gpu<i>/util_pct``, ...; see :mod:`gpufleet.monitor.system`).
 
@@ -146,6 +147,10 @@ class _Sink(Callback):
     def on_eval(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
         values = eval_values(metrics)
         if self.active and values:
+            self.send(values, step)
+
+    def on_user_log(self, trainer: Any, step: int, values: dict[str, float]) -> None:
+        if self.active:
             self.send(values, step)
 
     def on_fit_end(self, trainer: Any, result: Any) -> None:

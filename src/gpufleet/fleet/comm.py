@@ -1,0 +1,143 @@
+"""What ranks say to each other in your own loop: :class:`FleetComm`, the collectives of
+:class:`~gpufleet.fleet.Fleet` (``all_reduce``, ``all_gather``, ``broadcast``,
+``barrier``, ``rank_zero_first``), named and shaped as Lightning Fabric's.
+
+Each is a COLLECTIVE: every rank calls it, in the same order. Each is recorded in the
+ring of recent collectives that a hang report lists (:mod:`gpufleet.core.ring`), as
+the built-in loop's are. In one process they return what a one-rank job would gather.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gpufleet.core.ring import RING
+from gpufleet.errors import ConfigError, unknown_choice
+from gpufleet.fleet.run import FleetRun
+from gpufleet.launch import barrier
+
+_REDUCE = ("mean", "sum", "max", "min")
+# rank_zero_first's wait: rank 0 may download or unpack for a long time first, longer
+# than the process group's timeout (which stays what the run set for the steps).
+_FIRST_WAIT = datetime.timedelta(days=1)
+
+
+class FleetComm:
+    """The collectives of :class:`~gpufleet.fleet.Fleet` (a part of it)."""
+
+    _first_group: Any = None  # rank_zero_first's own group (built at its first use)
+
+    def _rank_run(self) -> FleetRun:  # Fleet's: the run, once this process is a rank
+        raise NotImplementedError
+
+    def all_reduce(self, value: Any, reduce_op: str = "mean") -> Any:
+        """``value`` (a tensor or a number) reduced over every rank: ``"mean"``,
+        ``"sum"``, ``"max"`` or ``"min"``. COLLECTIVE; a number comes back as a float
+        (SYNC)."""
+        run = self._rank_run()
+        if reduce_op not in _REDUCE:
+            raise ConfigError(unknown_choice("reduce_op", reduce_op, _REDUCE))
+        number = not isinstance(value, torch.Tensor)
+        tensor = torch.tensor(float(value), device=run.device) if number \
+            else value.detach().clone()
+        run.strategy.all_reduce(tensor, "sum" if reduce_op == "mean" else reduce_op)
+        if reduce_op == "mean":
+            tensor = tensor / run.env.world_size
+        return float(tensor) if number else tensor
+
+    def all_gather(self, data: Any, sync_grads: bool = False) -> Any:
+        """Every rank's ``data``: a tensor or a number, or a dict, list or tuple of them,
+        gathered into the same structure. Each tensor comes back on this rank's device
+        with a new first dimension of ``world_size``, in rank order (on one rank too,
+        where Fabric returns it unchanged). Tensors must have the same shape on every
+        rank. ``sync_grads=True``: gradients flow back through the gathered tensors to
+        each rank's own (the contrastive-loss case). COLLECTIVE."""
+        run = self._rank_run()
+        return _each_value(data, lambda v: _gather(v, run, sync_grads))
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` (anything picklable: a tensor, a dict, a path chosen on
+        rank 0) on every rank. COLLECTIVE."""
+        run = self._rank_run()
+        if not run.strategy.reduces():
+            return obj
+        if not 0 <= src < run.env.world_size:
+            raise ConfigError(f"broadcast(src={src}): src is a rank, 0 to "
+                              f"{run.env.world_size - 1}.")
+        box = [obj]
+        n = RING.enter("broadcast_object", 0)
+        dist.broadcast_object_list(box, src=src)
+        RING.leave(n)
+        return box[0]
+
+    def barrier(self) -> None:
+        """Wait until every rank is here (COLLECTIVE)."""
+        self._rank_run()
+        barrier()
+
+    @contextlib.contextmanager
+    def rank_zero_first(self, local: bool = False) -> Iterator[None]:
+        """Rank 0 (``local=True``: the first rank of each node) runs the block first,
+        the others once it is done: a data set downloaded or unpacked once, then read by
+        every rank. The others wait as long as it takes (not the process group's
+        timeout). COLLECTIVE."""
+        run = self._rank_run()
+        if not run.strategy.reduces():
+            yield
+            return
+        if self._first_group is None:  # COLLECTIVE: every rank builds it here, once
+            self._first_group = dist.new_group(backend="gloo", timeout=_FIRST_WAIT)
+        first = (run.env.local_rank if local else run.env.rank) == 0
+        if not first:
+            _wait_all(self._first_group)
+        try:
+            yield
+        finally:
+            if first:
+                _wait_all(self._first_group)
+
+
+def _wait_all(group: Any) -> None:
+    n = RING.enter("barrier", 0)
+    dist.barrier(group=group)
+    RING.leave(n)
+
+
+def _each_value(data: Any, fn: Any) -> Any:
+    """``fn`` applied to every tensor and number in a (nested) dict, list or tuple."""
+    if isinstance(data, (torch.Tensor, int, float, bool)):
+        return fn(data)
+    if isinstance(data, Mapping):
+        return {k: _each_value(v, fn) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        items = [_each_value(v, fn) for v in data]
+        return type(data)(*items) if hasattr(data, "_fields") else type(data)(items)
+    raise ConfigError(f"all_gather got {type(data).__name__}: gather tensors or numbers, "
+                      "or a dict, list or tuple of them; send other objects with "
+                      "broadcast.")
+
+
+def _gather(value: Any, run: FleetRun, sync_grads: bool) -> torch.Tensor:
+    """One tensor or number from every rank, stacked in rank order."""
+    tensor = value.to(run.device) if isinstance(value, torch.Tensor) \
+        else torch.tensor(value, device=run.device)
+    if not run.strategy.reduces():
+        return tensor.unsqueeze(0)
+    tensor = tensor.contiguous()
+    world = run.env.world_size
+    n = RING.enter("all_gather", tensor.numel() * tensor.element_size() * world)
+    if sync_grads:
+        from torch.distributed.nn.functional import all_gather  # autograd-aware
+
+        parts = list(all_gather(tensor))
+    else:
+        parts = [torch.empty_like(tensor) for _ in range(world)]
+        dist.all_gather(parts, tensor)
+    RING.leave(n)
+    return torch.stack(parts)

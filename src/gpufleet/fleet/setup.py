@@ -1,0 +1,128 @@
+"""Handing your model, optimizers and loaders to the run: :class:`FleetSetup`, the
+``setup`` methods of :class:`~gpufleet.fleet.Fleet`, named and shaped as Lightning
+Fabric's.
+
+A model is placed as the run's strategy says (:func:`gpufleet.parallel.parallelize.
+parallelize`); an optimizer handed with it is rebuilt on the placed parameters by name
+(:mod:`gpufleet.train.recipe`), one built afterwards on them is taken as it is; every
+optimizer step goes through the run (:class:`~gpufleet.fleet.steps.StepTracker`). A
+loader is sharded over the ranks with a resumable sampler.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpufleet.core.tree import to_device
+from gpufleet.errors import ConfigError
+from gpufleet.fleet.loader import FleetLoader, shard_loader
+from gpufleet.fleet.run import FleetRun
+from gpufleet.fleet.steps import StepTracker
+from gpufleet.fleet.wrappers import FleetModule, hook_step
+from gpufleet.train.nonfinite import NonFiniteGuard
+from gpufleet.train.recipe import spec_from_optimizer
+
+
+class FleetSetup:
+    """The ``setup`` methods of :class:`~gpufleet.fleet.Fleet` (a part of it)."""
+
+    _placed: list[nn.Module]  # every model set up, as placed
+    _steps: StepTracker
+
+    def _rank_run(self) -> FleetRun:  # Fleet's: the run, once this process is a rank
+        raise NotImplementedError
+
+    def setup(self, model: nn.Module, *optimizers: torch.optim.Optimizer
+              ) -> Any:
+        """Place ``model`` as the run's strategy says and rebuild ``optimizers`` on the
+        placed parameters (by parameter name: groups and settings kept, state not).
+        COLLECTIVE (ddp broadcasts rank 0's weights).
+
+        Returns:
+            The model (a :class:`FleetModule`), or ``(model, *optimizers)``. Build an
+            LR scheduler on the optimizer returned here.
+        """
+        run = self._rank_run()
+        specs = [spec_from_optimizer(opt, model) for opt in optimizers]
+        from gpufleet.parallel.parallelize import parallelize  # heavy: layer options
+
+        placed = parallelize(model, run.strategy, run.cfg, run.env.world_size)
+        self._placed.append(placed)
+        if run.model is None:  # the run's model until an optimizer names its own
+            run.model = placed
+        wrapped = FleetModule(placed, run.strategy.unwrap(placed),
+                              self._steps.phase_announce, run.precision)
+        built = [run.strategy.setup_optimizer(placed, spec) for spec in specs]
+        self._take_optimizers(placed, built)
+        return wrapped if not built else (wrapped, *built)
+
+    def setup_module(self, model: nn.Module) -> FleetModule:
+        """:meth:`setup` without an optimizer: build it afterwards on the returned
+        model's parameters (sharded ones, under fsdp) and pass it to
+        :meth:`setup_optimizers`."""
+        return self.setup(model)
+
+    def setup_optimizers(self, *optimizers: torch.optim.Optimizer) -> Any:
+        """Optimizers built on the parameters of a model :meth:`setup_module` returned:
+        taken as they are (their steps go through the run: the guard, the phases, the
+        log interval). Returns the optimizer, or a tuple of them."""
+        self._rank_run()
+        for opt in optimizers:
+            params = {id(p) for group in opt.param_groups for p in group["params"]}
+            owner = next((m for m in self._placed
+                          if params <= {id(p) for p in m.parameters()}), None)
+            if owner is None:
+                raise ConfigError(
+                    f"setup_optimizers: this {type(opt).__name__} holds parameters of no "
+                    "model set up by this Fleet. Build it on the parameters of the model "
+                    "setup_module returned, or pass model and optimizer to "
+                    "fleet.setup(model, optimizer).")
+            self._take_optimizers(owner, [opt])
+        return optimizers[0] if len(optimizers) == 1 else optimizers
+
+    def _take_optimizers(self, placed: nn.Module, optimizers: list) -> None:
+        """The first optimizer of the run is the primary one (its steps are the run's
+        steps, the non-finite guard watches its model); every step goes through the
+        run."""
+        run, steps = self._rank_run(), self._steps
+        for opt in optimizers:
+            primary = run.optimizer is None
+            if primary:
+                run.model, run.optimizer = placed, opt
+                run.scheduler.optimizer = opt
+                if run.cfg.fault.skip_nonfinite:
+                    run.nonfinite = NonFiniteGuard(run.cfg.fault, run.strategy,
+                                                   run.precision)
+            hook_step(opt, steps.primary_step if primary else steps.other_step)
+
+    def setup_dataloaders(self, *loaders: Any, use_distributed_sampler: bool = True,
+                          move_to_device: bool = True) -> Any:
+        """Each loader sharded over the ranks with a resumable sampler (its position is
+        saved by :meth:`save`), its batches moved to this rank's device.
+
+        A loader that shuffled is shuffled per epoch from the run's seed
+        (``run.seed``), as torch's ``DistributedSampler(seed=...)`` would.
+
+        Returns:
+            One :class:`~gpufleet.fleet.loader.FleetLoader`, or a tuple of them.
+        """
+        run = self._rank_run()
+        shard, shards = run.strategy.data_shard(run.env.rank, run.env.world_size)
+        out = []
+        for loader in loaders:
+            sampler = None
+            if use_distributed_sampler:
+                loader, sampler = shard_loader(loader, rank=shard, world_size=shards,
+                                               seed=run.cfg.run.seed)
+            mover = None
+            if move_to_device and run.device.type != "cpu":
+                device = run.device
+                mover = lambda batch, d=device: to_device(batch, d, non_blocking=True)  # noqa: E731
+            fleet_loader = FleetLoader(loader, sampler, self._steps.on_batch, mover)
+            run.data.loaders.append(fleet_loader)
+            run.data.pin_memory = run.data.pin_memory or bool(loader.pin_memory)
+            out.append(fleet_loader)
+        return out[0] if len(out) == 1 else tuple(out)
