@@ -114,3 +114,31 @@ def test_short_log_intervals_are_sampled_too():
 def test_only_cuda_runs_sample_the_stream():
     assert PhaseTimer(torch.device("cpu")).stream is None
     assert PhaseTimer(torch.device("cpu")).device_times() is None
+
+
+def test_a_restart_after_recovery_gives_the_gap_to_no_phase():
+    """In-process recovery starts the steps again: the time from the failed step's last
+    mark to the next step is no phase's, and a stream sample under way is dropped."""
+    from types import SimpleNamespace
+
+    from gpufleet.monitor.phases import StreamSample
+
+    timer = PhaseTimer(torch.device("cpu"))
+    timer.stream = StreamSample(every=4, event=_ClockEvent)
+    view = SimpleNamespace(step=2)
+    timer.stream.on_phase(view, Phase.END)  # 2 % 4 == 2: step 3 is being sampled
+    timer.stream.on_phase(view, Phase.DATA)
+    timer.on_phase_marks(None, marks_of([(Phase.DATA, 10.0), (Phase.FORWARD, 10.001),
+                                         (Phase.BACKWARD, 10.003)]))  # the peer is lost
+    timer.restart()
+    assert timer.stream.take() is None and not timer.stream._on
+    assert len(timer.stream._pool) == 2  # the dropped step's events, reused later
+    timer.on_phase_marks(None, marks_of([(Phase.DATA, 40.0), (Phase.FORWARD, 40.001),
+                                         (Phase.BACKWARD, 40.002),
+                                         (Phase.OPTIMIZER, 40.004), (Phase.END, 40.005),
+                                         (Phase.LOG, 40.006)]))
+    host, steps = timer.take()
+    assert steps == 1
+    assert dict(zip(PHASES, host)) == pytest.approx(
+        {"data": 0.001, "forward": 0.001, "backward": 0.002, "optimizer": 0.001,
+         "other": 0.001})  # not the 30 s of recovery in backward

@@ -75,6 +75,16 @@ class PhaseTimer(Callback):
                 self._steps += 1
         self._current, self._since, self._outside_kind = current, since, kind
 
+    def restart(self) -> None:
+        """Forget the interval so far and the phase that was running (a run recovered in
+        process starts its steps again): the recovery's time goes to no phase, and a
+        stream sample under way is dropped. Call after the marks were handed over."""
+        self._host = [0.0] * len(PHASES)
+        self._steps = 0
+        self._current = self._outside_kind = None
+        if self.stream is not None:
+            self.stream.drop_open()
+
     def take(self) -> tuple[list[float], int]:
         """Mean host seconds per step of each phase since the last call, and the number
         of steps; resets the interval."""
@@ -124,6 +134,15 @@ class StreamSample(Callback):
         event = self._pool.pop() if self._pool else self._event()
         event.record()
         self._events.append((bucket, event))
+
+    def drop_open(self) -> None:
+        """Drop a step being sampled (its events back to the pool); the samples that
+        ended are kept for :meth:`take`."""
+        events = self._events
+        done = [i for i, (bucket, _) in enumerate(events) if bucket == _SAMPLE_ENDS]
+        keep = done[-1] + 1 if done else 0
+        self._pool.extend(e for _, e in events[keep:])
+        self._events, self._on = events[:keep], False
 
     def take(self) -> list[float] | None:
         """Mean seconds per phase of the sampled steps that ended since the last call

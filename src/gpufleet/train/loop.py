@@ -108,6 +108,9 @@ class Trainer:
         if not self._started:  # once: a run recovered in process keeps its callbacks
             run.callbacks.on_fit_start(run.view)
             self._started = True
+        elif run.monitors.phase_timer is not None:  # recovered in process: the time
+            run.phases.hand_over()  # since the last step's marks is no step's phase
+            run.monitors.phase_timer.restart()
         forward_backward = (self._forward_backward if len(run.parts) == 1
                             else self._forward_backward_parts)
         self._model_step = run.strategy.forward_backward  # the model's part of a micro-step
