@@ -133,11 +133,28 @@ def _gather(value: Any, run: FleetRun, sync_grads: bool) -> torch.Tensor:
     world = run.env.world_size
     n = RING.enter("all_gather", tensor.numel() * tensor.element_size() * world)
     if sync_grads:
-        from torch.distributed.nn.functional import all_gather  # autograd-aware
-
-        parts = list(all_gather(tensor))
+        gathered = _GatherWithGrads.apply(tensor, world, run.env.rank)
     else:
         parts = [torch.empty_like(tensor) for _ in range(world)]
         dist.all_gather(parts, tensor)
+        gathered = torch.stack(parts)
     RING.leave(n)
-    return torch.stack(parts)
+    return gathered
+
+
+class _GatherWithGrads(torch.autograd.Function):
+    """All-gather that passes gradients back: each rank's input gets the sum over the
+    ranks of the gradient of its row (the gradient of every rank's loss)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+        ctx.rank = rank
+        parts = [torch.empty_like(tensor) for _ in range(world)]
+        dist.all_gather(parts, tensor)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        grad = grad.contiguous()
+        dist.all_reduce(grad)  # COLLECTIVE in backward: every rank runs it
+        return grad[ctx.rank], None, None
