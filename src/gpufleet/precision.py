@@ -20,6 +20,7 @@ import contextlib
 from typing import Any
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 from gpufleet.config import PrecisionConfig
 from gpufleet.errors import ConfigError, unknown_choice
@@ -52,6 +53,10 @@ class Precision:
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """Bring gradients to their true size before clipping (no-op without scaling)."""
+
+    def forget_unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """The gradients :meth:`unscale` saw were dropped (zeroed before any step): the
+        next ones are scaled again (no-op without scaling)."""
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
@@ -90,7 +95,13 @@ class FP16Mixed(Precision):
         self.scaler.scale(loss).backward(inputs=inputs, retain_graph=retain_graph)
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
-        self.scaler.unscale_(optimizer)
+        """Unscale ``optimizer``'s gradients, once between its steps (the scaler's own
+        record says whether it was: a clip and the step may both ask)."""
+        if self.scaler._per_optimizer_states[id(optimizer)]["stage"] is not OptState.UNSCALED:
+            self.scaler.unscale_(optimizer)
+
+    def forget_unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        self.scaler._per_optimizer_states.pop(id(optimizer), None)  # READY again
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         # HOST SYNC unless the optimizer is fused: GradScaler.step reads the found-inf

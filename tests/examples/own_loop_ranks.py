@@ -65,9 +65,14 @@ def _collectives(out: Path) -> dict:
         with open(out / "first.txt", "a") as f:
             f.write(f"{rank}\n")
     fleet.log("rank_seen", rank)  # rank 0's alone reaches the metrics file
+    zero = gpufleet.Fleet(accelerator="cpu", strategy="zero1", run_dir=str(out / "z-run"))
+    sharded = zero.setup_optimizers(torch.optim.SGD(
+        zero.setup_module(own_loop.build_model()).parameters(), lr=0.1))
+    zero.finish()
     seen = {"gathered": gathered.detach(), "x_grad": x.grad,
             "numbers": fleet.all_gather({"n": rank, "t": torch.arange(2) + 10 * rank}),
-            "broadcast": fleet.broadcast({"from": rank}, src=1), "node": fleet.node_rank}
+            "broadcast": fleet.broadcast({"from": rank}, src=1), "node": fleet.node_rank,
+            "zero1": type(sharded).__name__}
     fleet.finish()
     return seen
 

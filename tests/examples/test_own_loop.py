@@ -112,6 +112,7 @@ def test_fabric_collectives_on_two_ranks(twin):
         assert comm["numbers"]["n"].tolist() == [0, 1]
         assert comm["numbers"]["t"].tolist() == [[0, 1], [10, 11]]
         assert comm["broadcast"] == {"from": 1} and comm["node"] == 0
+        assert comm["zero1"] == "ZeroRedundancyOptimizer"  # setup_optimizers as setup
     logged = [json.loads(line) for line in
               (twin / "comm-run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["rank_seen"] for r in logged if r["kind"] == "user"] == [0.0]

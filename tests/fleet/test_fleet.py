@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from torch.nn import functional as F
@@ -284,11 +285,16 @@ def test_float32_outputs_reach_into_every_container_without_changing_the_models(
     assert [t.dtype for t in out[4:]] == [torch.float64, torch.int64]
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["device path", "host path"])
-def test_the_guard_judges_the_gradients_the_optimizer_steps_on(tmp_path, fused):
+@pytest.mark.parametrize(("fused", "precision"), [
+    (True, "32-true"), (False, "32-true"), (False, "16-mixed")],
+    ids=["device path", "host path", "fp16 loss scaler"])
+def test_the_guard_judges_the_gradients_the_optimizer_steps_on(tmp_path, fused, precision):
     """A loop that clips and then does not step (it drops that batch), or runs backward
-    again after a clip, has the guard look at the gradients of the step as stepped."""
-    fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run"), log_every=2)
+    again after a clip, has the guard look at the gradients of the step as stepped (and
+    under fp16, the dropped batch's unscale does not count for the next one)."""
+    fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run"), log_every=2,
+                           precision=precision,  # fp16: a scale that does not overflow
+                           overrides={"precision.init_scale": 1.0})
     net = _net()
     model, optimizer = fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1,
                                                         fused=fused))
@@ -340,16 +346,18 @@ def test_fabric_helpers_on_one_rank(tmp_path):
         fleet.backward(F.mse_loss(model(torch.ones(2, 4)), torch.zeros(2, 1)))
         optimizer.step()
         optimizer.zero_grad()
-    fleet.log_dict({"acc": torch.tensor(0.75), "count": 3}, step=7)
+    fleet.log_dict({"acc": torch.tensor(0.75), "count": 3, "f32": np.float32(0.5)}, step=7)
     with pytest.raises(ConfigError, match="'bad' is str"):
         fleet.log_dict({"bad": "x"})
     fleet.finish()
+    with pytest.raises(ConfigError, match=r"after fleet\.finish"):
+        fleet.log("late", 1.0)
     lines = [json.loads(line) for line in
              (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     user = [{k: v for k, v in r.items() if k != "time"} for r in lines
             if r["kind"] == "user"]
     assert user == [{"kind": "user", "step": 0, "lr_seen": 0.5},
-                    {"kind": "user", "step": 7, "acc": 0.75, "count": 3.0}]
+                    {"kind": "user", "step": 7, "acc": 0.75, "count": 3.0, "f32": 0.5}]
     assert [r["step"] for r in lines if r["kind"] == "train"] == [2]
 
 
@@ -376,3 +384,26 @@ def test_a_loop_that_only_evaluates_keeps_what_it_logged(tmp_path):
     fleet.finish()
     (line,) = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert json.loads(line)["kind"] == "user" and "val_loss" in json.loads(line)
+
+
+def test_a_gan_loop_clips_both_optimizers_under_fp16(tmp_path):
+    """Two optimizers, each clipped, then stepped: each is unscaled once between its
+    steps, whatever the order of the calls."""
+    fleet = gpufleet.Fleet(accelerator="cpu", precision="16-mixed",
+                           run_dir=str(tmp_path / "run"))
+    gen, disc = _net(), torch.nn.Linear(1, 1)
+    gen, opt_g = fleet.setup(gen, torch.optim.SGD(gen.parameters(), lr=0.1))
+    disc, opt_d = fleet.setup(disc, torch.optim.SGD(disc.parameters(), lr=0.1))
+    for _ in range(2):
+        fake = gen(torch.ones(2, 4))
+        fleet.backward(disc(fake).mean())  # the generator's loss
+        fleet.clip_gradients(gen, opt_g, max_norm=1.0)
+        opt_d.zero_grad()
+        fleet.backward(F.mse_loss(disc(fake.detach()), torch.zeros(2, 1)))
+        fleet.clip_gradients(disc, opt_d, max_norm=1.0)
+        opt_g.step()
+        opt_d.step()
+        opt_g.zero_grad()
+        opt_d.zero_grad()
+    assert fleet.step == 2 and fleet.skipped_steps == 0
+    fleet.finish()

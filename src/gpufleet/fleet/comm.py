@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from gpufleet.core.ring import RING
+from gpufleet.core.tree import to_device
 from gpufleet.errors import ConfigError, unknown_choice
 from gpufleet.fleet.run import FleetRun
 from gpufleet.launch import barrier
@@ -63,7 +64,8 @@ class FleetComm:
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Rank ``src``'s ``obj`` (anything picklable: a tensor, a dict, a path chosen on
-        rank 0) on every rank. COLLECTIVE."""
+        rank 0) on every rank; tensors in it (also in a dict, list or tuple) come on
+        this rank's device. COLLECTIVE."""
         run = self._rank_run()
         if not run.strategy.reduces():
             return obj
@@ -74,7 +76,8 @@ class FleetComm:
         n = RING.enter("broadcast_object", 0)
         dist.broadcast_object_list(box, src=src)
         RING.leave(n)
-        return box[0]
+        # Unpickled tensors come on the sender's device (cuda:src): bring them here.
+        return to_device(box[0], run.device) if run.device.type != "cpu" else box[0]
 
     def barrier(self) -> None:
         """Wait until every rank is here (COLLECTIVE)."""
@@ -86,7 +89,8 @@ class FleetComm:
         """Rank 0 (``local=True``: the first rank of each node) runs the block first,
         the others once it is done: a data set downloaded or unpacked once, then read by
         every rank. The others wait as long as it takes (not the process group's
-        timeout). COLLECTIVE."""
+        timeout). COLLECTIVE. Use it before training: inside the steps, the wait counts
+        as the step's time, and a long one looks to the watchdog like a stalled step."""
         run = self._rank_run()
         if not run.strategy.reduces():
             yield

@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import numbers
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -318,13 +319,16 @@ class Fleet(FleetSetup, FleetComm):
         nothing, as with Fabric's loggers; reduce first (:meth:`all_reduce`) for a
         value over every rank."""
         run = self._rank_run()
+        if self._steps.finished:
+            raise ConfigError("fleet.log after fleet.finish(): the run's files are closed. "
+                              "Log before finish (or before launch's function returns).")
         if not run.env.is_main:
             return
         values = {}
         for key, value in metrics.items():
             if isinstance(value, torch.Tensor) and value.numel() == 1:
                 value = value.item()
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
+            if not isinstance(value, numbers.Real):  # numpy's scalars and bools too
                 raise ConfigError(f"log_dict: {key!r} is {type(value).__name__}: log "
                                   "numbers or one-element tensors.")
             values[str(key)] = float(value)

@@ -21,7 +21,7 @@ from gpufleet.errors import ConfigError
 from gpufleet.fleet.loader import FleetLoader, shard_loader
 from gpufleet.fleet.run import FleetRun
 from gpufleet.fleet.steps import StepTracker
-from gpufleet.fleet.wrappers import FleetModule, hook_step
+from gpufleet.fleet.wrappers import FleetModule, hook_step, hook_zero_grad
 from gpufleet.train.nonfinite import NonFiniteGuard
 from gpufleet.train.recipe import spec_from_optimizer
 
@@ -66,10 +66,12 @@ class FleetSetup:
         return self.setup(model)
 
     def setup_optimizers(self, *optimizers: torch.optim.Optimizer) -> Any:
-        """Optimizers built on the parameters of a model :meth:`setup_module` returned:
-        taken as they are (their steps go through the run: the guard, the phases, the
-        log interval). Returns the optimizer, or a tuple of them."""
-        self._rank_run()
+        """Optimizers built on the parameters of a model :meth:`setup_module` returned,
+        made ready as :meth:`setup` makes them (rebuilt by the strategy: zero1 shards
+        it, local_sgd averages, ...; groups and settings kept, state not). Use the ones
+        returned: the optimizer, or a tuple of them."""
+        run = self._rank_run()
+        built = []
         for opt in optimizers:
             params = {id(p) for group in opt.param_groups for p in group["params"]}
             owner = next((m for m in self._placed
@@ -80,8 +82,10 @@ class FleetSetup:
                     "model set up by this Fleet. Build it on the parameters of the model "
                     "setup_module returned, or pass model and optimizer to "
                     "fleet.setup(model, optimizer).")
-            self._take_optimizers(owner, [opt])
-        return optimizers[0] if len(optimizers) == 1 else optimizers
+            spec = spec_from_optimizer(opt, run.strategy.unwrap(owner))
+            built.append(run.strategy.setup_optimizer(owner, spec))
+            self._take_optimizers(owner, built[-1:])
+        return built[0] if len(built) == 1 else tuple(built)
 
     def _take_optimizers(self, placed: nn.Module, optimizers: list) -> None:
         """The first optimizer of the run is the primary one (its steps are the run's
@@ -96,6 +100,7 @@ class FleetSetup:
                 if run.cfg.fault.skip_nonfinite:
                     run.nonfinite = NonFiniteGuard(run.cfg.fault, run.strategy,
                                                    run.precision)
+                hook_zero_grad(opt, steps.on_zero_grad)
             hook_step(opt, steps.primary_step if primary else steps.other_step)
 
     def setup_dataloaders(self, *loaders: Any, use_distributed_sampler: bool = True,

@@ -17,12 +17,13 @@ from typing import Any
 
 import torch
 
-from gpufleet.config import write_config
+from gpufleet.config import config_to_dict, write_config
 from gpufleet.core.callbacks import Callback, CallbackList
 from gpufleet.core.phases import Phase, PhaseAnnouncer
 from gpufleet.fleet.run import FleetRun
 from gpufleet.monitor.jsonl import MetricsFile
 from gpufleet.monitor.report_cli import write_at_end
+from gpufleet.monitor.sinks import build_sinks
 from gpufleet.procs import forget_process
 from gpufleet.train.interval import LogInterval
 from gpufleet.train.monitors import own_callbacks
@@ -44,7 +45,8 @@ class StepTracker:
         self.interval: LogInterval | None = None
         self._step_loss: torch.Tensor | None = None
         self._micro = 0  # backward passes in this step
-        self._prepared = False  # unscaled and inspected since the last step
+        self._inspected = False  # the guard saw this step's gradients
+        self._zeroed = False  # the primary optimizer's zero_grad ran since it did
         self._early_logs: list[tuple[int, dict[str, float]]] = []  # before the 1st step
         self.finished = False
 
@@ -102,7 +104,7 @@ class StepTracker:
     def backward(self, loss: torch.Tensor) -> None:
         """The backward phase, the precision's backward, the loss kept."""
         self.announce(Phase.BACKWARD)
-        if self._prepared:  # gradients change after the guard saw them (rare loops)
+        if self._inspected:  # gradients change after the guard saw them (rare loops)
             self._look_again()
         self.run.precision.backward(loss)
         detached = loss.detach()
@@ -118,7 +120,7 @@ class StepTracker:
         if primary:
             self.prepare_step(optimizer)
         else:
-            run.precision.unscale(optimizer)
+            run.precision.unscale(optimizer)  # once between its steps
         if clip_val is not None:
             torch.nn.utils.clip_grad_value_(placed.parameters(), clip_val)
         if max_norm is None:
@@ -132,26 +134,34 @@ class StepTracker:
         return norm
 
     def prepare_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Once per step, before clipping or stepping: unscale, then let the guard see
-        the gradients as backward left them."""
-        if self._prepared:
-            return
+        """Before clipping or stepping: unscale (once between steps), then let the guard
+        see the gradients as backward left them (once, unless they change)."""
         run = self.run
         run.precision.unscale(optimizer)
+        if self._inspected:
+            return
         guard = run.nonfinite
         if guard is not None and (guard.on_device is None or guard.inspects):
             guard.inspect(run.model, self._loss_or_zero(), optimizer)
-        self._prepared = True
+        self._inspected, self._zeroed = True, False
+
+    def on_zero_grad(self) -> None:
+        """The primary optimizer's ``zero_grad`` ran."""
+        self._zeroed = True
 
     def _look_again(self) -> None:
         """A backward after a clip and before the optimizer's step: the guard looks at
         the gradients again before the step. If they were zeroed since (the loop
-        dropped that batch), the step starts anew, without the dropped batch's loss."""
-        self._prepared = False
-        if self.run.nonfinite is not None:
-            self.run.nonfinite.forget_step()
-        if all(p.grad is None or not p.grad.any() for p in self.run.model.parameters()):
+        dropped that batch), the step starts anew, without the dropped batch's loss,
+        and the new gradients are unscaled again."""
+        run = self.run
+        self._inspected = False
+        if run.nonfinite is not None:
+            run.nonfinite.forget_step()
+        if self._zeroed or all(p.grad is None for p in run.model.parameters()):
             self._step_loss, self._micro = None, 0
+            if run.optimizer is not None:
+                run.precision.forget_unscale(run.optimizer)
 
     def _loss_or_zero(self) -> torch.Tensor:
         if self._step_loss is None:
@@ -176,7 +186,7 @@ class StepTracker:
                 self.interval.add(step_loss, self._micro)
         run.strategy.after_optimizer_step(run.model, run.state.step)
         run.state.step += 1
-        self._step_loss, self._micro, self._prepared = None, 0, False
+        self._step_loss, self._micro, self._inspected = None, 0, False
         if skip:
             guard.report(run.state.step, run.env.is_main)  # stops after too many in a row
         self.announce(Phase.END)
@@ -224,12 +234,14 @@ class StepTracker:
                 run.callbacks.on_fit_end(run.view, result)
                 if run.env.is_main and run.cfg.monitor.report:
                     write_at_end(run.run_dir)
-            elif self._early_logs:  # a loop that logged and never stepped (evaluation)
-                metrics = MetricsFile(run.run_dir / "metrics.jsonl")
-                metrics.on_fit_start(run.view)
+            elif self._early_logs and run.env.is_main:  # logged, never stepped (eval)
+                sinks = CallbackList([MetricsFile(run.run_dir / "metrics.jsonl"),
+                                      *build_sinks(run.cfg.monitor.sinks, run.run_dir,
+                                                   config_to_dict(run.cfg))])
+                sinks.on_fit_start(run.view)
                 for step, values in self._early_logs:
-                    metrics.on_user_log(run.view, step, values)
-                metrics.on_fit_end(run.view, run.result)
+                    sinks.on_user_log(run.view, step, values)
+                sinks.on_fit_end(run.view, run.result)
             forget_process(run.run_dir)
         finally:
             run.close()

@@ -137,3 +137,14 @@ def hook_step(optimizer: torch.optim.Optimizer,
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # already tracked
     optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+
+
+def hook_zero_grad(optimizer: torch.optim.Optimizer, on_zero: Callable[[], None]) -> None:
+    """Make ``optimizer.zero_grad(...)`` call ``on_zero()`` first."""
+    original = optimizer.zero_grad
+
+    def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        on_zero()
+        original(set_to_none)
+
+    optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
