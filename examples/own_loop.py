@@ -2,7 +2,8 @@
 ``own_loop_fleet.py``, which moves this same loop onto ``gpufleet.Fleet``.
 
 Everything is by hand, as a distributed tutorial teaches it: the process group, a
-``DistributedSampler`` (its epoch set every epoch), ``DistributedDataParallel``,
+``DistributedSampler`` on several ranks (its epoch set every epoch; alone, the loader
+shuffles by itself), ``DistributedDataParallel``,
 gradient accumulation with ``no_sync`` on all but the last micro-batch, clipping by
 norm, SGD with momentum and a per-epoch ``StepLR``. The model has dropout, so the random
 state matters as well as the weights.
@@ -55,15 +56,18 @@ def train(epochs: int = 3, batch_size: int = 16) -> tuple[nn.Module, list[float]
     torch.manual_seed(SEED)
     model = build_model()
     data = build_data()
+    # Several ranks: a DistributedSampler shards and shuffles; alone: the loader's own.
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True,
-                                 seed=SEED)
-    loader = DataLoader(data, batch_size=batch_size, sampler=sampler)
+                                 seed=SEED) if distributed else None
+    loader = DataLoader(data, batch_size=batch_size, sampler=sampler,
+                        shuffle=sampler is None)
     net = nn.parallel.DistributedDataParallel(model) if distributed else model
     optimizer = build_optimizer(model.parameters())
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
     losses: list[torch.Tensor] = []
     for epoch in range(epochs):
-        sampler.set_epoch(epoch)
+        if sampler is not None:
+            sampler.set_epoch(epoch)
         step_loss = torch.zeros(())
         for i, (x, y) in enumerate(loader):
             last = (i + 1) % ACCUMULATE == 0

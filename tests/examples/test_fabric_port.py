@@ -1,8 +1,8 @@
 """A loop written for Lightning Fabric runs on Fleet unchanged: examples/fabric_loop.py's
 ``train`` under torchrun with Fabric, and the same function given a Fleet under
 ``gpufleet run`` (examples/fabric_loop_fleet.py), take the same samples, dropout masks,
-losses and gathered evaluation error on 2 ranks, bit for bit; the Fleet run also leaves
-its diagnosis, report and rank 0's logged values."""
+losses and gathered evaluation error on 2 ranks, bit for bit, and in one process too;
+the Fleet run also leaves its diagnosis, report and rank 0's logged values."""
 
 from __future__ import annotations
 
@@ -56,3 +56,22 @@ def test_the_fleet_run_keeps_its_report_and_rank_0s_logged_values(ported):
     rank0 = torch.load(ported / "fleet-rank0.pt", weights_only=True)
     assert logged == [(0.0, rank0["eval_mse"][0]), (1.0, rank0["eval_mse"][1])]
     assert [r["step"] for r in records if r["kind"] == "train"] == [5, 10]
+
+
+def test_in_one_process_too(tmp_path):
+    """Alone, Fabric keeps the loader's RandomSampler; Fleet shuffles the same way."""
+    from lightning.fabric import Fabric
+
+    sys.path.insert(0, str(EXAMPLES))
+    import fabric_loop
+
+    import gpufleet
+
+    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
+    fabric.launch()
+    fabric.seed_everything(fabric_loop.SEED)
+    theirs = fabric_loop.train(fabric, tmp_path / "data.pt")
+    fleet = gpufleet.Fleet(accelerator="cpu", devices=1, precision="32-true",
+                           seed=fabric_loop.SEED, run_dir=str(tmp_path / "run"))
+    ours = fleet.launch(fabric_loop.train, tmp_path / "data.pt")
+    assert ours == theirs and len(ours["losses"]) == 2 * 320 // 16 // 2

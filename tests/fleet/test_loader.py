@@ -23,8 +23,8 @@ def _ids(batches) -> list[int]:
     return [int(v) for (x,) in batches for v in x.flatten()]
 
 
-@pytest.mark.parametrize("world", [1, 3])
-def test_shards_like_torchs_distributed_sampler(world):
+def test_shards_like_torchs_distributed_sampler():
+    world = 3
     for rank in range(world):
         ours = _fleet_loader(rank, world)
         theirs = DistributedSampler(DATA, num_replicas=world, rank=rank, seed=3)
@@ -33,23 +33,62 @@ def test_shards_like_torchs_distributed_sampler(world):
             assert _ids(ours) == [int(DATA[i][0]) for i in theirs]
 
 
+def test_alone_it_shuffles_as_the_loaders_own_random_sampler():
+    """A one-process loop keeps the order (and the draws from torch's random state) of
+    its DataLoader(shuffle=True), so its losses match the script it came from."""
+    torch.manual_seed(7)
+    theirs = [_ids(DataLoader(DATA, batch_size=4, shuffle=True)) for _ in range(2)]
+    after = torch.get_rng_state()
+    torch.manual_seed(7)
+    ours = _fleet_loader()
+    assert [_ids(ours) for _ in range(2)] == theirs
+    assert torch.equal(torch.get_rng_state(), after)
+    fixed = torch.Generator().manual_seed(1)  # a generator of its own: seed + epoch
+    loader, _ = shard_loader(DataLoader(DATA, batch_size=4, shuffle=True, generator=fixed),
+                             rank=0, world_size=1, seed=3)
+    assert _ids(loader) == [int(DATA[i][0]) for i in DistributedSampler(
+        DATA, num_replicas=1, rank=0, seed=3)]
+
+
 def test_a_loader_that_did_not_shuffle_keeps_the_order():
     assert _ids(_fleet_loader(shuffle=False)) == list(range(30))
 
 
+@pytest.mark.parametrize("world", [1, 3])
 @pytest.mark.parametrize("taken", [0, 3, 8])  # batches taken of epoch 1 (8 per pass)
-def test_resumes_at_the_exact_sample(taken):
-    whole = _fleet_loader()
+def test_resumes_at_the_exact_sample(taken, world):
+    torch.manual_seed(0)  # alone, each epoch's order is drawn from torch's random state
+    whole = _fleet_loader(world=world)
     _ids(whole)  # epoch 0
     expected = _ids(whole)  # epoch 1
-    run = _fleet_loader()
+    torch.manual_seed(0)
+    run = _fleet_loader(world=world)
     _ids(run)  # epoch 0
     it = iter(run)
-    seen = [next(it) for _ in range(taken)]
-    state = run.state_dict()
-    resumed = _fleet_loader()
+    seen = [next(it) for _ in range(min(taken, len(run)))]
+    state, rng = run.state_dict(), torch.get_rng_state()  # what a checkpoint keeps
+    torch.manual_seed(123)
+    resumed = _fleet_loader(world=world)
     resumed.load_state_dict(state)
+    torch.set_rng_state(rng)  # and brings back
     assert _ids(seen) + _ids(resumed) == expected
+
+
+def test_one_process_resumes_at_another_world_size_in_the_same_order():
+    torch.manual_seed(0)
+    alone = _fleet_loader()
+    it = iter(alone)
+    seen = _ids([next(it) for _ in range(2)])  # 8 of epoch 0's 30
+    state = alone.state_dict()
+    assert (state["epoch"], state["samples"]) == (0, 8) and "epoch_seed" in state
+    rest = _ids(it)
+    ranks = []
+    for rank in range(2):
+        resumed = _fleet_loader(rank, 2)
+        resumed.load_state_dict(state)
+        ranks.append(_ids(resumed))
+    assert sorted(seen + ranks[0] + ranks[1]) == sorted(seen + rest)
+    assert [v for pair in zip(ranks[0], ranks[1]) for v in pair][:22] == rest
 
 
 def test_a_pass_read_to_its_end_resumes_at_the_next_epoch():
@@ -61,7 +100,10 @@ def test_a_pass_read_to_its_end_resumes_at_the_next_epoch():
     resumed.load_state_dict(state)
     reference = _fleet_loader()
     _ids(reference)
-    assert _ids(resumed) == _ids(reference)
+    torch.manual_seed(5)  # the random state a checkpoint brings back
+    expected = _ids(reference)
+    torch.manual_seed(5)
+    assert _ids(resumed) == expected
 
 
 def test_set_epoch_of_the_epoch_being_read_keeps_the_position():

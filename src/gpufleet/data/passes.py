@@ -45,6 +45,11 @@ class EpochPasses:
         """This rank's items of ``epoch``, in order."""
         raise NotImplementedError
 
+    def _count(self, epoch: int) -> int:
+        """How many items :meth:`_items` gives for ``epoch`` (override where the items
+        themselves cost more than their count, or must not be made yet)."""
+        return len(self._items(epoch))
+
     def _emit(self, live: Iterator[Any]) -> Iterator[Any]:
         """What the caller receives for the live items (override to copy them)."""
         return live
@@ -91,7 +96,7 @@ class EpochPasses:
         if consumed is None:
             return self.epoch, self.position
         epoch = self._pass_epoch
-        total = len(self._items(epoch))
+        total = self._count(epoch)
         if not isinstance(consumed, int) or isinstance(consumed, bool) \
                 or not 0 <= consumed <= total:
             raise ValueError(f"{name} = {consumed!r}: must be an int from 0 to {total} "
@@ -101,7 +106,7 @@ class EpochPasses:
     def _restore_position(self, epoch: Any, position: Any) -> None:
         """Make the next ``iter()`` continue ``position`` items into ``epoch``."""
         check_int("epoch", epoch, 0)
-        total = len(self._items(epoch))
+        total = self._count(epoch)
         if not isinstance(position, int) or not 0 <= position <= total:
             raise ValueError(f"sampler state position = {position!r}: must be from 0 to "
                              f"{total} (this rank's items in epoch {epoch}).")

@@ -32,6 +32,10 @@ class ResumableDistributedSampler(EpochPasses, Sampler[int]):
 
     Training mode (the default): each epoch draws a permutation from a generator seeded
     with ``seed + epoch`` (identical on every rank; ``shuffle=False`` keeps ``0..n-1``).
+    With ``draw_seeds`` and one rank, the seed is drawn from torch's random state when
+    the epoch is first read, as torch's ``RandomSampler`` draws one per pass, so a
+    one-process loop keeps the order its ``DataLoader(shuffle=True)`` had; the drawn
+    seed is saved with the position.
     It is padded by repeating indices from its start until its length divides
     ``world_size`` (or truncated to a multiple with ``drop_last``), and rank ``r`` takes
     ``indices[r::world_size]``, so every rank yields ``len(self)`` indices per epoch.
@@ -71,7 +75,7 @@ class ResumableDistributedSampler(EpochPasses, Sampler[int]):
 
     def __init__(self, dataset_len: int, *, rank: int = 0, world_size: int = 1,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False,
-                 eval_mode: bool = False) -> None:
+                 eval_mode: bool = False, draw_seeds: bool = False) -> None:
         super().__init__()
         check_int("dataset_len", dataset_len, 0)
         check_shard(rank, world_size, seed)
@@ -82,9 +86,11 @@ class ResumableDistributedSampler(EpochPasses, Sampler[int]):
         self.seed = seed
         self.drop_last = drop_last
         self.eval_mode = eval_mode
+        self.draw_seeds = draw_seeds and shuffle and world_size == 1
         # (epoch, samples): that epoch starts after its first `samples` permuted indices,
         # which ranks of an earlier run (of any world size) already consumed.
         self._offset = (0, 0)
+        self._drawn: dict[int, int] = {}  # epoch -> the seed its permutation came from
         self._init_passes()
 
     def __len__(self) -> int:
@@ -110,7 +116,7 @@ class ResumableDistributedSampler(EpochPasses, Sampler[int]):
             return list(range(self.rank, n, ws))
         if self.shuffle:
             g = torch.Generator()
-            g.manual_seed(self.seed + epoch)
+            g.manual_seed(self._epoch_seed(epoch))
             order = torch.randperm(n, generator=g).tolist()
         else:
             order = list(range(n))
@@ -123,6 +129,18 @@ class ResumableDistributedSampler(EpochPasses, Sampler[int]):
             rest += (order * math.ceil(pad / max(1, n)))[:pad]
         return rest[self.rank::ws]
 
+    def _epoch_seed(self, epoch: int) -> int:
+        """The seed of ``epoch``'s permutation: ``seed + epoch``, or with ``draw_seeds``
+        one drawn from torch's random state when the epoch is first read, as
+        ``RandomSampler`` draws one for each pass (kept: a resumed epoch reuses it)."""
+        if epoch in self._drawn:
+            return self._drawn[epoch]
+        if not self.draw_seeds:
+            return self.seed + epoch
+        drawn = int(torch.empty((), dtype=torch.int64).random_().item())
+        self._drawn = {epoch: drawn}  # earlier epochs are done with
+        return drawn
+
     def __iter__(self) -> Iterator[int]:
         if self.eval_mode:
             return iter(self.rank_indices(0))
@@ -130,6 +148,14 @@ class ResumableDistributedSampler(EpochPasses, Sampler[int]):
 
     def _items(self, epoch: int) -> list[int]:
         return self.rank_indices(epoch)
+
+    def _count(self, epoch: int) -> int:
+        """This rank's indices in ``epoch``, counted without drawing its order."""
+        n, ws = self.dataset_len, self.world_size
+        if self.eval_mode:
+            return len(range(self.rank, n, ws))
+        left = n - self._skipped(epoch)
+        return left // ws if self.drop_last else math.ceil(left / ws)
 
     def state_dict(self, consumed: int | None = None) -> dict[str, int]:
         """The position to resume from, as samples of the epoch consumed by all ranks.
@@ -152,8 +178,11 @@ class ResumableDistributedSampler(EpochPasses, Sampler[int]):
         """
         epoch, position = self._saved_position(consumed, "consumed")
         samples = min(self.dataset_len, self._skipped(epoch) + position * self.world_size)
-        return {"epoch": epoch, "samples": samples, "seed": self.seed,
-                "world_size": self.world_size, "dataset_len": self.dataset_len}
+        state = {"epoch": epoch, "samples": samples, "seed": self.seed,
+                 "world_size": self.world_size, "dataset_len": self.dataset_len}
+        if epoch in self._drawn:  # the epoch's permutation came from a drawn seed
+            state["epoch_seed"] = self._drawn[epoch]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next ``iter()`` continue right after ``state``'s position.
@@ -190,6 +219,9 @@ class ResumableDistributedSampler(EpochPasses, Sampler[int]):
             log.info("sampler: using the saved seed %d instead of %d to resume the same order",
                      state["seed"], self.seed)
         self.seed = state["seed"]
+        # A drawn seed is taken over for its epoch (at any world size); the epochs after
+        # it follow this sampler's own rule.
+        self._drawn = {epoch: state["epoch_seed"]} if "epoch_seed" in state else {}
         self._offset = (epoch, samples)
         self._restore_position(epoch, 0)
 

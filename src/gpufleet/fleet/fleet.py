@@ -87,8 +87,10 @@ class Fleet(FleetSetup, FleetComm):
             keeps the config's own.
         num_nodes: nodes (the ranks of each are started there).
         seed: seeds python, numpy and torch on every rank (the same seed everywhere)
-            and the loaders' shuffling (``run.seed``); None: your random state is left
-            as it is and the loaders shuffle from ``run.seed``'s default.
+            and, on several ranks, the loaders' shuffling (``run.seed``); None: your
+            random state is left as it is and the loaders of several ranks shuffle
+            from ``run.seed``'s default. In one process a loader shuffles as its own
+            ``RandomSampler`` would, from torch's random state.
         run_dir: the run directory (default: a new ``runs/<name>-<time>``).
         name: the run's name (default: the script's name, else ``fleet``).
         log_every: reduce the loss and phase times across ranks, log them and run the

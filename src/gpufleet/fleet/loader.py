@@ -3,7 +3,8 @@
 :meth:`gpufleet.fleet.Fleet.setup_dataloaders` rebuilds your loader around gpufleet's
 :class:`~gpufleet.data.sampler.ResumableDistributedSampler` (every rank draws the same
 permutation and takes every ``world_size``-th index of it, as torch's
-``DistributedSampler`` does with the same seed). The loader counts the samples your loop
+``DistributedSampler`` does with the same seed; in a job of one process, the order the
+loader's own ``RandomSampler`` would give). The loader counts the samples your loop
 has taken, so that :meth:`~gpufleet.fleet.Fleet.save` records the exact position, and
 tells the run that a batch is being waited for (the data phase).
 """
@@ -31,8 +32,12 @@ def shard_loader(loader: DataLoader, *, rank: int, world_size: int, seed: int
                  ) -> tuple[DataLoader, ResumableDistributedSampler]:
     """``loader`` rebuilt to read this rank's shard through a resumable sampler.
 
-    A loader that shuffled (a ``RandomSampler``) gets a shuffled permutation per epoch,
-    drawn from ``seed + epoch``; any other sampler's order becomes ``0..n-1``.
+    A loader that shuffled (a ``RandomSampler``) gets a shuffled permutation per epoch:
+    on several ranks drawn from ``seed + epoch`` (``DistributedSampler``'s order); in a
+    job of one process the order the ``RandomSampler`` itself would give (its seed
+    drawn from torch's random state each epoch), unless it has a generator, draws with
+    replacement or another number of samples. Any other sampler's order becomes
+    ``0..n-1``.
 
     Raises:
         ConfigError: the loader cannot be sharded this way (an iterable dataset, a
@@ -51,8 +56,14 @@ def shard_loader(loader: DataLoader, *, rank: int, world_size: int, seed: int
                           "own; give batch_size= instead, or pass "
                           "use_distributed_sampler=False and shard it yourself.")
     shuffle = isinstance(loader.sampler, RandomSampler)
+    # One process: the shuffle your RandomSampler would draw (its seed from torch's
+    # random state, each epoch); several: DistributedSampler's, from ``seed``.
+    plain = shuffle and type(loader.sampler) is RandomSampler and \
+        loader.sampler.generator is None and not loader.sampler.replacement and \
+        loader.sampler.num_samples == len(loader.dataset)
     sampler = ResumableDistributedSampler(len(loader.dataset), rank=rank,
-                                          world_size=world_size, shuffle=shuffle, seed=seed)
+                                          world_size=world_size, shuffle=shuffle, seed=seed,
+                                          draw_seeds=plain)
     kwargs = {k: getattr(loader, k) for k in _KEPT if hasattr(loader, k)}
     if not kwargs.get("num_workers"):  # torch refuses these without workers
         kwargs.pop("prefetch_factor", None)

@@ -108,8 +108,9 @@ class FleetSetup:
         """Each loader sharded over the ranks with a resumable sampler (its position is
         saved by :meth:`save`), its batches moved to this rank's device.
 
-        A loader that shuffled is shuffled per epoch from the run's seed
-        (``run.seed``), as torch's ``DistributedSampler(seed=...)`` would.
+        A loader that shuffled is shuffled per epoch as torch's
+        ``DistributedSampler(seed=run.seed)`` would on several ranks, and as its own
+        ``RandomSampler`` would in a job of one process.
 
         Returns:
             One :class:`~gpufleet.fleet.loader.FleetLoader`, or a tuple of them.
