@@ -75,6 +75,29 @@ def test_fleet_on_a_gpu_in_bf16_matches_the_plain_loop_and_writes_its_files(tmp_
                for r in late), late
 
 
+def test_fabrics_helpers_on_a_gpu(tmp_path):
+    """all_gather, broadcast, autocast and to_device on cuda, and log_dict of a cuda
+    tensor (read on the host)."""
+    fleet = gpufleet.Fleet(accelerator="cuda", devices=1, precision="bf16-mixed",
+                           run_dir=str(tmp_path / "run"))
+    gathered = fleet.all_gather({"x": torch.ones(2), "n": 3})
+    assert gathered["x"].device.type == "cuda" and gathered["x"].shape == (1, 2)
+    assert fleet.to_device([torch.ones(1)])[0].device.type == "cuda"
+    assert fleet.broadcast({"t": 1}) == {"t": 1}
+    with fleet.autocast():
+        assert (torch.ones(2, 2, device="cuda") @ torch.ones(2, 2, device="cuda")).dtype \
+            == torch.bfloat16
+    model = fleet.setup_module(_net())
+    opt = fleet.setup_optimizers(torch.optim.AdamW(model.parameters(), fused=True))
+    x = torch.randn(4, 32, device="cuda")
+    fleet.backward(model(x).float().square().mean())
+    opt.step()
+    fleet.log("acc", torch.tensor(0.5, device="cuda"))
+    fleet.finish()
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert any(json.loads(line).get("acc") == 0.5 for line in lines)
+
+
 def test_a_snapshot_of_cuda_state_holds_the_step_while_the_next_step_changes_it():
     """The parameter (changed only by the optimizer step) is copied on the side stream;
     the buffer (changed by the next forward) on the training stream. Both are changed
