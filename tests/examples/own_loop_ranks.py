@@ -93,6 +93,9 @@ def twin(out: Path) -> None:
                 "fleet_weights": model.state_dict(), "nan": nan, "fsdp": fsdp,
                 "comm": comm},
                out / f"twin-rank{rank}.pt")
+    # The plain loop made the process group: leave it, as its script does. Left to the
+    # interpreter's exit, torch's gloo group now and then aborts the process there.
+    torch.distributed.destroy_process_group()
 
 
 def crash(out: Path) -> None:

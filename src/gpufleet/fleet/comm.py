@@ -10,7 +10,8 @@ the built-in loop's are. In one process they return what a one-rank job would ga
 from __future__ import annotations
 
 import contextlib
-import datetime
+import itertools
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -21,18 +22,17 @@ from gpufleet.core.ring import RING
 from gpufleet.core.tree import to_device
 from gpufleet.errors import ConfigError, unknown_choice
 from gpufleet.fleet.run import FleetRun
-from gpufleet.launch import barrier
+from gpufleet.launch import barrier, job_store
 
 _REDUCE = ("mean", "sum", "max", "min")
-# rank_zero_first's wait: rank 0 may download or unpack for a long time first, longer
-# than the process group's timeout (which stays what the run set for the steps).
-_FIRST_WAIT = datetime.timedelta(days=1)
+# rank_zero_first: each use's number, and how often the others look whether rank 0 is
+# done (it may download or unpack for longer than the process group's timeout).
+_FIRSTS = itertools.count()
+_POLL_S = 0.05
 
 
 class FleetComm:
     """The collectives of :class:`~gpufleet.fleet.Fleet` (a part of it)."""
-
-    _first_group: Any = None  # rank_zero_first's own group (built at its first use)
 
     def _rank_run(self) -> FleetRun:  # Fleet's: the run, once this process is a rank
         raise NotImplementedError
@@ -89,28 +89,41 @@ class FleetComm:
         """Rank 0 (``local=True``: the first rank of each node) runs the block first,
         the others once it is done: a data set downloaded or unpacked once, then read by
         every rank. The others wait as long as it takes (not the process group's
-        timeout). COLLECTIVE. Use it before training: inside the steps, the wait counts
-        as the step's time, and a long one looks to the watchdog like a stalled step."""
+        timeout), polling the job's store. COLLECTIVE. Use it before training: inside
+        the steps, the wait counts as the step's time, and a long one looks to the
+        watchdog like a stalled step."""
         run = self._rank_run()
         if not run.strategy.reduces():
             yield
             return
-        if self._first_group is None:  # COLLECTIVE: every rank builds it here, once
-            self._first_group = dist.new_group(backend="gloo", timeout=_FIRST_WAIT)
+        # The same count on every rank (they call it in the same order): a key of its own.
+        key = f"gpufleet/rank_zero_first/{next(_FIRSTS)}" + (
+            f"/node{run.env.node_rank}" if local else "")
         first = (run.env.local_rank if local else run.env.rank) == 0
+        store = job_store()
+        if store is None:  # no store to poll: the process group's barrier
+            with _barrier_around(first):
+                yield
+            return
         if not first:
-            _wait_all(self._first_group)
-        try:
-            yield
-        finally:
-            if first:
-                _wait_all(self._first_group)
+            n = RING.enter("rank_zero_first", 0)
+            while not store.check([key]):  # short calls: the watchdog shares the client
+                time.sleep(_POLL_S)
+            RING.leave(n)
+        yield
+        if first:
+            store.set(key, "done")
 
 
-def _wait_all(group: Any) -> None:
-    n = RING.enter("barrier", 0)
-    dist.barrier(group=group)
-    RING.leave(n)
+@contextlib.contextmanager
+def _barrier_around(first: bool) -> Iterator[None]:
+    if not first:
+        barrier()
+    try:
+        yield
+    finally:
+        if first:
+            barrier()
 
 
 def _each_value(data: Any, fn: Any) -> Any:
