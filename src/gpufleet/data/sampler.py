@@ -95,10 +95,14 @@ class ResumableDistributedSampler(EpochPasses, Sampler[int]):
 
     def __len__(self) -> int:
         """Indices this rank yields in one full epoch (or one evaluation pass)."""
-        n, ws = self.dataset_len, self.world_size
+        return self._share(self.dataset_len)
+
+    def _share(self, left: int) -> int:
+        """This rank's indices when ``left`` samples of an epoch remain to be read."""
+        ws = self.world_size
         if self.eval_mode:
-            return len(range(self.rank, n, ws))
-        return n // ws if self.drop_last else math.ceil(n / ws)
+            return len(range(self.rank, self.dataset_len, ws))
+        return left // ws if self.drop_last else math.ceil(left / ws)
 
     def _skipped(self, epoch: int) -> int:
         """Samples of ``epoch`` that an earlier run consumed before this one took over."""
@@ -151,11 +155,7 @@ class ResumableDistributedSampler(EpochPasses, Sampler[int]):
 
     def _count(self, epoch: int) -> int:
         """This rank's indices in ``epoch``, counted without drawing its order."""
-        n, ws = self.dataset_len, self.world_size
-        if self.eval_mode:
-            return len(range(self.rank, n, ws))
-        left = n - self._skipped(epoch)
-        return left // ws if self.drop_last else math.ceil(left / ws)
+        return self._share(self.dataset_len - self._skipped(epoch))
 
     def state_dict(self, consumed: int | None = None) -> dict[str, int]:
         """The position to resume from, as samples of the epoch consumed by all ranks.

@@ -135,11 +135,14 @@ class StreamSample(Callback):
         event.record()
         self._events.append((bucket, event))
 
+    def _ends(self) -> list[int]:
+        """Where in the recorded events each sampled step that ended, ends."""
+        return [i for i, (bucket, _) in enumerate(self._events) if bucket == _SAMPLE_ENDS]
+
     def drop_open(self) -> None:
         """Drop a step being sampled (its events back to the pool); the samples that
         ended are kept for :meth:`take`."""
-        events = self._events
-        done = [i for i, (bucket, _) in enumerate(events) if bucket == _SAMPLE_ENDS]
+        events, done = self._events, self._ends()
         keep = done[-1] + 1 if done else 0
         self._pool.extend(e for _, e in events[keep:])
         self._events, self._on = events[:keep], False
@@ -148,8 +151,7 @@ class StreamSample(Callback):
         """Mean seconds per phase of the sampled steps that ended since the last call
         (None: none did); a step still being sampled is kept for the next call. Every
         event taken was recorded before the caller's sync, so nothing waits here."""
-        events = self._events
-        done = [i for i, (bucket, _) in enumerate(events) if bucket == _SAMPLE_ENDS]
+        events, done = self._events, self._ends()
         if not done:
             return None
         taken, self._events = events[:done[-1] + 1], events[done[-1] + 1:]
