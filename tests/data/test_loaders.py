@@ -96,3 +96,26 @@ def test_a_programs_own_freeze_is_kept_and_its_workers_still_inherit_no_garbage(
         gc.unfreeze()
     gc.collect()
     assert marks.read_text().split() == [str(os.getpid())]  # collected here, before the fork
+
+
+def test_a_fit_that_stops_mid_epoch_leaves_no_data_workers(tmp_path):
+    """Each fit of one process (a sweep, a notebook) used to leave its loader's
+    (persistent) workers, and what they prefetched, alive until the interpreter's exit."""
+    import psutil
+    import torch.nn.functional as F
+
+    import gpufleet
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    data = TensorDataset(torch.randn(512, 8), torch.randint(0, 2, (512,)))
+    for i in range(2):  # 12 steps of the 16 in an epoch: the iterator is not exhausted
+        gpufleet.fit(torch.nn.Linear(8, 2), data, loss_fn=F.cross_entropy,
+                     overrides={"run.max_steps": 12, "data.batch_size": 32,
+                                "data.num_workers": 2,
+                                "run.eval_every": 0, "log.progress": "off",
+                                "monitor.report": False, "run.dir": str(tmp_path / f"r{i}")})
+        left = [p for p in me.children(recursive=True)
+                if p.pid not in before and p.is_running()
+                and p.status() != psutil.STATUS_ZOMBIE]
+        assert left == [], f"fit {i} left {len(left)} process(es): {left}"

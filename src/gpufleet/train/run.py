@@ -173,10 +173,11 @@ class Run:
             self.state.stop_reason = reason or "a stop was requested"
 
     def close(self) -> None:
-        """Stop the watchdog's thread, let go of the run directory and the signal
-        handlers; called once when training ends, however it ends."""
+        """Stop the watchdog's thread and the data workers, let go of the run directory
+        and the signal handlers; called once when training ends, however it ends."""
         mon = self.monitors
         self.checkpointer.wait()  # a checkpoint written in the background is complete
+        self.data.close()
         if self.recovery is not None and self.recovery.growing is not None:
             self.recovery.growing.close()
         if mon.watchdog is not None:

@@ -52,6 +52,7 @@ class TrainStream:
         self.epoch, self.consumed = 0, 0
         self.samples, self.tokens = 0, 0
         self._batches: Any = None
+        self._loader_it: Any = None  # the loader's own iterator under _batches
 
     def start(self, epoch: int, consumed: int = 0) -> None:
         """Read from ``epoch`` on (the sampler already knows where in it: a resumed
@@ -65,7 +66,22 @@ class TrainStream:
         in process. Restore the sampler's position and call :meth:`start` next."""
         self._train.reshard(shard, shards)
         self._rank, self.data_copies = rank, data_copies
-        self._batches = None
+        self.close()
+
+    def close(self) -> None:
+        """Stop the loader's worker processes now, with what they prefetched (pinned
+        batches too). A run stops mid-epoch, and its iterator would otherwise keep its
+        workers until the garbage collector or the interpreter's exit reaches it: each
+        ``fit`` of a process (a sweep, a notebook) added a loader's workers and memory.
+        The next :meth:`start` begins a fresh pass."""
+        it, self._loader_it, self._batches = self._loader_it, None, None
+        # What torch's own iterator does when it is freed or runs out (persistent workers
+        # too: the loader is this run's).
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        if getattr(self._train.loader, "_iterator", None) is it:
+            self._train.loader._iterator = None
 
     def next(self) -> Any:
         """The next training batch on the device."""
@@ -119,7 +135,7 @@ class TrainStream:
         """
         loader = self._train.loader
         loader.generator.manual_seed(self._seed * 1_000_003 + self._rank * 7919 + self.epoch)
-        batches = iter(loader)
+        self._loader_it = batches = iter(loader)
         if self.device.type != "cuda":  # the loader already made the tensors
             return batches
         if self._device_prefetch:
