@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -229,54 +228,3 @@ def run_facts(trainer: Any, links: dict[str, Any] | None = None) -> RunFacts:
         facts.device_flops = cfg.monitor.peak_tflops * 1e12
         facts.device_flops_source = "peak" if cfg.monitor.peak_tflops else "measured matmul"
     return facts
-
-
-class SyncProbe(Callback):
-    """Runs ``steps`` optimizer steps (after two warm-up steps) under torch's CUDA
-    sync-debug mode and hands the places in the user's code that synchronised to the
-    advisor. CUDA only: on a CPU nothing ever waits for a device."""
-
-    def __init__(self, advisor: Advisor, steps: int, first_step: int = 3) -> None:
-        self.advisor, self.steps, self.first = advisor, steps, first_step
-        self._catcher: Any = None
-        self._records: list[Any] = []
-
-    def on_step_end(self, trainer: Any, step: int) -> None:
-        if step == self.first - 1:
-            self._catcher = warnings.catch_warnings(record=True)
-            self._records = self._catcher.__enter__()
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-        elif self._catcher is not None and step >= self.first - 1 + self.steps:
-            self._stop()
-
-    def on_fit_end(self, trainer: Any, result: Any) -> None:
-        if self._catcher is not None:
-            self._stop()
-
-    def _stop(self) -> None:
-        torch.cuda.set_sync_debug_mode("default")
-        self._catcher.__exit__(None, None, None)
-        self._catcher = None
-        self.advisor.syncs = user_syncs(self._records)
-
-
-def user_syncs(records: list[Any]) -> list[tuple[str, int]]:
-    """``(file:line, count)`` of sync warnings raised outside gpufleet itself (whose
-    own syncs are deliberate and once per log interval), most frequent first.
-
-    Example:
-        >>> import warnings
-        >>> w = warnings.WarningMessage("called a synchronizing CUDA operation",
-        ...                             UserWarning, "/home/me/model.py", 42)
-        >>> user_syncs([w, w])
-        [('/home/me/model.py:42', 2)]
-    """
-    ours = str(Path(__file__).resolve().parents[1])
-    counts: dict[str, int] = {}
-    for w in records:
-        if "synchroniz" not in str(w.message) or str(Path(w.filename).resolve()).startswith(ours):
-            continue
-        where = f"{w.filename}:{w.lineno}"
-        counts[where] = counts.get(where, 0) + 1
-    return sorted(counts.items(), key=lambda kv: -kv[1])

@@ -15,13 +15,14 @@ from gpufleet.fault.preempt import PreemptionWatch
 from gpufleet.fault.watchdog import Watchdog
 from gpufleet.launch import DistEnv, is_initialized, job_store
 from gpufleet.launch.netif import node_address
-from gpufleet.monitor.advisor import Advisor, SyncProbe, run_facts
+from gpufleet.monitor.advisor import Advisor, run_facts
 from gpufleet.monitor.arrival import ArrivalTimer
 from gpufleet.monitor.jsonl import MetricsFile
 from gpufleet.monitor.links import probe_node_links
 from gpufleet.monitor.phases import PhaseTimer
 from gpufleet.monitor.profile import ProfilerCallback
 from gpufleet.monitor.sinks import build_sinks
+from gpufleet.monitor.syncprobe import SyncProbe
 from gpufleet.monitor.system import SystemSampler
 from gpufleet.train.keeping import EarlyStopping
 from gpufleet.train.resilience import snapshots_of

@@ -1,0 +1,121 @@
+"""Finding the lines of a training step that make the CPU wait for the GPU.
+
+:class:`SyncProbe` runs a few optimizer steps under torch's CUDA sync-debug mode, which
+warns at each synchronising call (``.item()``, ``.cpu()``, ``torch.cuda.synchronize``,
+a data-dependent shape). The warning's own file and line are those of the Python frame
+running when the call synchronised, often torch's (``torch/cuda/__init__.py`` for
+``torch.cuda.synchronize``): no place to fix. So the probe takes the stack when the
+warning is shown and names the innermost frame outside torch (and the warnings module):
+the line that called into torch. Where that line is gpufleet's (the log interval's one
+deliberate read), the sync is left out of the finding.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+import warnings
+from collections import Counter
+from typing import Any
+
+import torch
+
+from gpufleet.core.callbacks import Callback
+
+#: what torch's sync-debug warnings say
+_SYNC_WARNING = r"(?s).*synchroniz"
+
+
+def _dirs() -> tuple[str, tuple[str, ...]]:
+    """gpufleet's package folder, and where a sync is never fixed: torch's package
+    folder and the warnings module (its frames show the warning)."""
+    def folder(path: str) -> str:
+        return os.path.dirname(os.path.abspath(path)) + os.sep
+
+    here = os.path.abspath(__file__)
+    return folder(os.path.dirname(here)), (folder(torch.__file__),
+                                          os.path.abspath(warnings.__file__))
+
+
+def sync_site(stack: list[traceback.FrameSummary], ours: str,
+              library: tuple[str, ...]) -> str | None:
+    """``file:line`` of the innermost frame of ``stack`` (outermost first) outside the
+    ``library`` folders; None where that frame is under the folder ``ours`` (gpufleet's
+    own sync) or every frame is library code. Folders end with the path separator.
+
+    Example:
+        >>> f = traceback.FrameSummary
+        >>> stack = [f("/home/me/train.py", 42, "step"),
+        ...          f("/py/torch/cuda/__init__.py", 1270, "synchronize")]
+        >>> sync_site(stack, "/py/gpufleet/", ("/py/torch/",))
+        '/home/me/train.py:42'
+        >>> sync_site([f("/py/gpufleet/x.py", 3, "log")] + stack[1:], "/py/gpufleet/",
+        ...           ("/py/torch/",))
+    """
+    for frame in reversed(stack):
+        path = os.path.abspath(frame.filename)
+        if path.startswith(library):
+            continue
+        return None if path.startswith(ours) else f"{frame.filename}:{frame.lineno}"
+    return None
+
+
+class SyncProbe(Callback):
+    """Runs ``steps`` optimizer steps (after ``first_step - 1`` warm-up steps) under
+    torch's CUDA sync-debug mode and hands the places in your code that synchronised to
+    ``advisor`` (its ``syncs``: ``(file:line, count)``, most frequent first). CUDA only:
+    on a CPU nothing ever waits for a device. Other warnings are shown as usual.
+
+    Args:
+        advisor: the run's :class:`~gpufleet.monitor.advisor.Advisor`.
+        steps: steps to probe.
+        first_step: the first step probed.
+        set_mode: sets the sync-debug mode (default: ``torch.cuda.set_sync_debug_mode``).
+    """
+
+    def __init__(self, advisor: Any, steps: int, first_step: int = 3,
+                 set_mode: Any = None) -> None:
+        self.advisor, self.steps, self.first = advisor, steps, first_step
+        self._set_mode = set_mode or torch.cuda.set_sync_debug_mode
+        self._catcher: Any = None
+        self._show: Any = None
+        self._places: Counter[str] = Counter()
+        self._dirs = _dirs()
+
+    def on_step_end(self, trainer: Any, step: int) -> None:
+        if step == self.first - 1:
+            self.start()
+        elif self._catcher is not None and step >= self.first - 1 + self.steps:
+            self.stop()
+
+    def on_fit_end(self, trainer: Any, result: Any) -> None:
+        if self._catcher is not None:
+            self.stop()
+
+    def start(self) -> None:
+        """Warn at each synchronising call from now on, and note where it came from."""
+        self._catcher = warnings.catch_warnings()  # restores filters and showwarning
+        self._catcher.__enter__()
+        warnings.filterwarnings("always", message=_SYNC_WARNING)
+        self._show = warnings.showwarning
+        warnings.showwarning = self._seen
+        self._set_mode("warn")
+
+    def stop(self) -> None:
+        """Stop warning; hand the places found to the advisor."""
+        self._set_mode("default")
+        self._catcher.__exit__(None, None, None)
+        self._catcher = None
+        self.advisor.syncs = self._places.most_common()
+
+    def _seen(self, message: Any, category: Any, filename: str, lineno: int,
+              file: Any = None, line: Any = None) -> None:
+        if "synchroniz" not in str(message):
+            self._show(message, category, filename, lineno, file, line)
+            return
+        # The stack of the thread that synchronised, without this frame and the warnings
+        # module's (library code either way).
+        where = sync_site(traceback.extract_stack(sys._getframe(1)), *self._dirs)
+        if where is not None:
+            self._places[where] += 1
