@@ -1,4 +1,4 @@
-"""Every CUDA path checked and every GPU target measured, in one call of under 10 minutes.
+"""Every CUDA path checked and every GPU target measured, in two calls of under 10 minutes.
 
 Stages, each a child process with its own time budget (a stage that fails or runs out of
 time is recorded, and the next one runs):
@@ -20,7 +20,12 @@ What lands in ``--out``: ``results.md`` (ready to paste into benchmarks/RESULTS.
 after every stage, so a run cut short still leaves what it measured. ``--dry-run``
 runs every stage with tiny sizes (on the CPU when there is no GPU) to prove the plumbing.
 
-    bash scripts/gpu_check.sh                      # on the GPU machine: OUT=... or --out
+On an H200 (2026-11-27) the stages took 112, 139, 58, 136, 75 and about 80 s: more
+than one device call's 10 minutes. So run it as two calls, the checks first (about 435 s
+of budgets), then the comparisons (about 265 s):
+
+    bash scripts/gpu_check.sh --stages tests,default_job,mfu,prefetch   # OUT=... or --out
+    bash scripts/gpu_check.sh --stages peers,monitor
     OUT=/tmp/gpu_dry bash scripts/gpu_check.sh --dry-run
     python benchmarks/gpu_suite.py --out DIR --stages mfu,prefetch --budget 300
 """
@@ -166,12 +171,17 @@ def _prefetch(ctx: Context) -> list[str]:
 
 STAGES = [  # budgets: what each took on an H200 (2026-11-27), plus a margin
     Stage("tests", 125, _tests),
-    Stage("peers", 150, _peers, "peers_mlp.json"),  # 81 s before both breakdowns
+    Stage("peers", 175, _peers, "peers_mlp.json"),  # 139 s before the 4 CUDA input rows
     Stage("default_job", 70, _default_job, "default-job"),
-    Stage("mfu", 145, _mfu, "mfu.json"),
-    Stage("monitor", 70, _monitor, "monitor.json"),
-    Stage("prefetch", 55, _prefetch, "prefetch.json"),  # unknown: it aborted at 49 s
+    Stage("mfu", 150, _mfu, "mfu.json"),
+    Stage("monitor", 90, _monitor, "monitor.json"),
+    # ~75 s to its results; its exit then waited 21 s for the data workers of earlier
+    # fits (fixed since: TrainStream.close), so the stage ran out at 94 s
+    Stage("prefetch", 90, _prefetch, "prefetch.json"),
 ]
+
+#: seconds one device call leaves the suite (a call runs 10 minutes at most)
+CALL_S = 575.0
 
 
 # -- running ----------------------------------------------------------------------------
@@ -261,7 +271,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true",
                    help="tiny sizes, CPU where there is no GPU: proves the plumbing")
     p.add_argument("--budget", type=float, default=None,
-                   help="seconds for the whole suite (default: 575; dry run: 400)")
+                   help="seconds for the whole suite (default: the stages' budgets, at "
+                        "most 575; dry run: 400)")
     p.add_argument("--stages", default=",".join(names), help=f"of: {', '.join(names)}")
     p.add_argument("--mfu-args", default="", metavar="FLAGS",
                    help="extra flags for benchmarks/mfu.py, e.g. '--batch 32'")
@@ -274,7 +285,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--stages: unknown {', '.join(unknown)}; choose from {', '.join(names)}")
     args.stages = [s for s in STAGES if s.name in chosen]
     if args.budget is None:
-        args.budget = 400.0 if args.dry_run else 575.0
+        needed = sum(s.budget_s for s in args.stages)
+        args.budget = 400.0 if args.dry_run else min(CALL_S, needed)
+        if not args.dry_run and needed > CALL_S:
+            print(f"note: these stages' budgets add up to {needed:.0f} s, more than one "
+                  f"device call's {CALL_S:.0f} s, so each gets less; run them in two calls "
+                  "(--stages tests,default_job,mfu,prefetch, then --stages peers,monitor)",
+                  file=sys.stderr, flush=True)
     return args
 
 

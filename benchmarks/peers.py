@@ -35,9 +35,10 @@ hands its queued kernels to the next one: a block's mean is then the loop's thro
 its host work hidden behind the GPU's as far as the loop lets it be.
 
 ``--breakdown`` adds gpufleet loops that each leave out one part of the defaults (the
-watchdog, the non-finite guard, monitoring), one with a metrics line every 50 steps
-instead of 10, and prints what each part costs a step against the defaults, in µs and
-as a share of Fabric's step: where the distance to Fabric sits.
+watchdog, the non-finite guard, monitoring; on CUDA the side-stream prefetch and the
+pinned batches), one with a metrics line every 50 steps instead of 10, and prints what
+each part costs a step against the defaults, in µs and as a share of Fabric's step:
+where the distance to Fabric sits.
 """
 
 from __future__ import annotations
@@ -317,6 +318,13 @@ PARTS = {"watchdog": {"fault.watchdog": False},
          "  of monitoring: diagnosis": {"monitor.diagnose": False}}
 
 
+#: --breakdown on CUDA: the input path's parts (a CPU run has neither). Each is a few CUDA
+#: calls a step on the host (a pinned copy made by the loader, the side stream's wait
+#: and record_stream), against a copy that takes microseconds for small batches.
+CUDA_PARTS = {"  of the input: side-stream prefetch": {"data.device_prefetch": False},
+              "  of the input: pinned batches": {"data.pin_memory": False}}
+
+
 #: --breakdown: your own loop on Fleet without its guard (Fleet's guard: the row's gap)
 FLEET_NO_GUARD = "gpufleet Fleet - non-finite guard"
 
@@ -454,8 +462,9 @@ def main() -> None:
     loops["gpufleet bare"] = gpufleet_loop(BARE)
     loops["gpufleet Fleet"] = fleet_loop({})
     loops["gpufleet Fleet mon. off"] = fleet_loop(MONITORING_OFF)
+    parts = {**PARTS, **(CUDA_PARTS if args.device == "cuda" else {})}
     if args.breakdown:
-        for part, extra in PARTS.items():
+        for part, extra in parts.items():
             loops[f"gpufleet - {part}"] = gpufleet_loop(extra)
         loops[FLEET_NO_GUARD] = fleet_loop(PARTS["non-finite guard"])
     print(machine_summary())
@@ -497,7 +506,7 @@ def main() -> None:
     if args.breakdown and "Lightning Fabric" in loops:
         fabric_i, defaults_i = names.index("Lightning Fabric"), names.index("gpufleet defaults")
         without = {"monitoring": "gpufleet monitoring off",
-                   **{part: f"gpufleet - {part}" for part in PARTS}}
+                   **{part: f"gpufleet - {part}" for part in parts}}
         times = {n: (blocks(baton.wall[i]), blocks(baton.cpu[i])) for i, n in enumerate(names)}
         print_breakdown(times, names[fabric_i], names[defaults_i], without)
         print_breakdown(times, names[fabric_i], "gpufleet Fleet",
