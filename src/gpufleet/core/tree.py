@@ -1,4 +1,4 @@
-"""Walking a (nested) tuple, list or dict of tensors: moving it, sizing it.
+"""Walking a (nested) tuple, list, dict or dataclass of tensors: moving it, sizing it.
 
 Example:
     >>> batch_size_of((torch.zeros(4, 3), torch.zeros(4)))
@@ -7,25 +7,49 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import copy
+import dataclasses
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
 
 
 def map_tensors(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """Apply ``fn`` to every tensor in a (nested) tuple, list or dict; keep the rest.
+    """Apply ``fn`` to every tensor in a (nested) tuple, list, dict or dataclass; keep the
+    rest. Containers keep their type, as torch's own ``pin_memory`` keeps it: a
+    namedtuple stays one, a ``BatchEncoding`` or ``OrderedDict`` too (a mapping that
+    cannot be copied becomes a dict).
 
     Example:
         >>> map_tensors({"x": torch.ones(2), "n": 3}, lambda t: t * 2)
         {'x': tensor([2., 2.]), 'n': 3}
+        >>> from collections import namedtuple
+        >>> map_tensors(namedtuple("Batch", "x y")(torch.ones(1), 0), lambda t: t * 2)
+        Batch(x=tensor([2.]), y=0)
     """
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if isinstance(batch, Mapping):
-        return {k: map_tensors(v, fn) for k, v in batch.items()}
+        mapped = {k: map_tensors(v, fn) for k, v in batch.items()}
+        if type(batch) is dict:
+            return mapped
+        try:
+            if isinstance(batch, MutableMapping):  # defaultdict, UserDict, BatchEncoding
+                clone = copy.copy(batch)
+                clone.update(mapped)
+                return clone
+            return type(batch)(mapped)
+        except TypeError:
+            return mapped
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(map_tensors(v, fn) for v in batch))
     if isinstance(batch, (tuple, list)):
         return type(batch)(map_tensors(v, fn) for v in batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{
+            f.name: map_tensors(getattr(batch, f.name), fn)
+            for f in dataclasses.fields(batch) if f.init})
     return batch
 
 
@@ -39,6 +63,8 @@ def first_tensor(batch: Any) -> torch.Tensor | None:
         return batch
     if isinstance(batch, Mapping):
         batch = list(batch.values())
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        batch = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
     if isinstance(batch, (tuple, list)):
         for v in batch:
             t = first_tensor(v)
