@@ -21,27 +21,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import calltimes  # (this script's folder)
 import peers  # the peers' jobs and loops (this script's folder)
 import torch
 
 from gpufleet.bench.machine import machine_summary
 from gpufleet.train.nonfinite import NonFiniteGuard
 
-_now = time.perf_counter_ns
-_times: dict[str, list[int]] = {}
-
-
-def _timed(owner: Any, name: str, key: str) -> None:
-    original = getattr(owner, name)
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        start = _now()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            _times.setdefault(key, []).append(_now() - start)
-
-    setattr(owner, name, call)
+_now = calltimes.now
+_times = calltimes.TIMES
+_timed = calltimes.time_calls
 
 
 def _flag_gradients_in_parts(self: NonFiniteGuard, step_loss: torch.Tensor,

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any
 
+import calltimes  # (this script's folder)
 import peers  # the peers' jobs and loops (this script's folder)
 import torch
 
@@ -27,21 +27,9 @@ from gpufleet.core.phases import PhaseAnnouncer
 from gpufleet.train.interval import LogInterval
 from gpufleet.train.loop import Trainer
 
-_now = time.perf_counter_ns
-_times: dict[str, list[int]] = {}
-
-
-def _timed(owner: Any, name: str, key: str) -> None:
-    original = getattr(owner, name)
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        start = _now()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            _times.setdefault(key, []).append(_now() - start)
-
-    setattr(owner, name, call)
+_now = calltimes.now
+_times = calltimes.TIMES
+_timed = calltimes.time_calls
 
 
 def _time_each_on_log() -> None:
