@@ -116,6 +116,11 @@ def main() -> None:
     if args.out:
         torch.save(seen, Path(args.out) / f"fabric-rank{fabric.global_rank}.pt")
     fabric.print(f"final loss {seen['losses'][-1]:.4f}, eval mse {seen['eval_mse'][-1]:.4f}")
+    if torch.distributed.is_initialized():
+        # Fabric leaves its process group to the interpreter's exit, where gloo's threads
+        # can abort the process after the work is done ("terminate called without an
+        # active exception"); PyTorch asks for this call before exiting.
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

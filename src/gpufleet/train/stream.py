@@ -66,7 +66,7 @@ class TrainStream:
         in process. Restore the sampler's position and call :meth:`start` next."""
         self._train.reshard(shard, shards)
         self._rank, self.data_copies = rank, data_copies
-        self.close()
+        self._batches = None  # persistent workers stay, for the next pass
 
     def close(self) -> None:
         """Stop the loader's worker processes now, with what they prefetched (pinned
