@@ -1,6 +1,7 @@
 """The sync probe names the line of your step that called into torch, not torch's own
-file, and leaves gpufleet's deliberate reads out (torch's sync-debug mode needs CUDA:
-here torch's warning is raised by code that runs as a file of torch's folder)."""
+file; it leaves gpufleet's deliberate reads out and keeps a sync inside torch that
+gpufleet called for you (torch's sync-debug mode needs CUDA: here torch's warning is
+raised by code that runs as a file of torch's folder)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,13 @@ import warnings
 def synchronize():
     warnings.warn("called a synchronizing CUDA operation", UserWarning)
 """
-_CALLS = """
-def log_line(fn):
+_GPUFLEET = """
+import warnings
+
+def log_line():  # gpufleet's own read, in its own line
+    warnings.warn("called a synchronizing CUDA operation", UserWarning)
+
+def backward(fn):  # gpufleet calling into torch for you
     return fn()
 """
 
@@ -37,7 +43,8 @@ def _runs_in(package: object, source: str, name: str) -> object:
 
 def test_the_probe_names_the_line_that_called_into_torch_and_leaves_out_gpufleets_own():
     synchronize = _runs_in(torch, _SYNCS, "synchronize")  # like torch.cuda.synchronize
-    gpufleet_log_line = _runs_in(gpufleet, _CALLS, "log_line")
+    log_line = _runs_in(gpufleet, _GPUFLEET, "log_line")
+    backward = _runs_in(gpufleet, _GPUFLEET, "backward")
     modes: list[str] = []
     advisor = SimpleNamespace(syncs=[])
     probe = SyncProbe(advisor, steps=2, first_step=3, set_mode=modes.append)
@@ -50,13 +57,18 @@ def test_the_probe_names_the_line_that_called_into_torch_and_leaves_out_gpufleet
         for _ in range(3):
             line = sys._getframe().f_lineno + 1
             synchronize()  # your step's line
-        gpufleet_log_line(synchronize)  # gpufleet's own read: left out
-        warnings.warn("an unrelated warning")  # shown as usual
+        log_line()  # gpufleet's own read: left out
+        backward(synchronize)  # a sync inside torch that gpufleet called: kept
+        warnings.warn("an unrelated warning", stacklevel=1)  # shown as usual
         probe.on_step_end(None, 3)
         probe.on_step_end(None, 4)  # two steps probed: it stops
         synchronize()  # after the probe: nobody counts it
     assert modes == ["warn", "default"]
-    assert advisor.syncs == [(f"{__file__}:{line}", 3)]
+    torch_place = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)),
+                               "_stand_in.py")
+    ours = os.path.join(os.path.dirname(os.path.abspath(gpufleet.__file__)), "_stand_in.py")
+    assert advisor.syncs == [(f"{__file__}:{line}", 3),
+                             (f"{torch_place}:5 (called from gpufleet's {ours}:8)", 1)]
     assert [str(w.message) for w in shown] == ["an unrelated warning",
                                                "called a synchronizing CUDA operation"]
     assert warnings.showwarning is before

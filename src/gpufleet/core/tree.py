@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Mapping, MutableMapping
+from collections import UserDict
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import torch
 
 
 def map_tensors(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """Apply ``fn`` to every tensor in a (nested) tuple, list, dict or dataclass; keep the
-    rest. Containers keep their type, as torch's own ``pin_memory`` keeps it: a
-    namedtuple stays one, a ``BatchEncoding`` or ``OrderedDict`` too (a mapping that
-    cannot be copied becomes a dict).
+    """Apply ``fn`` to every tensor in a (nested) tuple, list, dict or dataclass, in new
+    containers; keep the rest. Containers keep their type: a namedtuple stays one; a
+    dict subclass (``OrderedDict``, ``Counter``, a Transformers ``ModelOutput``) or a
+    ``UserDict`` (``BatchEncoding``) is a copy with its items set; a dataclass is a
+    copy with its fields set (no ``__init__`` or ``__post_init__`` runs again); another
+    mapping is rebuilt from a dict where its type takes one, else it becomes a dict.
 
     Example:
         >>> map_tensors({"x": torch.ones(2), "n": 3}, lambda t: t * 2)
@@ -31,26 +34,55 @@ def map_tensors(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if isinstance(batch, Mapping):
-        mapped = {k: map_tensors(v, fn) for k, v in batch.items()}
-        if type(batch) is dict:
-            return mapped
-        try:
-            if isinstance(batch, MutableMapping):  # defaultdict, UserDict, BatchEncoding
-                clone = copy.copy(batch)
-                clone.update(mapped)
-                return clone
-            return type(batch)(mapped)
-        except TypeError:
-            return mapped
+        return _mapping_like(batch, {k: map_tensors(v, fn) for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-        return type(batch)(*(map_tensors(v, fn) for v in batch))
+        items = [map_tensors(v, fn) for v in batch]
+        try:
+            return type(batch)(*items)
+        except TypeError:  # a constructor of its own
+            return tuple(items)
     if isinstance(batch, (tuple, list)):
         return type(batch)(map_tensors(v, fn) for v in batch)
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        return dataclasses.replace(batch, **{
-            f.name: map_tensors(getattr(batch, f.name), fn)
-            for f in dataclasses.fields(batch) if f.init})
+        clone = copy.copy(batch)
+        for f in dataclasses.fields(batch):
+            object.__setattr__(clone, f.name, map_tensors(getattr(batch, f.name), fn))
+        return clone
     return batch
+
+
+def _mapping_like(original: Mapping, items: dict) -> Any:
+    """``items`` in a mapping of ``original``'s type where that is safe (see
+    :func:`map_tensors`); ``original`` is left as it was."""
+    if type(original) is dict:
+        return items
+    try:
+        if isinstance(original, (dict, UserDict)):  # a copy owns its items
+            clone = copy.copy(original)
+            for k, v in items.items():  # item by item: a Counter's update() adds
+                clone[k] = v
+            return clone
+        if not isinstance(original, MutableMapping):
+            return type(original)(items)
+    except Exception:  # e.g. a mapping that refuses item assignment
+        pass
+    return items  # a mutable mapping of another kind: its copy may share its state
+
+
+def each_tensor(batch: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a (nested) tuple, list, dict or dataclass, in order, without
+    building anything."""
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, Mapping):
+        for v in batch.values():
+            yield from each_tensor(v)
+    elif isinstance(batch, (tuple, list)):
+        for v in batch:
+            yield from each_tensor(v)
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        for f in dataclasses.fields(batch):
+            yield from each_tensor(getattr(batch, f.name))
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
@@ -59,18 +91,7 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
 
 
 def first_tensor(batch: Any) -> torch.Tensor | None:
-    if isinstance(batch, torch.Tensor):
-        return batch
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        batch = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
-    if isinstance(batch, (tuple, list)):
-        for v in batch:
-            t = first_tensor(v)
-            if t is not None:
-                return t
-    return None
+    return next(each_tensor(batch), None)
 
 
 def batch_size_of(batch: Any) -> int:

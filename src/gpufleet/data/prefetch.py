@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from gpufleet.core.tree import map_tensors, to_device
+from gpufleet.core.tree import each_tensor, to_device
 
 _END = object()  # marks an exhausted loader in the one-batch look-ahead
 
@@ -98,4 +98,6 @@ class DevicePrefetcher:
 
 def _record_stream(batch: Any, stream: torch.cuda.Stream) -> None:
     """Call ``record_stream(stream)`` on every CUDA tensor in a nested batch."""
-    map_tensors(batch, lambda t: t.record_stream(stream) if t.is_cuda else None)
+    for t in each_tensor(batch):
+        if t.is_cuda:
+            t.record_stream(stream)

@@ -5,9 +5,10 @@ warns at each synchronising call (``.item()``, ``.cpu()``, ``torch.cuda.synchron
 a data-dependent shape). The warning's own file and line are those of the Python frame
 running when the call synchronised, often torch's (``torch/cuda/__init__.py`` for
 ``torch.cuda.synchronize``): no place to fix. So the probe takes the stack when the
-warning is shown and names the innermost frame outside torch (and the warnings module):
-the line that called into torch. Where that line is gpufleet's (the log interval's one
-deliberate read), the sync is left out of the finding.
+warning is shown and names the innermost frame outside torch: the line that called into
+torch. A sync made in gpufleet's own line (the log interval's one deliberate read) is
+left out; one inside torch that gpufleet called for you (your loss, backward, the loss
+scaler) keeps torch's place and names gpufleet's caller.
 """
 
 from __future__ import annotations
@@ -27,38 +28,51 @@ from gpufleet.core.callbacks import Callback
 _SYNC_WARNING = r"(?s).*synchroniz"
 
 
-def _dirs() -> tuple[str, tuple[str, ...]]:
-    """gpufleet's package folder, and where a sync is never fixed: torch's package
-    folder and the warnings module (its frames show the warning)."""
+def _dirs() -> tuple[str, str, tuple[str, ...]]:
+    """gpufleet's package folder, torch's, and the files of the warnings machinery
+    (whose frames show the warning: ``warnings.py``, and ``_py_warnings.py`` from Python
+    3.14 on)."""
     def folder(path: str) -> str:
         return os.path.dirname(os.path.abspath(path)) + os.sep
 
-    here = os.path.abspath(__file__)
-    return folder(os.path.dirname(here)), (folder(torch.__file__),
-                                          os.path.abspath(warnings.__file__))
+    stdlib = folder(warnings.__file__)
+    return (folder(os.path.dirname(os.path.abspath(__file__))), folder(torch.__file__),
+            (stdlib + "warnings.py", stdlib + "_py_warnings.py"))
 
 
-def sync_site(stack: list[traceback.FrameSummary], ours: str,
-              library: tuple[str, ...]) -> str | None:
-    """``file:line`` of the innermost frame of ``stack`` (outermost first) outside the
-    ``library`` folders; None where that frame is under the folder ``ours`` (gpufleet's
-    own sync) or every frame is library code. Folders end with the path separator.
+def sync_site(stack: list[traceback.FrameSummary], ours: str, torch_dir: str,
+              machinery: tuple[str, ...] = ()) -> str | None:
+    """Where a sync happened, from the ``stack`` (outermost first) that warned of it:
+    the innermost frame outside torch (the line of your code that called into torch);
+    where that frame is gpufleet's, torch's own place, naming gpufleet's caller (your
+    loss or model run by gpufleet, backward, the loss scaler: a sync all the same).
+    None where the sync is gpufleet's own, made in its own line (the log interval's one
+    read). Folders end with the path separator; frames in ``machinery`` are skipped.
 
     Example:
         >>> f = traceback.FrameSummary
-        >>> stack = [f("/home/me/train.py", 42, "step"),
-        ...          f("/py/torch/cuda/__init__.py", 1270, "synchronize")]
-        >>> sync_site(stack, "/py/gpufleet/", ("/py/torch/",))
+        >>> sync = f("/py/torch/cuda/__init__.py", 1270, "synchronize")
+        >>> sync_site([f("/home/me/train.py", 42, "step"), sync], "/py/gpufleet/", "/py/torch/")
         '/home/me/train.py:42'
-        >>> sync_site([f("/py/gpufleet/x.py", 3, "log")] + stack[1:], "/py/gpufleet/",
-        ...           ("/py/torch/",))
+        >>> sync_site([f("/py/gpufleet/base.py", 9, "backward"), sync], "/py/gpufleet/",
+        ...           "/py/torch/")
+        "/py/torch/cuda/__init__.py:1270 (called from gpufleet's /py/gpufleet/base.py:9)"
+        >>> sync_site([f("/py/gpufleet/interval.py", 3, "close")], "/py/gpufleet/",
+        ...           "/py/torch/")
     """
-    for frame in reversed(stack):
+    frames = [fr for fr in stack if os.path.abspath(fr.filename) not in machinery]
+    if not frames or os.path.abspath(frames[-1].filename).startswith(ours):
+        return None
+    inner = frames[-1]
+    for frame in reversed(frames):
         path = os.path.abspath(frame.filename)
-        if path.startswith(library):
+        if path.startswith(torch_dir):
             continue
-        return None if path.startswith(ours) else f"{frame.filename}:{frame.lineno}"
-    return None
+        if path.startswith(ours):
+            return (f"{inner.filename}:{inner.lineno} "
+                    f"(called from gpufleet's {frame.filename}:{frame.lineno})")
+        return f"{frame.filename}:{frame.lineno}"
+    return f"{inner.filename}:{inner.lineno}"
 
 
 class SyncProbe(Callback):
@@ -105,7 +119,8 @@ class SyncProbe(Callback):
     def stop(self) -> None:
         """Stop warning; hand the places found to the advisor."""
         self._set_mode("default")
-        self._catcher.__exit__(None, None, None)
+        warnings.showwarning = self._show  # with context-aware warnings (Python 3.14
+        self._catcher.__exit__(None, None, None)  # free-threaded) the exit keeps ours
         self._catcher = None
         self.advisor.syncs = self._places.most_common()
 
@@ -114,8 +129,7 @@ class SyncProbe(Callback):
         if "synchroniz" not in str(message):
             self._show(message, category, filename, lineno, file, line)
             return
-        # The stack of the thread that synchronised, without this frame and the warnings
-        # module's (library code either way).
+        # The stack of the thread that synchronised, from the warnings module's frame out.
         where = sync_site(traceback.extract_stack(sys._getframe(1)), *self._dirs)
         if where is not None:
             self._places[where] += 1

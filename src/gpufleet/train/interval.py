@@ -1,17 +1,15 @@
 """One log interval: what the loop adds up between log lines, reduced across ranks once
 at its end (:class:`LogInterval`).
 
-Each step's loss is kept on the device by reference; at the interval's end they travel
-in its one reduction and are summed on the host (nothing per step waits for the GPU or
-adds a device operation); samples and tokens are host counts from batch shapes. At the
-end of the interval one all-reduce carries the losses, the gradient norm, the counts,
-the non-finite guard's pending probes and every rank's phase times: the loop's only
-host-device sync.
+Each step's loss is kept on the device by reference and the interval's are summed at
+its end in one reduction (nothing per step waits for the GPU or adds a device
+operation); samples and tokens are host counts from batch shapes. At the end of the interval one
+all-reduce carries the loss, the gradient norm, the counts, the non-finite guard's
+pending probes and every rank's phase times: the loop's only host-device sync.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
@@ -56,12 +54,13 @@ class LogInterval:
         seconds = time.perf_counter() - self.start
         world, guard, timer = run.env.world_size, run.nonfinite, run.monitors.phase_timer
         samples, tokens = run.data.take_counts()
-        # On the device: each step's loss, the last gradient norm, the guard's flags and
-        # your step's values, in one float32 vector (bf16 and fp16 values convert
-        # exactly); on the host: the counts and this rank's phase times. Few operations:
-        # at sub-millisecond steps each one is a visible share of the log line.
-        steps = len(self.losses)
-        parts = [torch.stack([*self.losses, self.grad_norm.to(run.device)]).float()]
+        # On the device: the loss sum, the last gradient norm, the guard's flags and your
+        # step's values; on the host: the counts and this rank's phase times.
+        # The losses as one float32 vector (a copy; bf16 and fp16 losses convert exactly),
+        # summed in one reduction.
+        loss_sum = (torch.stack(self.losses).float().sum() if self.losses
+                    else torch.zeros((), device=run.device))
+        parts = [torch.stack([loss_sum, self.grad_norm.float().to(run.device)])]
         skips = guard.pending() if guard is not None else None  # on the device path
         if skips is not None:  # the same on every rank: the sum is world times it
             parts.append(skips)
@@ -87,15 +86,14 @@ class LogInterval:
         if run.strategy.reduces():
             stats = torch.cat([stats, torch.tensor(host, dtype=torch.float32,
                                                    device=run.device)])
-            # COLLECTIVE + SYNC, once per log interval: each step's loss summed over
-            # ranks, the exact global sample and token counts, and every rank's phase
-            # times.
+            # COLLECTIVE + SYNC, once per log interval: mean loss over ranks and
+            # micro-steps, the exact global sample and token counts, and every rank's
+            # phase times.
             run.strategy.all_reduce(stats)
             values = stats.tolist()
         else:  # one process: nothing to reduce, the host values stay on the host
             values = stats.tolist() + host  # SYNC, once per log interval
-        loss_total, norm_total, rest = math.fsum(values[:steps]), values[steps], \
-            values[steps + 1:]
+        loss_total, norm_total, *rest = values
         micro_steps = self.micro_steps
         if skips is not None:
             loss_total = guard.settle([v / world for v in rest[:len(skips)]],
