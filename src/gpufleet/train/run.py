@@ -177,7 +177,6 @@ class Run:
         and the signal handlers; called once when training ends, however it ends."""
         mon = self.monitors
         self.checkpointer.wait()  # a checkpoint written in the background is complete
-        self.data.close()
         if self.recovery is not None and self.recovery.growing is not None:
             self.recovery.growing.close()
         if mon.watchdog is not None:
@@ -186,3 +185,4 @@ class Run:
             self.run_lock.release()
         if mon.preemption is not None:
             mon.preemption.close()
+        self.data.close()  # last: the rest is let go of even if a worker fails to stop
