@@ -215,13 +215,15 @@ def test_leaving_the_old_group_cuts_the_peers_connections_and_keeps_the_stores()
     prefixed = dist.PrefixStore("gpufleet", client)
     assert store_endpoint(prefixed) == frozenset({("127.0.0.2", job.port)})
     peer = socket.create_server(("127.0.0.2", 0))
-    pair = socket.create_connection(peer.getsockname())
+    # The pair leaves from 127.0.0.3 (the store's connection from 127.0.0.1): this process
+    # is both ends of the pair and of the store's connection (as rank 0 is when it serves
+    # the store). Not 127.0.0.1 as a node's address: connections that earlier tests of
+    # this worker process left to it would be cut and counted too.
+    pair = socket.create_connection(peer.getsockname(), source_address=("127.0.0.3", 0))
     accepted, _ = peer.accept()
     accepted.settimeout(10)  # a connection left open fails the test, not hangs it
-    # Connections here leave from 127.0.0.1: this process is both ends of the pair and
-    # of the store's connection (as rank 0 is when it serves the store).
     watchdog = SimpleNamespace(heartbeats=lambda: [{"rank": 0, "addr": "127.0.0.2"},
-                                                   {"rank": 1, "addr": "127.0.0.1"},
+                                                   {"rank": 1, "addr": "127.0.0.3"},
                                                    None, {"rank": 3, "addr": ""}])
     try:
         assert cut_old_group(watchdog, prefixed) == 2  # the pair's two ends; no store's
