@@ -15,16 +15,15 @@ each telling the run when its part of a step begins.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import types
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from gpufleet.core.phases import Phase
+from gpufleet.core.tree import map_tensors
 
 
 class FleetModule(nn.Module):
@@ -78,41 +77,20 @@ def float32_outputs(value: Any) -> Any:
     """``value`` with its bf16 and fp16 tensors as float32 (other dtypes, float64 too, as
     they are), through tuples (named ones too), lists, mappings and dataclasses (a
     Transformers ``ModelOutput`` is both), as Fabric converts a mixed-precision forward's
-    output. Containers are rebuilt, never changed in place: a list or dict the model
-    keeps and returns stays the model's. A container that cannot be rebuilt from its
-    items is returned as it is.
+    output. Containers are new ones of the same type (see
+    :func:`~gpufleet.core.tree.map_tensors`), never changed in place: a list or dict the
+    model keeps and returns stays the model's.
 
     Example:
         >>> out = float32_outputs({"h": (torch.ones(1, dtype=torch.bfloat16),), "n": 3})
         >>> out["h"][0].dtype, out["n"]
         (torch.float32, 3)
     """
-    if isinstance(value, torch.Tensor):
-        return value.float() if value.dtype in (torch.bfloat16, torch.float16) else value
-    try:
-        if isinstance(value, tuple):
-            items = [float32_outputs(v) for v in value]
-            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-        if isinstance(value, list):
-            return type(value)(float32_outputs(v) for v in value)
-        if isinstance(value, Mapping):
-            changed = {k: new for k, v in value.items() if (new := float32_outputs(v)) is not v}
-            if not changed:
-                return value
-            if type(value) is dict or not isinstance(value, MutableMapping):
-                return type(value)({**value, **changed})
-            out = copy.copy(value)  # a ModelOutput: a copy with the changed items set
-            for k, v in changed.items():
-                out[k] = v
-            return out
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            changed = {f.name: new for f in dataclasses.fields(value) if f.init
-                       and (new := float32_outputs(getattr(value, f.name))) is not
-                       getattr(value, f.name)}
-            return dataclasses.replace(value, **changed) if changed else value
-    except TypeError:  # a container whose constructor takes something else
-        return value
-    return value
+    return map_tensors(value, _as_float32)
+
+
+def _as_float32(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.float() if tensor.dtype in (torch.bfloat16, torch.float16) else tensor
 
 
 def hook_step(optimizer: torch.optim.Optimizer,
