@@ -138,7 +138,11 @@ def test_an_fsdp_backward_straggler_is_named_and_the_clean_steps_before_it_are_n
     facts = RunFacts(world=2, local_world=2, cores=2, strategy="fsdp")
     assert all(r["rank_arrival"][0]["wait"] >= 0 for r in records.values())  # measured
     clean = _rules(diagnose(_over([records[10], records[15]]), facts))
-    assert "straggler" not in clean, clean["straggler"].message
+    # Two ranks that share 2 cores with a parallel test run are never exactly even: a
+    # 5-15% excess is said as an info of low confidence (documented), never a warning.
+    quiet = clean.get("straggler")
+    assert quiet is None or (quiet.severity, quiet.confidence) == ("info", "low"), \
+        quiet.message
     found = diagnose(_over([records[25], records[30]]), facts)
     f = _rules(found)["straggler"]
     # On one node the collectives' own cost is never a warning: gloo's tiny transfers
