@@ -75,6 +75,28 @@ def test_a_loop_marks_its_phases_by_its_calls(tmp_path):
     assert [r["step"] for r in logged if r.get("kind") == "train"] == [2, 4]
 
 
+def test_a_batch_read_before_the_model_is_set_up_begins_nothing(tmp_path):
+    """A loop that reads a batch to size its model, then builds and sets it up, trains
+    a whole epoch after it (the peek's pass ended, as a DataLoader's would)."""
+    fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run"), log_every=2)
+    loader = fleet.setup_dataloaders(DataLoader(_data(), batch_size=8, shuffle=True))
+    x, y = next(iter(loader))
+    torch.manual_seed(0)
+    net = torch.nn.Linear(x.shape[1], y.shape[1])
+    model, optimizer = fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    seen = 0
+    for x, y in loader:
+        fleet.backward(F.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        seen += len(x)
+    fleet.finish()
+    assert seen == 32 and fleet.step == 4
+    logged = [json.loads(line) for line in
+              (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if r.get("kind") == "train"] == [2, 4]
+
+
 def test_the_optimizer_is_rebuilt_by_name_and_stays_an_optimizer(tmp_path):
     fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run"))
     net = _net()

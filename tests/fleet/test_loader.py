@@ -128,6 +128,84 @@ def test_a_resumed_pass_does_not_draw_from_torchs_rng():
     assert torch.equal(torch.get_rng_state(), before)
 
 
+def _plain_loader() -> DataLoader:
+    return DataLoader(DATA, batch_size=4, shuffle=True)
+
+
+def _two_batches_an_epoch(loader, epochs: int = 3, set_epoch: bool = False) -> list[int]:
+    """A loop that limits its epochs to two batches (``break``)."""
+    seen = []
+    for epoch in range(epochs):
+        if set_epoch:
+            loader.set_epoch(epoch)
+        for i, batch in enumerate(loader):
+            seen.append(batch)
+            if i == 1:
+                break
+    return _ids(seen)
+
+
+def test_a_pass_left_before_its_end_starts_afresh_as_a_dataloader_does():
+    """A loop that breaks out of its epoch reads what the same loop over its own
+    DataLoader reads: each new pass from the start of a newly drawn order (the left pass
+    does not go on), with the same draws from torch's random state."""
+    torch.manual_seed(11)
+    theirs = _two_batches_an_epoch(_plain_loader())
+    after = torch.get_rng_state()
+    torch.manual_seed(11)
+    run = _fleet_loader()
+    assert _two_batches_an_epoch(run) == theirs
+    assert torch.equal(torch.get_rng_state(), after)
+    assert run.epoch == 3  # each left pass ended its epoch
+    # A peek at one batch (its shapes) leaves its pass too: training then reads a whole
+    # epoch, as it would from the DataLoader.
+    torch.manual_seed(2)
+    plain = _plain_loader()
+    next(iter(plain))
+    theirs = _ids(plain)
+    torch.manual_seed(2)
+    run = _fleet_loader()
+    next(iter(run))
+    assert _ids(run) == theirs and len(theirs) == 30
+
+
+def test_set_epoch_with_a_left_pass_reads_each_epochs_start():
+    world, rank = 3, 1
+    theirs = DistributedSampler(DATA, num_replicas=world, rank=rank, seed=3)
+    expected = []
+    for epoch in range(3):
+        theirs.set_epoch(epoch)
+        expected += [int(DATA[i][0]) for i in list(theirs)[:8]]  # two batches of 4
+    assert _two_batches_an_epoch(_fleet_loader(rank, world), set_epoch=True) == expected
+
+
+def test_a_checkpoint_after_a_left_pass_resumes_at_the_next_epochs_start():
+    torch.manual_seed(0)
+    whole = _fleet_loader()
+    _two_batches_an_epoch(whole, epochs=1)
+    expected = _two_batches_an_epoch(whole, epochs=1)  # the epoch after the left one
+    torch.manual_seed(0)
+    run = _fleet_loader()
+    _two_batches_an_epoch(run, epochs=1)
+    state, rng = run.state_dict(), torch.get_rng_state()
+    assert (state["epoch"], state["samples"]) == (1, 0)
+    resumed = _fleet_loader()
+    resumed.load_state_dict(state)
+    torch.set_rng_state(rng)
+    assert _two_batches_an_epoch(resumed, epochs=1) == expected
+
+
+def test_an_older_iterator_dropped_late_does_not_move_the_epoch():
+    run = _fleet_loader()
+    older = iter(run)
+    next(older)
+    newer = iter(run)  # the newer pass (the older one is left: epoch 1 begins)
+    first = next(newer)
+    del older  # closed after the newer pass began: nothing changes
+    assert run.epoch == 1
+    assert len(_ids([first]) + _ids(newer)) == 30
+
+
 def test_loaders_it_cannot_shard_are_named():
     class Stream(IterableDataset):
         def __iter__(self):

@@ -95,6 +95,9 @@ class FleetLoader:
         self.samples = 0
         self._ended = False  # the last pass was read to its end (StopIteration)
         self._resumed_mid_pass = False  # loaded a position inside an epoch
+        self._passes = 0  # passes begun (numbers them)
+        self._live: tuple[int, int] | None = None  # the pass under way: (number, epoch)
+        self._taken = 0  # batches the pass under way handed out
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -119,8 +122,41 @@ class FleetLoader:
         if self.sampler is not None and epoch != self.sampler.epoch:
             self.sampler.set_epoch(epoch)
             self.consumed = 0
+            self._live = None  # the pass under way, if any, no longer decides the next
 
     def __iter__(self) -> Iterator[Any]:
+        """A pass over the epoch, from its saved position after a load.
+
+        One pass at a time, and a pass your loop leaves before its end (a ``break``, an
+        ``iter()`` dropped or begun anew) ends that epoch, as a new pass of a DataLoader
+        starts afresh: the next pass reads the next epoch from its start (in one
+        process, in a newly drawn order, as your loader's own ``RandomSampler`` would),
+        and a checkpoint saved in between resumes there. A loop that keeps its iterator
+        (``it = iter(loader)``) reads on in the epoch."""
+        if self._live is not None:  # a pass begun anew: the one under way is left
+            self._leave(*self._live)
+        self._passes += 1
+        epoch = self.sampler.epoch if self.sampler is not None else 0
+        self._live, self._taken = (self._passes, epoch), 0
+        return self._pass(self._passes, epoch)
+
+    def _leave(self, number: int, epoch: int) -> None:
+        """Pass ``number`` (of ``epoch``) ended: if it took a batch and stopped before
+        the end of its items, the next pass begins the next epoch."""
+        if self._live is None or self._live[0] != number:
+            return  # not the pass under way (a newer one began, or a load since)
+        self._live = None
+        if self._taken and not self._ended and self.sampler is not None:
+            self.sampler.set_epoch(epoch + 1)
+            self._ended, self.consumed = True, 0
+
+    def _pass(self, number: int, epoch: int) -> Iterator[Any]:
+        try:
+            yield from self._batches()
+        finally:  # read to its end, or left (GeneratorExit)
+            self._leave(number, epoch)
+
+    def _batches(self) -> Iterator[Any]:
         if self.sampler is not None:
             # Counted from where this pass starts in the sampler's items (0 for a new
             # epoch and for a resumed one, whose items begin after the saved position).
@@ -144,6 +180,7 @@ class FleetLoader:
                 self._ended = True
                 return
             n = batch_size_of(batch)
+            self._taken += 1
             self.consumed += n
             self.samples += n
             yield batch if to_device is None else to_device(batch)
@@ -173,6 +210,7 @@ class FleetLoader:
         self.sampler.load_state_dict(state)
         self._resumed_mid_pass = state["samples"] > 0
         self._ended = False
+        self._live = None  # a pass under way no longer decides where the next begins
         self.consumed = 0  # the resumed pass's items begin after the saved position
 
 

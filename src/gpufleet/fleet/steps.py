@@ -62,7 +62,10 @@ class StepTracker:
             self.announce(Phase.DATA)
 
     def _first_announce(self, phase: Phase) -> None:
-        """The loop's first step begins: build the monitors, then announce as usual."""
+        """The loop's first step begins: build the monitors, then announce as usual. A
+        batch read before any model is set up (a peek at its shapes) begins nothing."""
+        if self.run.model is None:
+            return
         self._begin()
         self.announce(phase)
 
