@@ -72,3 +72,15 @@ def test_the_probe_names_the_line_that_called_into_torch_and_leaves_out_gpufleet
     assert [str(w.message) for w in shown] == ["an unrelated warning",
                                                "called a synchronizing CUDA operation"]
     assert warnings.showwarning is before
+
+
+def test_a_run_that_fails_inside_the_probed_steps_leaves_warnings_as_they_were():
+    modes: list[str] = []
+    probe = SyncProbe(SimpleNamespace(syncs=[]), steps=5, first_step=3,
+                      set_mode=modes.append)
+    before, filters = warnings.showwarning, list(warnings.filters)
+    probe.on_step_end(None, 2)  # probing from step 3 on
+    assert warnings.showwarning is not before
+    probe.on_exception(None, RuntimeError("the step failed"))
+    assert modes == ["warn", "default"]
+    assert warnings.showwarning is before and warnings.filters == filters

@@ -70,6 +70,13 @@ class Callback:
     def on_fit_end(self, trainer: Any, result: Any) -> None:
         """After the last step, the final evaluation and the final checkpoint."""
 
+    def on_exception(self, trainer: Any, error: BaseException) -> None:
+        """The run failed with ``error`` (an exception, ``KeyboardInterrupt`` too), which
+        is raised again after this; :meth:`on_fit_end` is not called. Let go of what the
+        callback holds beyond the run (threads, open files, process-wide hooks), so that
+        a process that goes on (a notebook) keeps none of it. An error raised here is
+        logged, never raised in place of ``error``."""
+
 
 class CallbackList:
     """Dispatches each hook to the callbacks that override it, looked up once."""
@@ -82,7 +89,7 @@ class CallbackList:
         for hook in _HOOKS:
             base = getattr(Callback, hook)
             owners = [c for c in self.callbacks if getattr(type(c), hook, base) is not base]
-            listeners = [getattr(c, hook) if c.essential
+            listeners = [getattr(c, hook) if c.essential and hook != "on_exception"
                          else _tolerant(c, getattr(c, hook), self.failures) for c in owners]
             if hook == "on_log":  # once per log interval: each callback's time is kept
                 self.log_seconds: dict[str, float] = {}
@@ -101,7 +108,7 @@ class CallbackList:
 
 
 _HOOKS = ("on_fit_start", "on_phase", "on_phase_marks", "on_step_end", "on_log", "on_eval",
-          "on_user_log", "on_checkpoint", "on_fit_end")
+          "on_user_log", "on_checkpoint", "on_fit_end", "on_exception")
 
 
 def _dispatcher(listeners: list[Any]) -> Any:
@@ -141,7 +148,9 @@ def _tolerant(callback: Callback, fn: Any, record: dict[str, str]) -> Any:
             record.setdefault(getattr(callback, "name", name),
                               f"{fn.__name__}: {type(e).__name__}: {e}"[:300])
             if failures == 1 or failures % 100 == 0:
-                log.error("%s failed in %s (%d time(s) so far): %s: %s. Training goes on "
-                          "without it.", name, fn.__name__, failures, type(e).__name__, e)
+                after = ("" if fn.__name__ == "on_exception" else
+                         " Training goes on without it.")
+                log.error("%s failed in %s (%d time(s) so far): %s: %s.%s", name,
+                          fn.__name__, failures, type(e).__name__, e, after)
 
     return call

@@ -187,7 +187,12 @@ class Fleet(FleetSetup, FleetComm):
 
     def _run_here(self, fn: Callable[..., Any], args: tuple) -> Any:
         with crash_reported(self._rank_run().view):
-            out = fn(self, *args)
+            try:
+                out = fn(self, *args)
+            except BaseException as error:  # what the run holds is let go of here
+                atexit.unregister(self._at_exit)
+                self._steps.abort(error)
+                raise
             self.finish()
         return out
 

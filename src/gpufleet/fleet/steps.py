@@ -215,6 +215,19 @@ class StepTracker:
         run.callbacks.on_log(run.view, run.state.step, metrics)
 
     # -- the end ------------------------------------------------------------------------
+    def abort(self, error: BaseException) -> None:
+        """The loop failed with ``error``: the callbacks let go of what they hold
+        (``on_exception``), the watchdog stops and the run directory is unlocked; no last
+        log interval, no diagnosis."""
+        if self.finished:
+            return
+        self.finished = True
+        try:
+            if self.interval is not None:  # the callbacks were told the run started
+                self.run.callbacks.on_exception(self.run.view, error)
+        finally:
+            self.run.close()
+
     def end(self, collective: bool) -> None:
         """The last log interval (``collective``: every rank is here), the result, the
         callbacks' end (diagnosis.json), report.html; the watchdog stopped and the run

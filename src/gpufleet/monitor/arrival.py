@@ -114,6 +114,9 @@ class ArrivalTimer(Callback):
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
 
+    def on_exception(self, trainer: Any, error: BaseException) -> None:
+        self.on_fit_end(trainer, None)
+
     def _allreduce(self, group, bucket):
         """torch's default all-reduce hook, with the time this bucket was ready noted.
         Unannotated: DDP refuses a hook whose annotations are not its own classes."""

@@ -48,3 +48,6 @@ class MetricsFile(Callback):
         if self._file is not None:
             self._file.close()
             self._file = None
+
+    def on_exception(self, trainer: Any, error: BaseException) -> None:
+        self.on_fit_end(trainer, None)

@@ -115,6 +115,12 @@ class ProfilerCallback(Callback):
                      "writing what was traced.", trainer.step, self.first, self.last)
             self._finish()
 
+    def on_exception(self, trainer: Any, error: BaseException) -> None:
+        if self._prof is not None:  # the steps up to the failure: often what explains it
+            log.info("Training failed at step %d, inside the profile window %d-%d; "
+                     "writing what was traced.", trainer.step, self.first, self.last)
+            self._finish()
+
     def _start(self, step: int) -> None:
         import torch
         import torch.distributed as dist

@@ -217,6 +217,9 @@ class Progress(Callback):
             self._live.stop()  # draws the final frame
             self._live = self._bar = None
 
+    def on_exception(self, trainer: Any, error: BaseException) -> None:
+        self.on_fit_end(trainer, None)  # the traceback prints below the view, not in it
+
     def _route_logging(self, to_bar: bool) -> None:
         """While the view is live, rich swaps sys.stderr for a proxy that prints above
         it; log handlers opened earlier still hold the real stderr, so point them at the

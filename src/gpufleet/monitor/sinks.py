@@ -158,13 +158,19 @@ class _Sink(Callback):
             self.active = False
             self.close()
 
+    def on_exception(self, trainer: Any, error: BaseException) -> None:
+        if self.active:  # what was sent stays; the run is marked as failed where it can be
+            self.active = False
+            self.close(failed=True)
+
     def open(self) -> None:
         raise NotImplementedError
 
     def send(self, values: dict[str, float], step: int) -> None:
         raise NotImplementedError
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Flush and let go; ``failed``: the training run failed."""
         raise NotImplementedError
 
 
@@ -184,7 +190,7 @@ class TensorBoardSink(_Sink):
         for name, value in values.items():
             self.writer.add_scalar(name, value, step)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.writer.close()
 
 
@@ -237,9 +243,9 @@ class MLflowSink(_Sink):
         self.client.log_batch(self.run_id, metrics=[
             Metric(k, v, now, step) for k, v in values.items()])
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self.own_run:
-            self.client.set_terminated(self.run_id)
+            self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
 
 
 class WandbSink(_Sink):
@@ -257,8 +263,8 @@ class WandbSink(_Sink):
     def send(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
 
 
 # name -> (class, the module that must import, the pip package that provides it)

@@ -107,6 +107,9 @@ class SyncProbe(Callback):
         if self._catcher is not None:
             self.stop()
 
+    def on_exception(self, trainer: Any, error: BaseException) -> None:
+        self.on_fit_end(trainer, None)  # sync-debug mode off, warnings shown as before
+
     def start(self) -> None:
         """Warn at each synchronising call from now on, and note where it came from."""
         self._catcher = warnings.catch_warnings()  # restores filters and showwarning

@@ -199,6 +199,9 @@ class SystemSampler(Callback):
     def on_fit_end(self, trainer: Any, result: Any) -> None:
         self.stop()
 
+    def on_exception(self, trainer: Any, error: BaseException) -> None:
+        self.stop()
+
     # -- control -----------------------------------------------------------------------
     def start(self) -> None:
         """Open NVML and the file, start the thread, which primes the counters and then
