@@ -78,6 +78,21 @@ def test_a_failed_fit_leaves_no_thread_or_hook_and_callbacks_hear_it(tmp_path, e
     assert _ours() == before
 
 
+def test_a_callback_failing_at_the_start_leaves_no_sampler_running(tmp_path):
+    class FailsToStart(Heard):
+        def on_fit_start(self, trainer) -> None:  # after the run's own sampler started
+            raise RuntimeError("cannot start")
+
+    before, cb = _ours(), FailsToStart()
+    with pytest.raises(RuntimeError, match="cannot start"):
+        gpufleet.fit(FailsAt(0, RuntimeError("unused")), _data(), loss_fn=F.mse_loss,
+                     callbacks=[cb],
+                     overrides={"run.out_dir": str(tmp_path), "run.max_steps": 5,
+                                "data.batch_size": 4, "monitor.system_interval_s": 0.05})
+    assert [str(e) for e in cb.errors] == ["cannot start"]
+    assert _ours() == before
+
+
 def test_a_failed_fleet_launch_lets_go_too(tmp_path):
     heard, before = Heard(), _ours()
 

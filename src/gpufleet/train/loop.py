@@ -68,9 +68,8 @@ class Trainer:
                     except Exception as error:  # peers lost: go on without them, or raise
                         if run.recovery is None or not run.recovery.recover(error):
                             raise
-        except BaseException as error:  # the run failed: callbacks let go of what they hold
-            if self._started:
-                run.callbacks.on_exception(run.view, error)
+        except BaseException as error:  # the run failed (also before or in on_fit_start):
+            run.callbacks.on_exception(run.view, error)  # callbacks let go of what they hold
             raise
         finally:
             self.run.close()
