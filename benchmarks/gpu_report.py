@@ -125,10 +125,17 @@ def _summary_prefetch(ctx: Any) -> dict[str, Any]:
     return _read_json(ctx.work / "prefetch.json") or {}
 
 
+PEER_JOBS = ("mlp", "gpt")
+
+
 def _summary_peers(ctx: Any) -> dict[str, Any]:
-    """Each job's table (``mlp``, ``gpt``), as far as the stage wrote them."""
-    return {job: found for job in ("mlp", "gpt")
-            if (found := _read_json(ctx.work / f"peers_{job}.json"))}
+    """Each job's table (``mlp``, ``gpt``), and the input paths' (``input_path``), as far
+    as the stage wrote them."""
+    found = {job: table for job in PEER_JOBS
+             if (table := _read_json(ctx.work / f"peers_{job}.json"))}
+    if paths := _read_json(ctx.work / "input_path.json"):
+        found["input_path"] = paths
+    return found
 
 
 # -- targets ------------------------------------------------------------------------------
@@ -161,6 +168,8 @@ def targets(stages: dict[str, dict[str, Any]]) -> list[tuple[str, str, str]]:
                            r["ratio"], lambda v: v <= MONITOR_RATIO_TARGET,
                            lambda v: f"{v:.3f}", noise_below=1 - 5 * (MONITOR_RATIO_TARGET - 1)))
     for job, table in stages.get("peers", {}).items():
+        if job not in PEER_JOBS:
+            continue
         loops = {r["loop"]: r["wall_us"] for r in table.get("rows", [])}
         fabric = loops.get("Lightning Fabric")
         for loop in ("gpufleet defaults", "gpufleet Fleet"):
@@ -275,9 +284,20 @@ def _md_prefetch(s: dict[str, Any]) -> list[str]:
 
 def _md_peers(tables: dict[str, Any]) -> list[str]:
     out: list[str] = []
-    for s in tables.values():
-        out += [*([""] if out else []), *_md_peer_table(s)]
+    for job in PEER_JOBS:
+        if job in tables:
+            out += [*([""] if out else []), *_md_peer_table(tables[job])]
+    if "input_path" in tables:
+        out += [*([""] if out else []), *_md_input_paths(tables["input_path"])]
     return out
+
+
+def _md_input_paths(s: dict[str, Any]) -> list[str]:
+    out = [f"`benchmarks/input_path.py` ({s.get('device')}; batches of {s.get('batch')} x "
+           f"{s.get('features')}; host µs a batch, medians of turns):", "",
+           "| path | wall µs | CPU µs | vs Fabric's |", "|---|---|---|---|"]
+    return out + [f"| {r['path']} | {r['wall_us']:.1f} | {r['cpu_us']:.1f} | "
+                  f"{r['ratio']:.3f} |" for r in s.get("rows", [])]
 
 
 def _md_peer_table(s: dict[str, Any]) -> list[str]:

@@ -10,10 +10,11 @@ time is recorded, and the next one runs):
 4. ``monitor``: ``benchmarks/monitor_overhead.py`` on the GPU (all monitoring, phase
    timing, the sampler and the non-finite check, each on against off, interleaved).
 5. ``prefetch``: ``benchmarks/prefetch.py`` (the side-stream prefetcher on against off).
-6. ``peers``: ``benchmarks/peers.py --device cuda`` twice (gpufleet's defaults,
-   ``Fleet`` and the hand-written loop beside Lightning Fabric, Accelerate and the
-   Lightning Trainer, on the MLP in fp32 with ``--breakdown``, then on the built-in GPT
-   in bf16, warm); one stage, so that ``--out`` holds at most 8 files.
+6. ``peers``: ``benchmarks/input_path.py`` (each way a batch reaches the GPU, alone),
+   then ``benchmarks/peers.py --device cuda`` twice (gpufleet's defaults, ``Fleet`` and
+   the hand-written loop beside Lightning Fabric, Accelerate and the Lightning Trainer,
+   on the MLP in fp32 with ``--breakdown``, then on the built-in GPT in bf16, warm); one
+   stage, so that ``--out`` holds at most 8 files.
 
 What lands in ``--out``: ``results.md`` (ready to paste into benchmarks/RESULTS.md),
 ``results.json`` and one ``<stage>.log`` per stage; both results files are rewritten
@@ -22,7 +23,7 @@ runs every stage with tiny sizes (on the CPU when there is no GPU) to prove the 
 
 On an H200 (2026-11-27) the stages took 112, 139, 58, 136, 75 and about 80 s: more
 than one device call's 10 minutes. So run it as two calls, the checks first (about 435 s
-of budgets), then the comparisons (about 265 s):
+of budgets), then the comparisons (about 285 s):
 
     bash scripts/gpu_check.sh --stages tests,default_job,mfu,prefetch   # OUT=... or --out
     bash scripts/gpu_check.sh --stages peers,monitor
@@ -144,9 +145,13 @@ def _monitor(ctx: Context) -> list[str]:
 
 
 def _peers(ctx: Context) -> list[str]:
-    """Both jobs, one after the other, in one shell (the second runs when the first
-    fails too; the stage fails when either does)."""
-    runs = []
+    """The input paths alone, then both jobs, one after the other, in one shell (each
+    runs when one before it fails too; the stage fails when any does)."""
+    paths = [ctx.python, str(REPO / "benchmarks" / "input_path.py"), "--json",
+             str(ctx.work / "input_path.json")]
+    paths += ["--device=cpu", "--batches=50", "--repeats=1"] if ctx.dry_run else \
+        ["--device=cuda"]
+    runs = [shlex.join(paths)]
     for job, precision, extra in (("mlp", "fp32", ["--steps=1000", "--breakdown"]),
                                   ("gpt", "bf16", ["--steps=400", "--breakdown"])):
         cmd = [ctx.python, str(REPO / "benchmarks" / "peers.py"), f"--job={job}",
@@ -157,7 +162,8 @@ def _peers(ctx: Context) -> list[str]:
         else:
             cmd += ["--device=cuda", f"--precision={precision}", *extra]
         runs.append(shlex.join(cmd))
-    return ["bash", "-c", f"{runs[0]}; first=$?; {runs[1]} && exit $first"]
+    script = "; ".join(f"{run} || failed=1" for run in runs)
+    return ["bash", "-c", f"failed=0; {script}; exit $failed"]
 
 
 def _prefetch(ctx: Context) -> list[str]:
@@ -171,7 +177,8 @@ def _prefetch(ctx: Context) -> list[str]:
 
 STAGES = [  # budgets: what each took on an H200 (2026-11-27), plus a margin
     Stage("tests", 125, _tests),
-    Stage("peers", 175, _peers, "peers_mlp.json"),  # 139 s before the 4 CUDA input rows
+    # 139 s before the 4 CUDA input rows; the input paths alone add about 20 s
+    Stage("peers", 195, _peers, "peers_mlp.json"),
     Stage("default_job", 70, _default_job, "default-job"),
     Stage("mfu", 150, _mfu, "mfu.json"),
     Stage("monitor", 90, _monitor, "monitor.json"),
