@@ -179,7 +179,11 @@ def test_a_slow_pipeline_stage_is_named_and_a_clean_pipeline_is_not(run_cli, tmp
             "--max-steps", "20", "--run-dir", "runs/p")
     found = {f["rule"]: f for f in json.loads(
         (tmp_path / "runs" / "p" / "diagnosis.json").read_text())["findings"]}
-    assert "straggler" not in found and "communication-bound" not in found
+    # Ranks sharing 2 cores are never exactly even: at most a low-confidence info.
+    for rule in ("straggler", "communication-bound"):
+        quiet = found.get(rule)
+        assert quiet is None or (quiet["severity"], quiet["confidence"]) == \
+            ("info", "low"), quiet["message"]
     if not delay:
         assert "slow-stage" not in found, found["slow-stage"]["message"]
         return
