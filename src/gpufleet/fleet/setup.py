@@ -110,7 +110,9 @@ class FleetSetup:
 
         A loader that shuffled is shuffled per epoch as torch's
         ``DistributedSampler(seed=run.seed)`` would on several ranks, and as its own
-        ``RandomSampler`` would in a job of one process.
+        ``RandomSampler`` would in a job of one process; a sampler of your own
+        (weighted, a subset) keeps its draws, sharded over the ranks as Fabric shards
+        them.
 
         Returns:
             One :class:`~gpufleet.fleet.loader.FleetLoader`, or a tuple of them.
