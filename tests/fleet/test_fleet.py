@@ -112,6 +112,24 @@ def test_the_optimizer_is_rebuilt_by_name_and_stays_an_optimizer(tmp_path):
     fleet.finish()
 
 
+def test_a_scheduler_built_before_setup_is_named(tmp_path, caplog):
+    """Fabric wraps the optimizer it is given, so a scheduler built before setup still
+    reaches training; Fleet rebuilds it, and that scheduler would silently not."""
+    fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run"))
+    net = _net()
+    early = torch.optim.SGD(net.parameters(), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(early, step_size=1)
+    with caplog.at_level("WARNING", logger="gpufleet.fleet.setup"):
+        fleet.setup(net, early)
+    assert "scheduler was built on this SGD before fleet.setup" in caplog.text
+    caplog.clear()
+    model = fleet.setup_module(_net())
+    with caplog.at_level("WARNING", logger="gpufleet.fleet.setup"):
+        fleet.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert "scheduler" not in caplog.text  # none built: nothing to say
+    fleet.finish()
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_nonfinite_step_is_skipped_on_the_device_path(tmp_path, device):
     """A fused optimizer takes the guard's flag: the skipped step changes nothing and
