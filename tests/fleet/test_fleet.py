@@ -199,6 +199,18 @@ def test_a_fleet_of_several_ranks_asks_for_launch(tmp_path):
     assert fleet.world_size == 2 and fleet.run is None  # the ranks are not started yet
     with pytest.raises(ConfigError, match=r"fleet.launch\(fn\)"):
         fleet.setup(_net())
+    with pytest.raises(ConfigError, match=r"gpufleet run script.py --nproc N"):
+        fleet.launch()  # Fabric's form: the ranks must be started for it
+
+
+def test_launch_without_a_function_on_a_rank_does_nothing(tmp_path):
+    """A Fabric script's first line after Fabric(...) is fabric.launch(); it was a
+    TypeError on Fleet."""
+    fleet = gpufleet.Fleet(accelerator="cpu", devices=1, run_dir=str(tmp_path / "run"))
+    assert fleet.launch() is None
+    model = fleet.setup(_net())
+    fleet.backward(model(torch.ones(2, 4)).sum())  # the loop goes on as Fabric's would
+    fleet.finish()
 
 
 def test_clip_gradients_clips_and_returns_the_norm(tmp_path):

@@ -162,15 +162,19 @@ class Fleet(FleetSetup, FleetComm):
         self._steps = StepTracker(self.run, self._user_callbacks)
         atexit.register(self._at_exit)
 
-    def launch(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def launch(self, fn: Callable[..., Any] | None = None, *args: Any) -> Any:
         """Run ``fn(fleet, *args)`` on every rank and return rank 0's result.
 
         When this process is a rank already (one device, torchrun, ``gpufleet run``),
         ``fn`` runs here. Otherwise the ranks are started now with torch's elastic agent
         (as ``gpufleet train --nproc N`` starts them): ``fn`` must then be a module-level
         function and ``args`` picklable. The run ends (:meth:`finish`) when ``fn``
-        returns; an error leaves a crash report in the run directory.
+        returns; an error leaves a crash report in the run directory. Without ``fn``
+        (Fabric's ``launch()``), a rank already has nothing to start.
         """
+        if fn is None:
+            self._rank_run()  # not a rank yet: the error says how to start the ranks
+            return None
         if self.run is not None:
             return self._run_here(fn, args)
         plan, dist = self.plan, self.plan.cfg.dist
