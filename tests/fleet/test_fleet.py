@@ -112,6 +112,26 @@ def test_the_optimizer_is_rebuilt_by_name_and_stays_an_optimizer(tmp_path):
     fleet.finish()
 
 
+def test_backward_takes_fabrics_keywords(tmp_path):
+    """Two losses on one graph: fabric.backward(l1, retain_graph=True) passes the
+    keyword on to loss.backward; on Fleet it was a TypeError."""
+    fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run"))
+    model = fleet.setup(_net())
+    out = model(torch.ones(2, 4))
+    fleet.backward(out.sum(), retain_graph=True, model=model)
+    fleet.backward(out.mean())  # the graph is still there
+    expected = _net()
+    expected(torch.ones(2, 4)).sum().mul(1.5).backward()
+    for ours, theirs in zip(model.parameters(), expected.parameters(), strict=True):
+        assert torch.allclose(ours.grad, theirs.grad)
+    first, *_, head = model.parameters()
+    before = [p.grad.clone() for p in model.parameters()]
+    fleet.backward(model(torch.ones(2, 4)).sum(), inputs=[head])  # only into `inputs`
+    assert torch.equal(first.grad, before[0])
+    assert not torch.equal(head.grad, before[-1])
+    fleet.finish()
+
+
 def test_a_scheduler_built_before_setup_is_named(tmp_path, caplog):
     """Fabric wraps the optimizer it is given, so a scheduler built before setup still
     reaches training; Fleet rebuilds it, and that scheduler would silently not."""

@@ -269,11 +269,13 @@ class Fleet(FleetSetup, FleetComm):
         seed_everything(seed)
 
     # -- the step ---------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` through the run: the backward phase, the precision's loss
-        scaling, and the loss kept for the log line and the non-finite guard."""
+    def backward(self, loss: torch.Tensor, *, retain_graph: bool | None = None,
+                 inputs: Any = None, model: nn.Module | None = None) -> None:
+        """``loss.backward(retain_graph=, inputs=)`` through the run: the backward phase,
+        the precision's loss scaling, and the loss kept for the log line and the
+        non-finite guard. ``model`` is taken as Fabric takes it, and not needed."""
         self._rank_run()
-        self._steps.backward(loss)
+        self._steps.backward(loss, retain_graph=retain_graph, inputs=inputs)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The run's autocast (bf16-mixed, fp16-mixed; nothing under fp32), for what
