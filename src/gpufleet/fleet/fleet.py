@@ -298,11 +298,11 @@ class Fleet(FleetSetup, FleetComm):
             yield
 
     def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                       max_norm: float | None = None, clip_val: float | None = None
+                       clip_val: float | None = None, max_norm: float | None = None
                        ) -> torch.Tensor | None:
         """Clip by value and/or by global norm (unscaled first; the non-finite guard
-        looks at the gradients before they are clipped). Returns the norm before
-        clipping (a device tensor) when clipping by norm."""
+        looks at the gradients before they are clipped), in Fabric's order of arguments.
+        Returns the norm before clipping (a device tensor) when clipping by norm."""
         if max_norm is None and clip_val is None:
             raise ConfigError("clip_gradients needs max_norm=... or clip_val=...")
         self._rank_run()
