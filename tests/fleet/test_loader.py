@@ -92,6 +92,19 @@ def test_a_sampler_of_its_own_keeps_its_draws_as_with_fabric():
         assert _ids(_set_up(_own_sampler_loaders()[1], rank, 2)) == draws[rank::2]
 
 
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_distributed_sampler_of_its_own_keeps_its_order_sharded_once(world):
+    """A plain PyTorch loop's loader with its own DistributedSampler (set_epoch every
+    epoch): its shuffle and seed, each rank its own share (once read 0..n-1 in order)."""
+    for rank in range(world):
+        theirs = DistributedSampler(DATA, num_replicas=world, rank=rank, seed=5,
+                                    drop_last=True)
+        ours = _set_up(DataLoader(DATA, batch_size=4, sampler=theirs), rank, world)
+        for epoch in range(2):
+            theirs.set_epoch(epoch)
+            assert _ids(ours) == [int(DATA[i][0]) for i in theirs], (rank, epoch)
+
+
 @pytest.mark.parametrize("index", [0, 1, 2])
 def test_a_sampler_of_its_own_resumes_at_the_exact_sample(index):
     """The epoch's draws and the loader's own generator are saved with the position."""

@@ -15,7 +15,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
 
 from gpufleet.core.tree import batch_size_of
 from gpufleet.data.loaders import ForkSafeLoader
@@ -36,7 +42,10 @@ def shard_loader(loader: DataLoader, *, rank: int, world_size: int, seed: int
     on several ranks drawn from ``seed + epoch`` (``DistributedSampler``'s order, as
     Fabric's); in a job of one process the order the ``RandomSampler`` itself gives (its
     seed drawn from torch's random state each epoch, or its own generator, replacement
-    and number of samples). A ``SequentialSampler``'s order is ``0..n-1``. Any other
+    and number of samples). A ``SequentialSampler``'s order is ``0..n-1``. A
+    ``DistributedSampler`` of your own (a plain PyTorch loop's) lends its shuffle, seed
+    and ``drop_last``: the order it gives when your loop sets its epoch every epoch,
+    without sharding it twice. Any other
     sampler (weighted, a subset, yours) keeps its own draws each epoch, sharded over
     the ranks as Fabric's ``DistributedSamplerWrapper`` shards them.
 
@@ -69,6 +78,10 @@ def _resumable(loader: DataLoader, rank: int, world_size: int, seed: int
     """The resumable sampler that reads ``loader``'s sampler's order (see
     :func:`shard_loader`)."""
     theirs = loader.sampler
+    if isinstance(theirs, DistributedSampler):  # it shards already: its order, ours
+        return ResumableDistributedSampler(len(loader.dataset), rank=rank,
+                                           world_size=world_size, shuffle=theirs.shuffle,
+                                           seed=theirs.seed, drop_last=theirs.drop_last)
     shuffle = isinstance(theirs, RandomSampler)
     # One process: the shuffle your RandomSampler would draw (its seed from torch's
     # random state, each epoch); several: DistributedSampler's, from ``seed``.
