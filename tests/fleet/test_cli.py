@@ -27,3 +27,35 @@ def test_each_rank_runs_the_script_as_main_with_its_arguments(tmp_path):
         sys.argv = argv
         sys.path.remove(str(tmp_path))
     assert out.read_text() == "--lr=0.1"
+
+
+def _launched(monkeypatch, argv: list[str]) -> dict:
+    seen: dict = {}
+
+    def launch(entry, entry_args, **kwargs):
+        seen.update(kwargs, script_args=list(entry_args[1:]))
+
+    monkeypatch.setattr("gpufleet.launch.launch", launch)
+    monkeypatch.setattr("gpufleet.fleet.cli._visible_gpus", lambda: 0)  # 1 rank by default
+    assert main(["run", *argv]) == 0
+    return seen
+
+
+def test_the_options_after_the_script_as_the_docs_write_them(tmp_path, monkeypatch):
+    """`gpufleet run SCRIPT --nproc N [--max-restarts K] [-- ARGS]` (docs/own-loop.md)
+    starts N ranks; the options once reached the script and one rank ran."""
+    script = tmp_path / "job.py"
+    script.write_text("")
+    seen = _launched(monkeypatch, [str(script), "--nproc", "2", "--max-restarts=1", "--",
+                                   "--data", "x"])
+    assert (seen["nproc"], seen["max_restarts"], seen["launcher"]) == (2, 1, "elastic")
+    assert seen["script_args"] == ["--data", "x"]
+    seen = _launched(monkeypatch, [str(script), "--nproc", "2"])
+    assert seen["nproc"] == 2 and seen["script_args"] == []
+    seen = _launched(monkeypatch, [str(script), "--nproc", "3", "--lr", "0.1"])
+    assert seen["nproc"] == 3 and seen["script_args"] == ["--lr", "0.1"]
+    # before SCRIPT, as torchrun has them: every argument after it is the script's
+    seen = _launched(monkeypatch, ["--nproc", "2", str(script), "--nproc", "4"])
+    assert seen["nproc"] == 2 and seen["script_args"] == ["--nproc", "4"]
+    seen = _launched(monkeypatch, [str(script), "--lr", "0.1", "--nproc", "4"])
+    assert seen["nproc"] == 1 and seen["script_args"] == ["--lr", "0.1", "--nproc", "4"]

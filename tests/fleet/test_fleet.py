@@ -181,6 +181,8 @@ def test_a_fleet_of_several_ranks_asks_for_launch(tmp_path):
     assert fleet.world_size == 2 and fleet.run is None  # the ranks are not started yet
     with pytest.raises(ConfigError, match=r"fleet.launch\(fn\)"):
         fleet.setup(_net())
+    with pytest.raises(ConfigError, match=r"gpufleet run script.py --nproc N"):
+        fleet.launch()  # Fabric's form: the ranks must be started for it
 
 
 def test_clip_gradients_clips_and_returns_the_norm(tmp_path):
@@ -194,6 +196,11 @@ def test_clip_gradients_clips_and_returns_the_norm(tmp_path):
     assert float(norm) > 1.0 and float(after) == pytest.approx(1.0, rel=1e-4)
     with pytest.raises(ConfigError, match="max_norm"):
         fleet.clip_gradients(model, optimizer)
+    # Fabric's order: the third argument is clip_val (it was max_norm: a port that
+    # passed it by position clipped by norm instead of by value).
+    fleet.backward(model(torch.full((2, 4), 100.0)).sum())
+    assert fleet.clip_gradients(model, optimizer, 0.01) is None
+    assert max(float(p.grad.abs().max()) for p in model.parameters()) == pytest.approx(0.01)
     fleet.finish()
 
 

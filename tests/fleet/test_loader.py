@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+)
 
 from gpufleet.errors import ConfigError
 from gpufleet.fleet.loader import FleetLoader, shard_loader
@@ -43,11 +50,77 @@ def test_alone_it_shuffles_as_the_loaders_own_random_sampler():
     ours = _fleet_loader()
     assert [_ids(ours) for _ in range(2)] == theirs
     assert torch.equal(torch.get_rng_state(), after)
-    fixed = torch.Generator().manual_seed(1)  # a generator of its own: seed + epoch
+    # On several ranks a loader with a generator of its own shuffles as Fabric's
+    # DistributedSampler does: from seed + epoch.
+    fixed = torch.Generator().manual_seed(1)
     loader, _ = shard_loader(DataLoader(DATA, batch_size=4, shuffle=True, generator=fixed),
-                             rank=0, world_size=1, seed=3)
+                             rank=1, world_size=2, seed=3)
     assert _ids(loader) == [int(DATA[i][0]) for i in DistributedSampler(
-        DATA, num_replicas=1, rank=0, seed=3)]
+        DATA, num_replicas=2, rank=1, seed=3)]
+
+
+def _own_sampler_loaders() -> list[DataLoader]:
+    """Loaders whose sampler's own draws are the order: a generator of their own, a
+    weighted sampler, fewer samples than the data set."""
+    weights = torch.linspace(0.1, 1.0, 30)
+    return [DataLoader(DATA, batch_size=4, shuffle=True,
+                       generator=torch.Generator().manual_seed(1)),
+            DataLoader(DATA, batch_size=4, sampler=WeightedRandomSampler(weights, 18)),
+            DataLoader(DATA, batch_size=4, sampler=RandomSampler(DATA, num_samples=13))]
+
+
+def _set_up(loader: DataLoader, rank: int = 0, world: int = 1) -> FleetLoader:
+    shard, sampler = shard_loader(loader, rank=rank, world_size=world, seed=3)
+    return FleetLoader(shard, sampler, on_batch=lambda: None)
+
+
+def test_a_sampler_of_its_own_keeps_its_draws_as_with_fabric():
+    """Fabric keeps such a loader as it is in one process and shards its sampler's draws
+    on several (DistributedSamplerWrapper); the order once became 0..n-1 (a weighted
+    sampler read the whole data set in order) or seed + epoch."""
+    for index in range(3):
+        torch.manual_seed(4)
+        plain = _own_sampler_loaders()[index]
+        theirs = [_ids(plain) for _ in range(2)]
+        torch.manual_seed(4)
+        ours = _set_up(_own_sampler_loaders()[index])
+        assert [_ids(ours) for _ in range(2)] == theirs, index
+    torch.manual_seed(4)
+    draws = _ids(_own_sampler_loaders()[1])  # 18 weighted draws, as a pass draws them
+    for rank in range(2):
+        torch.manual_seed(4)
+        assert _ids(_set_up(_own_sampler_loaders()[1], rank, 2)) == draws[rank::2]
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_distributed_sampler_of_its_own_keeps_its_order_sharded_once(world):
+    """A plain PyTorch loop's loader with its own DistributedSampler (set_epoch every
+    epoch): its shuffle and seed, each rank its own share (once read 0..n-1 in order)."""
+    for rank in range(world):
+        theirs = DistributedSampler(DATA, num_replicas=world, rank=rank, seed=5,
+                                    drop_last=True)
+        ours = _set_up(DataLoader(DATA, batch_size=4, sampler=theirs), rank, world)
+        for epoch in range(2):
+            theirs.set_epoch(epoch)
+            assert _ids(ours) == [int(DATA[i][0]) for i in theirs], (rank, epoch)
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_a_sampler_of_its_own_resumes_at_the_exact_sample(index):
+    """The epoch's draws and the loader's own generator are saved with the position."""
+    torch.manual_seed(0)
+    whole = _set_up(_own_sampler_loaders()[index])
+    expected = _ids(whole) + _ids(whole)
+    torch.manual_seed(0)
+    run = _set_up(_own_sampler_loaders()[index])
+    it = iter(run)
+    seen = [next(it) for _ in range(2)]
+    state, rng = run.state_dict(), torch.get_rng_state()  # what a checkpoint keeps
+    torch.manual_seed(123)
+    resumed = _set_up(_own_sampler_loaders()[index])
+    resumed.load_state_dict(state)
+    torch.set_rng_state(rng)
+    assert _ids(seen) + _ids(resumed) + _ids(resumed) == expected
 
 
 def test_a_loader_that_did_not_shuffle_keeps_the_order():

@@ -36,6 +36,11 @@ class ResumableDistributedSampler(EpochPasses, Sampler[int]):
     the epoch is first read, as torch's ``RandomSampler`` draws one per pass, so a
     one-process loop keeps the order its ``DataLoader(shuffle=True)`` had; the drawn
     seed is saved with the position.
+    With ``source`` (a sampler of the caller's own: weighted, a subset, a generator of
+    its own), each epoch's order is what ``source`` yields when the epoch is first read,
+    sharded as below (as Lightning's ``DistributedSamplerWrapper`` shards it);
+    ``dataset_len`` is then ``len(source)``, and the order of the epoch being read is
+    saved with the position.
     It is padded by repeating indices from its start until its length divides
     ``world_size`` (or truncated to a multiple with ``drop_last``), and rank ``r`` takes
     ``indices[r::world_size]``, so every rank yields ``len(self)`` indices per epoch.
@@ -75,7 +80,8 @@ class ResumableDistributedSampler(EpochPasses, Sampler[int]):
 
     def __init__(self, dataset_len: int, *, rank: int = 0, world_size: int = 1,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False,
-                 eval_mode: bool = False, draw_seeds: bool = False) -> None:
+                 eval_mode: bool = False, draw_seeds: bool = False,
+                 source: Sampler | None = None) -> None:
         super().__init__()
         check_int("dataset_len", dataset_len, 0)
         check_shard(rank, world_size, seed)
@@ -91,6 +97,8 @@ class ResumableDistributedSampler(EpochPasses, Sampler[int]):
         # which ranks of an earlier run (of any world size) already consumed.
         self._offset = (0, 0)
         self._drawn: dict[int, int] = {}  # epoch -> the seed its permutation came from
+        self.source = source
+        self._orders: dict[int, list[int]] = {}  # epoch -> what `source` yielded for it
         self._init_passes()
 
     def __len__(self) -> int:
@@ -118,7 +126,9 @@ class ResumableDistributedSampler(EpochPasses, Sampler[int]):
         n, ws = self.dataset_len, self.world_size
         if self.eval_mode:
             return list(range(self.rank, n, ws))
-        if self.shuffle:
+        if self.source is not None:
+            order = self._source_order(epoch)
+        elif self.shuffle:
             g = torch.Generator()
             g.manual_seed(self._epoch_seed(epoch))
             order = torch.randperm(n, generator=g).tolist()
@@ -145,6 +155,18 @@ class ResumableDistributedSampler(EpochPasses, Sampler[int]):
         self._drawn = {epoch: drawn}  # earlier epochs are done with
         return drawn
 
+    def _source_order(self, epoch: int) -> list[int]:
+        """``epoch``'s order as ``source`` yields it, drawn when the epoch is first read
+        (as a DataLoader iterates its sampler at a pass's first batch); kept, so a
+        resumed epoch reuses it."""
+        if epoch not in self._orders:
+            order = [int(i) for i in self.source]  # type: ignore[union-attr]
+            if len(order) != self.dataset_len:
+                raise ValueError(f"the sampler yielded {len(order)} indices in an epoch, "
+                                 f"but its len() is {self.dataset_len}.")
+            self._orders = {epoch: order}  # earlier epochs are done with
+        return self._orders[epoch]
+
     def __iter__(self) -> Iterator[int]:
         if self.eval_mode:
             return iter(self.rank_indices(0))
@@ -169,7 +191,9 @@ class ResumableDistributedSampler(EpochPasses, Sampler[int]):
         Returns:
             ``{"epoch", "samples", "seed", "world_size", "dataset_len"}``: ``samples`` is
             the global position (the first ``samples`` indices of the epoch's
-            permutation are done); ``world_size`` is informational.
+            permutation are done); ``world_size`` is informational. An epoch whose
+            order was drawn adds ``epoch_seed`` (``draw_seeds``) or ``epoch_order``
+            (``source``).
 
         Example:
             >>> s = ResumableDistributedSampler(8, world_size=2)
@@ -182,6 +206,8 @@ class ResumableDistributedSampler(EpochPasses, Sampler[int]):
                  "world_size": self.world_size, "dataset_len": self.dataset_len}
         if epoch in self._drawn:  # the epoch's permutation came from a drawn seed
             state["epoch_seed"] = self._drawn[epoch]
+        if epoch in self._orders:  # the epoch's order came from the source sampler
+            state["epoch_order"] = torch.tensor(self._orders[epoch], dtype=torch.int64)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -222,6 +248,8 @@ class ResumableDistributedSampler(EpochPasses, Sampler[int]):
         # A drawn seed is taken over for its epoch (at any world size); the epochs after
         # it follow this sampler's own rule.
         self._drawn = {epoch: state["epoch_seed"]} if "epoch_seed" in state else {}
+        self._orders = {epoch: torch.as_tensor(state["epoch_order"]).tolist()} \
+            if "epoch_order" in state else {}
         self._offset = (epoch, samples)
         self._restore_position(epoch, 0)
 

@@ -162,15 +162,19 @@ class Fleet(FleetSetup, FleetComm):
         self._steps = StepTracker(self.run, self._user_callbacks)
         atexit.register(self._at_exit)
 
-    def launch(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def launch(self, fn: Callable[..., Any] | None = None, *args: Any) -> Any:
         """Run ``fn(fleet, *args)`` on every rank and return rank 0's result.
 
         When this process is a rank already (one device, torchrun, ``gpufleet run``),
         ``fn`` runs here. Otherwise the ranks are started now with torch's elastic agent
         (as ``gpufleet train --nproc N`` starts them): ``fn`` must then be a module-level
         function and ``args`` picklable. The run ends (:meth:`finish`) when ``fn``
-        returns; an error leaves a crash report in the run directory.
+        returns; an error leaves a crash report in the run directory. Without ``fn``
+        (Fabric's ``launch()``), a rank already has nothing to start.
         """
+        if fn is None:
+            self._rank_run()  # not a rank yet: the error says how to start the ranks
+            return None
         if self.run is not None:
             return self._run_here(fn, args)
         plan, dist = self.plan, self.plan.cfg.dist
@@ -265,11 +269,13 @@ class Fleet(FleetSetup, FleetComm):
         seed_everything(seed)
 
     # -- the step ---------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` through the run: the backward phase, the precision's loss
-        scaling, and the loss kept for the log line and the non-finite guard."""
+    def backward(self, loss: torch.Tensor, *, retain_graph: bool | None = None,
+                 inputs: Any = None, model: nn.Module | None = None) -> None:
+        """``loss.backward(retain_graph=, inputs=)`` through the run: the backward phase,
+        the precision's loss scaling, and the loss kept for the log line and the
+        non-finite guard. ``model`` is taken as Fabric takes it, and not needed."""
         self._rank_run()
-        self._steps.backward(loss)
+        self._steps.backward(loss, retain_graph=retain_graph, inputs=inputs)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The run's autocast (bf16-mixed, fp16-mixed; nothing under fp32), for what
@@ -292,11 +298,11 @@ class Fleet(FleetSetup, FleetComm):
             yield
 
     def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                       max_norm: float | None = None, clip_val: float | None = None
+                       clip_val: float | None = None, max_norm: float | None = None
                        ) -> torch.Tensor | None:
         """Clip by value and/or by global norm (unscaled first; the non-finite guard
-        looks at the gradients before they are clipped). Returns the norm before
-        clipping (a device tensor) when clipping by norm."""
+        looks at the gradients before they are clipped), in Fabric's order of arguments.
+        Returns the norm before clipping (a device tensor) when clipping by norm."""
         if max_norm is None and clip_val is None:
             raise ConfigError("clip_gradients needs max_norm=... or clip_val=...")
         self._rank_run()

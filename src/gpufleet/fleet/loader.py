@@ -15,7 +15,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
 
 from gpufleet.core.tree import batch_size_of
 from gpufleet.data.loaders import ForkSafeLoader
@@ -33,11 +39,15 @@ def shard_loader(loader: DataLoader, *, rank: int, world_size: int, seed: int
     """``loader`` rebuilt to read this rank's shard through a resumable sampler.
 
     A loader that shuffled (a ``RandomSampler``) gets a shuffled permutation per epoch:
-    on several ranks drawn from ``seed + epoch`` (``DistributedSampler``'s order); in a
-    job of one process the order the ``RandomSampler`` itself would give (its seed
-    drawn from torch's random state each epoch), unless it has a generator, draws with
-    replacement or another number of samples. Any other sampler's order becomes
-    ``0..n-1``.
+    on several ranks drawn from ``seed + epoch`` (``DistributedSampler``'s order, as
+    Fabric's); in a job of one process the order the ``RandomSampler`` itself gives (its
+    seed drawn from torch's random state each epoch, or its own generator, replacement
+    and number of samples). A ``SequentialSampler``'s order is ``0..n-1``. A
+    ``DistributedSampler`` of your own (a plain PyTorch loop's) lends its shuffle, seed
+    and ``drop_last``: the order it gives when your loop sets its epoch every epoch,
+    without sharding it twice. Any other
+    sampler (weighted, a subset, yours) keeps its own draws each epoch, sharded over
+    the ranks as Fabric's ``DistributedSamplerWrapper`` shards them.
 
     Raises:
         ConfigError: the loader cannot be sharded this way (an iterable dataset, a
@@ -55,20 +65,45 @@ def shard_loader(loader: DataLoader, *, rank: int, world_size: int, seed: int
         raise ConfigError("setup_dataloaders got a DataLoader with a batch_sampler of its "
                           "own; give batch_size= instead, or pass "
                           "use_distributed_sampler=False and shard it yourself.")
-    shuffle = isinstance(loader.sampler, RandomSampler)
-    # One process: the shuffle your RandomSampler would draw (its seed from torch's
-    # random state, each epoch); several: DistributedSampler's, from ``seed``.
-    plain = shuffle and type(loader.sampler) is RandomSampler and \
-        loader.sampler.generator is None and not loader.sampler.replacement and \
-        loader.sampler.num_samples == len(loader.dataset)
-    sampler = ResumableDistributedSampler(len(loader.dataset), rank=rank,
-                                          world_size=world_size, shuffle=shuffle, seed=seed,
-                                          draw_seeds=plain)
+    sampler = _resumable(loader, rank, world_size, seed)
     kwargs = {k: getattr(loader, k) for k in _KEPT if hasattr(loader, k)}
     if not kwargs.get("num_workers"):  # torch refuses these without workers
         kwargs.pop("prefetch_factor", None)
         kwargs["persistent_workers"] = False
     return ForkSafeLoader(loader.dataset, sampler=sampler, **kwargs), sampler
+
+
+def _resumable(loader: DataLoader, rank: int, world_size: int, seed: int
+               ) -> ResumableDistributedSampler:
+    """The resumable sampler that reads ``loader``'s sampler's order (see
+    :func:`shard_loader`)."""
+    theirs = loader.sampler
+    if isinstance(theirs, DistributedSampler):  # it shards already: its order, ours
+        return ResumableDistributedSampler(len(loader.dataset), rank=rank,
+                                           world_size=world_size, shuffle=theirs.shuffle,
+                                           seed=theirs.seed, drop_last=theirs.drop_last)
+    shuffle = isinstance(theirs, RandomSampler)
+    # One process: the shuffle your RandomSampler would draw (its seed from torch's
+    # random state, each epoch); several: DistributedSampler's, from ``seed``.
+    plain = shuffle and type(theirs) is RandomSampler and theirs.generator is None and \
+        not theirs.replacement and theirs.num_samples == len(loader.dataset)
+    # The sampler's own draws are the order: a sampler of your own (on any number of
+    # ranks, as Fabric's DistributedSamplerWrapper), or alone a RandomSampler that is
+    # not plain (as Fabric keeps a loader on one device).
+    own = not isinstance(theirs, SequentialSampler) and not plain and \
+        not (shuffle and world_size > 1)
+    if not own:
+        return ResumableDistributedSampler(len(loader.dataset), rank=rank,
+                                           world_size=world_size, shuffle=shuffle,
+                                           seed=seed, draw_seeds=plain)
+    try:
+        count = len(theirs)
+    except TypeError:
+        raise ConfigError(f"setup_dataloaders got a DataLoader whose sampler "
+                          f"({type(theirs).__name__}) has no len(); give it __len__, or "
+                          "pass use_distributed_sampler=False and shard it yourself.") from None
+    return ResumableDistributedSampler(count, rank=rank, world_size=world_size,
+                                       shuffle=False, seed=seed, source=theirs)
 
 
 class FleetLoader:
@@ -163,13 +198,16 @@ class FleetLoader:
             self.consumed = self.sampler.position
         self._ended = False
         if self._resumed_mid_pass:
-            # A DataLoader draws its workers' base seed from torch's RNG when the pass
-            # starts. The uninterrupted run drew it before the saved RNG state, so the
-            # resumed pass must not draw again (dropout masks would shift).
+            # A DataLoader draws its workers' base seed from torch's RNG (or its own
+            # generator) when the pass starts. The uninterrupted run drew it before the
+            # saved RNG state, so the resumed pass must not draw again (dropout masks, a
+            # sampler's next draws would shift).
             self._resumed_mid_pass = False
-            rng = torch.get_rng_state()
+            rng, states = torch.get_rng_state(), [g.get_state() for g in self._generators()]
             batches = iter(self.loader)
             torch.set_rng_state(rng)
+            for g, state in zip(self._generators(), states, strict=True):
+                g.set_state(state)
         else:
             batches = iter(self.loader)
         on_batch, to_device = self._on_batch, self._to_device
@@ -185,6 +223,16 @@ class FleetLoader:
             self.samples += n
             yield batch if to_device is None else to_device(batch)
 
+    def _generators(self) -> list[torch.Generator]:
+        """The generators of your own that this loader's passes draw from: the
+        DataLoader's (its workers' base seed) and its sampler's (the order)."""
+        found: list[torch.Generator] = []
+        source = getattr(self.sampler, "source", None)
+        for g in (getattr(self.loader, "generator", None), getattr(source, "generator", None)):
+            if isinstance(g, torch.Generator) and all(g is not h for h in found):
+                found.append(g)
+        return found
+
     def take_samples(self) -> int:
         """Samples taken since the last call."""
         n, self.samples = self.samples, 0
@@ -197,10 +245,15 @@ class FleetLoader:
                               "gpufleet does not know its position. Save your own sampler's "
                               "state instead, or let setup_dataloaders shard the loader.")
         if self._ended:  # the loop left the pass: the next one starts the next epoch
-            return self.sampler.state_dict()
-        # Inside a pass (its last batch included): the samples taken, not the sampler's
-        # own count, which a DataLoader runs ahead of the batches handed out.
-        return self.sampler.state_dict(consumed=self.consumed)
+            state = self.sampler.state_dict()
+        else:
+            # Inside a pass (its last batch included): the samples taken, not the
+            # sampler's own count, which a DataLoader runs ahead of the batches handed out.
+            state = self.sampler.state_dict(consumed=self.consumed)
+        generators = self._generators()  # their next draws continue where they were
+        if generators:
+            state["generators"] = [g.get_state() for g in generators]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue, at the next ``iter()``, right after the saved position."""
@@ -208,6 +261,10 @@ class FleetLoader:
             raise ConfigError("this loader was set up with use_distributed_sampler=False "
                               "and has no position to load.")
         self.sampler.load_state_dict(state)
+        generators = self._generators()
+        if len(state.get("generators", ())) == len(generators):
+            for g, saved in zip(generators, state.get("generators", ()), strict=True):
+                g.set_state(saved)
         self._resumed_mid_pass = state["samples"] > 0
         self._ended = False
         self._live = None  # a pass under way no longer decides where the next begins

@@ -11,6 +11,7 @@ loader is sharded over the ranks with a resumable sampler.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -24,6 +25,8 @@ from gpufleet.fleet.steps import StepTracker
 from gpufleet.fleet.wrappers import FleetModule, hook_step, hook_zero_grad
 from gpufleet.train.nonfinite import NonFiniteGuard
 from gpufleet.train.recipe import spec_from_optimizer
+
+log = logging.getLogger(__name__)
 
 
 class FleetSetup:
@@ -47,6 +50,8 @@ class FleetSetup:
         """
         run = self._rank_run()
         specs = [spec_from_optimizer(opt, model) for opt in optimizers]
+        for opt in optimizers:
+            _warn_if_scheduled(opt)
         from gpufleet.parallel.parallelize import parallelize  # heavy: layer options
 
         placed = parallelize(model, run.strategy, run.cfg, run.env.world_size)
@@ -83,6 +88,7 @@ class FleetSetup:
                     "setup_module returned, or pass model and optimizer to "
                     "fleet.setup(model, optimizer).")
             spec = spec_from_optimizer(opt, run.strategy.unwrap(owner))
+            _warn_if_scheduled(opt)
             built.append(run.strategy.setup_optimizer(owner, spec))
             self._take_optimizers(owner, built[-1:])
         return built[0] if len(built) == 1 else tuple(built)
@@ -110,7 +116,9 @@ class FleetSetup:
 
         A loader that shuffled is shuffled per epoch as torch's
         ``DistributedSampler(seed=run.seed)`` would on several ranks, and as its own
-        ``RandomSampler`` would in a job of one process.
+        ``RandomSampler`` would in a job of one process; a sampler of your own
+        (weighted, a subset) keeps its draws, sharded over the ranks as Fabric shards
+        them.
 
         Returns:
             One :class:`~gpufleet.fleet.loader.FleetLoader`, or a tuple of them.
@@ -132,3 +140,17 @@ class FleetSetup:
             run.data.pin_memory = run.data.pin_memory or bool(loader.pin_memory)
             out.append(fleet_loader)
         return out[0] if len(out) == 1 else tuple(out)
+
+
+def _warn_if_scheduled(optimizer: torch.optim.Optimizer) -> None:
+    """Say so when an LR scheduler was built on ``optimizer`` before it was set up
+    (torch's schedulers put ``initial_lr`` in its groups and wrap its ``step``): the run
+    trains with the optimizer ``setup`` returns, so that scheduler's learning rates
+    would never reach training (with Fabric, which wraps the same object, they do)."""
+    if any("initial_lr" in group for group in optimizer.param_groups) or \
+            getattr(optimizer.step, "_wrapped_by_lr_sched", False):
+        log.warning(
+            "an LR scheduler was built on this %s before fleet.setup: Fleet trains with "
+            "the optimizer setup returns (rebuilt on the placed parameters), so that "
+            "scheduler's learning rates would not reach training. Build the scheduler "
+            "after setup, on the optimizer it returns.", type(optimizer).__name__)

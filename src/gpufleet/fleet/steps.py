@@ -104,12 +104,13 @@ class StepTracker:
         self._early_logs = []
 
     # -- the step -----------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, retain_graph: bool | None = None,
+                 inputs: Any = None) -> None:
         """The backward phase, the precision's backward, the loss kept."""
         self.announce(Phase.BACKWARD)
         if self._inspected:  # gradients change after the guard saw them (rare loops)
             self._look_again()
-        self.run.precision.backward(loss)
+        self.run.precision.backward(loss, inputs=inputs, retain_graph=retain_graph)
         detached = loss.detach()
         self._step_loss = detached if self._step_loss is None else self._step_loss + detached
         self._micro += 1
