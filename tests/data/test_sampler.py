@@ -135,6 +135,21 @@ def test_load_rejects_a_different_dataset_or_a_bad_position():
         Sampler(10, world_size=2).load_state_dict({**state, "samples": 11})
 
 
+def test_load_rejects_a_damaged_epoch_order():
+    """A sampler of the caller's own saves its epoch's order; a damaged one is named."""
+    source = [3, 1, 2, 0]
+    saved = Sampler(4, shuffle=False, source=source)
+    first = next(iter(saved))
+    state = saved.state_dict(consumed=1)
+    resumed = Sampler(4, shuffle=False, source=[0, 1, 2, 3])
+    resumed.load_state_dict(state)
+    assert [first, *resumed] == source  # the saved order, not the new source's
+    for bad in ([3, 1, 2], [0.5, 1.0, 2.0, 3.0], [[0, 1], [2, 3]], [-1, 0, 1, 2], "0123"):
+        with pytest.raises(ValueError, match="epoch_order is not 4 indices"):
+            Sampler(4, shuffle=False, source=source).load_state_dict(
+                {**state, "epoch_order": bad})
+
+
 def test_an_older_per_rank_state_still_loads_at_its_own_world_size():
     old = {"epoch": 0, "position": 2, "seed": 7, "world_size": 3, "dataset_len": 13}
     reference = Sampler(13, rank=1, world_size=3, seed=7).rank_indices(0)

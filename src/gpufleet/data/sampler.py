@@ -248,10 +248,26 @@ class ResumableDistributedSampler(EpochPasses, Sampler[int]):
         # A drawn seed is taken over for its epoch (at any world size); the epochs after
         # it follow this sampler's own rule.
         self._drawn = {epoch: state["epoch_seed"]} if "epoch_seed" in state else {}
-        self._orders = {epoch: torch.as_tensor(state["epoch_order"]).tolist()} \
+        self._orders = {epoch: self._saved_order(state["epoch_order"])} \
             if "epoch_order" in state else {}
         self._offset = (epoch, samples)
         self._restore_position(epoch, 0)
+
+    def _saved_order(self, saved: Any) -> list[int]:
+        """A saved ``epoch_order``: ``dataset_len`` whole indices, or a ValueError that
+        says the state is not one this sampler wrote."""
+        try:
+            order = torch.as_tensor(saved)
+        except (TypeError, ValueError, RuntimeError):
+            order = None
+        if order is None or order.dim() != 1 or len(order) != self.dataset_len or \
+                order.is_floating_point() or order.is_complex() or \
+                (len(order) and int(order.min()) < 0):
+            raise ValueError(f"sampler state epoch_order is not {self.dataset_len} indices "
+                             "of the epoch's order (a damaged or foreign checkpoint): "
+                             "resume from another checkpoint, or call set_epoch() to "
+                             "restart the epoch instead.")
+        return order.tolist()
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next ``iter()`` at the beginning of ``epoch`` (all of its samples)."""
