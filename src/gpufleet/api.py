@@ -20,12 +20,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler, default_collate
 
 from gpufleet.config import Config, load_config
 from gpufleet.core.callbacks import Callback
 from gpufleet.data.hf import hf_train_eval
 from gpufleet.entry import run_rank, run_training, setup_logging, start_ranks, train
+from gpufleet.errors import ConfigError
 from gpufleet.job import Job
 from gpufleet.launch import DistEnv
 from gpufleet.plan import make_plan
@@ -87,6 +88,7 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
     with the script's own work under ``if __name__ == "__main__":``. It returns rank 0's
     result. Under torchrun every rank calls fit and trains its share.
     """
+    _check_not_loaders(train_data=train_data, eval_data=eval_data)
     cfg, note = _config(config, overrides)
 
     env = DistEnv.detect()
@@ -106,6 +108,25 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
     job = Job(model, train_data, eval_data, loss_fn, optimizer, scheduler, training_step)
     return start_ranks(plan, job, callbacks,
                        eval_metrics, owns_process=False)
+
+
+def _check_not_loaders(**data: Any) -> None:
+    """fit builds the DataLoader (sharded, resumable): a DataLoader given in place of its
+    Dataset is named, with what to pass instead, before anything starts."""
+    for name, given in data.items():
+        if not isinstance(given, DataLoader):
+            continue
+        keep = {"data.batch_size": given.batch_size,
+                "data.shuffle": isinstance(given.sampler, RandomSampler)}
+        own_collate = given.collate_fn is not default_collate
+        raise ConfigError(
+            f"fit takes a Dataset and builds its DataLoader itself (sharded over the "
+            f"ranks, resumable at any batch); {name} is a DataLoader. Pass its dataset "
+            f"with your loader's settings: fit(model, loader.dataset, overrides={keep!r})"
+            + (", and give the dataset your collate function (dataset.collate_fn = "
+               "loader.collate_fn)" if own_collate else "")
+            + "; or keep your DataLoader and write the loop with gpufleet.Fleet "
+              "(setup_dataloaders).")
 
 
 def _config(config: Config | str | None, overrides: Any) -> tuple[Config, str]:

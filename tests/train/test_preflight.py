@@ -125,3 +125,25 @@ def test_a_training_step_under_pipeline_is_refused_before_anything_is_built() ->
                                  "model.training_step": "nowhere:step"})
     with pytest.raises(ConfigError, match="'pipeline' runs its own schedule"):
         preflight_job(cfg)  # the factories named are never imported
+
+
+def test_a_dataloader_given_to_fit_is_named_with_its_settings(tmp_path):
+    """The first try of a Lightning user (trainer.fit takes loaders): fit says to pass
+    the dataset with the loader's batch size, shuffle and collate function."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import gpufleet
+
+    data = TensorDataset(torch.randn(64, 2), torch.randn(64, 1))
+    loader = DataLoader(data, batch_size=8, shuffle=True, collate_fn=lambda b: b)
+    with pytest.raises(ConfigError) as caught:
+        gpufleet.fit(torch.nn.Linear(2, 1), loader, loss_fn=torch.nn.functional.mse_loss,
+                     overrides={"run.out_dir": str(tmp_path)})
+    message = str(caught.value)
+    assert "train_data is a DataLoader" in message
+    assert "{'data.batch_size': 8, 'data.shuffle': True}" in message
+    assert "dataset.collate_fn = loader.collate_fn" in message
+    with pytest.raises(ConfigError, match="eval_data is a DataLoader"):
+        gpufleet.fit(torch.nn.Linear(2, 1), data, DataLoader(data, batch_size=4),
+                     overrides={"run.out_dir": str(tmp_path)})
+    assert not list(tmp_path.iterdir())  # refused before anything was made
