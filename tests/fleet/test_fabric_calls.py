@@ -4,7 +4,12 @@ a scheduler built before ``setup``)."""
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
+import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 import gpufleet
 
@@ -60,3 +65,65 @@ def test_launch_without_a_function_on_a_rank_does_nothing(tmp_path):
     model = fleet.setup(_net())
     fleet.backward(model(torch.ones(2, 4)).sum())  # the loop goes on as Fabric's would
     fleet.finish()
+
+
+
+def _fleet(tmp_path, name: str = "run", **kwargs) -> gpufleet.Fleet:
+    return gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / name), **kwargs)
+
+
+def _data() -> TensorDataset:
+    return TensorDataset(torch.arange(16.0).view(8, 2), torch.zeros(8, 1))
+
+
+def test_seed_everything_takes_fabrics_arguments_and_returns_the_seed(tmp_path, caplog):
+    fleet = _fleet(tmp_path)
+    with caplog.at_level("INFO", logger="gpufleet.fleet.seeding"):
+        assert fleet.seed_everything(5, workers=True, verbose=True) == 5
+    assert "seed set to 5" in caplog.text
+    first = torch.rand(2)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="gpufleet.fleet.seeding"):
+        assert fleet.seed_everything(seed=5, verbose=False) == 5
+    assert torch.equal(torch.rand(2), first) and not caplog.text
+    assert fleet.seed_everything() == 0  # Fabric's default seed
+    fleet.finish()
+
+
+def test_seed_everything_seeds_the_workers_of_later_loaders_per_rank(tmp_path):
+    """Fabric's workers=True (its default): loaders set up afterwards seed their workers
+    from the rank too; a worker_init_fn of your own stays; workers=False adds none."""
+    from gpufleet.fleet.seeding import seed_rank_worker
+
+    fleet = _fleet(tmp_path)
+    fleet.seed_everything(0)
+    seeded = fleet.setup_dataloaders(DataLoader(_data(), batch_size=4))
+    assert seeded.loader.worker_init_fn.func is seed_rank_worker
+    assert seeded.loader.worker_init_fn.keywords == {"rank": 0}
+
+    def own(worker_id):
+        return None
+
+    kept = fleet.setup_dataloaders(DataLoader(_data(), batch_size=4, worker_init_fn=own))
+    assert kept.loader.worker_init_fn is own
+    fleet.seed_everything(0, workers=False)
+    assert fleet.setup_dataloaders(DataLoader(_data(), batch_size=4)).loader.worker_init_fn \
+        is None
+    fleet.finish()
+
+
+def _draws(init, worker_id: int, rank: int) -> tuple:
+    """What a worker of ``rank`` draws after ``init`` (a worker_init_fn) seeded it."""
+    torch.manual_seed(1234 + worker_id)  # what a DataLoader worker starts with
+    init(worker_id, rank=rank)
+    return torch.rand(2).tolist(), random.random(), np.random.rand()
+
+
+def test_workers_draw_what_lightnings_worker_seeding_gives():
+    seed = pytest.importorskip("lightning.fabric.utilities.seed")
+    from gpufleet.fleet.seeding import seed_rank_worker
+
+    for worker_id, rank in ((0, 0), (1, 0), (2, 1)):
+        ours = _draws(seed_rank_worker, worker_id, rank)
+        assert ours == _draws(seed.pl_worker_init_function, worker_id, rank)
+    assert _draws(seed_rank_worker, 1, 0) != _draws(seed_rank_worker, 1, 1)  # per rank

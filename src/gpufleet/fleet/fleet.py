@@ -48,6 +48,7 @@ from gpufleet.fault.crash import crash_reported
 from gpufleet.fleet.args import fleet_overrides
 from gpufleet.fleet.comm import FleetComm
 from gpufleet.fleet.run import FleetRun
+from gpufleet.fleet.seeding import seed_process
 from gpufleet.fleet.setup import FleetSetup
 from gpufleet.fleet.state import load_state, save_state
 from gpufleet.fleet.steps import StepTracker
@@ -133,6 +134,7 @@ class Fleet(FleetSetup, FleetComm):
         self._seed = seed
         self.run: FleetRun | None = None
         self._placed: list[nn.Module] = []  # every model set up, as placed
+        self._seed_workers = False  # seed_everything(workers=True): loaders' workers
         if self.plan.launcher in ("none", "external"):  # this process is a rank
             self._start_rank()
 
@@ -264,9 +266,14 @@ class Fleet(FleetSetup, FleetComm):
         if self.is_global_zero:
             print(*args, **kwargs)
 
-    def seed_everything(self, seed: int) -> None:
-        """Seed python, numpy and torch with ``seed`` on this rank."""
-        seed_everything(seed)
+    def seed_everything(self, seed: int | None = None, workers: bool | None = None,
+                        verbose: bool = True) -> int:
+        """Seed python, numpy and torch with ``seed`` on this rank (None: 0) and return it,
+        as Fabric's. ``workers`` (None: True, Fabric's default): the loaders set up
+        afterwards seed their workers from the rank too (see :mod:`~gpufleet.fleet.
+        seeding`); ``verbose``: log the seed."""
+        self._seed_workers = workers is None or bool(workers)
+        return seed_process(seed, verbose, self.global_rank)
 
     # -- the step ---------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, *, retain_graph: bool | None = None,

@@ -21,6 +21,7 @@ from gpufleet.core.tree import to_device
 from gpufleet.errors import ConfigError
 from gpufleet.fleet.loader import FleetLoader, shard_loader
 from gpufleet.fleet.run import FleetRun
+from gpufleet.fleet.seeding import add_worker_seeding
 from gpufleet.fleet.steps import StepTracker
 from gpufleet.fleet.wrappers import FleetModule, hook_step, hook_zero_grad
 from gpufleet.train.nonfinite import NonFiniteGuard
@@ -33,6 +34,7 @@ class FleetSetup:
     """The ``setup`` methods of :class:`~gpufleet.fleet.Fleet` (a part of it)."""
 
     _placed: list[nn.Module]  # every model set up, as placed
+    _seed_workers: bool  # seed_everything(workers=True) was called
     _steps: StepTracker
 
     def _rank_run(self) -> FleetRun:  # Fleet's: the run, once this process is a rank
@@ -131,6 +133,8 @@ class FleetSetup:
             if use_distributed_sampler:
                 loader, sampler = shard_loader(loader, rank=shard, world_size=shards,
                                                seed=run.cfg.run.seed)
+            if self._seed_workers:  # seed_everything(workers=True), Fabric's default
+                add_worker_seeding(loader, run.env.rank)
             mover = None
             if move_to_device and run.device.type != "cpu":
                 device = run.device
