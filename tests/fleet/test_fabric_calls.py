@@ -127,3 +127,12 @@ def test_workers_draw_what_lightnings_worker_seeding_gives():
         ours = _draws(seed_rank_worker, worker_id, rank)
         assert ours == _draws(seed.pl_worker_init_function, worker_id, rank)
     assert _draws(seed_rank_worker, 1, 0) != _draws(seed_rank_worker, 1, 1)  # per rank
+
+
+def test_barrier_takes_a_name(tmp_path):
+    """The name reaches the hang report's ring on several ranks (test_group_and_named_
+    barrier_on_two_ranks); alone, there is nothing to wait for."""
+    fleet = _fleet(tmp_path)
+    fleet.barrier("epoch-end")
+    fleet.barrier(name=None)
+    fleet.finish()

@@ -79,10 +79,17 @@ class FleetComm:
         # Unpickled tensors come on the sender's device (cuda:src): bring them here.
         return to_device(box[0], run.device) if run.device.type != "cpu" else box[0]
 
-    def barrier(self) -> None:
-        """Wait until every rank is here (COLLECTIVE)."""
+    def barrier(self, name: str | None = None) -> None:
+        """Wait until every rank is here (COLLECTIVE). ``name`` (Fabric's) names the
+        barrier in a hang report's list of collectives: ranks waiting at differently
+        named barriers show there as a mismatch."""
         self._rank_run()
-        barrier()
+        if name is None or not dist.is_initialized():
+            barrier()
+            return
+        n = RING.enter(f"barrier {name!r}", 0)
+        dist.barrier()  # COLLECTIVE
+        RING.leave(n)
 
     @contextlib.contextmanager
     def rank_zero_first(self, local: bool = False) -> Iterator[None]:
