@@ -5,6 +5,7 @@ a scheduler built before ``setup``)."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import gpufleet
+from gpufleet.errors import CheckpointError, ConfigError
 
 
 def _net() -> torch.nn.Module:
@@ -135,4 +137,72 @@ def test_barrier_takes_a_name(tmp_path):
     fleet = _fleet(tmp_path)
     fleet.barrier("epoch-end")
     fleet.barrier(name=None)
+    fleet.finish()
+
+
+def _saved(tmp_path, **save_kwargs) -> tuple[gpufleet.Fleet, torch.nn.Module, Path]:
+    fleet = _fleet(tmp_path, "saver")
+    model = fleet.setup(_net())
+    path = fleet.save(tmp_path / "ck.pt", {"model": model, "epoch": 3}, **save_kwargs)
+    return fleet, model, path
+
+
+def test_load_without_a_state_returns_what_was_saved(tmp_path):
+    fleet, model, path = _saved(tmp_path)
+    draw = torch.rand(1)
+    whole = fleet.load(path)
+    assert whole.keys() == {"model", "epoch"} and whole["epoch"] == 3
+    assert whole["model"].keys() == model.state_dict().keys()
+    assert fleet.load(path, {}).keys() == whole.keys()  # Fabric: an empty state is none
+    torch.manual_seed(7)
+    after = torch.rand(1)
+    torch.manual_seed(7)
+    fleet.load(path)
+    assert torch.equal(torch.rand(1), after) and not torch.equal(after, draw)  # RNG left
+    fleet.finish()
+
+
+def test_load_strict_false_loads_what_fits_and_names_what_it_skipped(tmp_path, caplog):
+    fleet, model, path = _saved(tmp_path)
+    bigger = torch.nn.Sequential(*_net(), torch.nn.Linear(1, 1))  # one layer more
+    for p in bigger.parameters():
+        torch.nn.init.zeros_(p)
+    state = {"model": bigger, "step": 0}
+    with pytest.raises(CheckpointError, match=r"holds no 'step'.*strict=False"):
+        fleet.load(path, state)
+    with caplog.at_level("WARNING", logger="gpufleet.fleet.state"):
+        rest = fleet.load(path, state, strict=False)
+    assert rest == {"epoch": 3} and state["step"] == 0  # left as it was
+    assert torch.equal(bigger[0].weight, model.module[0].weight)  # loaded where it fits
+    assert torch.equal(bigger[3].weight, torch.zeros(1, 1))
+    assert "'step' (not in the file)" in caplog.text
+    assert "missing keys 3.weight, 3.bias" in caplog.text
+    smaller = torch.nn.Sequential(torch.nn.Linear(4, 8))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gpufleet.fleet.state"):
+        fleet.load(path, {"model": smaller}, False)
+    assert "unexpected keys 2.weight, 2.bias" in caplog.text
+    assert torch.equal(smaller[0].bias, model.module[0].bias)
+    fleet.finish()
+
+
+def test_load_reads_weights_only_and_refuses_to_do_otherwise(tmp_path):
+    fleet, _, path = _saved(tmp_path)
+    assert fleet.load(path, weights_only=True)["epoch"] == 3
+    assert fleet.load(path, weights_only=None)["epoch"] == 3
+    with pytest.raises(ConfigError, match=r"load\(weights_only=False\).*nothing in a file"):
+        fleet.load(path, weights_only=False)
+    fleet.finish()
+
+
+def test_save_keeps_what_filter_chooses(tmp_path):
+    fleet, model, path = _saved(tmp_path, filter={"model": lambda name, _: "bias" in name})
+    saved = fleet.load(path)
+    assert list(saved["model"]) == ["0.bias", "2.bias"] and saved["epoch"] == 3
+    fleet.save(path, {"model": model, "epoch": 3}, filter={"model": lambda *_: False})
+    assert fleet.load(path) == {"epoch": 3}  # nothing kept: the key is left out, as Fabric
+    with pytest.raises(ConfigError, match="'optimizer', not keys of the state"):
+        fleet.save(path, {"model": model}, filter={"optimizer": lambda *_: True})
+    with pytest.raises(ConfigError, match="give a function"):
+        fleet.save(path, {"model": model}, filter={"model": True})
     fleet.finish()

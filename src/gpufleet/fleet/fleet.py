@@ -50,7 +50,7 @@ from gpufleet.fleet.comm import FleetComm
 from gpufleet.fleet.run import FleetRun
 from gpufleet.fleet.seeding import seed_process
 from gpufleet.fleet.setup import FleetSetup
-from gpufleet.fleet.state import load_state, save_state
+from gpufleet.fleet.state import FleetCheckpoints
 from gpufleet.fleet.steps import StepTracker
 from gpufleet.fleet.wrappers import FleetModule
 from gpufleet.launch import DistEnv, destroy_process_group, is_initialized
@@ -72,7 +72,7 @@ _OWN_LOOP = {
 }
 
 
-class Fleet(FleetSetup, FleetComm):
+class Fleet(FleetSetup, FleetComm, FleetCheckpoints):
     """Run your own training loop on one or many ranks with gpufleet underneath.
 
     Args:
@@ -353,22 +353,6 @@ class Fleet(FleetSetup, FleetComm):
                                   "numbers or one-element tensors.")
             values[str(key)] = float(value)
         self._steps.user_log(run.state.step if step is None else int(step), values)
-
-    # -- checkpoints ------------------------------------------------------------------
-    def save(self, path: str | Path, state: dict[str, Any]) -> Path:
-        """Save ``state`` (models, optimizers, schedulers, set-up loaders, plain values)
-        to ``path``: rank 0 writes it atomically with a checksum, with every rank's RNG
-        states and each loader's exact position. COLLECTIVE: call it on every rank."""
-        run = self._rank_run()
-        with run.phases(Phase.CHECKPOINT):
-            return save_state(path, state, run.strategy, run.env.rank)
-
-    def load(self, path: str | Path, state: dict[str, Any]) -> dict[str, Any]:
-        """Restore what :meth:`save` wrote into ``state`` (in place: objects load their
-        state dicts, plain values are replaced), read with ``weights_only=True``.
-        Returns what the file holds beyond ``state``'s keys."""
-        run = self._rank_run()
-        return load_state(path, state, run.strategy, run.env.rank, run.env.world_size)
 
     # -- the end ----------------------------------------------------------------------
     def finish(self) -> None:
