@@ -206,3 +206,15 @@ def test_save_keeps_what_filter_chooses(tmp_path):
     with pytest.raises(ConfigError, match="give a function"):
         fleet.save(path, {"model": model}, filter={"model": True})
     fleet.finish()
+
+
+def test_setup_takes_move_to_device_where_nothing_would_move(tmp_path):
+    fleet = _fleet(tmp_path)
+    model = fleet.setup(module=_net(), move_to_device=False)  # on the CPU, as the run
+    fleet.backward(model(torch.ones(2, 4)).sum())
+    assert fleet.setup_module(module=_net(), move_to_device=False).module is not None
+    on_meta = torch.nn.Linear(4, 1, device="meta")
+    with pytest.raises(ConfigError, match=r"move_to_device=False\): the model has tensors "
+                                          r"on meta and this rank trains on cpu"):
+        fleet.setup_module(on_meta, move_to_device=False)
+    fleet.finish()
