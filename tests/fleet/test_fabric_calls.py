@@ -218,3 +218,65 @@ def test_setup_takes_move_to_device_where_nothing_would_move(tmp_path):
                                           r"on meta and this rank trains on cpu"):
         fleet.setup_module(on_meta, move_to_device=False)
     fleet.finish()
+
+
+def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_clip_gradients_takes_norm_type(tmp_path):
+    fleet = _fleet(tmp_path)
+    net = _net()
+    model, optimizer = fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    reference = _net()
+    for norm_type in (float("inf"), 1.0, "inf"):
+        optimizer.zero_grad()
+        reference.zero_grad()
+        fleet.backward(model(torch.full((2, 4), 10.0)).sum())
+        reference(torch.full((2, 4), 10.0)).sum().backward()
+        norm = fleet.clip_gradients(model, optimizer, max_norm=0.5, norm_type=norm_type)
+        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5,
+                                                  norm_type=float(norm_type))
+        assert torch.equal(norm, expected), norm_type
+        assert all(torch.equal(a, b) for a, b in zip(_grads(model), _grads(reference)))
+    with pytest.raises(ConfigError, match="norm_type=0"):
+        fleet.clip_gradients(model, optimizer, max_norm=0.5, norm_type=0)
+    fleet.finish()
+
+
+def test_a_strategy_whose_ranks_hold_pieces_refuses_another_norm_type():
+    from gpufleet.config import ParallelConfig
+    from gpufleet.parallel import build_strategy
+    from gpufleet.parallel.dims import ParallelDims
+
+    strategy = build_strategy("single", ParallelConfig(), torch.device("cpu"))
+    strategy.dims = ParallelDims(dp_shard=2)  # as fsdp over 2 ranks
+    net = _net()
+    net(torch.ones(1, 4)).sum().backward()
+    with pytest.raises(ConfigError, match=r"norm_type=1\).*global L2 norm together only"):
+        strategy.clip_grad_norm(net, 1.0, norm_type=1.0)
+
+
+def test_clip_gradients_error_if_nonfinite_where_no_guard_skips_the_step(tmp_path):
+    """Fabric's default raises on a non-finite norm; the first optimizer's step is
+    watched by the non-finite guard, which skips it instead; another's is not."""
+    fleet = _fleet(tmp_path)
+    gen, disc = _net(), torch.nn.Linear(1, 1)
+    gen, opt_g = fleet.setup(gen, torch.optim.SGD(gen.parameters(), lr=0.1))
+    disc, opt_d = fleet.setup(disc, torch.optim.SGD(disc.parameters(), lr=0.1))
+    fleet.backward(disc(gen(torch.ones(2, 4))).sum() * float("inf"))
+    assert not torch.isfinite(fleet.clip_gradients(gen, opt_g, max_norm=1.0))  # guarded
+    with pytest.raises(RuntimeError, match="norm of order 2 of the gradients is not finite"):
+        fleet.clip_gradients(disc, opt_d, max_norm=1.0)
+    fleet.clip_gradients(disc, opt_d, max_norm=1.0, error_if_nonfinite=False)
+    opt_g.step()
+    assert fleet.skipped_steps == 1
+    fleet.finish()
+
+
+def test_no_backward_sync_takes_fabrics_name(tmp_path):
+    fleet = _fleet(tmp_path)
+    model = fleet.setup(_net())
+    with fleet.no_backward_sync(module=model, enabled=True):
+        fleet.backward(model(torch.ones(2, 4)).sum())
+    fleet.finish()

@@ -31,7 +31,7 @@ import contextlib
 import logging
 import numbers
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +47,12 @@ from gpufleet.errors import ConfigError, unknown_choice
 from gpufleet.fault.crash import crash_reported
 from gpufleet.fleet.args import fleet_overrides
 from gpufleet.fleet.comm import FleetComm
+from gpufleet.fleet.grads import FleetGrads
 from gpufleet.fleet.run import FleetRun
 from gpufleet.fleet.seeding import seed_process
 from gpufleet.fleet.setup import FleetSetup
 from gpufleet.fleet.state import FleetCheckpoints
 from gpufleet.fleet.steps import StepTracker
-from gpufleet.fleet.wrappers import FleetModule
 from gpufleet.launch import DistEnv, destroy_process_group, is_initialized
 from gpufleet.plan import RunPlan, make_plan
 from gpufleet.train.build import plan_run_dir, precision_and_strategy, rank_device
@@ -72,7 +72,7 @@ _OWN_LOOP = {
 }
 
 
-class Fleet(FleetSetup, FleetComm, FleetCheckpoints):
+class Fleet(FleetSetup, FleetComm, FleetGrads, FleetCheckpoints):
     """Run your own training loop on one or many ranks with gpufleet underneath.
 
     Args:
@@ -294,27 +294,6 @@ class Fleet(FleetSetup, FleetComm, FleetCheckpoints):
         rank's device."""
         device = self._rank_run().device
         return obj.to(device) if isinstance(obj, nn.Module) else to_device(obj, device)
-
-    @contextlib.contextmanager
-    def no_backward_sync(self, model: nn.Module, enabled: bool = True) -> Iterator[None]:
-        """Backward passes inside do not synchronise gradients across ranks (ddp's
-        ``no_sync``): for gradient accumulation, all but the last micro-batch."""
-        placed = model.placed if isinstance(model, FleetModule) else model
-        with self._rank_run().strategy.no_sync(placed) if enabled \
-                else contextlib.nullcontext():
-            yield
-
-    def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                       clip_val: float | None = None, max_norm: float | None = None
-                       ) -> torch.Tensor | None:
-        """Clip by value and/or by global norm (unscaled first; the non-finite guard
-        looks at the gradients before they are clipped), in Fabric's order of arguments.
-        Returns the norm before clipping (a device tensor) when clipping by norm."""
-        if max_norm is None and clip_val is None:
-            raise ConfigError("clip_gradients needs max_norm=... or clip_val=...")
-        self._rank_run()
-        placed = model.placed if isinstance(model, FleetModule) else model
-        return self._steps.clip(placed, optimizer, max_norm, clip_val)
 
     # -- phases -----------------------------------------------------------------------
     def phase(self, name: str) -> contextlib.AbstractContextManager:
