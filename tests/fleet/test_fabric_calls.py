@@ -1,10 +1,13 @@
 """Fabric's call forms on Fleet: a Fabric loop's lines that once raised TypeError or
 silently did something else (``launch()`` without a function, ``backward``'s keywords,
-a scheduler built before ``setup``)."""
+a scheduler built before ``setup``, the arguments of ``seed_everything``, ``barrier``,
+``save``, ``load``, ``setup``, ``clip_gradients`` and the collectives)."""
 
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -67,7 +70,6 @@ def test_launch_without_a_function_on_a_rank_does_nothing(tmp_path):
     model = fleet.setup(_net())
     fleet.backward(model(torch.ones(2, 4)).sum())  # the loop goes on as Fabric's would
     fleet.finish()
-
 
 
 def _fleet(tmp_path, name: str = "run", **kwargs) -> gpufleet.Fleet:
@@ -280,3 +282,38 @@ def test_no_backward_sync_takes_fabrics_name(tmp_path):
     with fleet.no_backward_sync(module=model, enabled=True):
         fleet.backward(model(torch.ones(2, 4)).sum())
     fleet.finish()
+
+
+def test_collectives_take_fabrics_names(tmp_path):
+    fleet = _fleet(tmp_path)
+    assert fleet.all_reduce(data=torch.ones(2), group=None, reduce_op="sum").tolist() == [1, 1]
+    assert fleet.all_reduce({"a": 2.0, "b": [torch.ones(1)]}) == {"a": 2.0,
+                                                                  "b": [torch.ones(1)]}
+    assert fleet.all_gather(data=torch.ones(2), group=None, sync_grads=False).shape == (1, 2)
+    assert fleet.all_gather(torch.ones(2), True).shape == (1, 2)  # Fleet's sync_grads, 2nd
+    assert fleet.broadcast(obj={"a": 1}, src=0) == {"a": 1}  # as it was
+    with pytest.raises(ConfigError, match=r"all_reduce\(group=...\): this run has no "
+                                          "torch.distributed process group"):
+        fleet.all_reduce(1.0, group=object())
+    with pytest.raises(ConfigError, match="reduce op twice"):
+        fleet.all_reduce(1.0, "sum", reduce_op="max")
+    fleet.finish()
+
+
+def test_group_and_named_barrier_on_two_ranks(tmp_path):
+    """``group=``: a reduction and a gather (with gradients) over a group of both ranks
+    and over a group of rank 1 alone (rank 0, outside it, is told so); a named barrier
+    is named in the ring of collectives a hang report lists."""
+    script = Path(__file__).with_name("fabric_ranks.py")
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    ranks = [torch.load(tmp_path / f"rank-{r}.pt", weights_only=True) for r in (0, 1)]
+    for seen in ranks:
+        assert seen["sum"] == [3.0] and seen["old_form"] == 2.0
+        assert seen["mean"]["x"] == 1.5 and seen["mean"]["t"][0].tolist() == [0.5, 0.5]
+        assert seen["gathered"] == [[2.0], [4.0]] and seen["grad"] == [4.0]
+        assert seen["ring"][-1] == "barrier 'after-groups'"
+    assert "rank 0 is not in that group" in ranks[0]["outside"]
+    assert ranks[1]["alone"] == 5.0 and ranks[1]["alone_gather"] == [[3.0]]
+    assert ranks[1]["alone_grad"] == [1.0]
