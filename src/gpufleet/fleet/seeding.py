@@ -4,11 +4,13 @@ loaders set up afterwards seeded per rank.
 
 Without a ``worker_init_fn`` a DataLoader seeds each worker's torch from a base seed
 drawn from this process's random state, plus the worker's index (and, in recent torch,
-``random`` and NumPy from the same). Ranks seeded alike draw the same base seed, so
-worker ``k`` of every rank would draw the same random augmentations. With ``workers``
-(Fabric's default), :func:`seed_rank_worker` mixes the rank in, as Lightning's
-``pl_worker_init_function`` does, with the same numbers: a loop moved from Fabric gets
-the same draws in its workers.
+``random`` from the same). Ranks seeded alike draw the same base seed, so worker ``k``
+of every rank would draw the same random augmentations. With ``workers`` (Fabric's
+default), :func:`seed_rank_worker` mixes the rank in: every worker of every rank gets
+its own torch, ``random`` and NumPy streams, derived with NumPy's ``SeedSequence`` from
+the base seed, the worker's index and the rank. (Lightning derives them with a hash of
+its own, so the draws inside the workers differ from a Fabric run's; what each rank's
+workers draw apart, and the same run after run, is the same promise.)
 
 Example:
     >>> seed_process(7, verbose=False, rank=0)
@@ -48,29 +50,13 @@ def seed_process(seed: int | None, verbose: bool, rank: int) -> int:
 
 def seed_rank_worker(worker_id: int, rank: int) -> None:
     """``worker_init_fn`` seeding torch, ``random`` and NumPy in a DataLoader worker from
-    the loader's base seed, the worker's index and the rank: the seeds Lightning's
-    ``pl_worker_init_function(worker_id, rank)`` gives (its algorithm, Apache-2.0)."""
+    the loader's base seed, the worker's index and the rank (see the module docs)."""
     base_seed = torch.initial_seed() - worker_id  # the DataLoader adds the worker's index
-    seeds = _seed_sequence(base_seed, worker_id, rank, count=4)
-    torch.manual_seed(seeds[0])
-    random.seed((seeds[1] << 32) | seeds[2])
-    np.random.seed(np.random.SeedSequence([base_seed, worker_id, rank]).generate_state(4))
-
-
-def _seed_sequence(base_seed: int, worker_id: int, rank: int, count: int) -> list[int]:
-    """``count`` 64-bit seeds from the three numbers: MurmurHash3's finalizer, then a
-    linear congruential generator (Lightning's ``_generate_seed_sequence``)."""
-    mixed = (base_seed << 32) | (worker_id << 16) | rank
-    mixed ^= mixed >> 33
-    mixed = (mixed * 0xFF51AFD7ED558CCD) & _MASK64
-    mixed ^= mixed >> 33
-    mixed = (mixed * 0xC4CEB9FE1A85EC53) & _MASK64
-    mixed ^= mixed >> 33
-    seeds = []
-    for _ in range(count):
-        mixed = (mixed * 6364136223846793005 + 1) & _MASK64
-        seeds.append(mixed)
-    return seeds
+    words = np.random.SeedSequence([base_seed & _MASK64, worker_id, rank]).generate_state(
+        4, dtype=np.uint64)
+    torch.manual_seed(int(words[0]))
+    random.seed(int(words[1]))
+    np.random.seed(words[2:].view(np.uint32))
 
 
 def add_worker_seeding(loader: Any, rank: int) -> None:
