@@ -317,3 +317,12 @@ def test_group_and_named_barrier_on_two_ranks(tmp_path):
     assert "rank 0 is not in that group" in ranks[0]["outside"]
     assert ranks[1]["alone"] == 5.0 and ranks[1]["alone_gather"] == [[3.0]]
     assert ranks[1]["alone_grad"] == [1.0]
+
+
+def test_save_refuses_the_files_own_keys(tmp_path):
+    fleet = _fleet(tmp_path)
+    for key in ("format", "_fleet"):
+        with pytest.raises(ConfigError, match=f"state key '{key}' is the file's own"):
+            fleet.save(tmp_path / "c.pt", {key: 3})
+    assert not (tmp_path / "c.pt").exists()
+    fleet.finish()

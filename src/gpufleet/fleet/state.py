@@ -88,6 +88,11 @@ def saveable(state: Mapping[str, Any], strategy: Any,
     ``filter``, only the items of its (dict) value that ``filter[key](name, value)``
     keeps (Fabric's ``save(filter=)``: a key none of whose items is kept is left out)."""
     _check_filter(filter, state)
+    reserved = [k for k in state if k in (FLEET_KEY, "format")]
+    if reserved:  # the file's own entries: the RNG states and the format number
+        raise ConfigError(f"Fleet.save: the state key {reserved[0]!r} is the file's own "
+                          "(Fleet keeps its format and RNG states there); save that value "
+                          "under another name.")
     if strategy.saves_on_every_rank:
         raise ConfigError(
             f"Fleet.save with parallel.strategy = {strategy.name!r}: each rank holds a "
