@@ -1,12 +1,22 @@
 """Fabric's call forms on Fleet: a Fabric loop's lines that once raised TypeError or
 silently did something else (``launch()`` without a function, ``backward``'s keywords,
-a scheduler built before ``setup``)."""
+a scheduler built before ``setup``, the arguments of ``seed_everything``, ``barrier``,
+``save``, ``load``, ``setup``, ``clip_gradients`` and the collectives)."""
 
 from __future__ import annotations
 
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 import gpufleet
+from gpufleet.errors import CheckpointError, ConfigError
 
 
 def _net() -> torch.nn.Module:
@@ -59,4 +69,260 @@ def test_launch_without_a_function_on_a_rank_does_nothing(tmp_path):
     assert fleet.launch() is None
     model = fleet.setup(_net())
     fleet.backward(model(torch.ones(2, 4)).sum())  # the loop goes on as Fabric's would
+    fleet.finish()
+
+
+def _fleet(tmp_path, name: str = "run", **kwargs) -> gpufleet.Fleet:
+    return gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / name), **kwargs)
+
+
+def _data() -> TensorDataset:
+    return TensorDataset(torch.arange(16.0).view(8, 2), torch.zeros(8, 1))
+
+
+def test_seed_everything_takes_fabrics_arguments_and_returns_the_seed(tmp_path, caplog):
+    fleet = _fleet(tmp_path)
+    with caplog.at_level("INFO", logger="gpufleet.fleet.seeding"):
+        assert fleet.seed_everything(5, workers=True, verbose=True) == 5
+    assert "seed set to 5" in caplog.text
+    first = torch.rand(2)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="gpufleet.fleet.seeding"):
+        assert fleet.seed_everything(seed=5, verbose=False) == 5
+    assert torch.equal(torch.rand(2), first) and not caplog.text
+    assert fleet.seed_everything() == 0  # Fabric's default seed
+    fleet.finish()
+
+
+def test_seed_everything_seeds_the_workers_of_later_loaders_per_rank(tmp_path):
+    """Fabric's workers=True (its default): loaders set up afterwards seed their workers
+    from the rank too; a worker_init_fn of your own stays; workers=False adds none."""
+    from gpufleet.fleet.seeding import seed_rank_worker
+
+    fleet = _fleet(tmp_path)
+    fleet.seed_everything(0)
+    seeded = fleet.setup_dataloaders(DataLoader(_data(), batch_size=4))
+    assert seeded.loader.worker_init_fn.func is seed_rank_worker
+    assert seeded.loader.worker_init_fn.keywords == {"rank": 0}
+
+    def own(worker_id):
+        return None
+
+    kept = fleet.setup_dataloaders(DataLoader(_data(), batch_size=4, worker_init_fn=own))
+    assert kept.loader.worker_init_fn is own
+    fleet.seed_everything(0, workers=False)
+    assert fleet.setup_dataloaders(DataLoader(_data(), batch_size=4)).loader.worker_init_fn \
+        is None
+    fleet.finish()
+
+
+def _draws(init, worker_id: int, rank: int) -> tuple:
+    """What a worker of ``rank`` draws after ``init`` (a worker_init_fn) seeded it."""
+    torch.manual_seed(1234 + worker_id)  # what a DataLoader worker starts with
+    init(worker_id, rank=rank)
+    return torch.rand(2).tolist(), random.random(), np.random.rand()
+
+
+def test_each_ranks_workers_draw_their_own_numbers_run_after_run():
+    from gpufleet.fleet.seeding import seed_rank_worker
+
+    draws = {(w, r): _draws(seed_rank_worker, w, r) for w, r in ((0, 0), (1, 0), (1, 1))}
+    assert len(set(map(str, draws.values()))) == 3  # per worker and per rank
+    assert _draws(seed_rank_worker, 1, 1) == draws[1, 1]  # the same, run after run
+    plain = _draws(lambda w, rank: None, 1, 0), _draws(lambda w, rank: None, 1, 1)
+    assert plain[0][0] == plain[1][0]  # without it, ranks' workers draw alike (torch)
+
+
+def test_barrier_takes_a_name(tmp_path):
+    """The name reaches the hang report's ring on several ranks (test_group_and_named_
+    barrier_on_two_ranks); alone, there is nothing to wait for."""
+    fleet = _fleet(tmp_path)
+    fleet.barrier("epoch-end")
+    fleet.barrier(name=None)
+    fleet.finish()
+
+
+def _saved(tmp_path, **save_kwargs) -> tuple[gpufleet.Fleet, torch.nn.Module, Path]:
+    fleet = _fleet(tmp_path, "saver")
+    model = fleet.setup(_net())
+    path = fleet.save(tmp_path / "ck.pt", {"model": model, "epoch": 3}, **save_kwargs)
+    return fleet, model, path
+
+
+def test_load_without_a_state_returns_what_was_saved(tmp_path):
+    fleet, model, path = _saved(tmp_path)
+    draw = torch.rand(1)
+    whole = fleet.load(path)
+    assert whole.keys() == {"model", "epoch"} and whole["epoch"] == 3
+    assert whole["model"].keys() == model.state_dict().keys()
+    assert fleet.load(path, {}).keys() == whole.keys()  # Fabric: an empty state is none
+    torch.manual_seed(7)
+    after = torch.rand(1)
+    torch.manual_seed(7)
+    fleet.load(path)
+    assert torch.equal(torch.rand(1), after) and not torch.equal(after, draw)  # RNG left
+    fleet.finish()
+
+
+def test_load_strict_false_loads_what_fits_and_names_what_it_skipped(tmp_path, caplog):
+    fleet, model, path = _saved(tmp_path)
+    bigger = torch.nn.Sequential(*_net(), torch.nn.Linear(1, 1))  # one layer more
+    for p in bigger.parameters():
+        torch.nn.init.zeros_(p)
+    state = {"model": bigger, "step": 0}
+    with pytest.raises(CheckpointError, match=r"holds no 'step'.*strict=False"):
+        fleet.load(path, state)
+    with caplog.at_level("WARNING", logger="gpufleet.fleet.state"):
+        rest = fleet.load(path, state, strict=False)
+    assert rest == {"epoch": 3} and state["step"] == 0  # left as it was
+    assert torch.equal(bigger[0].weight, model.module[0].weight)  # loaded where it fits
+    assert torch.equal(bigger[3].weight, torch.zeros(1, 1))
+    assert "'step' (not in the file)" in caplog.text
+    assert "missing keys 3.weight, 3.bias" in caplog.text
+    smaller = torch.nn.Sequential(torch.nn.Linear(4, 8))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gpufleet.fleet.state"):
+        fleet.load(path, {"model": smaller}, False)
+    assert "unexpected keys 2.weight, 2.bias" in caplog.text
+    assert torch.equal(smaller[0].bias, model.module[0].bias)
+    fleet.finish()
+
+
+def test_load_reads_weights_only_and_refuses_to_do_otherwise(tmp_path):
+    fleet, _, path = _saved(tmp_path)
+    assert fleet.load(path, weights_only=True)["epoch"] == 3
+    assert fleet.load(path, weights_only=None)["epoch"] == 3
+    with pytest.raises(ConfigError, match=r"load\(weights_only=False\).*nothing in a file"):
+        fleet.load(path, weights_only=False)
+    fleet.finish()
+
+
+def test_save_keeps_what_filter_chooses(tmp_path):
+    fleet, model, path = _saved(tmp_path, filter={"model": lambda name, _: "bias" in name})
+    saved = fleet.load(path)
+    assert list(saved["model"]) == ["0.bias", "2.bias"] and saved["epoch"] == 3
+    fleet.save(path, {"model": model, "epoch": 3}, filter={"model": lambda *_: False})
+    assert fleet.load(path) == {"epoch": 3}  # nothing kept: the key is left out, as Fabric
+    with pytest.raises(ConfigError, match="'optimizer', not keys of the state"):
+        fleet.save(path, {"model": model}, filter={"optimizer": lambda *_: True})
+    with pytest.raises(ConfigError, match="give a function"):
+        fleet.save(path, {"model": model}, filter={"model": True})
+    fleet.finish()
+
+
+def test_setup_takes_move_to_device_where_nothing_would_move(tmp_path):
+    fleet = _fleet(tmp_path)
+    model = fleet.setup(module=_net(), move_to_device=False)  # on the CPU, as the run
+    fleet.backward(model(torch.ones(2, 4)).sum())
+    assert fleet.setup_module(module=_net(), move_to_device=False).module is not None
+    on_meta = torch.nn.Linear(4, 1, device="meta")
+    with pytest.raises(ConfigError, match=r"move_to_device=False\): the model has tensors "
+                                          r"on meta and this rank trains on cpu"):
+        fleet.setup_module(on_meta, move_to_device=False)
+    fleet.finish()
+
+
+def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_clip_gradients_takes_norm_type(tmp_path):
+    fleet = _fleet(tmp_path)
+    net = _net()
+    model, optimizer = fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    reference = _net()
+    for norm_type in (float("inf"), 1.0, "inf"):
+        optimizer.zero_grad()
+        reference.zero_grad()
+        fleet.backward(model(torch.full((2, 4), 10.0)).sum())
+        reference(torch.full((2, 4), 10.0)).sum().backward()
+        norm = fleet.clip_gradients(model, optimizer, max_norm=0.5, norm_type=norm_type)
+        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5,
+                                                  norm_type=float(norm_type))
+        assert torch.equal(norm, expected), norm_type
+        assert all(torch.equal(a, b) for a, b in zip(_grads(model), _grads(reference)))
+    with pytest.raises(ConfigError, match="norm_type=0"):
+        fleet.clip_gradients(model, optimizer, max_norm=0.5, norm_type=0)
+    fleet.finish()
+
+
+def test_a_strategy_whose_ranks_hold_pieces_refuses_another_norm_type():
+    from gpufleet.config import ParallelConfig
+    from gpufleet.parallel import build_strategy
+    from gpufleet.parallel.dims import ParallelDims
+
+    strategy = build_strategy("single", ParallelConfig(), torch.device("cpu"))
+    strategy.dims = ParallelDims(dp_shard=2)  # as fsdp over 2 ranks
+    net = _net()
+    net(torch.ones(1, 4)).sum().backward()
+    with pytest.raises(ConfigError, match=r"norm_type=1\).*global L2 norm together only"):
+        strategy.clip_grad_norm(net, 1.0, norm_type=1.0)
+
+
+def test_clip_gradients_error_if_nonfinite_where_no_guard_skips_the_step(tmp_path):
+    """Fabric's default raises on a non-finite norm; the first optimizer's step is
+    watched by the non-finite guard, which skips it instead; another's is not."""
+    fleet = _fleet(tmp_path)
+    gen, disc = _net(), torch.nn.Linear(1, 1)
+    gen, opt_g = fleet.setup(gen, torch.optim.SGD(gen.parameters(), lr=0.1))
+    disc, opt_d = fleet.setup(disc, torch.optim.SGD(disc.parameters(), lr=0.1))
+    fleet.backward(disc(gen(torch.ones(2, 4))).sum() * float("inf"))
+    assert not torch.isfinite(fleet.clip_gradients(gen, opt_g, max_norm=1.0))  # guarded
+    with pytest.raises(RuntimeError, match="norm of order 2 of the gradients is not finite"):
+        fleet.clip_gradients(disc, opt_d, max_norm=1.0)
+    fleet.clip_gradients(disc, opt_d, max_norm=1.0, error_if_nonfinite=False)
+    opt_g.step()
+    assert fleet.skipped_steps == 1
+    fleet.finish()
+
+
+def test_no_backward_sync_takes_fabrics_name(tmp_path):
+    fleet = _fleet(tmp_path)
+    model = fleet.setup(_net())
+    with fleet.no_backward_sync(module=model, enabled=True):
+        fleet.backward(model(torch.ones(2, 4)).sum())
+    fleet.finish()
+
+
+def test_collectives_take_fabrics_names(tmp_path):
+    fleet = _fleet(tmp_path)
+    assert fleet.all_reduce(data=torch.ones(2), group=None, reduce_op="sum").tolist() == [1, 1]
+    assert fleet.all_reduce({"a": 2.0, "b": [torch.ones(1)]}) == {"a": 2.0,
+                                                                  "b": [torch.ones(1)]}
+    assert fleet.all_gather(data=torch.ones(2), group=None, sync_grads=False).shape == (1, 2)
+    assert fleet.all_gather(torch.ones(2), True).shape == (1, 2)  # Fleet's sync_grads, 2nd
+    assert fleet.broadcast(obj={"a": 1}, src=0) == {"a": 1}  # as it was
+    with pytest.raises(ConfigError, match=r"all_reduce\(group=...\): this run has no "
+                                          "torch.distributed process group"):
+        fleet.all_reduce(1.0, group=object())
+    with pytest.raises(ConfigError, match="reduce op twice"):
+        fleet.all_reduce(1.0, "sum", reduce_op="max")
+    fleet.finish()
+
+
+def test_group_and_named_barrier_on_two_ranks(tmp_path):
+    """``group=``: a reduction and a gather (with gradients) over a group of both ranks
+    and over a group of rank 1 alone (rank 0, outside it, is told so); a named barrier
+    is named in the ring of collectives a hang report lists."""
+    script = Path(__file__).with_name("fabric_ranks.py")
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    ranks = [torch.load(tmp_path / f"rank-{r}.pt", weights_only=True) for r in (0, 1)]
+    for seen in ranks:
+        assert seen["sum"] == [3.0] and seen["old_form"] == 2.0
+        assert seen["mean"]["x"] == 1.5 and seen["mean"]["t"][0].tolist() == [0.5, 0.5]
+        assert seen["gathered"] == [[2.0], [4.0]] and seen["grad"] == [4.0]
+        assert seen["ring"][-1] == "barrier 'after-groups'"
+    assert "rank 0 is not in that group" in ranks[0]["outside"]
+    assert ranks[1]["alone"] == 5.0 and ranks[1]["alone_gather"] == [[3.0]]
+    assert ranks[1]["alone_grad"] == [1.0]
+
+
+def test_save_refuses_the_files_own_keys(tmp_path):
+    fleet = _fleet(tmp_path)
+    for key in ("format", "_fleet"):
+        with pytest.raises(ConfigError, match=f"state key '{key}' is the file's own"):
+            fleet.save(tmp_path / "c.pt", {key: 3})
+    assert not (tmp_path / "c.pt").exists()
     fleet.finish()

@@ -25,6 +25,7 @@ from gpufleet.fleet.run import FleetRun
 from gpufleet.launch import barrier, job_store
 
 _REDUCE = ("mean", "sum", "max", "min")
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # rank_zero_first: each use's number, and how often the others look whether rank 0 is
 # done (it may download or unpack for longer than the process group's timeout).
 _FIRSTS = itertools.count()
@@ -37,30 +38,40 @@ class FleetComm:
     def _rank_run(self) -> FleetRun:  # Fleet's: the run, once this process is a rank
         raise NotImplementedError
 
-    def all_reduce(self, value: Any, reduce_op: str = "mean") -> Any:
-        """``value`` (a tensor or a number) reduced over every rank: ``"mean"``,
-        ``"sum"``, ``"max"`` or ``"min"``. COLLECTIVE; a number comes back as a float
-        (SYNC)."""
+    def all_reduce(self, data: Any, group: Any = None, reduce_op: str = "mean") -> Any:
+        """``data`` (a tensor or a number, or a dict, list or tuple of them) reduced over
+        every rank: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``. COLLECTIVE; a number
+        comes back as a float (SYNC). ``group``: a ``torch.distributed`` process group
+        (``dist.new_group(ranks)``) to reduce over instead, called by its ranks only. A
+        string in ``group``'s place is the reduce op (``all_reduce(x, "sum")``, as Fleet
+        has always taken it)."""
         run = self._rank_run()
+        if isinstance(group, str):
+            if reduce_op != "mean":
+                raise ConfigError(f"all_reduce got the reduce op twice ({group!r} and "
+                                  f"reduce_op={reduce_op!r}); pass it once.")
+            group, reduce_op = None, group
         if reduce_op not in _REDUCE:
             raise ConfigError(unknown_choice("reduce_op", reduce_op, _REDUCE))
-        number = not isinstance(value, torch.Tensor)
-        tensor = torch.tensor(float(value), device=run.device) if number \
-            else value.detach().clone()
-        run.strategy.all_reduce(tensor, "sum" if reduce_op == "mean" else reduce_op)
-        if reduce_op == "mean":
-            tensor = tensor / run.env.world_size
-        return float(tensor) if number else tensor
+        size = run.env.world_size if group is None else _group_size(group, "all_reduce")
+        return _each_value(data, lambda v: _reduce(v, run, group, reduce_op, size),
+                           "all_reduce")
 
-    def all_gather(self, data: Any, sync_grads: bool = False) -> Any:
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
         """Every rank's ``data``: a tensor or a number, or a dict, list or tuple of them,
         gathered into the same structure. Each tensor comes back on this rank's device
         with a new first dimension of ``world_size``, in rank order (on one rank too,
         where Fabric returns it unchanged). Tensors must have the same shape on every
-        rank. ``sync_grads=True``: gradients flow back through the gathered tensors to
-        each rank's own (the contrastive-loss case). COLLECTIVE."""
+        rank. ``group``: a ``torch.distributed`` process group to gather from instead
+        (its size, in its rank order), called by its ranks only. ``sync_grads=True``:
+        gradients flow back through the gathered tensors to each rank's own (the
+        contrastive-loss case). COLLECTIVE."""
         run = self._rank_run()
-        return _each_value(data, lambda v: _gather(v, run, sync_grads))
+        if isinstance(group, bool):  # Fleet's all_gather(x, True): sync_grads, second
+            group, sync_grads = None, group or sync_grads
+        if group is not None:
+            _group_size(group, "all_gather")
+        return _each_value(data, lambda v: _gather(v, run, sync_grads, group), "all_gather")
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Rank ``src``'s ``obj`` (anything picklable: a tensor, a dict, a path chosen on
@@ -79,10 +90,17 @@ class FleetComm:
         # Unpickled tensors come on the sender's device (cuda:src): bring them here.
         return to_device(box[0], run.device) if run.device.type != "cpu" else box[0]
 
-    def barrier(self) -> None:
-        """Wait until every rank is here (COLLECTIVE)."""
+    def barrier(self, name: str | None = None) -> None:
+        """Wait until every rank is here (COLLECTIVE). ``name`` (Fabric's) names the
+        barrier in a hang report's list of collectives: ranks waiting at differently
+        named barriers show there as a mismatch."""
         self._rank_run()
-        barrier()
+        if name is None or not dist.is_initialized():
+            barrier()
+            return
+        n = RING.enter(f"barrier {name!r}", 0)
+        dist.barrier()  # COLLECTIVE
+        RING.leave(n)
 
     @contextlib.contextmanager
     def rank_zero_first(self, local: bool = False) -> Iterator[None]:
@@ -126,34 +144,68 @@ def _barrier_around(first: bool) -> Iterator[None]:
             barrier()
 
 
-def _each_value(data: Any, fn: Any) -> Any:
+def _each_value(data: Any, fn: Any, name: str) -> Any:
     """``fn`` applied to every tensor and number in a (nested) dict, list or tuple."""
     if isinstance(data, (torch.Tensor, int, float, bool)):
         return fn(data)
     if isinstance(data, Mapping):
-        return {k: _each_value(v, fn) for k, v in data.items()}
+        return {k: _each_value(v, fn, name) for k, v in data.items()}
     if isinstance(data, (list, tuple)):
-        items = [_each_value(v, fn) for v in data]
+        items = [_each_value(v, fn, name) for v in data]
         return type(data)(*items) if hasattr(data, "_fields") else type(data)(items)
-    raise ConfigError(f"all_gather got {type(data).__name__}: gather tensors or numbers, "
-                      "or a dict, list or tuple of them; send other objects with "
-                      "broadcast.")
+    raise ConfigError(f"{name} got {type(data).__name__}: give tensors or numbers, or a "
+                      "dict, list or tuple of them; send other objects with broadcast.")
 
 
-def _gather(value: Any, run: FleetRun, sync_grads: bool) -> torch.Tensor:
-    """One tensor or number from every rank, stacked in rank order."""
+def _group_size(group: Any, name: str) -> int:
+    """The size of ``group``, a process group this rank is in; else the error."""
+    if not dist.is_initialized():
+        raise ConfigError(f"{name}(group=...): this run has no torch.distributed process "
+                          "group (one process, or horovod), so there is no group to "
+                          "reduce over; leave group=None.")
+    # dist.new_group gives a rank outside the group GroupMember.NON_GROUP_MEMBER (-100)
+    outside = isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER
+    if not isinstance(group, dist.ProcessGroup) and not outside:
+        raise ConfigError(f"{name}(group={group!r}): give a torch.distributed process "
+                          "group (dist.new_group(ranks)), or None for every rank.")
+    size = dist.get_world_size(group)
+    if size < 0:  # torch's answer for a rank outside the group
+        raise ConfigError(f"{name}(group=...): rank {dist.get_rank()} is not in that group; "
+                          "call it on the group's ranks only.")
+    return size
+
+
+def _reduce(value: Any, run: FleetRun, group: Any, op: str, size: int) -> Any:
+    """One tensor or number reduced over the ranks (of ``group``, when given)."""
+    number = not isinstance(value, torch.Tensor)
+    tensor = torch.tensor(float(value), device=run.device) if number \
+        else value.detach().clone()
+    how = "sum" if op == "mean" else op
+    if group is None:
+        run.strategy.all_reduce(tensor, how)
+    else:
+        n = RING.enter("all_reduce", tensor.numel() * tensor.element_size())
+        dist.all_reduce(tensor, op=_OPS[how], group=group)
+        RING.leave(n)
+    if op == "mean":
+        tensor = tensor / size
+    return float(tensor) if number else tensor
+
+
+def _gather(value: Any, run: FleetRun, sync_grads: bool, group: Any) -> torch.Tensor:
+    """One tensor or number from every rank (of ``group``), stacked in rank order."""
     tensor = value.to(run.device) if isinstance(value, torch.Tensor) \
         else torch.tensor(value, device=run.device)
-    if not run.strategy.reduces():
+    if group is None and not run.strategy.reduces():
         return tensor.unsqueeze(0)
     tensor = tensor.contiguous()
-    world = run.env.world_size
+    world = dist.get_world_size(group)
     n = RING.enter("all_gather", tensor.numel() * tensor.element_size() * world)
     if sync_grads:
-        gathered = _GatherWithGrads.apply(tensor, world, run.env.rank)
+        gathered = _GatherWithGrads.apply(tensor, group)
     else:
         parts = [torch.empty_like(tensor) for _ in range(world)]
-        dist.all_gather(parts, tensor)
+        dist.all_gather(parts, tensor, group=group)
         gathered = torch.stack(parts)
     RING.leave(n)
     return gathered
@@ -164,14 +216,14 @@ class _GatherWithGrads(torch.autograd.Function):
     ranks of the gradient of its row (the gradient of every rank's loss)."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, world: int, rank: int) -> torch.Tensor:
-        ctx.rank = rank
-        parts = [torch.empty_like(tensor) for _ in range(world)]
-        dist.all_gather(parts, tensor)
+    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group, ctx.rank = group, dist.get_rank(group)  # the rank within the group
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor, group=group)
         return torch.stack(parts)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         grad = grad.contiguous()
-        dist.all_reduce(grad)  # COLLECTIVE in backward: every rank runs it
-        return grad[ctx.rank], None, None
+        dist.all_reduce(grad, group=ctx.group)  # COLLECTIVE in backward: every rank runs it
+        return grad[ctx.rank], None

@@ -31,7 +31,7 @@ import contextlib
 import logging
 import numbers
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +47,12 @@ from gpufleet.errors import ConfigError, unknown_choice
 from gpufleet.fault.crash import crash_reported
 from gpufleet.fleet.args import fleet_overrides
 from gpufleet.fleet.comm import FleetComm
+from gpufleet.fleet.grads import FleetGrads
 from gpufleet.fleet.run import FleetRun
+from gpufleet.fleet.seeding import seed_process
 from gpufleet.fleet.setup import FleetSetup
-from gpufleet.fleet.state import load_state, save_state
+from gpufleet.fleet.state import FleetCheckpoints
 from gpufleet.fleet.steps import StepTracker
-from gpufleet.fleet.wrappers import FleetModule
 from gpufleet.launch import DistEnv, destroy_process_group, is_initialized
 from gpufleet.plan import RunPlan, make_plan
 from gpufleet.train.build import plan_run_dir, precision_and_strategy, rank_device
@@ -71,7 +72,7 @@ _OWN_LOOP = {
 }
 
 
-class Fleet(FleetSetup, FleetComm):
+class Fleet(FleetSetup, FleetComm, FleetGrads, FleetCheckpoints):
     """Run your own training loop on one or many ranks with gpufleet underneath.
 
     Args:
@@ -133,6 +134,7 @@ class Fleet(FleetSetup, FleetComm):
         self._seed = seed
         self.run: FleetRun | None = None
         self._placed: list[nn.Module] = []  # every model set up, as placed
+        self._seed_workers = False  # seed_everything(workers=True): loaders' workers
         if self.plan.launcher in ("none", "external"):  # this process is a rank
             self._start_rank()
 
@@ -264,9 +266,14 @@ class Fleet(FleetSetup, FleetComm):
         if self.is_global_zero:
             print(*args, **kwargs)
 
-    def seed_everything(self, seed: int) -> None:
-        """Seed python, numpy and torch with ``seed`` on this rank."""
-        seed_everything(seed)
+    def seed_everything(self, seed: int | None = None, workers: bool | None = None,
+                        verbose: bool = True) -> int:
+        """Seed python, numpy and torch with ``seed`` on this rank (None: 0) and return it,
+        as Fabric's. ``workers`` (None: True, Fabric's default): the loaders set up
+        afterwards seed their workers from the rank too (see :mod:`~gpufleet.fleet.
+        seeding`); ``verbose``: log the seed."""
+        self._seed_workers = workers is None or bool(workers)
+        return seed_process(seed, verbose, self.global_rank)
 
     # -- the step ---------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, *, retain_graph: bool | None = None,
@@ -287,27 +294,6 @@ class Fleet(FleetSetup, FleetComm):
         rank's device."""
         device = self._rank_run().device
         return obj.to(device) if isinstance(obj, nn.Module) else to_device(obj, device)
-
-    @contextlib.contextmanager
-    def no_backward_sync(self, model: nn.Module, enabled: bool = True) -> Iterator[None]:
-        """Backward passes inside do not synchronise gradients across ranks (ddp's
-        ``no_sync``): for gradient accumulation, all but the last micro-batch."""
-        placed = model.placed if isinstance(model, FleetModule) else model
-        with self._rank_run().strategy.no_sync(placed) if enabled \
-                else contextlib.nullcontext():
-            yield
-
-    def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                       clip_val: float | None = None, max_norm: float | None = None
-                       ) -> torch.Tensor | None:
-        """Clip by value and/or by global norm (unscaled first; the non-finite guard
-        looks at the gradients before they are clipped), in Fabric's order of arguments.
-        Returns the norm before clipping (a device tensor) when clipping by norm."""
-        if max_norm is None and clip_val is None:
-            raise ConfigError("clip_gradients needs max_norm=... or clip_val=...")
-        self._rank_run()
-        placed = model.placed if isinstance(model, FleetModule) else model
-        return self._steps.clip(placed, optimizer, max_norm, clip_val)
 
     # -- phases -----------------------------------------------------------------------
     def phase(self, name: str) -> contextlib.AbstractContextManager:
@@ -346,22 +332,6 @@ class Fleet(FleetSetup, FleetComm):
                                   "numbers or one-element tensors.")
             values[str(key)] = float(value)
         self._steps.user_log(run.state.step if step is None else int(step), values)
-
-    # -- checkpoints ------------------------------------------------------------------
-    def save(self, path: str | Path, state: dict[str, Any]) -> Path:
-        """Save ``state`` (models, optimizers, schedulers, set-up loaders, plain values)
-        to ``path``: rank 0 writes it atomically with a checksum, with every rank's RNG
-        states and each loader's exact position. COLLECTIVE: call it on every rank."""
-        run = self._rank_run()
-        with run.phases(Phase.CHECKPOINT):
-            return save_state(path, state, run.strategy, run.env.rank)
-
-    def load(self, path: str | Path, state: dict[str, Any]) -> dict[str, Any]:
-        """Restore what :meth:`save` wrote into ``state`` (in place: objects load their
-        state dicts, plain values are replaced), read with ``weights_only=True``.
-        Returns what the file holds beyond ``state``'s keys."""
-        run = self._rank_run()
-        return load_state(path, state, run.strategy, run.env.rank, run.env.world_size)
 
     # -- the end ----------------------------------------------------------------------
     def finish(self) -> None:

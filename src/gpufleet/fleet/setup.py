@@ -21,6 +21,7 @@ from gpufleet.core.tree import to_device
 from gpufleet.errors import ConfigError
 from gpufleet.fleet.loader import FleetLoader, shard_loader
 from gpufleet.fleet.run import FleetRun
+from gpufleet.fleet.seeding import add_worker_seeding
 from gpufleet.fleet.steps import StepTracker
 from gpufleet.fleet.wrappers import FleetModule, hook_step, hook_zero_grad
 from gpufleet.train.nonfinite import NonFiniteGuard
@@ -33,28 +34,36 @@ class FleetSetup:
     """The ``setup`` methods of :class:`~gpufleet.fleet.Fleet` (a part of it)."""
 
     _placed: list[nn.Module]  # every model set up, as placed
+    _seed_workers: bool  # seed_everything(workers=True) was called
     _steps: StepTracker
 
     def _rank_run(self) -> FleetRun:  # Fleet's: the run, once this process is a rank
         raise NotImplementedError
 
-    def setup(self, model: nn.Module, *optimizers: torch.optim.Optimizer
-              ) -> Any:
-        """Place ``model`` as the run's strategy says and rebuild ``optimizers`` on the
+    def setup(self, module: nn.Module, *optimizers: torch.optim.Optimizer,
+              move_to_device: bool = True) -> Any:
+        """Place ``module`` as the run's strategy says and rebuild ``optimizers`` on the
         placed parameters (by parameter name: groups and settings kept, state not).
         COLLECTIVE (ddp broadcasts rank 0's weights).
+
+        ``move_to_device=False`` (Fabric's: leave the model where it is) is taken where
+        nothing would move: the module's parameters and buffers are all on this rank's
+        device already. Elsewhere it is refused: the strategy trains the model on this
+        rank's device (DDP, FSDP and the precision work there).
 
         Returns:
             The model (a :class:`FleetModule`), or ``(model, *optimizers)``. Build an
             LR scheduler on the optimizer returned here.
         """
         run = self._rank_run()
-        specs = [spec_from_optimizer(opt, model) for opt in optimizers]
+        if not move_to_device:
+            _check_in_place(module, run.device)
+        specs = [spec_from_optimizer(opt, module) for opt in optimizers]
         for opt in optimizers:
             _warn_if_scheduled(opt)
         from gpufleet.parallel.parallelize import parallelize  # heavy: layer options
 
-        placed = parallelize(model, run.strategy, run.cfg, run.env.world_size)
+        placed = parallelize(module, run.strategy, run.cfg, run.env.world_size)
         self._placed.append(placed)
         if run.model is None:  # the run's model until an optimizer names its own
             run.model = placed
@@ -64,11 +73,11 @@ class FleetSetup:
         self._take_optimizers(placed, built)
         return wrapped if not built else (wrapped, *built)
 
-    def setup_module(self, model: nn.Module) -> FleetModule:
+    def setup_module(self, module: nn.Module, move_to_device: bool = True) -> FleetModule:
         """:meth:`setup` without an optimizer: build it afterwards on the returned
         model's parameters (sharded ones, under fsdp) and pass it to
         :meth:`setup_optimizers`."""
-        return self.setup(model)
+        return self.setup(module, move_to_device=move_to_device)
 
     def setup_optimizers(self, *optimizers: torch.optim.Optimizer) -> Any:
         """Optimizers built on the parameters of a model :meth:`setup_module` returned,
@@ -131,6 +140,8 @@ class FleetSetup:
             if use_distributed_sampler:
                 loader, sampler = shard_loader(loader, rank=shard, world_size=shards,
                                                seed=run.cfg.run.seed)
+            if self._seed_workers:  # seed_everything(workers=True), Fabric's default
+                add_worker_seeding(loader, run.env.rank)
             mover = None
             if move_to_device and run.device.type != "cpu":
                 device = run.device
@@ -140,6 +151,20 @@ class FleetSetup:
             run.data.pin_memory = run.data.pin_memory or bool(loader.pin_memory)
             out.append(fleet_loader)
         return out[0] if len(out) == 1 else tuple(out)
+
+
+def _check_in_place(model: nn.Module, device: torch.device) -> None:
+    """``setup(move_to_device=False)``: take it where the model is on ``device`` already
+    (nothing moves), refuse it elsewhere, naming where the model is."""
+    elsewhere = sorted({str(t.device) for t in [*model.parameters(), *model.buffers()]
+                        if t.device != device})
+    if elsewhere:
+        raise ConfigError(
+            f"setup(move_to_device=False): the model has tensors on {', '.join(elsewhere)} "
+            f"and this rank trains on {device}. gpufleet places the model as its strategy "
+            "says (DDP, FSDP and the precision work on this rank's device), so it cannot "
+            f"leave it there. Move it yourself (model.to(fleet.device)) or build it on "
+            f"{device}, or drop move_to_device=False.")
 
 
 def _warn_if_scheduled(optimizer: torch.optim.Optimizer) -> None:

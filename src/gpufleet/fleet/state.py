@@ -13,14 +13,16 @@ file can run code).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 from torch.optim import Optimizer
 
+from gpufleet.core.phases import Phase
 from gpufleet.errors import CheckpointError, ConfigError
+from gpufleet.fleet.run import FleetRun
 from gpufleet.fleet.wrappers import FleetModule
 from gpufleet.launch import barrier, gather_objects
 from gpufleet.train.checkpoint import load_checkpoint, write_checkpoint_file
@@ -33,13 +35,64 @@ log = logging.getLogger(__name__)
 FLEET_KEY = "_fleet"
 
 
+class FleetCheckpoints:
+    """``save`` and ``load`` of :class:`~gpufleet.fleet.Fleet` (a part of it), in
+    Fabric's call forms."""
+
+    def _rank_run(self) -> FleetRun:  # Fleet's: the run, once this process is a rank
+        raise NotImplementedError
+
+    def save(self, path: str | Path, state: dict[str, Any],
+             filter: dict[str, Callable[[str, Any], bool]] | None = None) -> Path:
+        """Save ``state`` (models, optimizers, schedulers, set-up loaders, plain values)
+        to ``path``: rank 0 writes it atomically with a checksum, with every rank's RNG
+        states and each loader's exact position. ``filter`` (Fabric's): for a state
+        key, a function ``(name, value) -> bool`` choosing the items of its state dict
+        to save (a model's trainable weights only). COLLECTIVE: call it on every rank."""
+        run = self._rank_run()
+        with run.phases(Phase.CHECKPOINT):
+            return save_state(path, state, run.strategy, run.env.rank, filter)
+
+    def load(self, path: str | Path, state: dict[str, Any] | None = None,
+             strict: bool = True, *, weights_only: bool | None = None) -> dict[str, Any]:
+        """Restore what :meth:`save` wrote into ``state`` (in place: objects load their
+        state dicts, plain values are replaced; this rank's RNG states too). Returns
+        what the file holds beyond ``state``'s keys; without ``state``, all your loop
+        saved (nothing restored), as Fabric returns the whole checkpoint.
+        ``strict=False``: keys the file lacks and a model's missing or unexpected names
+        are skipped, and a warning names them. The file is always read with
+        ``weights_only=True`` (nothing in it can run code); ``weights_only=False`` is
+        refused."""
+        if weights_only is not None and not weights_only:
+            raise ConfigError(
+                "load(weights_only=False): gpufleet reads every file with "
+                "weights_only=True, so that nothing in a file can run code when it is "
+                "loaded. Fleet.save writes only state dicts, tensors and plain values, "
+                "which load so; drop weights_only=False (or pass True). For a file of "
+                "pickled objects you trust, call torch.load(path, weights_only=False) "
+                "yourself.")
+        run = self._rank_run()
+        return load_state(path, state, run.strategy, run.env.rank, run.env.world_size,
+                          strict=strict)
+
+
 def _has_state(value: Any) -> bool:
     return callable(getattr(value, "state_dict", None)) and \
         callable(getattr(value, "load_state_dict", None))
 
 
-def saveable(state: Mapping[str, Any], strategy: Any) -> dict[str, Any]:
-    """``state`` with every stateful object replaced by its state dict."""
+def saveable(state: Mapping[str, Any], strategy: Any,
+             filter: Mapping[str, Callable[[str, Any], bool]] | None = None
+             ) -> dict[str, Any]:
+    """``state`` with every stateful object replaced by its state dict; for a key of
+    ``filter``, only the items of its (dict) value that ``filter[key](name, value)``
+    keeps (Fabric's ``save(filter=)``: a key none of whose items is kept is left out)."""
+    _check_filter(filter, state)
+    reserved = [k for k in state if k in (FLEET_KEY, "format")]
+    if reserved:  # the file's own entries: the RNG states and the format number
+        raise ConfigError(f"Fleet.save: the state key {reserved[0]!r} is the file's own "
+                          "(Fleet keeps its format and RNG states there); save that value "
+                          "under another name.")
     if strategy.saves_on_every_rank:
         raise ConfigError(
             f"Fleet.save with parallel.strategy = {strategy.name!r}: each rank holds a "
@@ -64,19 +117,41 @@ def saveable(state: Mapping[str, Any], strategy: Any) -> dict[str, Any]:
             out[key] = value.state_dict()
         else:
             out[key] = value
+        if filter and key in filter and isinstance(out[key], Mapping):
+            kept = {k: v for k, v in out.pop(key).items() if filter[key](k, v)}
+            if kept:
+                out[key] = kept
     return out
 
 
+def _check_filter(filter: Any, state: Mapping[str, Any]) -> None:
+    """Fabric's checks of ``save(filter=)``, as gpufleet errors."""
+    if filter is None:
+        return
+    if not isinstance(filter, Mapping):
+        raise ConfigError(f"save(filter={filter!r}): give a dict of state key to a "
+                          "function (name, value) -> bool that keeps an item.")
+    unknown = [k for k in filter if k not in state]
+    if unknown:
+        raise ConfigError(f"save(filter=...) names {', '.join(map(repr, unknown))}, not "
+                          f"keys of the state ({', '.join(map(repr, state))}).")
+    for key, keep in filter.items():
+        if not callable(keep):
+            raise ConfigError(f"save(filter=...)[{key!r}] is {type(keep).__name__}: give "
+                              "a function (name, value) -> bool.")
+
+
 def save_state(path: str | Path, state: Mapping[str, Any], strategy: Any,
-               rank: int) -> Path:
-    """Write ``state`` to ``path`` (COLLECTIVE: every rank calls it; rank 0 writes).
+               rank: int, filter: Mapping[str, Any] | None = None) -> Path:
+    """Write ``state`` to ``path`` (COLLECTIVE: every rank calls it; rank 0 writes), its
+    items kept by ``filter`` (see :func:`saveable`).
 
     Raises:
         OSError: the write failed; nothing is left under ``path``'s name and an older
             file there is untouched.
     """
     path = Path(path)
-    content = saveable(state, strategy)
+    content = saveable(state, strategy, filter)
     rngs = gather_objects(rng_state())  # COLLECTIVE: every rank's RNG states
     error: OSError | None = None
     if rank == 0:
@@ -95,37 +170,61 @@ def save_state(path: str | Path, state: Mapping[str, Any], strategy: Any,
     return path
 
 
-def load_state(path: str | Path, state: dict[str, Any], strategy: Any,
-               rank: int, world_size: int) -> dict[str, Any]:
+def load_state(path: str | Path, state: dict[str, Any] | None, strategy: Any,
+               rank: int, world_size: int, strict: bool = True) -> dict[str, Any]:
     """Restore ``path`` into ``state`` in place: objects load their state dicts, plain
-    values are replaced. Returns what the file holds that ``state`` did not ask for.
+    values are replaced, and this rank's RNG states are restored. Returns what the file
+    holds that ``state`` did not ask for; without ``state`` (None or empty), everything
+    your loop saved in it, and nothing is restored (the RNG states neither).
+
+    ``strict=False`` (Fabric's): a key of ``state`` the file lacks is left as it is, and
+    a model loads its state dict non-strictly (missing and unexpected names skipped); a
+    warning names what was skipped.
 
     Raises:
-        CheckpointError: the file is missing, damaged, not a Fleet file, or lacks a key
-            ``state`` names.
+        CheckpointError: the file is missing, damaged, not a Fleet file, or (strict)
+            lacks a key ``state`` names.
     """
     saved = load_checkpoint(path)  # checksum, then torch.load(weights_only=True)
     if FLEET_KEY not in saved:
         raise CheckpointError(f"{path} was not written by Fleet.save (no {FLEET_KEY!r} "
                               "entry). Load a gpufleet train checkpoint with "
                               "gpufleet.load_checkpoint(path, model, optimizer) instead.")
+    rest = {k: v for k, v in saved.items() if k not in (FLEET_KEY, "format")}
+    if not state:
+        return rest
     missing = [k for k in state if k not in saved]
-    if missing:
-        held = sorted(k for k in saved if k not in (FLEET_KEY, "format"))
+    if missing and strict:
         raise CheckpointError(f"{path} holds no {', '.join(map(repr, missing))}; it holds "
-                              f"{', '.join(held)}. Load with the keys it was saved with.")
+                              f"{', '.join(sorted(rest))}. Load with the keys it was saved "
+                              "with, or pass strict=False to leave those as they are.")
+    skipped = [f"{key!r} (not in the file)" for key in missing]
     for key, value in state.items():
+        if key in missing:
+            continue
         if isinstance(value, nn.Module):
-            value.load_state_dict(saved[key])
+            result = value.load_state_dict(rest.pop(key), strict=strict)
+            skipped += _skipped_names(key, result)
         elif _has_state(value):
-            value.load_state_dict(saved[key])
+            value.load_state_dict(rest.pop(key))
         else:
-            state[key] = saved[key]
+            state[key] = rest.pop(key)
+    if skipped:
+        log.warning("%s loaded with strict=False; skipped: %s", path, "; ".join(skipped))
     rngs = saved[FLEET_KEY]["rng"]
     if len(rngs) == world_size:
         set_rng_state(rngs[rank])
     else:
         log.warning("%s was saved by %d rank(s), this run has %d: random states start "
                     "afresh (the data position resumes exactly)", path, len(rngs), world_size)
-    skip = {FLEET_KEY, "format", *state}
-    return {k: v for k, v in saved.items() if k not in skip}
+    return rest
+
+
+def _skipped_names(key: str, result: Any) -> list[str]:
+    """What a non-strict ``load_state_dict`` of the model under ``key`` left out."""
+    out = []
+    for kind in ("missing_keys", "unexpected_keys"):
+        names = getattr(result, kind, None) or []
+        if names:
+            out.append(f"{key!r} {kind.replace('_', ' ')} {', '.join(names)}")
+    return out

@@ -116,8 +116,11 @@ class StepTracker:
         self._micro += 1
 
     def clip(self, placed: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             max_norm: float | None, clip_val: float | None) -> torch.Tensor | None:
-        """Unscale (and let the guard see the gradients first), then clip."""
+             max_norm: float | None, clip_val: float | None, norm_type: float = 2.0,
+             error_if_nonfinite: bool = False) -> torch.Tensor | None:
+        """Unscale (and let the guard see the gradients first), then clip.
+        ``error_if_nonfinite``: raise on a norm that is not finite where no guard
+        watches the step (see :mod:`gpufleet.fleet.grads`)."""
         run = self.run
         self.announce(Phase.OPTIMIZER)
         primary = optimizer is run.optimizer
@@ -129,7 +132,16 @@ class StepTracker:
             torch.nn.utils.clip_grad_value_(placed.parameters(), clip_val)
         if max_norm is None:
             return None
-        norm = run.strategy.clip_grad_norm(placed, max_norm)  # COLLECTIVE with sharding
+        # COLLECTIVE with sharding
+        norm = run.strategy.clip_grad_norm(placed, max_norm, norm_type)
+        # The guard skips the step on every rank; fp16's loss scaler skips it and backs off.
+        guarded = (primary and run.nonfinite is not None) or run.precision.scales_loss
+        if error_if_nonfinite and not guarded and not torch.isfinite(norm):  # SYNC
+            raise RuntimeError(
+                f"clip_gradients: the total norm of order {norm_type:g} of the gradients "
+                "is not finite, and neither the non-finite guard (the first optimizer "
+                "set up, with fault.skip_nonfinite on) nor fp16's loss scaler watches "
+                "this optimizer's step. Pass error_if_nonfinite=False to step anyway.")
         if primary and self.interval is not None:
             self.interval.grad_norm = norm
             if not run.cfg.optim.clip_norm:  # the log line shows the norm from now on

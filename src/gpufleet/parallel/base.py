@@ -44,11 +44,13 @@ from torch import nn
 from gpufleet.config import ParallelConfig
 from gpufleet.core.collectives import is_initialized
 from gpufleet.core.ring import RING
+from gpufleet.errors import ConfigError
 from gpufleet.parallel.dims import ParallelDims, StrategyTraits, plan_for
 from gpufleet.parallel.grad_norm import (
     EachNorm,
     clip_grads_,
     clip_whole_,
+    clip_whole_p_,
     grad_norm,
     spreads_gradients,
 )
@@ -192,14 +194,21 @@ class Strategy:
         precision.backward(loss * loss_scale if loss_scale != 1.0 else loss)
         return loss.detach()
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm(self, model: nn.Module, max_norm: float,
+                       norm_type: float = 2.0) -> torch.Tensor:
         """Clip the global gradient norm; returns the norm before clipping (on device).
         COLLECTIVE when the mesh spreads the gradients over ranks (see
         :mod:`gpufleet.parallel.grad_norm`).
 
         Where every rank holds every gradient, the norm of each one, measured on the
         way, stays in :attr:`measured` until the next call (None otherwise).
+
+        ``norm_type`` other than 2 (``inf`` too) is taken where every rank holds every
+        gradient; where ranks hold pieces of them (sharded, tensor parallel, pipeline
+        stages), only the L2 norm is put together, and another raises ConfigError.
         """
+        if float(norm_type) != 2.0:
+            return self._clip_p_norm(model, max_norm, float(norm_type))
         if model is not self._clip_model:  # decided once: None when ranks hold pieces
             self._clip_model = model
             self._clip_params = None if spreads_gradients(self.dims) else \
@@ -211,6 +220,17 @@ class Strategy:
         norm = self.grad_norm(model)
         clip_grads_(grads_of(model), max_norm, norm)
         return norm
+
+    def _clip_p_norm(self, model: nn.Module, max_norm: float, norm_type: float
+                     ) -> torch.Tensor:
+        if spreads_gradients(self.dims):
+            raise ConfigError(
+                f"clip_gradients(norm_type={norm_type:g}) with parallel.strategy = "
+                f"{self.name!r} over {self.dims.describe()}: the ranks hold different "
+                "pieces of the gradients, and gpufleet puts their global L2 norm together "
+                "only. Use norm_type=2.0 here, or clip by value (clip_val=...).")
+        self.measured = None
+        return clip_whole_p_(list(model.parameters()), max_norm, norm_type, self.device)
 
     def grad_norm(self, model: nn.Module) -> torch.Tensor:
         """The global L2 norm of the gradients (on device), without clipping; a

@@ -1,0 +1,46 @@
+"""Fabric's collective call forms on the 2 ranks a Fleet starts (run by
+tests/fleet/test_fabric_calls.py): ``group=`` on all_reduce and all_gather, a named
+barrier. Each rank writes what it saw to ``OUT/rank-R.pt``."""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import gpufleet
+from gpufleet.core.ring import RING
+from gpufleet.errors import ConfigError
+
+
+def collectives(fleet, out):
+    rank = fleet.global_rank
+    both, alone = dist.new_group([0, 1]), dist.new_group([1])  # every rank makes each
+    seen = {
+        "sum": fleet.all_reduce(torch.tensor([rank + 1.0]), both, "sum").tolist(),
+        "mean": fleet.all_reduce({"x": rank + 1.0, "t": [torch.ones(2) * rank]}, group=both),
+        "old_form": fleet.all_reduce(rank + 1.0, "max"),  # Fleet's reduce op, second
+    }
+    x = torch.tensor([rank + 1.0], requires_grad=True)
+    gathered = fleet.all_gather(x * 2, both, sync_grads=True)
+    gathered.sum().backward()
+    seen["gathered"], seen["grad"] = gathered.tolist(), x.grad.tolist()
+    if rank == 1:  # the only rank of `alone`: its rank 0 there
+        seen["alone"] = fleet.all_reduce(5.0, alone)
+        y = torch.tensor([3.0], requires_grad=True)
+        one = fleet.all_gather(y, alone, sync_grads=True)
+        one.sum().backward()
+        seen["alone_gather"], seen["alone_grad"] = one.tolist(), y.grad.tolist()
+    else:
+        try:
+            fleet.all_reduce(5.0, alone)
+        except ConfigError as error:
+            seen["outside"] = str(error)
+    fleet.barrier(name="after-groups")
+    seen["ring"] = [entry["op"] for entry in RING.snapshot()["entries"]]
+    torch.save(seen, Path(out) / f"rank-{rank}.pt")
+
+
+if __name__ == "__main__":
+    fleet = gpufleet.Fleet(accelerator="cpu", devices=2, run_dir=sys.argv[1] + "/run")
+    fleet.launch(collectives, sys.argv[1])
