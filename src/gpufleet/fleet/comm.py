@@ -25,7 +25,6 @@ from gpufleet.fleet.run import FleetRun
 from gpufleet.launch import barrier, job_store
 
 _REDUCE = ("mean", "sum", "max", "min")
-_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # rank_zero_first: each use's number, and how often the others look whether rank 0 is
 # done (it may download or unpack for longer than the process group's timeout).
 _FIRSTS = itertools.count()
@@ -95,12 +94,7 @@ class FleetComm:
         barrier in a hang report's list of collectives: ranks waiting at differently
         named barriers show there as a mismatch."""
         self._rank_run()
-        if name is None or not dist.is_initialized():
-            barrier()
-            return
-        n = RING.enter(f"barrier {name!r}", 0)
-        dist.barrier()  # COLLECTIVE
-        RING.leave(n)
+        barrier(name)
 
     @contextlib.contextmanager
     def rank_zero_first(self, local: bool = False) -> Iterator[None]:
@@ -181,12 +175,10 @@ def _reduce(value: Any, run: FleetRun, group: Any, op: str, size: int) -> Any:
     tensor = torch.tensor(float(value), device=run.device) if number \
         else value.detach().clone()
     how = "sum" if op == "mean" else op
-    if group is None:
+    if group is None:  # (horovod's strategy takes no group; none is given there)
         run.strategy.all_reduce(tensor, how)
     else:
-        n = RING.enter("all_reduce", tensor.numel() * tensor.element_size())
-        dist.all_reduce(tensor, op=_OPS[how], group=group)
-        RING.leave(n)
+        run.strategy.all_reduce(tensor, how, group=group)
     if op == "mean":
         tensor = tensor / size
     return float(tensor) if number else tensor

@@ -172,14 +172,15 @@ def job_store() -> Any:
         return None
 
 
-def barrier() -> None:
-    """Wait until every rank gets here; does nothing without a process group.
+def barrier(name: str | None = None) -> None:
+    """Wait until every rank gets here; does nothing without a process group. ``name``
+    labels it in the ring of collectives that hang reports show.
 
     Example:
         >>> barrier()
     """
     if is_initialized():
-        n = RING.enter("barrier", 0)
+        n = RING.enter("barrier" if name is None else f"barrier {name!r}", 0)
         dist.barrier()  # collective: every rank must call it
         RING.leave(n)
 

@@ -268,11 +268,13 @@ class Strategy:
         """Whether :meth:`all_reduce` talks to other ranks (more than one process)."""
         return is_initialized() and dist.get_world_size() > 1
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Reduce ``tensor`` in place over all ranks (no-op in a single process)."""
-        if self.reduces():
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Any = None
+                   ) -> torch.Tensor:
+        """Reduce ``tensor`` in place over all ranks (no-op in a single process), or over
+        the ranks of ``group`` (a ``torch.distributed`` process group) when given."""
+        if group is not None or self.reduces():
             n = RING.enter("all_reduce", tensor.numel() * tensor.element_size())
-            dist.all_reduce(tensor, op=_REDUCE_OPS[op])
+            dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group)
             RING.leave(n)
         return tensor
 
