@@ -21,7 +21,7 @@ import torch.distributed as dist
 from gpufleet.core.ring import RING
 from gpufleet.core.tree import to_device
 from gpufleet.errors import ConfigError, unknown_choice
-from gpufleet.fleet.run import FleetRun
+from gpufleet.fleet.run import FleetPart, FleetRun
 from gpufleet.launch import barrier, job_store
 
 _REDUCE = ("mean", "sum", "max", "min")
@@ -31,11 +31,8 @@ _FIRSTS = itertools.count()
 _POLL_S = 0.05
 
 
-class FleetComm:
+class FleetComm(FleetPart):
     """The collectives of :class:`~gpufleet.fleet.Fleet` (a part of it)."""
-
-    def _rank_run(self) -> FleetRun:  # Fleet's: the run, once this process is a rank
-        raise NotImplementedError
 
     def all_reduce(self, data: Any, group: Any = None, reduce_op: str = "mean") -> Any:
         """``data`` (a tensor or a number, or a dict, list or tuple of them) reduced over

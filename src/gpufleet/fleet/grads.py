@@ -19,19 +19,16 @@ import torch
 from torch import nn
 
 from gpufleet.errors import ConfigError
-from gpufleet.fleet.run import FleetRun
+from gpufleet.fleet.run import FleetPart
 from gpufleet.fleet.steps import StepTracker
 from gpufleet.fleet.wrappers import FleetModule
 
 
-class FleetGrads:
+class FleetGrads(FleetPart):
     """``no_backward_sync`` and ``clip_gradients`` of :class:`~gpufleet.fleet.Fleet`
     (a part of it)."""
 
     _steps: StepTracker
-
-    def _rank_run(self) -> FleetRun:  # Fleet's: the run, once this process is a rank
-        raise NotImplementedError
 
     @contextlib.contextmanager
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> Iterator[None]:

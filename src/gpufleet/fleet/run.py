@@ -119,3 +119,11 @@ class FleetRun:
         if self.run_lock is not None:
             self.run_lock.release()
             self.run_lock = None
+
+
+class FleetPart:
+    """A part of :class:`~gpufleet.fleet.Fleet` (its setup, collectives, gradient calls,
+    checkpoints): Fleet itself gives the run, once this process is a rank."""
+
+    def _rank_run(self) -> FleetRun:
+        raise NotImplementedError

@@ -20,7 +20,7 @@ from torch import nn
 from gpufleet.core.tree import to_device
 from gpufleet.errors import ConfigError
 from gpufleet.fleet.loader import FleetLoader, shard_loader
-from gpufleet.fleet.run import FleetRun
+from gpufleet.fleet.run import FleetPart
 from gpufleet.fleet.seeding import add_worker_seeding
 from gpufleet.fleet.steps import StepTracker
 from gpufleet.fleet.wrappers import FleetModule, hook_step, hook_zero_grad
@@ -30,15 +30,12 @@ from gpufleet.train.recipe import spec_from_optimizer
 log = logging.getLogger(__name__)
 
 
-class FleetSetup:
+class FleetSetup(FleetPart):
     """The ``setup`` methods of :class:`~gpufleet.fleet.Fleet` (a part of it)."""
 
     _placed: list[nn.Module]  # every model set up, as placed
     _seed_workers: bool  # seed_everything(workers=True) was called
     _steps: StepTracker
-
-    def _rank_run(self) -> FleetRun:  # Fleet's: the run, once this process is a rank
-        raise NotImplementedError
 
     def setup(self, module: nn.Module, *optimizers: torch.optim.Optimizer,
               move_to_device: bool = True) -> Any:

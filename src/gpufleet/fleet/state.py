@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 
 from gpufleet.core.phases import Phase
 from gpufleet.errors import CheckpointError, ConfigError
-from gpufleet.fleet.run import FleetRun
+from gpufleet.fleet.run import FleetPart
 from gpufleet.fleet.wrappers import FleetModule
 from gpufleet.launch import barrier, gather_objects
 from gpufleet.train.checkpoint import load_checkpoint, write_checkpoint_file
@@ -35,12 +35,9 @@ log = logging.getLogger(__name__)
 FLEET_KEY = "_fleet"
 
 
-class FleetCheckpoints:
+class FleetCheckpoints(FleetPart):
     """``save`` and ``load`` of :class:`~gpufleet.fleet.Fleet` (a part of it), in
     Fabric's call forms."""
-
-    def _rank_run(self) -> FleetRun:  # Fleet's: the run, once this process is a rank
-        raise NotImplementedError
 
     def save(self, path: str | Path, state: dict[str, Any],
              filter: dict[str, Callable[[str, Any], bool]] | None = None) -> Path:
