@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 #: The key under which a Fleet file keeps what it adds (every rank's RNG states).
 FLEET_KEY = "_fleet"
+#: the entries a file keeps for itself beside your state (its RNG states, its format)
+_OWN_KEYS = (FLEET_KEY, "format")
 
 
 class FleetCheckpoints(FleetPart):
@@ -85,7 +87,7 @@ def saveable(state: Mapping[str, Any], strategy: Any,
     ``filter``, only the items of its (dict) value that ``filter[key](name, value)``
     keeps (Fabric's ``save(filter=)``: a key none of whose items is kept is left out)."""
     _check_filter(filter, state)
-    reserved = [k for k in state if k in (FLEET_KEY, "format")]
+    reserved = [k for k in state if k in _OWN_KEYS]
     if reserved:  # the file's own entries: the RNG states and the format number
         raise ConfigError(f"Fleet.save: the state key {reserved[0]!r} is the file's own "
                           "(Fleet keeps its format and RNG states there); save that value "
@@ -187,7 +189,7 @@ def load_state(path: str | Path, state: dict[str, Any] | None, strategy: Any,
         raise CheckpointError(f"{path} was not written by Fleet.save (no {FLEET_KEY!r} "
                               "entry). Load a gpufleet train checkpoint with "
                               "gpufleet.load_checkpoint(path, model, optimizer) instead.")
-    rest = {k: v for k, v in saved.items() if k not in (FLEET_KEY, "format")}
+    rest = {k: v for k, v in saved.items() if k not in _OWN_KEYS}
     if not state:
         return rest
     missing = [k for k in state if k not in saved]
