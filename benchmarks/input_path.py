@@ -36,8 +36,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import peers  # the peers' MLP job and its data (this script's folder)
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from gpufleet.bench.machine import machine_summary
 from gpufleet.core.tree import to_device
@@ -51,12 +52,6 @@ PATHS: dict[str, tuple[bool, str]] = {
     "pinned, side-stream prefetch (fit's default)": (True, "prefetch"),
     "pageable, side-stream prefetch (fit, pin_memory off)": (False, "prefetch"),
 }
-
-
-def make_data(samples: int, features: int) -> TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(samples, features, generator=g)
-    return TensorDataset(x, torch.randint(0, 10, (samples,), generator=g))
 
 
 def batches_on(device: torch.device, loader: DataLoader, how: str) -> Iterator[Any]:
@@ -93,8 +88,6 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--features", type=int, default=256)
-    p.add_argument("--samples", type=int, default=8192)
     p.add_argument("--batches", type=int, default=2000, help="timed batches per turn")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None, help="also write the rows here")
@@ -103,13 +96,14 @@ def main() -> None:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     print(machine_summary())
-    print(f"batches of {args.batch} x {args.features} float32 and {args.batch} int64 labels, "
+    data = peers.mlp_job(args.batches).data  # the peers' MLP inputs and labels
+    features = data.tensors[0].shape[1]
+    print(f"batches of {args.batch} x {features} float32 and {args.batch} int64 labels, "
           f"no loader workers, {args.batches} batches a turn, {args.repeats} turns a path; "
           f"on {device}")
-    data = make_data(args.samples, args.features)
     loaders = {pin: DataLoader(data, batch_size=args.batch, shuffle=True, drop_last=True,
                                pin_memory=pin and cuda) for pin in (False, True)}
-    weight = torch.randn(args.features, 10, device=device)
+    weight = torch.randn(features, 10, device=device)
     total = torch.zeros((), device=device)
 
     def consume(batch: Any) -> None:  # queued on the compute stream; no host read
@@ -138,7 +132,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine_summary(), "device": str(device),
-                       "batch": args.batch, "features": args.features, "rows": rows}, f,
+                       "batch": args.batch, "features": features, "rows": rows}, f,
                       indent=1)
 
 
