@@ -186,42 +186,45 @@ class FleetLoader:
             self._ended, self.consumed = True, 0
 
     def _pass(self, number: int, epoch: int) -> Iterator[Any]:
+        """Pass ``number`` of ``epoch``: its batches, counted, then :meth:`_leave`."""
+        batches = self._start_pass()
+        on_batch, to_device = self._on_batch, self._to_device
         try:
-            yield from self._batches()
+            while True:
+                on_batch()
+                batch = next(batches, _END)
+                if batch is _END:
+                    self._ended = True
+                    return
+                n = batch_size_of(batch)
+                self._taken += 1
+                self.consumed += n
+                self.samples += n
+                yield batch if to_device is None else to_device(batch)
         finally:  # read to its end, or left (GeneratorExit)
             self._leave(number, epoch)
 
-    def _batches(self) -> Iterator[Any]:
+    def _start_pass(self) -> Iterator[Any]:
+        """The loader's iterator for a pass beginning now (at its first batch)."""
         if self.sampler is not None:
             # Counted from where this pass starts in the sampler's items (0 for a new
             # epoch and for a resumed one, whose items begin after the saved position).
             self.consumed = self.sampler.position
         self._ended = False
-        if self._resumed_mid_pass:
-            # A DataLoader draws its workers' base seed from torch's RNG (or its own
-            # generator) when the pass starts. The uninterrupted run drew it before the
-            # saved RNG state, so the resumed pass must not draw again (dropout masks, a
-            # sampler's next draws would shift).
-            self._resumed_mid_pass = False
-            rng, states = torch.get_rng_state(), [g.get_state() for g in self._generators()]
-            batches = iter(self.loader)
-            torch.set_rng_state(rng)
-            for g, state in zip(self._generators(), states, strict=True):
-                g.set_state(state)
-        else:
-            batches = iter(self.loader)
-        on_batch, to_device = self._on_batch, self._to_device
-        while True:
-            on_batch()
-            batch = next(batches, _END)
-            if batch is _END:
-                self._ended = True
-                return
-            n = batch_size_of(batch)
-            self._taken += 1
-            self.consumed += n
-            self.samples += n
-            yield batch if to_device is None else to_device(batch)
+        if not self._resumed_mid_pass:
+            return iter(self.loader)
+        # A DataLoader draws its workers' base seed from torch's RNG (or its own
+        # generator) when the pass starts. The uninterrupted run drew it before the saved
+        # RNG state, so the resumed pass must not draw again (dropout masks, a sampler's
+        # next draws would shift).
+        self._resumed_mid_pass = False
+        generators = self._generators()
+        rng, states = torch.get_rng_state(), [g.get_state() for g in generators]
+        batches = iter(self.loader)
+        torch.set_rng_state(rng)
+        for g, state in zip(generators, states, strict=True):
+            g.set_state(state)
+        return batches
 
     def _generators(self) -> list[torch.Generator]:
         """The generators of your own that this loader's passes draw from: the
