@@ -129,12 +129,13 @@ PEER_JOBS = ("mlp", "gpt")
 
 
 def _summary_peers(ctx: Any) -> dict[str, Any]:
-    """Each job's table (``mlp``, ``gpt``), and the input paths' (``input_path``), as far
-    as the stage wrote them."""
+    """Each job's table (``mlp``, ``gpt``), the input paths' (``input_path``) and the
+    guard's stand-ins' (``guard_floor``), as far as the stage wrote them."""
     found = {job: table for job in PEER_JOBS
              if (table := _read_json(ctx.work / f"peers_{job}.json"))}
-    if paths := _read_json(ctx.work / "input_path.json"):
-        found["input_path"] = paths
+    for name in ("input_path", "guard_floor"):
+        if table := _read_json(ctx.work / f"{name}.json"):
+            found[name] = table
     return found
 
 
@@ -289,7 +290,22 @@ def _md_peers(tables: dict[str, Any]) -> list[str]:
             out += [*([""] if out else []), *_md_peer_table(tables[job])]
     if "input_path" in tables:
         out += [*([""] if out else []), *_md_input_paths(tables["input_path"])]
+    if "guard_floor" in tables:
+        out += [*([""] if out else []), *_md_guard_floor(tables["guard_floor"])]
     return out
+
+
+def _md_guard_floor(s: dict[str, Any]) -> list[str]:
+    rows = s.get("rows", [])
+    fabric = next((r for r in rows if r["loop"] == "Lightning Fabric" and not r.get("error")),
+                  None)
+    out = [f"`benchmarks/guard_floor.py` ({s.get('device')}; {s.get('steps')} steps each, "
+           f"turns of {s.get('turn_steps')}; block medians):", "",
+           "| loop | wall µs/step | CPU µs/step | wall vs Fabric |", "|---|---|---|---|"]
+    return out + [f"| {r['loop']} | {r['wall_us']:.1f} | {r['cpu_us']:.1f} | "
+                  f"{_fmt(fabric and r['wall_us'] / fabric['wall_us'], '.3f')} |"
+                  if not r.get("error") else f"| {r['loop']} | failed: {r['error']} | | |"
+                  for r in rows]
 
 
 def _md_input_paths(s: dict[str, Any]) -> list[str]:

@@ -11,7 +11,9 @@ time is recorded, and the next one runs):
    timing, the sampler and the non-finite check, each on against off, interleaved).
 5. ``prefetch``: ``benchmarks/prefetch.py`` (the side-stream prefetcher on against off).
 6. ``peers``: ``benchmarks/input_path.py`` (each way a batch reaches the GPU, alone),
-   then ``benchmarks/peers.py --device cuda`` twice (gpufleet's defaults, ``Fleet`` and
+   ``benchmarks/guard_floor.py --device cuda`` (the non-finite guard's device path
+   beside cheaper stand-ins and a host read a step), then ``benchmarks/peers.py
+   --device cuda`` twice (gpufleet's defaults, ``Fleet`` and
    the hand-written loop beside Lightning Fabric, Accelerate and the Lightning Trainer,
    on the MLP in fp32 with ``--breakdown``, then on the built-in GPT in bf16, warm); one
    stage, so that ``--out`` holds at most 8 files.
@@ -23,7 +25,7 @@ runs every stage with tiny sizes (on the CPU when there is no GPU) to prove the 
 
 On an H200 (2026-11-27) the stages took 112, 139, 58, 136, 75 and about 80 s: more
 than one device call's 10 minutes. So run it as two calls, the checks first (about 435 s
-of budgets), then the comparisons (about 285 s):
+of budgets), then the comparisons (about 315 s):
 
     bash scripts/gpu_check.sh --stages tests,default_job,mfu,prefetch   # OUT=... or --out
     bash scripts/gpu_check.sh --stages peers,monitor
@@ -151,7 +153,11 @@ def _peers(ctx: Context) -> list[str]:
              str(ctx.work / "input_path.json")]
     paths += ["--device=cpu", "--batches=50", "--repeats=1"] if ctx.dry_run else \
         ["--device=cuda"]
-    runs = [shlex.join(paths)]
+    guard = [ctx.python, str(REPO / "benchmarks" / "guard_floor.py"), "--turn-steps=50",
+             "--json", str(ctx.work / "guard_floor.json")]
+    guard += ["--device=cpu", "--steps=60", "--warmup=5"] if ctx.dry_run else \
+        ["--device=cuda", "--steps=1000"]
+    runs = [shlex.join(paths), shlex.join(guard)]
     for job, precision, extra in (("mlp", "fp32", ["--steps=1000", "--breakdown"]),
                                   ("gpt", "bf16", ["--steps=400", "--breakdown"])):
         cmd = [ctx.python, str(REPO / "benchmarks" / "peers.py"), f"--job={job}",
@@ -177,8 +183,9 @@ def _prefetch(ctx: Context) -> list[str]:
 
 STAGES = [  # budgets: what each took on an H200 (2026-11-27), plus a margin
     Stage("tests", 125, _tests),
-    # 139 s before the 4 CUDA input rows; the input paths alone add about 20 s
-    Stage("peers", 195, _peers, "peers_mlp.json"),
+    # 139 s before the 4 CUDA input rows; the input paths alone add about 20 s, the
+    # guard's stand-ins (8 loops of 1000 MLP steps) about 30 s
+    Stage("peers", 225, _peers, "peers_mlp.json"),
     Stage("default_job", 70, _default_job, "default-job"),
     Stage("mfu", 150, _mfu, "mfu.json"),
     Stage("monitor", 90, _monitor, "monitor.json"),

@@ -21,6 +21,10 @@ what it promises:
   flag handed to the fused optimizer, read and settled at the log interval): the cost
   of the machinery, not a guard.
 * ``no guard``: ``fault.skip_nonfinite = false``.
+* ``one check read on the host``: the ``one check`` above, its flag then read on the
+  host every step, as the guard's host path does (a sync per step on a GPU). Beside
+  ``defaults`` on a GPU it says what the device path's launches cost against one sync,
+  where a small model leaves the GPU idle anyway.
 
 Each swapped check is a stand-in for the cost only: it is patched into the guard of its
 own loop (by thread), with everything else of the guard (the interval's flags, the log
@@ -29,11 +33,20 @@ to Fabric's CPU time.
 
     python benchmarks/guard_floor.py --steps 3000
     python benchmarks/guard_floor.py --steps 3000 --turn-steps 50   # warm loops
+    python benchmarks/guard_floor.py --device cuda --steps 1000 --turn-steps 50
+
+On a GPU every loop runs in fp32 on one device, each turn ends with the device
+synchronized (as in ``peers.py``), and the defaults' record is each gradient's norm (one
+fused kernel), so the ``norms kept`` row is left out there. The wall clock is the figure
+to read on a GPU; the CPU clock on a CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import math
 import os
 import sys
 import threading
@@ -63,6 +76,11 @@ def _norms_kept(self: NonFiniteGuard, step_loss: torch.Tensor, optimizer: Any) -
     optimizer.found_inf = found
 
 
+def _host_read(self: NonFiniteGuard, step_loss: torch.Tensor, optimizer: Any) -> None:
+    _one_check(self, step_loss, optimizer)
+    optimizer.found_inf.item()  # SYNC on a GPU: what the host path reads every step
+
+
 def _loss_only(self: NonFiniteGuard, step_loss: torch.Tensor, optimizer: Any) -> None:
     found = self._interval.next_flag(None, step_loss)
     torch._amp_foreach_non_finite_check_and_unscale_([step_loss], found, self._one)
@@ -75,6 +93,7 @@ def _flags_only(self: NonFiniteGuard, step_loss: torch.Tensor, optimizer: Any) -
 
 CHECKS = {"gpufleet defaults": _REAL, "gpufleet norms kept": _norms_kept,
           "gpufleet one check, no culprit": _one_check,
+          "gpufleet one check read on the host": _host_read,
           "gpufleet loss only": _loss_only, "gpufleet flags only": _flags_only}
 
 
@@ -88,19 +107,26 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--turn-steps", type=int, default=1,
                    help="steps a loop runs before passing the baton (see peers.py)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--json", metavar="PATH", help="also write the table here as JSON")
     args = p.parse_args()
     torch.set_num_threads(1)
     if not peers.installed("lightning.fabric"):
         sys.exit("Lightning Fabric is not installed: pip install -e '.[bench]'")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible here")
     NonFiniteGuard._flag_gradients = _by_thread  # every swapped loop pays the same lookup
-    job = peers.mlp_job(args.steps)
+    job = dataclasses.replace(peers.mlp_job(args.steps), device=args.device)
+    checks = [name for name in CHECKS
+              if not (args.device == "cuda" and name == "gpufleet norms kept")]
     loops = {"Lightning Fabric": peers.fabric,
-             **{name: peers.gpufleet_loop({}) for name in CHECKS},
+             **{name: peers.gpufleet_loop({}) for name in checks},
              "gpufleet no guard": peers.gpufleet_loop({"fault.skip_nonfinite": False})}
+    where = "CPU" if args.device == "cpu" else torch.cuda.get_device_name()
     print(machine_summary())
     print(f"load average (1, 5, 15 min): {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     print(f"job: {job.name}; {args.steps} steps each, turns of {args.turn_steps} "
-          "step(s), 1 torch thread")
+          f"step(s), 1 torch thread; on {where}, fp32")
     names = list(loops)
     # Each loop's thread is named after it.
     baton = peers.run_in_turns(job, loops, args.turn_steps)
@@ -108,13 +134,24 @@ def main() -> None:
     def blocks(xs: list[float]) -> float:
         return peers.block_median(xs, args.warmup)
 
-    fabric_cpu = blocks(baton.cpu[0])
-    print(f"\n{'loop':<34}{'wall us/step':>13}{'cpu us/step':>13}{'cpu vs Fabric':>15}")
-    for i, name in enumerate(names):
-        c = blocks(baton.cpu[i])
-        print(f"{name:<34}{blocks(baton.wall[i]) * 1e6:>13.1f}{c * 1e6:>13.1f}"
-              f"{c / fabric_cpu:>15.3f}")
+    rows = [{"loop": name, "wall_us": blocks(baton.wall[i]) * 1e6,
+             "cpu_us": blocks(baton.cpu[i]) * 1e6, "error": baton.errors.get(i)}
+            for i, name in enumerate(names)]
+    fabric = rows[0] if not rows[0]["error"] else {"wall_us": math.nan, "cpu_us": math.nan}
+    print(f"\n{'loop':<38}{'wall us/step':>13}{'cpu us/step':>13}{'wall vs Fabric':>16}"
+          f"{'cpu vs Fabric':>15}")
+    for r in rows:
+        if r["error"]:
+            print(f"{r['loop']:<38}failed: {r['error']}")
+            continue
+        print(f"{r['loop']:<38}{r['wall_us']:>13.1f}{r['cpu_us']:>13.1f}"
+              f"{r['wall_us'] / fabric['wall_us']:>16.3f}{r['cpu_us'] / fabric['cpu_us']:>15.3f}")
     print(f"load average at the end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine_summary(), "job": job.name, "device": where,
+                       "steps": args.steps, "turn_steps": args.turn_steps, "rows": rows},
+                      f, indent=2)
 
 
 if __name__ == "__main__":
