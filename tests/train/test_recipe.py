@@ -92,6 +92,28 @@ def test_your_optimizer_groups_and_scheduler_match_plain_pytorch(tmp_path):
     assert "StepLR(step_size=3, gamma=0.5) every step" in recipe
 
 
+def _warm_then_step(opt):
+    """A chained schedule: each scheduler inside steps its own ``optimizer``."""
+    sched = torch.optim.lr_scheduler
+    return sched.SequentialLR(opt, [sched.LinearLR(opt, 0.1, 1.0, total_iters=4),
+                                    sched.StepLR(opt, step_size=3, gamma=0.5)],
+                              milestones=[4])
+
+
+def test_a_chained_scheduler_object_steps_the_optimizer_that_trains(tmp_path):
+    """SequentialLR's schedulers each hold the optimizer: moved onto the run's rebuilt
+    optimizer with it, as the outer one is, or training kept the first lr while the
+    log showed the schedule."""
+    torch.manual_seed(0)
+    model = toyjob.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gpufleet.fit(model, toyjob.make_data(), loss_fn=F.mse_loss, optimizer=opt,
+                 scheduler=_warm_then_step(opt),
+                 overrides={**BASE, "run.out_dir": str(tmp_path)})
+    by_hand = _by_hand(lambda m: torch.optim.SGD(m.parameters(), lr=0.1), _warm_then_step)
+    _assert_same(model, by_hand)
+
+
 class _StopAt(Callback):
     def __init__(self, step: int) -> None:
         self.step = step

@@ -121,9 +121,18 @@ def place_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
         for key in ("lr", "initial_lr", "momentum", "betas"):
             if key in theirs:
                 mine[key] = theirs[key]
-    scheduler.optimizer = optimizer
+    _rebind(scheduler, old, optimizer)
     _mark_steps(optimizer)
     return scheduler
+
+
+def _rebind(scheduler: Any, old: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Point ``scheduler`` at ``optimizer``, and the schedulers it chains (SequentialLR,
+    ChainedScheduler: each steps its own ``optimizer``) that were on ``old``."""
+    if getattr(scheduler, "optimizer", None) is old:
+        scheduler.optimizer = optimizer
+    for inner in getattr(scheduler, "_schedulers", None) or ():
+        _rebind(inner, old, optimizer)
 
 
 def _mark_steps(optimizer: torch.optim.Optimizer) -> None:
