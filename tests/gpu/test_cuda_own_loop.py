@@ -98,6 +98,22 @@ def test_fabrics_helpers_on_a_gpu(tmp_path):
     assert any(json.loads(line).get("acc") == 0.5 for line in lines)
 
 
+def test_init_module_builds_on_the_gpu_and_load_raw_fills_it(tmp_path):
+    """A model built under init_module(empty_init=True) is on cuda from the start; a
+    plain PyTorch file saved on the host loads into it after setup."""
+    plain = _net()
+    torch.save(plain.state_dict(), tmp_path / "plain.pt")
+    fleet = gpufleet.Fleet(accelerator="cuda", devices=1, run_dir=str(tmp_path / "run"))
+    with fleet.init_module(empty_init=True):
+        model = _net()
+        assert all(p.device.type == "cuda" for p in model.parameters())
+    model = fleet.setup(model)
+    fleet.load_raw(tmp_path / "plain.pt", model)
+    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        assert b.device.type == "cuda" and torch.equal(a, b.cpu())
+    fleet.finish()
+
+
 def test_a_snapshot_of_cuda_state_holds_the_step_while_the_next_step_changes_it():
     """The parameter (changed only by the optimizer step) is copied on the side stream;
     the buffer (changed by the next forward) on the training stream. Both are changed

@@ -48,6 +48,7 @@ from gpufleet.fault.crash import crash_reported
 from gpufleet.fleet.args import fleet_overrides
 from gpufleet.fleet.comm import FleetComm
 from gpufleet.fleet.grads import FleetGrads
+from gpufleet.fleet.init import FleetInit
 from gpufleet.fleet.run import FleetRun
 from gpufleet.fleet.seeding import seed_process
 from gpufleet.fleet.setup import FleetSetup
@@ -72,7 +73,7 @@ _OWN_LOOP = {
 }
 
 
-class Fleet(FleetSetup, FleetComm, FleetGrads, FleetCheckpoints):
+class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints):
     """Run your own training loop on one or many ranks with gpufleet underneath.
 
     Args:

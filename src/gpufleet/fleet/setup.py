@@ -25,7 +25,7 @@ from gpufleet.fleet.seeding import add_worker_seeding
 from gpufleet.fleet.steps import StepTracker
 from gpufleet.fleet.wrappers import FleetModule, hook_step, hook_zero_grad
 from gpufleet.train.nonfinite import NonFiniteGuard
-from gpufleet.train.recipe import spec_from_optimizer
+from gpufleet.train.recipe import place_scheduler, spec_from_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +38,14 @@ class FleetSetup(FleetPart):
     _steps: StepTracker
 
     def setup(self, module: nn.Module, *optimizers: torch.optim.Optimizer,
-              move_to_device: bool = True) -> Any:
+              scheduler: Any = None, move_to_device: bool = True) -> Any:
         """Place ``module`` as the run's strategy says and rebuild ``optimizers`` on the
         placed parameters (by parameter name: groups and settings kept, state not).
         COLLECTIVE (ddp broadcasts rank 0's weights).
+
+        ``scheduler`` (Fabric's): an LR scheduler built on one of ``optimizers``; it is
+        moved onto that optimizer's rebuilt one (with the schedulers it chains) and
+        returned last, so that its learning rates reach training.
 
         ``move_to_device=False`` (Fabric's: leave the model where it is) is taken where
         nothing would move: the module's parameters and buffers are all on this rank's
@@ -49,15 +53,18 @@ class FleetSetup(FleetPart):
         rank's device (DDP, FSDP and the precision work there).
 
         Returns:
-            The model (a :class:`FleetModule`), or ``(model, *optimizers)``. Build an
-            LR scheduler on the optimizer returned here.
+            The model (a :class:`FleetModule`), ``(model, *optimizers)``, or with a
+            ``scheduler``, ``(model, *optimizers, scheduler)``. Build any other LR
+            scheduler on an optimizer returned here.
         """
         run = self._rank_run()
         if not move_to_device:
             _check_in_place(module, run.device)
+        scheduled = _scheduled_index(scheduler, optimizers)
         specs = [spec_from_optimizer(opt, module) for opt in optimizers]
-        for opt in optimizers:
-            _warn_if_scheduled(opt)
+        for i, opt in enumerate(optimizers):
+            if i != scheduled:
+                _warn_if_scheduled(opt)
         from gpufleet.parallel.parallelize import parallelize  # heavy: layer options
 
         placed = parallelize(module, run.strategy, run.cfg, run.env.world_size)
@@ -68,6 +75,8 @@ class FleetSetup(FleetPart):
                               self._steps.phase_announce, run.precision)
         built = [run.strategy.setup_optimizer(placed, spec) for spec in specs]
         self._take_optimizers(placed, built)
+        if scheduled is not None:
+            return (wrapped, *built, place_scheduler(scheduler, built[scheduled]))
         return wrapped if not built else (wrapped, *built)
 
     def setup_module(self, module: nn.Module, move_to_device: bool = True) -> FleetModule:
@@ -150,6 +159,21 @@ class FleetSetup(FleetPart):
         return out[0] if len(out) == 1 else tuple(out)
 
 
+def _scheduled_index(scheduler: Any, optimizers: tuple) -> int | None:
+    """Which of ``optimizers`` ``scheduler`` was built on (None: no scheduler)."""
+    if scheduler is None:
+        return None
+    target = getattr(scheduler, "optimizer", None)
+    found = next((i for i, opt in enumerate(optimizers) if opt is target), None)
+    if found is None:
+        raise ConfigError(
+            f"setup(scheduler=...): this {type(scheduler).__name__} was not built on an "
+            "optimizer given to this setup call. Pass the optimizer it steps, "
+            "fleet.setup(model, optimizer, scheduler=scheduler), or build the scheduler "
+            "after setup on the optimizer setup returns.")
+    return found
+
+
 def _check_in_place(model: nn.Module, device: torch.device) -> None:
     """``setup(move_to_device=False)``: take it where the model is on ``device`` already
     (nothing moves), refuse it elsewhere, naming where the model is."""
@@ -174,5 +198,7 @@ def _warn_if_scheduled(optimizer: torch.optim.Optimizer) -> None:
         log.warning(
             "an LR scheduler was built on this %s before fleet.setup: Fleet trains with "
             "the optimizer setup returns (rebuilt on the placed parameters), so that "
-            "scheduler's learning rates would not reach training. Build the scheduler "
-            "after setup, on the optimizer it returns.", type(optimizer).__name__)
+            "scheduler's learning rates would not reach training. Hand it to setup "
+            "(model, optimizer, scheduler = fleet.setup(model, optimizer, "
+            "scheduler=scheduler)), or build it after setup on the optimizer setup "
+            "returns.", type(optimizer).__name__)

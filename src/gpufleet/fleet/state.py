@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -62,17 +63,69 @@ class FleetCheckpoints(FleetPart):
         are skipped, and a warning names them. The file is always read with
         ``weights_only=True`` (nothing in it can run code); ``weights_only=False`` is
         refused."""
-        if weights_only is not None and not weights_only:
-            raise ConfigError(
-                "load(weights_only=False): gpufleet reads every file with "
-                "weights_only=True, so that nothing in a file can run code when it is "
-                "loaded. Fleet.save writes only state dicts, tensors and plain values, "
-                "which load so; drop weights_only=False (or pass True). For a file of "
-                "pickled objects you trust, call torch.load(path, weights_only=False) "
-                "yourself.")
+        _refuse_unsafe_load("load", weights_only)
         run = self._rank_run()
         return load_state(path, state, run.strategy, run.env.rank, run.env.world_size,
                           strict=strict)
+
+    def load_raw(self, path: str | Path, obj: nn.Module | Optimizer, strict: bool = True,
+                 *, weights_only: bool | None = None) -> None:
+        """Load a plain PyTorch file, ``torch.save(model.state_dict(), path)`` (or an
+        optimizer's), into ``obj``, a model or optimizer set up or not, as Fabric's
+        ``load_raw``: ``obj.load_state_dict(torch.load(path))``, read with
+        ``weights_only=True`` (nothing in the file can run code; ``False`` is refused as
+        in :meth:`load`). ``strict=False`` (a model): missing and unexpected names are
+        skipped, and a warning names them. Every rank reads the file."""
+        _refuse_unsafe_load("load_raw", weights_only)
+        load_raw_state(path, obj, strict)
+
+
+def _refuse_unsafe_load(call: str, weights_only: bool | None) -> None:
+    if weights_only is not None and not weights_only:
+        raise ConfigError(
+            f"{call}(weights_only=False): gpufleet reads every file with "
+            "weights_only=True, so that nothing in a file can run code when it is "
+            "loaded. State dicts, tensors and plain values load so; drop "
+            "weights_only=False (or pass True). For a file of pickled objects you "
+            "trust, call torch.load(path, weights_only=False) yourself.")
+
+
+def load_raw_state(path: str | Path, obj: Any, strict: bool = True) -> None:
+    """``obj.load_state_dict(torch.load(path, weights_only=True))`` for a model (strict
+    or not, what was skipped logged) or an optimizer.
+
+    Raises:
+        CheckpointError: the file is missing, cannot be read as a state dict, or does
+            not fit ``obj`` (the names or shapes it holds).
+        ConfigError: ``obj`` is neither a model nor an optimizer.
+    """
+    if not isinstance(obj, (nn.Module, Optimizer)):
+        raise ConfigError(f"load_raw: {type(obj).__name__} is neither a model nor an "
+                          "optimizer; load a dict of several with fleet.load(path, state).")
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"load_raw: {path} does not exist (or is not a file).")
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a damaged file, or objects weights_only refuses
+        raise CheckpointError(
+            f"load_raw: {path} could not be read as a state dict ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:300]}). It must be a file torch.save wrote of a "
+            "state dict; the file was not changed.") from e
+    if not isinstance(saved, Mapping):
+        raise CheckpointError(f"load_raw: {path} holds a {type(saved).__name__}, not a "
+                              "state dict (torch.save(model.state_dict(), path) writes one).")
+    try:
+        if isinstance(obj, Optimizer):
+            obj.load_state_dict(saved)
+            return
+        result = obj.load_state_dict(saved, strict=strict)
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise CheckpointError(f"load_raw: {path} does not fit this "
+                              f"{type(obj).__name__}: {e}") from e
+    skipped = _skipped_names("model", result)
+    if skipped:
+        log.warning("%s loaded with strict=False; skipped: %s", path, "; ".join(skipped))
 
 
 def _has_state(value: Any) -> bool:
