@@ -20,6 +20,8 @@ def collectives(fleet, out):
         "sum": fleet.all_reduce(torch.tensor([rank + 1.0]), both, "sum").tolist(),
         "mean": fleet.all_reduce({"x": rank + 1.0, "t": [torch.ones(2) * rank]}, group=both),
         "old_form": fleet.all_reduce(rank + 1.0, "max"),  # Fleet's reduce op, second
+        "ops": [fleet.all_reduce(rank + 1.0, reduce_op=op) for op in (
+            dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MIN, "AVG", "Max")],
     }
     x = torch.tensor([rank + 1.0], requires_grad=True)
     gathered = fleet.all_gather(x * 2, both, sync_grads=True)

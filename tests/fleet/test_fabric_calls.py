@@ -297,6 +297,8 @@ def test_collectives_take_fabrics_names(tmp_path):
         fleet.all_reduce(1.0, group=object())
     with pytest.raises(ConfigError, match="reduce op twice"):
         fleet.all_reduce(1.0, "sum", reduce_op="max")
+    with pytest.raises(ConfigError, match="reduce_op"):
+        fleet.all_reduce(1.0, reduce_op=torch.distributed.ReduceOp.PRODUCT)
     fleet.finish()
 
 
@@ -311,6 +313,7 @@ def test_group_and_named_barrier_on_two_ranks(tmp_path):
     ranks = [torch.load(tmp_path / f"rank-{r}.pt", weights_only=True) for r in (0, 1)]
     for seen in ranks:
         assert seen["sum"] == [3.0] and seen["old_form"] == 2.0
+        assert seen["ops"] == [3.0, 1.5, 1.0, 1.5, 2.0]  # torch's ReduceOp, any case
         assert seen["mean"]["x"] == 1.5 and seen["mean"]["t"][0].tolist() == [0.5, 0.5]
         assert seen["gathered"] == [[2.0], [4.0]] and seen["grad"] == [4.0]
         assert seen["ring"][-1] == "barrier 'after-groups'"

@@ -34,21 +34,21 @@ _POLL_S = 0.05
 class FleetComm(FleetPart):
     """The collectives of :class:`~gpufleet.fleet.Fleet` (a part of it)."""
 
-    def all_reduce(self, data: Any, group: Any = None, reduce_op: str = "mean") -> Any:
+    def all_reduce(self, data: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """``data`` (a tensor or a number, or a dict, list or tuple of them) reduced over
-        every rank: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``. COLLECTIVE; a number
-        comes back as a float (SYNC). ``group``: a ``torch.distributed`` process group
-        (``dist.new_group(ranks)``) to reduce over instead, called by its ranks only. A
-        string in ``group``'s place is the reduce op (``all_reduce(x, "sum")``, as Fleet
-        has always taken it)."""
+        every rank: ``"mean"`` (or ``"avg"``), ``"sum"``, ``"max"`` or ``"min"``, in any
+        case, or torch's ``ReduceOp.SUM``, ``AVG``, ``MAX``, ``MIN``, as Fabric takes
+        them. COLLECTIVE; a number comes back as a float (SYNC). ``group``: a
+        ``torch.distributed`` process group (``dist.new_group(ranks)``) to reduce over
+        instead, called by its ranks only. A string in ``group``'s place is the reduce
+        op (``all_reduce(x, "sum")``, as Fleet has always taken it)."""
         run = self._rank_run()
         if isinstance(group, str):
             if reduce_op != "mean":
                 raise ConfigError(f"all_reduce got the reduce op twice ({group!r} and "
                                   f"reduce_op={reduce_op!r}); pass it once.")
             group, reduce_op = None, group
-        if reduce_op not in _REDUCE:
-            raise ConfigError(unknown_choice("reduce_op", reduce_op, _REDUCE))
+        reduce_op = _op_name(reduce_op)
         size = run.env.world_size if group is None else _group_size(group, "all_reduce")
         return _each_value(data, lambda v: _reduce(v, run, group, reduce_op, size),
                            "all_reduce")
@@ -164,6 +164,21 @@ def _group_size(group: Any, name: str) -> int:
         raise ConfigError(f"{name}(group=...): rank {dist.get_rank()} is not in that group; "
                           "call it on the group's ranks only.")
     return size
+
+
+def _op_name(op: Any) -> str:
+    """``"mean"``, ``"sum"``, ``"max"`` or ``"min"`` for what Fabric's ``reduce_op``
+    takes: those names in any case, ``"avg"``, or a ``torch.distributed.ReduceOp``."""
+    if isinstance(op, str):
+        name = op.lower()
+        name = "mean" if name == "avg" else name
+    else:
+        ops = torch.distributed.ReduceOp
+        names = {ops.SUM: "sum", ops.AVG: "mean", ops.MAX: "max", ops.MIN: "min"}
+        name = next((n for known, n in names.items() if op == known), repr(op))
+    if name not in _REDUCE:
+        raise ConfigError(unknown_choice("reduce_op", op, _REDUCE))
+    return name
 
 
 def _reduce(value: Any, run: FleetRun, group: Any, op: str, size: int) -> Any:
