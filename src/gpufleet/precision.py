@@ -46,10 +46,10 @@ class Precision:
         return _NO_AUTOCAST
 
     def backward(self, loss: torch.Tensor, inputs: Any = None,
-                 retain_graph: bool | None = None) -> None:
+                 retain_graph: bool | None = None, create_graph: bool = False) -> None:
         """Backward from ``loss`` (into ``inputs`` only, when given: one model of
         several)."""
-        loss.backward(inputs=inputs, retain_graph=retain_graph)
+        loss.backward(inputs=inputs, retain_graph=retain_graph, create_graph=create_graph)
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """Bring gradients to their true size before clipping (no-op without scaling)."""
@@ -91,8 +91,9 @@ class FP16Mixed(Precision):
         return torch.autocast(self.device_type, dtype=torch.float16)
 
     def backward(self, loss: torch.Tensor, inputs: Any = None,
-                 retain_graph: bool | None = None) -> None:
-        self.scaler.scale(loss).backward(inputs=inputs, retain_graph=retain_graph)
+                 retain_graph: bool | None = None, create_graph: bool = False) -> None:
+        self.scaler.scale(loss).backward(inputs=inputs, retain_graph=retain_graph,
+                                         create_graph=create_graph)
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale ``optimizer``'s gradients, once between its steps (the scaler's own

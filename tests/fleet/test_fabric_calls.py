@@ -44,6 +44,25 @@ def test_backward_takes_fabrics_keywords(tmp_path):
     fleet.finish()
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_backward_with_create_graph_lets_a_loop_differentiate_the_gradients(tmp_path):
+    """A gradient penalty: backward(create_graph=True), then a loss on the gradients
+    themselves, as plain PyTorch (and Fabric, which passes the keyword on) computes it."""
+    def penalised(net, backward):
+        out = net(torch.ones(2, 4)).sum()
+        backward(out, create_graph=True)
+        penalty = sum(p.grad.square().sum() for p in net.parameters())
+        backward(penalty)
+        return [p.grad.clone() for p in net.parameters()]
+
+    fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run"))
+    ours = penalised(fleet.setup(_net()), fleet.backward)
+    theirs = penalised(_net(), lambda t, **kw: t.backward(**kw))
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.allclose(a, b)
+    fleet.finish()
+
+
 def test_a_scheduler_built_before_setup_is_named(tmp_path, caplog):
     """Fabric wraps the optimizer it is given, so a scheduler built before setup still
     reaches training; Fleet rebuilds it, and that scheduler would silently not."""

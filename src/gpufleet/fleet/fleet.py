@@ -278,12 +278,15 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints):
 
     # -- the step ---------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, *, retain_graph: bool | None = None,
-                 inputs: Any = None, model: nn.Module | None = None) -> None:
-        """``loss.backward(retain_graph=, inputs=)`` through the run: the backward phase,
-        the precision's loss scaling, and the loss kept for the log line and the
-        non-finite guard. ``model`` is taken as Fabric takes it, and not needed."""
+                 inputs: Any = None, create_graph: bool = False,
+                 model: nn.Module | None = None) -> None:
+        """``loss.backward(retain_graph=, inputs=, create_graph=)`` through the run: the
+        backward phase, the precision's loss scaling, and the loss kept for the log
+        line and the non-finite guard. ``model`` is taken as Fabric takes it, and not
+        needed."""
         self._rank_run()
-        self._steps.backward(loss, retain_graph=retain_graph, inputs=inputs)
+        self._steps.backward(loss, retain_graph=retain_graph, inputs=inputs,
+                             create_graph=create_graph)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The run's autocast (bf16-mixed, fp16-mixed; nothing under fp32), for what

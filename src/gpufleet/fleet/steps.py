@@ -105,12 +105,13 @@ class StepTracker:
 
     # -- the step -----------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, retain_graph: bool | None = None,
-                 inputs: Any = None) -> None:
+                 inputs: Any = None, create_graph: bool = False) -> None:
         """The backward phase, the precision's backward, the loss kept."""
         self.announce(Phase.BACKWARD)
         if self._inspected:  # gradients change after the guard saw them (rare loops)
             self._look_again()
-        self.run.precision.backward(loss, inputs=inputs, retain_graph=retain_graph)
+        self.run.precision.backward(loss, inputs=inputs, retain_graph=retain_graph,
+                                    create_graph=create_graph)
         detached = loss.detach()
         self._step_loss = detached if self._step_loss is None else self._step_loss + detached
         self._micro += 1
