@@ -114,6 +114,54 @@ def test_a_chained_scheduler_object_steps_the_optimizer_that_trains(tmp_path):
     _assert_same(model, by_hand)
 
 
+def test_reduce_lr_on_plateau_steps_on_each_evaluations_loss(tmp_path):
+    """Stepped with the eval loss after each evaluation (every 3 steps here), as a plain
+    loop that steps it with the same losses at the same steps: the same weights."""
+    torch.manual_seed(0)
+    model = toyjob.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    train, held_out = toyjob.make_data(n=192, n_eval=64)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0,
+                                                       threshold=0.5)
+    result = gpufleet.fit(model, train, held_out, loss_fn=F.mse_loss, optimizer=opt,
+                          scheduler=sched, overrides={**BASE, "run.out_dir": str(tmp_path),
+                                                      "run.eval_every": 3})
+    losses = dict(result.eval_losses)
+    torch.manual_seed(0)
+    by_hand = toyjob.make_model()
+    hand_opt = torch.optim.SGD(by_hand.parameters(), lr=0.5)
+    hand_sched = torch.optim.lr_scheduler.ReduceLROnPlateau(hand_opt, factor=0.5, patience=0,
+                                                            threshold=0.5)
+    x, y = train.tensors
+    for step in range(1, 13):
+        i = ((step - 1) * 16) % len(x)
+        hand_opt.zero_grad()
+        F.mse_loss(by_hand(x[i:i + 16]), y[i:i + 16]).backward()
+        hand_opt.step()
+        if step % 3 == 0 and step < 12:
+            hand_sched.step(losses[step])
+    assert hand_opt.param_groups[0]["lr"] < 0.5  # it acted (a small gain counts as none)
+    _assert_same(model, by_hand)
+    recipe = load_config(Path(result.run_dir) / "config.toml").optim.recipe
+    assert "ReduceLROnPlateau(" in recipe and "after each evaluation, on the eval loss" \
+        in recipe
+
+
+def test_reduce_lr_on_plateau_without_an_evaluation_is_refused_before_training(tmp_path):
+    model = toyjob.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with pytest.raises(ConfigError, match="this run does not evaluate"):
+        gpufleet.fit(model, toyjob.make_data(), loss_fn=F.mse_loss, optimizer=opt,
+                     scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
+                     overrides={**BASE, "run.out_dir": str(tmp_path)})
+    train, held_out = toyjob.make_data(n=192, n_eval=64)
+    with pytest.raises(ConfigError, match="mode='min'"):
+        gpufleet.fit(model, train, held_out, loss_fn=F.mse_loss, optimizer=opt,
+                     scheduler=lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(
+                         o, mode="max"),
+                     overrides={**BASE, "run.out_dir": str(tmp_path), "run.eval_every": 3})
+
+
 class _StopAt(Callback):
     def __init__(self, step: int) -> None:
         self.step = step

@@ -53,10 +53,12 @@ from gpufleet.train.optim import (
 from gpufleet.train.perf import apply_backend_flags, share_cores
 from gpufleet.train.rank import join_process_group, local_gpu_index
 from gpufleet.train.recipe import (
+    check_eval_scheduler,
     describe_scheduler,
     place_scheduler,
     recipe_line,
     spec_from_optimizer,
+    steps_on_eval,
     user_optimizer,
 )
 from gpufleet.train.reshard import reshardable, source_of
@@ -149,6 +151,9 @@ def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module]
                        [p for p in placed_model.parameters() if p.requires_grad], source)
              for name, (placed_model, opt, sched, source) in placed.items()]
     scheduler = parts[0].scheduler
+    for part in parts:  # before any step: a scheduler stepped on the eval loss needs one
+        check_eval_scheduler(part.scheduler, eval_loader is not None and
+                             bool(cfg.run.eval_every))
     loss = make_loss_fn(loss_fn)
     evaluator = None if eval_loader is None else Evaluator(
         eval_loader, model, strategy, precision, loss, metrics,
@@ -287,8 +292,10 @@ def _model_and_optimizer(cfg: Config, env: DistEnv, device: torch.device, strate
     model = parallelize(model, strategy, cfg, env.world_size)
     built = strategy.setup_optimizer(model, spec)
     scheduler = place_scheduler(scheduler, built)
+    when = ("after each evaluation, on the eval loss" if steps_on_eval(scheduler)
+            else f"every {cfg.sched.interval}")
     schedule = (describe_schedule(optim) if scheduler is None else
-                f"{describe_scheduler(scheduler)} every {cfg.sched.interval}")
+                f"{describe_scheduler(scheduler)} {when}")
     optim = dataclasses.replace(optim, recipe=recipe_line(
         built, schedule, dataclasses.replace(cfg, optim=optim), strategy.name,
         env.world_size))

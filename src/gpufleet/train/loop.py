@@ -27,6 +27,7 @@ from gpufleet.train.checkpointer import Position
 from gpufleet.train.growing import Regroup
 from gpufleet.train.interval import LogInterval
 from gpufleet.train.keeping import monitored
+from gpufleet.train.recipe import steps_on_eval
 from gpufleet.train.result import FitResult
 from gpufleet.train.run import Run
 
@@ -44,6 +45,8 @@ class Trainer:
         self.run = run
         self._score: float | None = None  # the latest checkpoint.monitor value
         self._started = False  # the callbacks were told the fit started
+        # Schedulers stepped with the eval loss after each evaluation (ReduceLROnPlateau)
+        self._on_eval = [p.scheduler for p in run.parts if steps_on_eval(p.scheduler)]
 
     def fit(self) -> FitResult:
         """Resume if there is a checkpoint, train to ``run.max_steps``, evaluate and save
@@ -249,7 +252,10 @@ class Trainer:
 
     def _schedule(self, part: Any) -> None:
         """Step a model's LR scheduler: every optimizer step, or (``sched.interval =
-        "epoch"``) once each time an epoch has been read to its end."""
+        "epoch"``) once each time an epoch has been read to its end; one that steps on
+        the eval loss, after each evaluation (:meth:`evaluate`)."""
+        if self._on_eval and part.scheduler in self._on_eval:
+            return
         if self._epochs_scheduled is None:
             part.scheduler.step()
             return
@@ -383,6 +389,8 @@ class Trainer:
         if run.evaluator is None:
             return None
         value, metrics, count = run.evaluator.run()
+        for scheduler in self._on_eval:  # the same loss on every rank: the same lr
+            scheduler.step(value)
         run.result.eval_losses.append((step, value))
         if metrics:
             run.result.eval_metrics.append((step, metrics))
