@@ -45,8 +45,6 @@ class Trainer:
         self.run = run
         self._score: float | None = None  # the latest checkpoint.monitor value
         self._started = False  # the callbacks were told the fit started
-        # Schedulers stepped with the eval loss after each evaluation (ReduceLROnPlateau)
-        self._on_eval = [p.scheduler for p in run.parts if steps_on_eval(p.scheduler)]
 
     def fit(self) -> FitResult:
         """Resume if there is a checkpoint, train to ``run.max_steps``, evaluate and save
@@ -254,7 +252,7 @@ class Trainer:
         """Step a model's LR scheduler: every optimizer step, or (``sched.interval =
         "epoch"``) once each time an epoch has been read to its end; one that steps on
         the eval loss, after each evaluation (:meth:`evaluate`)."""
-        if self._on_eval and part.scheduler in self._on_eval:
+        if steps_on_eval(part.scheduler):  # (read anew: a recovery rebuilds the parts)
             return
         if self._epochs_scheduled is None:
             part.scheduler.step()
@@ -389,8 +387,9 @@ class Trainer:
         if run.evaluator is None:
             return None
         value, metrics, count = run.evaluator.run()
-        for scheduler in self._on_eval:  # the same loss on every rank: the same lr
-            scheduler.step(value)
+        for part in run.parts:  # the same loss on every rank: the same lr
+            if steps_on_eval(part.scheduler):
+                part.scheduler.step(value)
         run.result.eval_losses.append((step, value))
         if metrics:
             run.result.eval_metrics.append((step, metrics))
