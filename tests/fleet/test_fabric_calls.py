@@ -63,6 +63,32 @@ def test_backward_with_create_graph_lets_a_loop_differentiate_the_gradients(tmp_
     fleet.finish()
 
 
+def test_call_reaches_every_callback_that_has_the_hook(tmp_path):
+    """Fabric(callbacks=[...]) then fabric.call("on_train_epoch_end", ...): plain objects,
+    each called where it has the method, in order; the run's own hooks pass them by."""
+    heard = []
+
+    class Epochs:
+        def on_train_epoch_end(self, loss, *, epoch):
+            heard.append(("epochs", loss, epoch))
+
+    class Other:
+        on_train_epoch_end = "not a method"
+
+        def on_validation_end(self):
+            heard.append(("other",))
+
+    fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run"),
+                           callbacks=[Epochs(), Other(), Epochs()])
+    model = fleet.setup(_net())
+    fleet.backward(model(torch.ones(2, 4)).sum())
+    fleet.call("on_train_epoch_end", 0.5, epoch=1)
+    fleet.call("on_validation_end")
+    fleet.call("on_nothing_has")
+    assert heard == [("epochs", 0.5, 1), ("epochs", 0.5, 1), ("other",)]
+    fleet.finish()
+
+
 def test_a_scheduler_built_before_setup_is_named(tmp_path, caplog):
     """Fabric wraps the optimizer it is given, so a scheduler built before setup still
     reaches training; Fleet rebuilds it, and that scheduler would silently not."""

@@ -39,7 +39,6 @@ import torch
 from torch import nn
 
 from gpufleet.config import Config, load_config
-from gpufleet.core.callbacks import Callback
 from gpufleet.core.phases import Phase, PhaseScope
 from gpufleet.core.tree import to_device
 from gpufleet.entry import setup_logging
@@ -99,7 +98,9 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints):
             diagnosis every this many optimizer steps.
         overrides: more config keys, ``{"section.key": value}``.
         config: a whole :class:`~gpufleet.config.Config` to start from.
-        callbacks: yours, heard after the run's own.
+        callbacks: yours, heard after the run's own (gpufleet's hooks, see
+            :class:`~gpufleet.core.callbacks.Callback`), and by :meth:`call` (any
+            object, any method name, as Fabric's callbacks).
 
     Example:
         >>> fleet = Fleet(accelerator="cpu", devices=1)  # doctest: +SKIP
@@ -113,7 +114,7 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints):
                  *, seed: int | None = None, run_dir: str | None = None,
                  name: str | None = None, log_every: int = 10,
                  overrides: dict[str, Any] | None = None, config: Config | None = None,
-                 callbacks: Sequence[Callback] = ()) -> None:
+                 callbacks: Sequence[Any] = ()) -> None:
         self._init_args = dict(accelerator=accelerator, devices=devices, precision=precision,
                                strategy=strategy, num_nodes=num_nodes, seed=seed,
                                run_dir=run_dir,
@@ -336,6 +337,20 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints):
                                   "numbers or one-element tensors.")
             values[str(key)] = float(value)
         self._steps.user_log(run.state.step if step is None else int(step), values)
+
+    def call(self, hook_name: str, *args: Any, **kwargs: Any) -> None:
+        """Call ``hook_name(*args, **kwargs)`` on each of your callbacks
+        (``Fleet(callbacks=...)``) that has a method of that name, in their order, as
+        Fabric's ``call``; the others are passed over."""
+        for callback in self._user_callbacks:
+            method = getattr(callback, hook_name, None)
+            if method is None:
+                continue
+            if not callable(method):
+                log.warning("callback %s has an attribute %r that is not a method: not "
+                            "called", type(callback).__name__, hook_name)
+                continue
+            method(*args, **kwargs)
 
     # -- the end ----------------------------------------------------------------------
     def finish(self) -> None:
