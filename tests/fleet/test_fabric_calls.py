@@ -5,6 +5,7 @@ a scheduler built before ``setup``, the arguments of ``seed_everything``, ``barr
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import subprocess
 import sys
@@ -87,6 +88,41 @@ def test_call_reaches_every_callback_that_has_the_hook(tmp_path):
     fleet.call("on_nothing_has")
     assert heard == [("epochs", 0.5, 1), ("epochs", 0.5, 1), ("other",)]
     fleet.finish()
+
+
+def test_loggers_receive_what_log_dict_logs(tmp_path):
+    """Fabric(loggers=...): each logger's log_metrics gets what the loop logs, beside
+    metrics.jsonl; Lightning's CSVLogger writes it to its file (when installed)."""
+    class Mine:
+        def __init__(self):
+            self.seen = []
+
+        def log_metrics(self, metrics, step):
+            self.seen.append((metrics, step))
+
+    mine = Mine()
+    loggers = [mine]
+    csv = None
+    if importlib.util.find_spec("lightning") is not None:
+        from lightning.fabric.loggers import CSVLogger
+
+        csv = CSVLogger(str(tmp_path / "csv"), name="run")
+        loggers.append(csv)
+    fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run"), loggers=loggers)
+    assert fleet.logger is mine and fleet.loggers == loggers
+    fleet.log("acc", torch.tensor(0.25), step=3)
+    fleet.log_dict({"loss": 1.5})
+    assert mine.seen == [({"acc": 0.25}, 3), ({"loss": 1.5}, 0)]
+    fleet.finish()
+    if csv is not None:
+        csv.finalize("success")
+        assert "acc" in (Path(csv.log_dir) / "metrics.csv").read_text()
+    with pytest.raises(ConfigError, match="has no log_metrics"):
+        gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "bad"), loggers=object())
+    plain = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "none"))
+    with pytest.raises(ConfigError, match="has no loggers"):
+        _ = plain.logger
+    plain.finish()
 
 
 def test_a_scheduler_built_before_setup_is_named(tmp_path, caplog):

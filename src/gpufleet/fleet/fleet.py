@@ -29,9 +29,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import numbers
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +47,7 @@ from gpufleet.fleet.args import fleet_overrides
 from gpufleet.fleet.comm import FleetComm
 from gpufleet.fleet.grads import FleetGrads
 from gpufleet.fleet.init import FleetInit
+from gpufleet.fleet.logs import FleetLogs, as_loggers
 from gpufleet.fleet.run import FleetRun
 from gpufleet.fleet.seeding import seed_process
 from gpufleet.fleet.setup import FleetSetup
@@ -72,7 +72,7 @@ _OWN_LOOP = {
 }
 
 
-class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints):
+class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, FleetLogs):
     """Run your own training loop on one or many ranks with gpufleet underneath.
 
     Args:
@@ -101,6 +101,9 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints):
         callbacks: yours, heard after the run's own (gpufleet's hooks, see
             :class:`~gpufleet.core.callbacks.Callback`), and by :meth:`call` (any
             object, any method name, as Fabric's callbacks).
+        loggers: Fabric's loggers (a logger or a list: objects with
+            ``log_metrics(metrics, step)``, such as Lightning's), handed what
+            :meth:`log_dict` logs on rank 0, beside ``metrics.jsonl``.
 
     Example:
         >>> fleet = Fleet(accelerator="cpu", devices=1)  # doctest: +SKIP
@@ -114,12 +117,12 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints):
                  *, seed: int | None = None, run_dir: str | None = None,
                  name: str | None = None, log_every: int = 10,
                  overrides: dict[str, Any] | None = None, config: Config | None = None,
-                 callbacks: Sequence[Any] = ()) -> None:
+                 callbacks: Sequence[Any] = (), loggers: Any = None) -> None:
         self._init_args = dict(accelerator=accelerator, devices=devices, precision=precision,
                                strategy=strategy, num_nodes=num_nodes, seed=seed,
                                run_dir=run_dir,
                                name=name, log_every=log_every, overrides=overrides,
-                               config=config, callbacks=list(callbacks))
+                               config=config, callbacks=list(callbacks), loggers=loggers)
         keys: dict[str, Any] = {**_OWN_LOOP, "log.every": log_every,
                                 **fleet_overrides(accelerator, devices, precision, strategy,
                                                   num_nodes, defaults=config is None)}
@@ -133,6 +136,7 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints):
         cfg = load_config(overrides=keys, base=config)
         self.plan: RunPlan = make_plan(cfg, own_loop=True)  # the one resolve of this run
         self._user_callbacks = list(callbacks)
+        self._loggers = as_loggers(loggers)
         self._seed = seed
         self.run: FleetRun | None = None
         self._placed: list[nn.Module] = []  # every model set up, as placed
@@ -310,47 +314,6 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints):
         except ValueError:
             raise ConfigError(unknown_choice("phase", name, [p.value for p in Phase])) from None
         return PhaseScope(self._steps.phase_announce, phase)
-
-    # -- your numbers ----------------------------------------------------------------
-    def log(self, name: str, value: Any, step: int | None = None) -> None:
-        """:meth:`log_dict` of one value."""
-        self.log_dict({name: value}, step)
-
-    def log_dict(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
-        """Numbers (or one-element tensors: read on the host, a SYNC) of rank 0 at
-        ``step`` (default: the steps done): a ``"user"`` line in metrics.jsonl and the
-        sinks (``monitor.sinks``), under the names given. Other ranks' calls do
-        nothing, as with Fabric's loggers; reduce first (:meth:`all_reduce`) for a
-        value over every rank."""
-        run = self._rank_run()
-        if self._steps.finished:
-            raise ConfigError("fleet.log after fleet.finish(): the run's files are closed. "
-                              "Log before finish (or before launch's function returns).")
-        if not run.env.is_main:
-            return
-        values = {}
-        for key, value in metrics.items():
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                value = value.item()
-            if not isinstance(value, numbers.Real):  # numpy's scalars and bools too
-                raise ConfigError(f"log_dict: {key!r} is {type(value).__name__}: log "
-                                  "numbers or one-element tensors.")
-            values[str(key)] = float(value)
-        self._steps.user_log(run.state.step if step is None else int(step), values)
-
-    def call(self, hook_name: str, *args: Any, **kwargs: Any) -> None:
-        """Call ``hook_name(*args, **kwargs)`` on each of your callbacks
-        (``Fleet(callbacks=...)``) that has a method of that name, in their order, as
-        Fabric's ``call``; the others are passed over."""
-        for callback in self._user_callbacks:
-            method = getattr(callback, hook_name, None)
-            if method is None:
-                continue
-            if not callable(method):
-                log.warning("callback %s has an attribute %r that is not a method: not "
-                            "called", type(callback).__name__, hook_name)
-                continue
-            method(*args, **kwargs)
 
     # -- the end ----------------------------------------------------------------------
     def finish(self) -> None:
