@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import gpufleet
 
 
-def train(fleet, tag):  # tag: an argument sent to every rank
+def train(fleet, tag, *, mark=""):  # tag and mark: sent to every rank
     torch.manual_seed(0)
     net = torch.nn.Linear(4, 1)
     model, opt = fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
@@ -18,9 +18,9 @@ def train(fleet, tag):  # tag: an argument sent to every rank
         fleet.backward(torch.nn.functional.mse_loss(model(x), y))
         opt.step()
         opt.zero_grad()
-    return tag, fleet.global_rank, fleet.world_size, fleet.step, str(fleet.run_dir)
+    return tag + mark, fleet.global_rank, fleet.world_size, fleet.step, str(fleet.run_dir)
 
 
 if __name__ == "__main__":
     fleet = gpufleet.Fleet(accelerator="cpu", devices=2, run_dir=sys.argv[1])
-    print("result", fleet.launch(train, "sent"))
+    print("result", fleet.launch(train, "sent", mark="!"))

@@ -153,6 +153,11 @@ def test_launch_without_a_function_on_a_rank_does_nothing(tmp_path):
     fleet.finish()
 
 
+def test_launch_passes_keywords_on_as_fabrics_does(tmp_path):
+    fleet = gpufleet.Fleet(accelerator="cpu", devices=1, run_dir=str(tmp_path / "run"))
+    assert fleet.launch(lambda f, a, *, b: (f.world_size, a, b), 1, b=2) == (1, 1, 2)
+
+
 def _fleet(tmp_path, name: str = "run", **kwargs) -> gpufleet.Fleet:
     return gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / name), **kwargs)
 

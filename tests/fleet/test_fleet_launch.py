@@ -16,5 +16,5 @@ def test_launch_starts_the_ranks_and_returns_rank_0s_result(tmp_path):
     done = subprocess.run([sys.executable, str(script), str(tmp_path / "run")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert f"result ('sent', 0, 2, 4, {str(tmp_path / 'run')!r})" in done.stdout
+    assert f"result ('sent!', 0, 2, 4, {str(tmp_path / 'run')!r})" in done.stdout
     assert (tmp_path / "run" / "report.html").is_file()

@@ -170,13 +170,13 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
         self._steps = StepTracker(self.run, self._user_callbacks)
         atexit.register(self._at_exit)
 
-    def launch(self, fn: Callable[..., Any] | None = None, *args: Any) -> Any:
-        """Run ``fn(fleet, *args)`` on every rank and return rank 0's result.
+    def launch(self, fn: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(fleet, *args, **kwargs)`` on every rank and return rank 0's result.
 
         When this process is a rank already (one device, torchrun, ``gpufleet run``),
         ``fn`` runs here. Otherwise the ranks are started now with torch's elastic agent
         (as ``gpufleet train --nproc N`` starts them): ``fn`` must then be a module-level
-        function and ``args`` picklable. The run ends (:meth:`finish`) when ``fn``
+        function and ``args`` and ``kwargs`` picklable. The run ends (:meth:`finish`) when ``fn``
         returns; an error leaves a crash report in the run directory. Without ``fn``
         (Fabric's ``launch()``), a rank already has nothing to start.
         """
@@ -184,12 +184,12 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
             self._rank_run()  # not a rank yet: the error says how to start the ranks
             return None
         if self.run is not None:
-            return self._run_here(fn, args)
+            return self._run_here(fn, args, kwargs)
         plan, dist = self.plan, self.plan.cfg.dist
         from gpufleet.launch.launcher import launch  # the agent: only where ranks start
 
         results = launch(
-            _rank_main, (self._init_args, fn, args), nproc=plan.nproc,
+            _rank_main, (self._init_args, fn, args, kwargs), nproc=plan.nproc,
             launcher=plan.launcher, nnodes=plan.nnodes, node_rank=plan.node_rank,
             master_addr=dist.master_addr, master_port=dist.master_port,
             rdzv_endpoint=dist.rdzv_endpoint, rdzv_backend=dist.rdzv_backend,
@@ -197,10 +197,11 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
             rdzv_timeout=dist.rdzv_timeout)
         return results.get(0)
 
-    def _run_here(self, fn: Callable[..., Any], args: tuple) -> Any:
+    def _run_here(self, fn: Callable[..., Any], args: tuple, kwargs: dict | None = None
+                  ) -> Any:
         with crash_reported(self._rank_run().view):
             try:
-                out = fn(self, *args)
+                out = fn(self, *args, **(kwargs or {}))
             except BaseException as error:  # what the run holds is let go of here
                 atexit.unregister(self._at_exit)
                 self._steps.abort(error)
@@ -345,7 +346,8 @@ def _script_name() -> str:
     return script if script and script not in ("-c", "__main__") else "fleet"
 
 
-def _rank_main(init_args: dict[str, Any], fn: Callable[..., Any], args: tuple) -> Any:
+def _rank_main(init_args: dict[str, Any], fn: Callable[..., Any], args: tuple,
+               kwargs: dict[str, Any] | None = None) -> Any:
     """What each started rank runs: its own Fleet, then ``fn(fleet, *args)``."""
     fleet = Fleet(**init_args)
-    return fleet._run_here(fn, args)
+    return fleet._run_here(fn, args, kwargs)
