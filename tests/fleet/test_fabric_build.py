@@ -44,19 +44,25 @@ def test_init_module_builds_as_usual_and_empty_init_draws_nothing(tmp_path):
     fleet.finish()
 
 
-@pytest.mark.parametrize("name,args", [
-    ("uniform_", ()), ("normal_", ()), ("trunc_normal_", ()), ("constant_", (0.5,)),
-    ("ones_", ()), ("zeros_", ()), ("xavier_uniform_", ()), ("xavier_normal_", ()),
-    ("kaiming_uniform_", ()), ("kaiming_normal_", ()), ("orthogonal_", ()), ("eye_", ()),
-    ("sparse_", (0.5,))])
-def test_empty_init_leaves_every_init_function_undone(name, args):
+@pytest.mark.parametrize("name,shape,kwargs", [
+    ("uniform_", (4, 4), {}), ("normal_", (4, 4), {}), ("trunc_normal_", (4, 4), {}),
+    ("constant_", (4, 4), {"val": 0.5}), ("ones_", (4, 4), {}), ("zeros_", (4, 4), {}),
+    ("xavier_uniform_", (4, 4), {}), ("xavier_normal_", (4, 4), {}),
+    ("kaiming_uniform_", (4, 4), {}), ("kaiming_normal_", (4, 4), {}),
+    ("orthogonal_", (4, 4), {}), ("orthogonal_", (2, 8), {}), ("orthogonal_", (8, 2), {}),
+    ("eye_", (4, 4), {}), ("sparse_", (4, 4), {"sparsity": 0.5}), ("dirac_", (4, 4, 3), {}),
+    # a rejection loop over scratch tensors (narrow bounds) must still end
+    ("trunc_normal_", (1000,), {"a": -0.1, "b": 0.1}),
+    ("trunc_normal_", (1000,), {"a": -2.0, "b": 2.0})])
+def test_empty_init_leaves_every_init_function_undone(name, shape, kwargs):
     """Some of torch.nn.init's functions hand themselves to torch's override hook,
-    the others write into the tensor from inside torch/nn/init.py: both are skipped."""
-    tensor = torch.full((4, 4), 7.0)
+    the others write into the tensor from inside torch/nn/init.py: both are skipped,
+    while their scratch tensors (orthogonal_'s, trunc_normal_'s) are computed."""
+    tensor = torch.full(shape, 7.0)
     with _SkipInit():
-        out = getattr(torch.nn.init, name)(tensor, *args)
+        out = getattr(torch.nn.init, name)(tensor, **kwargs)
         elsewhere = torch.ones(2).mul_(3)  # outside torch.nn.init: done as usual
-    assert out is tensor and torch.equal(tensor, torch.full((4, 4), 7.0))
+    assert out is tensor and torch.equal(tensor, torch.full(shape, 7.0))
     assert torch.equal(elsewhere, torch.full((2,), 3.0))
 
 

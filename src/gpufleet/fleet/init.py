@@ -56,21 +56,43 @@ _INIT_FILE = torch.nn.init.__file__
 
 class _SkipInit(TorchFunctionMode):
     """Makes every function of ``torch.nn.init`` leave its tensor untouched: the ones
-    that hand themselves to torch's override hook return at once, and in the others
-    each tensor operation made from ``torch/nn/init.py`` that writes into a tensor (in
-    place: ``uniform_``, ``fill_``, ``copy_``; or ``out=``) is not carried out. What
-    they read of the tensor (its shape, for the fan) still is."""
+    that hand themselves to torch's override hook return at once; in the others, each
+    write made from ``torch/nn/init.py`` (in place: ``uniform_``, ``fill_``, ``copy_``;
+    or ``out=``) into the storage of the tensor being initialised is not carried out.
+    What they read of it (its shape, for the fan) still is, and their scratch tensors
+    are computed as usual (a rejection loop over them still ends)."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if getattr(func, "__module__", None) == "torch.nn.init":
             return kwargs["tensor"] if "tensor" in kwargs else args[0]
-        if (kwargs.get("out") is not None or (args and _writes_in_place(func))) and \
-                sys._getframe(1).f_code.co_filename == _INIT_FILE:
-            # an init function's write into its tensor (in place, or out=): left undone
-            return kwargs["out"] if kwargs.get("out") is not None else args[0]
+        out = kwargs.get("out")
+        written = out if out is not None else (args[0] if args and _writes_in_place(func)
+                                               else None)
+        caller = sys._getframe(1)
+        if isinstance(written, torch.Tensor) and caller.f_code.co_filename == _INIT_FILE:
+            target = _initialised(caller)
+            if target is not None and _same_storage(written, target):
+                return written  # an init function's write into its tensor: left undone
         return func(*args, **kwargs)
+
+
+def _initialised(frame: Any) -> torch.Tensor | None:
+    """The tensor the outermost ``torch.nn.init`` function on the stack initialises (its
+    ``tensor`` argument), from ``frame`` (one in torch/nn/init.py) outwards."""
+    found = None
+    while frame is not None:
+        if frame.f_code.co_filename == _INIT_FILE:
+            value = frame.f_locals.get("tensor")
+            if isinstance(value, torch.Tensor):
+                found = value
+        frame = frame.f_back
+    return found
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _writes_in_place(func: Any) -> bool:
