@@ -76,18 +76,30 @@ def test_call_reaches_every_callback_that_has_the_hook(tmp_path):
     class Other:
         on_train_epoch_end = "not a method"
 
-        def on_validation_end(self):
-            heard.append(("other",))
+        def on_validation_end(self, metrics):  # takes only the keyword it names
+            heard.append(("other", metrics))
+
+        def on_fit_start(self):  # Lightning's hook name, also one of gpufleet's
+            heard.append(("fit start",))
 
     fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run"),
                            callbacks=[Epochs(), Other(), Epochs()])
-    model = fleet.setup(_net())
+    net = _net()
+    model, opt = fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
     fleet.backward(model(torch.ones(2, 4)).sum())
+    opt.step()  # the run's own hooks start here: a plain object is not theirs
     fleet.call("on_train_epoch_end", 0.5, epoch=1)
-    fleet.call("on_validation_end")
+    fleet.call("on_validation_end", metrics=2.0, epoch=1)
     fleet.call("on_nothing_has")
-    assert heard == [("epochs", 0.5, 1), ("epochs", 0.5, 1), ("other",)]
+    fleet.call("on_fit_start")
+    assert heard == [("epochs", 0.5, 1), ("epochs", 0.5, 1), ("other", 2.0),
+                     ("fit start",)]
     fleet.finish()
+    single = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "one"),
+                            callbacks=Other())  # one object, as Fabric takes it
+    single.call("on_validation_end", metrics=3.0)
+    assert heard[-1] == ("other", 3.0)
+    single.finish()
 
 
 def test_loggers_receive_what_log_dict_logs(tmp_path):

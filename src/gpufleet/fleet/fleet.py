@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from gpufleet.config import Config, load_config
+from gpufleet.core.callbacks import Callback
 from gpufleet.core.phases import Phase, PhaseScope
 from gpufleet.core.tree import to_device
 from gpufleet.entry import setup_logging
@@ -47,7 +48,7 @@ from gpufleet.fleet.args import fleet_overrides
 from gpufleet.fleet.comm import FleetComm
 from gpufleet.fleet.grads import FleetGrads
 from gpufleet.fleet.init import FleetInit
-from gpufleet.fleet.logs import FleetLogs, as_loggers
+from gpufleet.fleet.logs import FleetLogs, as_list, as_loggers
 from gpufleet.fleet.run import FleetRun
 from gpufleet.fleet.seeding import seed_process
 from gpufleet.fleet.setup import FleetSetup
@@ -98,9 +99,9 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
             diagnosis every this many optimizer steps.
         overrides: more config keys, ``{"section.key": value}``.
         config: a whole :class:`~gpufleet.config.Config` to start from.
-        callbacks: yours, heard after the run's own (gpufleet's hooks, see
-            :class:`~gpufleet.core.callbacks.Callback`), and by :meth:`call` (any
-            object, any method name, as Fabric's callbacks).
+        callbacks: yours (one, or a list): the :class:`~gpufleet.core.callbacks.Callback`
+            objects among them hear gpufleet's hooks after the run's own; every one,
+            any object, is reached by :meth:`call` (Fabric's callbacks).
         loggers: Fabric's loggers (a logger or a list: objects with
             ``log_metrics(metrics, step)``, such as Lightning's), handed what
             :meth:`log_dict` logs on rank 0, beside ``metrics.jsonl``.
@@ -122,7 +123,7 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
                                strategy=strategy, num_nodes=num_nodes, seed=seed,
                                run_dir=run_dir,
                                name=name, log_every=log_every, overrides=overrides,
-                               config=config, callbacks=list(callbacks), loggers=loggers)
+                               config=config, callbacks=as_list(callbacks), loggers=loggers)
         keys: dict[str, Any] = {**_OWN_LOOP, "log.every": log_every,
                                 **fleet_overrides(accelerator, devices, precision, strategy,
                                                   num_nodes, defaults=config is None)}
@@ -135,7 +136,7 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
         keys.update(overrides or {})
         cfg = load_config(overrides=keys, base=config)
         self.plan: RunPlan = make_plan(cfg, own_loop=True)  # the one resolve of this run
-        self._user_callbacks = list(callbacks)
+        self._user_callbacks = as_list(callbacks)
         self._loggers = as_loggers(loggers)
         self._seed = seed
         self.run: FleetRun | None = None
@@ -167,7 +168,9 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
                             monitors=build_monitors(cfg, env, device, run_dir))
         self.run.result.run_dir = str(run_dir)
         self.run.view = RunView(self.run)
-        self._steps = StepTracker(self.run, self._user_callbacks)
+        # gpufleet's hooks reach its own Callback objects; call() reaches every one
+        self._steps = StepTracker(self.run, [cb for cb in self._user_callbacks
+                                             if isinstance(cb, Callback)])
         atexit.register(self._at_exit)
 
     def launch(self, fn: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> Any:

@@ -9,6 +9,7 @@ so a Fabric loop's loggers keep receiving what they did.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import numbers
 from collections.abc import Mapping
@@ -22,14 +23,20 @@ from gpufleet.fleet.run import FleetPart
 log = logging.getLogger(__name__)
 
 
+def as_list(value: Any) -> list[Any]:
+    """One object, a list or tuple of them, or None, as a list (Fabric's forms)."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
 def as_loggers(loggers: Any) -> list[Any]:
     """``Fleet(loggers=)`` as a list (None: none), each able to take metrics.
 
     Raises:
         ConfigError: one has no ``log_metrics`` method.
     """
-    found = [] if loggers is None else list(loggers) if isinstance(loggers, (list, tuple)) \
-        else [loggers]
+    found = as_list(loggers)
     for logger in found:
         if not callable(getattr(logger, "log_metrics", None)):
             raise ConfigError(
@@ -93,7 +100,9 @@ class FleetLogs(FleetPart):
     def call(self, hook_name: str, *args: Any, **kwargs: Any) -> None:
         """Call ``hook_name(*args, **kwargs)`` on each of your callbacks
         (``Fleet(callbacks=...)``) that has a method of that name, in their order, as
-        Fabric's ``call``; the others are passed over."""
+        Fabric's ``call``; the others are passed over. A method is given only the
+        keyword arguments it names (all of them if it takes ``**kwargs``), as Fabric
+        gives them."""
         for callback in self._user_callbacks:
             method = getattr(callback, hook_name, None)
             if method is None:
@@ -102,4 +111,18 @@ class FleetLogs(FleetPart):
                 log.warning("callback %s has an attribute %r that is not a method: not "
                             "called", type(callback).__name__, hook_name)
                 continue
-            method(*args, **kwargs)
+            method(*args, **_accepted(method, kwargs))
+
+
+def _accepted(method: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The items of ``kwargs`` that ``method`` names (all, where it takes ``**kw``)."""
+    if not kwargs:
+        return kwargs
+    try:
+        params = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): pass them all
+        return kwargs
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return kwargs
+    names = {p.name for p in params}
+    return {k: v for k, v in kwargs.items() if k in names}
