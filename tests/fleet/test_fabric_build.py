@@ -159,3 +159,27 @@ def test_setup_takes_a_scheduler_built_before_it_as_fabric_does(tmp_path, caplog
         fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1),
                     scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
     fleet.finish()
+
+
+def test_load_raw_refuses_a_sharded_model_and_names_the_order_that_works(tmp_path):
+    """A plain state dict holds whole tensors; fsdp's parameters are DTensors (copying
+    one into the other raised torch's "mixed torch.Tensor and DTensor")."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from gpufleet.fleet.state import load_raw_state
+
+    net = _net()
+    torch.save(net.state_dict(), tmp_path / "plain.pt")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    try:
+        sharded = fully_shard(_net())
+        with pytest.raises(ConfigError, match=r"is sharded.*before fleet\.setup"):
+            load_raw_state(tmp_path / "plain.pt", sharded)
+        with pytest.raises(ConfigError, match="is sharded"):
+            load_raw_state(tmp_path / "plain.pt",
+                           torch.optim.SGD(sharded.parameters(), lr=0.1))
+    finally:
+        dist.destroy_process_group()
+    load_raw_state(tmp_path / "plain.pt", _net())  # whole: loads as before

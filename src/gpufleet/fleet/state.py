@@ -72,7 +72,8 @@ class FleetCheckpoints(FleetPart):
                  *, weights_only: bool | None = None) -> None:
         """Load a plain PyTorch file, ``torch.save(model.state_dict(), path)`` (or an
         optimizer's), into ``obj``, a model or optimizer set up or not, as Fabric's
-        ``load_raw``: ``obj.load_state_dict(torch.load(path))``, read with
+        ``load_raw``: ``obj.load_state_dict(torch.load(path))`` (under fsdp or tensor
+        parallel, call it before :meth:`setup`: the set-up model is sharded), read with
         ``weights_only=True`` (nothing in the file can run code; ``False`` is refused as
         in :meth:`load`). ``strict=False`` (a model): missing and unexpected names are
         skipped, and a warning names them. Every rank reads the file."""
@@ -97,11 +98,20 @@ def load_raw_state(path: str | Path, obj: Any, strict: bool = True) -> None:
     Raises:
         CheckpointError: the file is missing, cannot be read as a state dict, or does
             not fit ``obj`` (the names or shapes it holds).
-        ConfigError: ``obj`` is neither a model nor an optimizer.
+        ConfigError: ``obj`` is neither a model nor an optimizer, or it is sharded
+            (its parameters DTensors: load before setup instead).
     """
     if not isinstance(obj, (nn.Module, Optimizer)):
         raise ConfigError(f"load_raw: {type(obj).__name__} is neither a model nor an "
                           "optimizer; load a dict of several with fleet.load(path, state).")
+    tensors = obj.parameters() if isinstance(obj, nn.Module) else \
+        (p for group in obj.param_groups for p in group["params"])
+    if any(hasattr(t, "to_local") for t in tensors):  # DTensors: fsdp, tensor parallel
+        raise ConfigError(
+            f"load_raw: this {type(obj).__name__} is sharded (fsdp or tensor parallel), "
+            "and a plain state dict holds whole tensors. Call fleet.load_raw(path, model) "
+            "before fleet.setup, on the model you built (under init_module too), and "
+            "build the optimizer after setup.")
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"load_raw: {path} does not exist (or is not a file).")
