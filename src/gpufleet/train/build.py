@@ -53,18 +53,17 @@ from gpufleet.train.optim import (
 from gpufleet.train.perf import apply_backend_flags, share_cores
 from gpufleet.train.rank import join_process_group, local_gpu_index
 from gpufleet.train.recipe import (
-    check_eval_scheduler,
     describe_scheduler,
     place_scheduler,
     recipe_line,
     spec_from_optimizer,
-    steps_on_eval,
     user_optimizer,
 )
 from gpufleet.train.reshard import reshardable, source_of
 from gpufleet.train.resilience import recovery_of
 from gpufleet.train.run import ModelPart, Run, TrainState
 from gpufleet.train.rundir import plan_and_lock
+from gpufleet.train.scheduling import check_eval_scheduler, steps_on_eval
 from gpufleet.train.seed import seed_everything, set_deterministic
 from gpufleet.train.steps import UserStep, models_and_step, per_model
 from gpufleet.train.stream import TrainStream

@@ -27,9 +27,9 @@ from gpufleet.train.checkpointer import Position
 from gpufleet.train.growing import Regroup
 from gpufleet.train.interval import LogInterval
 from gpufleet.train.keeping import monitored
-from gpufleet.train.recipe import steps_on_eval
 from gpufleet.train.result import FitResult
 from gpufleet.train.run import Run
+from gpufleet.train.scheduling import SchedulerSteps
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +101,7 @@ class Trainer:
         # preemption check): one comparison per step instead of each interval's test.
         next_due = self._next_due(state.step)
         self._next_epoch_save = self._epoch_save_after(run.data.epochs_done)
-        # Epochs the scheduler has stepped for (None: it steps every optimizer step): its
-        # own count of steps, which a resumed scheduler brings back.
-        self._epochs_scheduled = ({p.name: p.scheduler.last_epoch for p in run.parts}
-                                  if run.cfg.sched.interval == "epoch" else None)
+        self._schedules = SchedulerSteps(run)
         for part in run.parts:
             if part.guard is not None:  # decides whether it inspects before the clip
                 part.guard.start(part.model, part.optimizer, run.device)
@@ -238,29 +235,15 @@ class Trainer:
                 # torch's warning about a scheduler step without an optimizer step does
                 # not apply.
                 warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
-                self._schedule(part)
+                self._schedules.after_step(part)
         else:
             part.precision.step(opt)  # SYNC with fp16 and a non-fused optimizer (found_inf)
             # On the device path a skipped step's loss is added too (no host read here);
             # the guard takes it out again at the log interval.
             self.interval.add(step_loss, cfg.optim.grad_accum)
-            self._schedule(part)
+            self._schedules.after_step(part)
         opt.zero_grad()  # frees the gradients (set_to_none is the default)
         return skip
-
-    def _schedule(self, part: Any) -> None:
-        """Step a model's LR scheduler: every optimizer step, or (``sched.interval =
-        "epoch"``) once each time an epoch has been read to its end; one that steps on
-        the eval loss, after each evaluation (:meth:`evaluate`)."""
-        if steps_on_eval(part.scheduler):  # (read anew: a recovery rebuilds the parts)
-            return
-        if self._epochs_scheduled is None:
-            part.scheduler.step()
-            return
-        done = int(self.run.data.epochs_done)
-        while self._epochs_scheduled[part.name] < done:
-            part.scheduler.step()
-            self._epochs_scheduled[part.name] += 1
 
     def _next_due(self, step: int) -> int:
         """The first step after ``step`` that ends a log interval, or is due for
@@ -387,9 +370,7 @@ class Trainer:
         if run.evaluator is None:
             return None
         value, metrics, count = run.evaluator.run()
-        for part in run.parts:  # the same loss on every rank: the same lr
-            if steps_on_eval(part.scheduler):
-                part.scheduler.step(value)
+        self._schedules.after_eval(value)
         run.result.eval_losses.append((step, value))
         if metrics:
             run.result.eval_metrics.append((step, metrics))

@@ -126,33 +126,6 @@ def place_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
     return scheduler
 
 
-def steps_on_eval(scheduler: Any) -> bool:
-    """Whether ``scheduler`` steps on a metric (torch's ``ReduceLROnPlateau``): the run
-    steps it with the eval loss after each evaluation, not every step or epoch."""
-    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-
-
-def check_eval_scheduler(scheduler: Any, evaluates: bool) -> None:
-    """Refuse a scheduler that steps on a metric where the run gives it none (no eval
-    data or ``run.eval_every = 0``), or one that waits for the metric to rise.
-
-    Raises:
-        ConfigError: naming what to change.
-    """
-    if not steps_on_eval(scheduler):
-        return
-    if not evaluates:
-        raise ConfigError(
-            "ReduceLROnPlateau steps on a metric: gpufleet steps it with the eval loss "
-            "after each evaluation, and this run does not evaluate. Give eval_data and "
-            "run.eval_every (the steps between evaluations), or use a scheduler that "
-            "steps on its own.")
-    if scheduler.mode != "min":
-        raise ConfigError(
-            f"ReduceLROnPlateau(mode={scheduler.mode!r}): gpufleet steps it with the eval "
-            "loss, which is better lower; build it with mode='min'.")
-
-
 def _rebind(scheduler: Any, old: Any, optimizer: torch.optim.Optimizer) -> None:
     """Point ``scheduler`` at ``optimizer``, and the schedulers it chains (SequentialLR,
     ChainedScheduler: each steps its own ``optimizer``) that were on ``old``."""
