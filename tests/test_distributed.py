@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import final_params
+from equivalence import assert_same_weights
 
 TOY = ["--model", "toyjob:make_model", "--data", "toyjob:make_data",
        "--model.loss", "torch.nn.functional:mse_loss", "--max-steps", "12",
@@ -22,8 +23,13 @@ def _train(run_cli, tmp_path, name, *args, module="gpufleet", prefix=(), out=Non
     return tmp_path / "runs" / name
 
 
-def _assert_same_params(a, b, atol=1e-5):
+def _assert_same_params(a, b, atol: float | None = None):
+    """Another layout (atol None): the normwise rule of tests/equivalence.py. The same
+    layout (atol 0) or another precision (fp16): element-wise, as given."""
     pa, pb = final_params(a), final_params(b)
+    if atol is None:
+        assert_same_weights(pb, pa)
+        return
     assert pa.keys() == pb.keys()
     for k in pa:
         torch.testing.assert_close(pa[k], pb[k], rtol=1e-4, atol=atol)

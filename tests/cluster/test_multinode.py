@@ -7,8 +7,8 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-import torch
 
+from equivalence import assert_same_weights
 from gpufleet.config import load_config
 
 from .conftest import PYTHON, node_env
@@ -61,7 +61,4 @@ def test_two_nodes_equal_single_without_hand_set_variables(netbed, tmp_path, sin
     # on without a lost node), not on a fixed node count.
     recorded = load_config(run / "config.toml").fault.snapshot_every
     assert recorded == (10 if how == "elastic" else 0)
-    weights = final_weights(run)
-    assert weights.keys() == single.keys()
-    for k in single:
-        torch.testing.assert_close(weights[k], single[k], rtol=1e-4, atol=1e-5)
+    assert_same_weights(final_weights(run), single)

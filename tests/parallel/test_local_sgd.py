@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from conftest import final_params
+from equivalence import assert_same_weights
 from gpufleet.config import ParallelConfig
 from gpufleet.config.parallel import LocalSGDOptions
 from gpufleet.errors import ConfigError
@@ -34,9 +35,7 @@ def test_local_sgd_with_period_one_equals_ddp(run_cli, tmp_path):
     run_cli("train", *TOY, "--strategy", "local_sgd", "--parallel.local_sgd.period", "1",
             "--parallel.local_sgd.warmup_steps", "3", "--run-dir", "runs/local")
     ddp, local = final_params(tmp_path / "runs/ddp"), final_params(tmp_path / "runs/local")
-    assert ddp.keys() == local.keys()
-    for key in ddp:
-        torch.testing.assert_close(local[key], ddp[key], rtol=1e-5, atol=1e-6)
+    assert_same_weights(local, ddp, rtol=1e-5)
 
 
 def test_local_sgd_resumed_at_an_averaging_step_goes_on_as_if_uninterrupted(run_cli,

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from equivalence import assert_same_weights
 from gpufleet.config import load_config
 from gpufleet.errors import ConfigError
 from gpufleet.parallel import strategy_class, strategy_names
@@ -138,10 +139,7 @@ def _weights(run_dir: Path, step: int | None = None) -> dict[str, torch.Tensor]:
 
 
 def _assert_same(a: Path, b: Path, step: int | None = None) -> None:
-    wa, wb = _weights(a, step), _weights(b, step)
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+    assert_same_weights(_weights(b, step), _weights(a, step))
 
 
 def _step_dir(run_dir: Path, step: int) -> str:

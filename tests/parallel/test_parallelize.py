@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from equivalence import assert_same_weights
 from gpufleet.config import load_config
 from gpufleet.errors import ConfigError
 from gpufleet.parallel import build_strategy
@@ -37,9 +38,7 @@ def _train(run_cli, tmp_path: Path, name: str, *args: str) -> Path:
 
 def _assert_same(a: Path, b: Path) -> None:
     wa, wb = (ckpt.load_checkpoint(ckpt.list_checkpoints(d)[-1])["model"] for d in (a, b))
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+    assert_same_weights(wb, wa)
 
 
 def test_ddp_with_tensor_parallel_is_a_preset_of_degrees():

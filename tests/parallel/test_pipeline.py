@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from conftest import final_params
+from equivalence import assert_same_weights
 from gpufleet.errors import ConfigError
 from gpufleet.parallel.parallelize import distribute
 from gpufleet.parallel.pipeline_split import (
@@ -86,10 +87,7 @@ def _losses(run_dir, kind="train"):
 
 
 def _same(a, b):
-    pa, pb = final_params(a), final_params(b)
-    assert pa.keys() == pb.keys()
-    for k in pa:
-        torch.testing.assert_close(pa[k], pb[k], rtol=1e-4, atol=1e-5)
+    assert_same_weights(final_params(b), final_params(a))
 
 
 def test_gpipe_and_1f1b_on_two_ranks_equal_single(run_cli, tmp_path):
