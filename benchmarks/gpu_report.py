@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from gpufleet.bench.machine import machine_summary
+from gpufleet.core.machine import machine_summary
 
 MFU_TARGET = 0.50  # bf16 + compile, against the dense bf16 peak
 BF16_SPEEDUP_TARGET = 2.0  # bf16 tokens/s over fp32 tokens/s

@@ -40,7 +40,7 @@ import peers  # the peers' MLP job and its data (this script's folder)
 import torch
 from torch.utils.data import DataLoader
 
-from gpufleet.bench.machine import machine_summary
+from gpufleet.core.machine import machine_summary
 from gpufleet.core.tree import to_device
 from gpufleet.data.prefetch import DevicePrefetcher
 
