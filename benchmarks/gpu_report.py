@@ -1,5 +1,5 @@
 """What the GPU suite's stages measured, read back from their files, and the markdown for
-benchmarks/RESULTS.md. Used by ``benchmarks/gpu_suite.py``.
+benchmarks/HISTORY.md. Used by ``benchmarks/gpu_suite.py``.
 
 Each ``_summary_<stage>`` reads what its stage wrote (a log, a run directory or a JSON
 file) into a small dict of numbers; :func:`targets` checks them against the issue's
