@@ -30,8 +30,8 @@ import time
 import torch
 from torch.nn import functional as F
 
-from gpufleet.bench.machine import machine_summary
 from gpufleet.config import Config
+from gpufleet.core.machine import machine_summary
 from gpufleet.core.phases import Phase, PhaseMarks
 from gpufleet.job import build_model
 from gpufleet.monitor.arrival_hooks import Waits, _TimedAllGather, time_stage

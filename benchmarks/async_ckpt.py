@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from gpufleet.bench.machine import machine_summary
 from gpufleet.bench.runs import small_gpt_job
 from gpufleet.bench.slowdisk import joined, slow_disk, slow_disk_missing
 from gpufleet.config import load_config
+from gpufleet.core.machine import machine_summary
 from gpufleet.entry import train
 
 
@@ -49,7 +49,7 @@ class _Saves(logging.Handler):
 
 def one_run(out: str, async_save: bool, steps: int, every: int) -> tuple[list, float]:
     saves = _Saves()
-    logger = logging.getLogger("gpufleet.train.checkpointer")
+    logger = logging.getLogger("gpufleet.train.checkpoint.checkpointer")
     logger.addHandler(saves)
     logger.setLevel(logging.INFO)
     try:

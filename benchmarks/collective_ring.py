@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gpufleet.bench.machine import machine_summary
+from gpufleet.core.machine import machine_summary
 from gpufleet.core.phases import Phase
 from gpufleet.core.ring import RING, CollectiveRing
 from gpufleet.models.gpt import build_gpt

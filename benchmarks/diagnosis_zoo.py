@@ -563,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="", help="also write the rows here")
     parser.add_argument("--out", default="", help="folder for the runs (default: temp)")
     args = parser.parse_args(argv)
-    from gpufleet.bench.machine import machine_summary
+    from gpufleet.core.machine import machine_summary
 
     repeats = args.repeats or (1 if args.quick else 2)
     chosen = [s for s in scenarios() if (s.quick or not args.quick) and
@@ -588,7 +588,7 @@ def _train_with_slow_sink(argv: list[str]) -> int:
     """``gpufleet train ARGV`` in this process, with a sink that takes 50 ms per log."""
     from gpufleet.api import train
     from gpufleet.cli import _build_parser, parse_train_config
-    from gpufleet.train.callbacks import Callback
+    from gpufleet.core.callbacks import Callback
 
     class SlowSink(Callback):
         essential = False

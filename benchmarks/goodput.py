@@ -30,9 +30,9 @@ from pathlib import Path
 
 from node_loss import records, workdir
 
-from gpufleet.bench.machine import machine_summary
 from gpufleet.bench.netbed import NetBed, netbed_available
 from gpufleet.bench.runs import small_gpt_job
+from gpufleet.core.machine import machine_summary
 
 BATCH = 8
 

@@ -1,5 +1,5 @@
 """What the GPU suite's stages measured, read back from their files, and the markdown for
-benchmarks/RESULTS.md. Used by ``benchmarks/gpu_suite.py``.
+benchmarks/HISTORY.md. Used by ``benchmarks/gpu_suite.py``.
 
 Each ``_summary_<stage>`` reads what its stage wrote (a log, a run directory or a JSON
 file) into a small dict of numbers; :func:`targets` checks them against the issue's
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from gpufleet.bench.machine import machine_summary
+from gpufleet.core.machine import machine_summary
 
 MFU_TARGET = 0.50  # bf16 + compile, against the dense bf16 peak
 BF16_SPEEDUP_TARGET = 2.0  # bf16 tokens/s over fp32 tokens/s

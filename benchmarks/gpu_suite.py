@@ -18,7 +18,7 @@ time is recorded, and the next one runs):
    on the MLP in fp32 with ``--breakdown``, then on the built-in GPT in bf16, warm); one
    stage, so that ``--out`` holds at most 8 files.
 
-What lands in ``--out``: ``results.md`` (ready to paste into benchmarks/RESULTS.md),
+What lands in ``--out``: ``results.md`` (ready to paste into benchmarks/HISTORY.md),
 ``results.json`` and one ``<stage>.log`` per stage; both results files are rewritten
 after every stage, so a run cut short still leaves what it measured. ``--dry-run``
 runs every stage with tiny sizes (on the CPU when there is no GPU) to prove the plumbing.

@@ -55,8 +55,8 @@ from typing import Any
 import peers  # the peers' loops and their turn-taking (this script's folder)
 import torch
 
-from gpufleet.bench.machine import machine_summary
-from gpufleet.train.nonfinite import NonFiniteGuard
+from gpufleet.core.machine import machine_summary
+from gpufleet.train.guard.nonfinite import NonFiniteGuard
 
 _REAL = NonFiniteGuard._flag_gradients
 

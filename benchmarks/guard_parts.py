@@ -25,8 +25,8 @@ import calltimes  # (this script's folder)
 import peers  # the peers' jobs and loops (this script's folder)
 import torch
 
-from gpufleet.bench.machine import machine_summary
-from gpufleet.train.nonfinite import NonFiniteGuard
+from gpufleet.core.machine import machine_summary
+from gpufleet.train.guard.nonfinite import NonFiniteGuard
 
 _now = calltimes.now
 _times = calltimes.TIMES

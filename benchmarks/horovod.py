@@ -23,8 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from gpufleet.bench.machine import machine_summary
 from gpufleet.bench.runs import median_step_time, small_gpt_job
+from gpufleet.core.machine import machine_summary
 
 
 def run(command: list[str], cwd: Path) -> None:

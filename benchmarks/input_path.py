@@ -1,7 +1,7 @@
 """What getting each batch onto the device costs the host, path by path.
 
 On a GPU whose host is slow per CUDA call, the small MLP of ``peers.py`` ran 357 µs a
-step slower under ``gpufleet.fit`` than under ``Fleet`` (RESULTS, the H200 check): the
+step slower under ``gpufleet.fit`` than under ``Fleet`` (HISTORY.md, the H200 check): the
 lead is the input path ``fit`` takes on CUDA, pinned batches (pinned on the training
 thread when the loader has no workers) and the side-stream prefetcher (a stream switch,
 ``wait_stream`` and ``record_stream`` a batch). ``peers.py --breakdown`` prices each as the
@@ -40,7 +40,7 @@ import peers  # the peers' MLP job and its data (this script's folder)
 import torch
 from torch.utils.data import DataLoader
 
-from gpufleet.bench.machine import machine_summary
+from gpufleet.core.machine import machine_summary
 from gpufleet.core.tree import to_device
 from gpufleet.data.prefetch import DevicePrefetcher
 

@@ -30,7 +30,7 @@ import psutil
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
-from gpufleet.bench.machine import cpu_model
+from gpufleet.core.machine import cpu_model
 from gpufleet.data.jsonl import JsonlDataset
 
 MB = 1 << 20

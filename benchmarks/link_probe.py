@@ -23,9 +23,9 @@ from pathlib import Path
 
 from slow_link import run_two_nodes  # benchmarks/slow_link.py
 
-from gpufleet.bench.machine import machine_summary
 from gpufleet.bench.netbed import NetBed, netbed_available
 from gpufleet.bench.runs import small_gpt_job
+from gpufleet.core.machine import machine_summary
 from gpufleet.monitor.diagnose import findings_for_run
 from gpufleet.monitor.links import rate_text
 

@@ -21,10 +21,10 @@ import calltimes  # (this script's folder)
 import peers  # the peers' jobs and loops (this script's folder)
 import torch
 
-from gpufleet.bench.machine import machine_summary
 from gpufleet.core import callbacks
+from gpufleet.core.machine import machine_summary
 from gpufleet.core.phases import PhaseAnnouncer
-from gpufleet.train.interval import LogInterval
+from gpufleet.train.engine.interval import LogInterval
 from gpufleet.train.loop import Trainer
 
 _now = calltimes.now

@@ -35,10 +35,10 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 import gpufleet
-from gpufleet.bench.machine import cpu_model
+from gpufleet.core.callbacks import Callback
+from gpufleet.core.machine import cpu_model
 from gpufleet.models.gpt import GPT, build_gpt
 from gpufleet.monitor.flops import count_flops, gpt_train_flops, matmul_precision, mfu, peak_flops
-from gpufleet.train.callbacks import Callback
 
 SEED = 1337
 LR, WARMUP_LR_STEPS, CLIP = 6e-4, 20, 1.0

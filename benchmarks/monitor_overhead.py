@@ -39,9 +39,9 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 import gpufleet
-from gpufleet.bench.machine import machine_summary
+from gpufleet.core.callbacks import Callback
+from gpufleet.core.machine import machine_summary
 from gpufleet.models.gpt import build_gpt
-from gpufleet.train.callbacks import Callback
 
 WARMUP = 20  # steps left out of the timing
 

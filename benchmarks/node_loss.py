@@ -50,9 +50,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from gpufleet.bench.machine import machine_summary
 from gpufleet.bench.netbed import NetBed, netbed_available
 from gpufleet.bench.runs import small_gpt_job
+from gpufleet.core.machine import machine_summary
 
 
 def records(run_dir: Path) -> list[dict]:

@@ -21,7 +21,7 @@ import peers
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gpufleet.bench.machine import machine_summary
+from gpufleet.core.machine import machine_summary
 
 FIRST, LAST = 20, 40  # the steps counted (after the first steps' one-off work)
 

@@ -41,8 +41,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 import gpufleet
-from gpufleet.bench.machine import cpu_model
-from gpufleet.train.callbacks import Callback
+from gpufleet.core.callbacks import Callback
+from gpufleet.core.machine import cpu_model
 
 WARMUP = 20  # steps left out of the timing (allocator and thread-pool warm-up)
 # What times a step: the wall clock, or with --clock thread this thread's CPU time

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler
 
-from gpufleet.bench.machine import cpu_model
+from gpufleet.core.machine import cpu_model
 from gpufleet.data.bucket import BucketBatchSampler, padded_waste
 from gpufleet.data.sampler import ResumableDistributedSampler
 

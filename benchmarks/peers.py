@@ -66,7 +66,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import gpufleet
-from gpufleet.bench.machine import machine_summary
+from gpufleet.core.machine import machine_summary
 from gpufleet.models.gpt import build_gpt
 from gpufleet.train.optim import OptimConfig, fill_optimizer_defaults, lr_factor
 

@@ -20,8 +20,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 import gpufleet
-from gpufleet.bench.machine import machine_summary
 from gpufleet.config import load_config
+from gpufleet.core.machine import machine_summary
 from gpufleet.layout.cli import layout_dims
 from gpufleet.layout.estimate import estimate_layout
 from gpufleet.layout.measure import MemoryParts

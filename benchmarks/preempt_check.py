@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gpufleet.bench.machine import machine_summary
+from gpufleet.core.machine import machine_summary
 from gpufleet.fault.preempt import PreemptionWatch
 from gpufleet.launch import launch
 

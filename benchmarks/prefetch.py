@@ -30,8 +30,8 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 import gpufleet
-from gpufleet.bench.machine import machine_summary
-from gpufleet.train.callbacks import Callback
+from gpufleet.core.callbacks import Callback
+from gpufleet.core.machine import machine_summary
 
 
 class _Intervals(Callback):

@@ -12,8 +12,8 @@ import argparse
 import statistics
 import time
 
-from gpufleet.bench.machine import machine_summary
 from gpufleet.config import load_config
+from gpufleet.core.machine import machine_summary
 from gpufleet.job import build_job
 from gpufleet.train.preflight import preflight
 

@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 
-from gpufleet.bench.machine import cpu_model
+from gpufleet.core.machine import cpu_model
 
 CLIENTS = (1, 16, 64)
 

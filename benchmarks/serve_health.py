@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 import gpufleet.serve.app as app
-from gpufleet.bench.machine import machine_summary
+from gpufleet.core.machine import machine_summary
 from gpufleet.serve.app import ServeOptions, create_app
 from gpufleet.serve.model import TensorSpec, from_module
 from gpufleet.serve.runner import BackgroundServer

@@ -40,7 +40,7 @@ import time
 import numpy as np
 import psutil
 
-from gpufleet.bench.machine import machine_summary
+from gpufleet.core.machine import machine_summary
 
 MiB = 2**20
 

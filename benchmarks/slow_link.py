@@ -28,9 +28,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from gpufleet.bench.machine import machine_summary
 from gpufleet.bench.netbed import NetBed, netbed_available
 from gpufleet.bench.runs import small_gpt_job
+from gpufleet.core.machine import machine_summary
 
 SETTINGS = {
     "baseline": [],

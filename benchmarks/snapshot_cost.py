@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-from gpufleet.bench.machine import machine_summary
 from gpufleet.config import load_config
+from gpufleet.core.machine import machine_summary
 from gpufleet.entry import train
 from gpufleet.fault.snapshot import SnapshotCallback
 from gpufleet.launch import launch

@@ -42,7 +42,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from gpufleet.bench.machine import machine_summary
+from gpufleet.core.machine import machine_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 20

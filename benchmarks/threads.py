@@ -19,8 +19,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from gpufleet.bench.machine import machine_summary, usable_cores
 from gpufleet.bench.runs import median_step_time, small_gpt_job
+from gpufleet.core.machine import machine_summary, usable_cores
 
 
 def main() -> None:

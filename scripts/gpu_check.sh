@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every CUDA path checked and every GPU target measured, in one call of under 10 minutes
 # (issue 20). Runs from the source tree; results go to $OUT (or --out DIR):
-# results.md (for benchmarks/RESULTS.md), results.json and one log per stage.
+# results.md (for benchmarks/HISTORY.md), results.json and one log per stage.
 #
 #   OUT=/tmp/gpu bash scripts/gpu_check.sh              # on a GPU machine
 #   OUT=/tmp/gpu_dry bash scripts/gpu_check.sh --dry-run  # tiny sizes; CPU is fine

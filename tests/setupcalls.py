@@ -27,7 +27,7 @@ WATCHED = {"named": "gpufleet.plan", "join_process_group": "gpufleet.train.rank"
 
 # Modules that import a watched function by name and may be imported only when a run
 # needs them: imported before patching, so that their names are patched (and restored).
-USERS = ("gpufleet.train.build", "gpufleet.train.rundir")
+USERS = ("gpufleet.train.engine.build", "gpufleet.train.checkpoint.rundir")
 
 
 def install(set_attr: Callable[[Any, str, Any], None] = setattr) -> None:

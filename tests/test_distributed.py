@@ -181,7 +181,7 @@ def test_ranks_started_by_fit_own_their_weights_and_equal_one_process(tmp_path):
     equal one step on the 32 samples by hand."""
     import gpufleet
     import toyjob
-    from gpufleet.train import checkpoint as ckpt
+    from gpufleet.train.checkpoint import format as ckpt
 
     torch.manual_seed(0)
     hand = toyjob.make_model()

@@ -22,12 +22,12 @@ from torch.nn import functional as F
 import gpufleet
 import toyjob
 from gpufleet.config import FaultConfig
+from gpufleet.core.callbacks import Callback
 from gpufleet.errors import CheckpointError, TrainingStopped
 from gpufleet.fault.stall_report import stall_report
 from gpufleet.fault.watchdog import Watchdog
 from gpufleet.precision import FP16Mixed
-from gpufleet.train import checkpoint as ckpt
-from gpufleet.train.callbacks import Callback
+from gpufleet.train.checkpoint import format as ckpt
 
 
 def _fit(tmp_path, overrides: dict, data=None, callbacks=(), model=None):

@@ -132,7 +132,7 @@ class MLP(torch.nn.Module):
 def test_fit_names_the_run_after_the_module_or_the_script(tmp_path, monkeypatch):
     import gpufleet
     from gpufleet.config import Config
-    from gpufleet.train.rundir import run_name
+    from gpufleet.train.checkpoint.rundir import run_name
 
     monkeypatch.chdir(tmp_path)
     data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))

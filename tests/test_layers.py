@@ -1,6 +1,7 @@
 """The package's layers: each row of ARCHITECTURE.md's table imports only the rows below
 it, the bottom row imports nothing of gpufleet, and neither packages nor modules import
-each other in a circle.
+each other in a circle. Inside ``gpufleet.train`` a second table orders its subpackages
+and top-level modules (the engine above checkpoints, recovery and the guard) the same way.
 
 The graph is built from the source with ``ast``, not by importing it. A node is a
 subpackage (``gpufleet.train``) or a top-level module (``gpufleet.cli``); an edge is any
@@ -19,6 +20,7 @@ import gpufleet
 
 PACKAGE = Path(gpufleet.__file__).parent
 BOTTOM = "gpufleet.core"
+TRAIN = "gpufleet.train"
 ARCHITECTURE = PACKAGE.parent.parent / "ARCHITECTURE.md"
 # The package itself: its __init__ imports its public names lazily, on first use.
 ROOT = "gpufleet"
@@ -53,9 +55,11 @@ def _imports(path: Path) -> set[str]:
             else:
                 target = node.module or ""
             found.add(target)
-            # `from gpufleet import train` imports the subpackage itself.
+            # `from gpufleet import train` imports the subpackage itself, and
+            # `from gpufleet.train import loop` the module.
+            folder = PACKAGE.parent / target.replace(".", "/")
             found.update(f"{target}.{a.name}" for a in node.names
-                         if (PACKAGE.parent / target.replace(".", "/") / a.name).is_dir())
+                         if (folder / a.name).is_dir() or (folder / f"{a.name}.py").is_file())
     return {m for m in found if m == "gpufleet" or m.startswith("gpufleet.")}
 
 
@@ -110,8 +114,9 @@ def _module_graph() -> dict[str, set[str]]:
 
 
 def test_no_import_cycles_between_modules() -> None:
-    """Also inside a package (train.checkpoint and train.sharded, serve.export and
-    serve.model once imported each other from inside functions)."""
+    """Also inside a package (train.checkpoint and train.sharded, since moved to
+    train.checkpoint.format and .sharded, serve.export and serve.model once imported each
+    other from inside functions)."""
     edges = _module_graph()
     in_cycles = sorted((a, b) for a, targets in edges.items() for b in targets
                        if _reaches(edges, b, a))
@@ -138,10 +143,12 @@ def test_the_config_names_the_registered_strategies() -> None:
     assert strategy_names() == list(STRATEGY_NAMES)
 
 
-def _rows() -> list[list[str]]:
-    """The rows of ARCHITECTURE.md's layer table, top first: a row is a line whose names
-    start at the left edge (a description's continuation lines are indented further)."""
-    text = ARCHITECTURE.read_text(encoding="utf-8").split("## Layers", 1)[1]
+def _rows(heading: str = "## Layers", package: str = ROOT) -> list[list[str]]:
+    """The rows of the layer table that follows ``heading`` in ARCHITECTURE.md, top first,
+    as names under ``package``: a row is a line whose names start at the left edge (a
+    description's continuation lines are indented further)."""
+    folder = PACKAGE.parent / package.replace(".", "/")
+    text = ARCHITECTURE.read_text(encoding="utf-8").split(heading, 1)[1]
     table = text.split("```", 2)[1]
     rows = []
     for line in table.splitlines()[1:]:
@@ -150,9 +157,9 @@ def _rows() -> list[list[str]]:
         # The names come first; the description starts at the first word that is not one.
         names = []
         for word in line.split():
-            if not (PACKAGE / word).is_dir() and not (PACKAGE / f"{word}.py").is_file():
+            if not (folder / word).is_dir() and not (folder / f"{word}.py").is_file():
                 break
-            names.append(f"{ROOT}.{word}")
+            names.append(f"{package}.{word}")
         rows.append(names)
     return rows
 
@@ -176,3 +183,57 @@ def test_each_row_imports_only_the_rows_below_it() -> None:
                    if a in height and b in height and height[b] >= height[a])
     assert wrong == [], f"imports of a row above or beside (see ARCHITECTURE.md): {wrong}"
     assert all(a in height for a in edges if a != ROOT), sorted(set(edges) - set(height))
+
+
+# Inside gpufleet.train: a node is a subpackage (``gpufleet.train.engine``) or a module
+# at train/ level (``gpufleet.train.loop``); the table is ARCHITECTURE.md's "Inside train/".
+TRAIN_HEADING = "### Inside `train/`"
+
+
+def _train_node(module: str) -> str:
+    return ".".join(module.split(".")[:3])
+
+
+def _train_graph() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = defaultdict(set)
+    for path in (PACKAGE / "train").rglob("*.py"):
+        source = _train_node(_module_name(path))
+        for target in _imports(path):
+            if target.startswith(f"{TRAIN}."):
+                node = _train_node(target)
+                if node != source:
+                    edges[source].add(node)
+    return edges
+
+
+def test_the_train_graph_sees_known_imports() -> None:
+    """The walker inside train/: the loop runs the engine, the engine builds the
+    checkpointer, the guard and the recovery, and a regrouping reads a checkpoint position."""
+    edges = _train_graph()
+    assert f"{TRAIN}.engine" in edges[f"{TRAIN}.loop"]
+    for part in ("checkpoint", "guard", "recovery"):
+        assert f"{TRAIN}.{part}" in edges[f"{TRAIN}.engine"], part
+    assert f"{TRAIN}.checkpoint" in edges[f"{TRAIN}.recovery"]  # growing: Position
+    assert f"{TRAIN}.seed" in edges[f"{TRAIN}.checkpoint"]  # the checkpointer: RNG states
+
+
+def test_the_architecture_places_every_part_of_train_in_one_row() -> None:
+    rows = _rows(TRAIN_HEADING, TRAIN)
+    placed = [name for row in rows for name in row]
+    assert len(rows) >= 5 and all(rows), rows
+    assert len(placed) == len(set(placed)), f"a name in two rows: {placed}"
+    nodes = {_train_node(_module_name(path)) for path in (PACKAGE / "train").rglob("*.py")}
+    nodes -= {TRAIN}
+    assert sorted(nodes - set(placed)) == [], "parts of train/ ARCHITECTURE.md leaves out"
+    assert sorted(set(placed) - nodes) == [], "rows that name no part of train/"
+
+
+def test_each_row_inside_train_imports_only_the_rows_below_it() -> None:
+    """The engine above recovery, checkpoints and the guard; nothing below imports it."""
+    rows = _rows(TRAIN_HEADING, TRAIN)
+    height = {name: len(rows) - i for i, row in enumerate(rows) for name in row}
+    edges = _train_graph()
+    wrong = sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets
+                   if height.get(b, 0) >= height.get(a, 0))
+    assert wrong == [], f"imports of a row above or beside in train/ (ARCHITECTURE.md): {wrong}"
+    assert TRAIN not in edges, "gpufleet.train's __init__ imports nothing"

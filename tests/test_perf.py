@@ -10,8 +10,8 @@ from torch.nn import functional as F
 import gpufleet
 import toyjob
 from gpufleet.config import load_config
+from gpufleet.core.callbacks import Callback
 from gpufleet.resolve import Machine, resolve
-from gpufleet.train.callbacks import Callback
 from gpufleet.train.perf import apply_backend_flags
 
 
@@ -113,7 +113,7 @@ def test_gpt_widths_off_tensor_core_multiples_are_flagged(caplog, tmp_path, monk
 
 
 def test_ranks_on_one_node_share_its_cores(monkeypatch):
-    from gpufleet.bench.machine import usable_cores
+    from gpufleet.core.machine import usable_cores
     from gpufleet.train.perf import share_cores
 
     before = torch.get_num_threads()

@@ -16,7 +16,7 @@ import torch
 
 from conftest import _env
 from gpufleet.errors import CheckpointError
-from gpufleet.train import checkpoint as ckpt
+from gpufleet.train.checkpoint import format as ckpt
 
 TINY = ["--max-steps", "2", "--model.n_layer", "1", "--model.n_head", "2",
         "--model.n_embd", "32", "--model.block_size", "16", "--data.corpus_bytes", "20000",
@@ -167,7 +167,7 @@ def test_a_truncated_newest_checkpoint_without_checksum_falls_back(tiny_run, tmp
 
 
 def test_a_sharded_checkpoint_of_format_1_is_refused_then_migrated(tmp_path):
-    from gpufleet.train import sharded
+    from gpufleet.train.checkpoint import sharded
 
     rng = {"python": (3, tuple(range(625)), None), "torch": torch.get_rng_state(),
            "numpy": ("MT19937", np.arange(624, dtype=np.uint32), 0, 0, 0.0)}
@@ -186,7 +186,7 @@ def test_a_sharded_checkpoint_of_format_1_is_refused_then_migrated(tmp_path):
 def test_a_sharded_checkpoint_whose_dcp_metadata_calls_code_is_refused(tmp_path):
     import pickle
 
-    from gpufleet.train import sharded
+    from gpufleet.train.checkpoint import sharded
 
     path = sharded.save_sharded_checkpoint(tmp_path, 1, {"model": {"w": torch.ones(2)}},
                                            {"step": 1}, keep_last=2)

@@ -12,7 +12,7 @@ from torch.nn import functional as F
 import gpufleet
 import toyjob
 from equivalence import assert_same_weights
-from gpufleet.train.callbacks import Callback
+from gpufleet.core.callbacks import Callback
 
 
 def _fit(tmp_path, overrides: dict, model_kwargs=None, data=None, callbacks=(),

@@ -30,12 +30,12 @@ from gpufleet.errors import ConfigError
 from gpufleet.job import Job
 from gpufleet.launch import DistEnv
 from gpufleet.plan import make_plan
-from gpufleet.train.build import build_run
-from gpufleet.train.checkpoint import load_into
+from gpufleet.train.checkpoint.format import load_into
+from gpufleet.train.checkpoint.rundir import as_new_run
+from gpufleet.train.engine.build import build_run
+from gpufleet.train.engine.result import FitResult
+from gpufleet.train.engine.steps import check_strategy
 from gpufleet.train.loop import Trainer
-from gpufleet.train.result import FitResult
-from gpufleet.train.rundir import as_new_run
-from gpufleet.train.steps import check_strategy
 
 # train and run_rank live in gpufleet.entry (the launcher calls them); this is where
 # user code has always found them. A run of one rank trains in the caller's process:
@@ -66,7 +66,7 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
         loss_fn: ``loss(output, target)``, e.g. ``torch.nn.functional.cross_entropy``.
         config: a :class:`Config`, a TOML path, or None for the defaults.
         overrides: ``{"optim.lr": 1e-3}`` or ``["optim.lr=1e-3"]`` applied on top.
-        callbacks: extra :class:`~gpufleet.train.callbacks.Callback` objects.
+        callbacks: extra :class:`~gpufleet.core.callbacks.Callback` objects.
         eval_metrics: your own metrics, ``{"f1": fn}`` with ``fn(output, target)``
             returning the batch's mean or ``(sum, count)``; besides ``eval.metrics``.
         optimizer: your optimizer: any ``torch.optim`` optimizer built on ``model``'s
@@ -79,7 +79,7 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
             ``sched.interval = "epoch"``. With several models: a dict of optimizers
             (and of schedulers) by model name, or a factory called per model.
         training_step: your ``fn(models, batch, step)`` returning the loss, or a dict of
-            losses logged under their keys (see :mod:`gpufleet.train.steps`: which
+            losses logged under their keys (see :mod:`gpufleet.train.engine.steps`: which
             ones drive backward, and how several models each get their own).
 
     With ``overrides={"dist.nproc": 2}`` (and no ranks started yet) fit starts the ranks

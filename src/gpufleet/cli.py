@@ -27,7 +27,7 @@ COMMANDS: dict[str, str] = {
     "export": "gpufleet.serve.export_cli",
     "doctor": "gpufleet.doctor.cli",
     "cleanup": "gpufleet.procs",
-    "checkpoint": "gpufleet.train.migrate",
+    "checkpoint": "gpufleet.train.checkpoint.migrate",
     "tokens": "gpufleet.hf.cli",
     "report": "gpufleet.monitor.report_cli",
     "top": "gpufleet.monitor.top",
@@ -141,7 +141,7 @@ def parse_train_config(args: argparse.Namespace, rest: Sequence[str]) -> Config:
             overrides.append(f"{key}={value}")
     for text in overrides:
         parse_override(text)  # early, precise errors for malformed overrides
-    from gpufleet.train.rundir import as_new_run
+    from gpufleet.train.checkpoint.rundir import as_new_run
 
     base = None
     if args.config:

@@ -28,14 +28,14 @@ from gpufleet.monitor.progress import Progress
 from gpufleet.plan import RunPlan, make_plan
 
 if TYPE_CHECKING:  # the training stack itself is imported by run_rank, on the ranks
-    from gpufleet.train.result import FitResult
+    from gpufleet.train.engine.result import FitResult
 
 log = logging.getLogger(__name__)
 
 
 def stopped_message(signal_name: str, run_dir: str) -> str:
     """What a run stopped by a signal says: where it can continue from, and how."""
-    from gpufleet.train.checkpoint import list_checkpoints
+    from gpufleet.train.checkpoint.format import list_checkpoints
 
     found = list_checkpoints(run_dir)
     newest = f"the newest checkpoint is {found[-1]}" if found else "no checkpoint was written"
@@ -101,7 +101,7 @@ def _launch_ranks(plan: RunPlan, job: Job | None, callbacks: list[Callback],
     elastic agent or spawn) and return rank 0's result."""
     from gpufleet.launch import launch
     from gpufleet.procs import forget_process, record_process
-    from gpufleet.train import runlock
+    from gpufleet.train.checkpoint import runlock
     from gpufleet.train.preflight import check_picklable, preflight_job
 
     cfg, dist = plan.cfg, plan.cfg.dist
@@ -157,13 +157,13 @@ def _sent(job: Job, callbacks: Sequence[Callback]) -> tuple:
 
 
 def _plan_and_lock(cfg: Config, multi_node: bool) -> tuple[Config, Any, list[Path]]:
-    """The launcher's run directory, locked for this run (see gpufleet.train.runlock),
+    """The launcher's run directory, locked for this run (see gpufleet.train.checkpoint.runlock),
     and the folders that did not exist before (a multi-node run's directory, which a
     launch whose ranks never met removes again)."""
     from gpufleet.procs import RECORDS_DIR
-    from gpufleet.train import runlock
-    from gpufleet.train.checkpoint import check_loadable, mark_verified
-    from gpufleet.train.rundir import plan_and_lock
+    from gpufleet.train.checkpoint import runlock
+    from gpufleet.train.checkpoint.format import check_loadable, mark_verified
+    from gpufleet.train.checkpoint.rundir import plan_and_lock
 
     dist = cfg.dist
     if multi_node:
@@ -247,7 +247,7 @@ def run_rank(plan: RunPlan, job: Job | None = None, callbacks: Sequence[Callback
     entry and runs it. In order, each once: logging is set up (``owns_process``), the
     process group joined, the job the config names built (when ``job`` is None: under
     the run's seed, so every rank builds the same weights), the run built from the plan
-    (:func:`~gpufleet.train.build.build_run`, which also seeds this rank), trained
+    (:func:`~gpufleet.train.engine.build.build_run`, which also seeds this rank), trained
     (:class:`~gpufleet.train.loop.Trainer`), and the process group left
     (``owns_process``).
 
@@ -265,7 +265,7 @@ def run_rank(plan: RunPlan, job: Job | None = None, callbacks: Sequence[Callback
     """
     from gpufleet.launch import destroy_process_group
     from gpufleet.launch.grow import joining
-    from gpufleet.train.build import build_run
+    from gpufleet.train.engine.build import build_run
     from gpufleet.train.loop import Trainer
     from gpufleet.train.rank import join_process_group
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpufleet.bench.netbed import NetBed
-from gpufleet.train import checkpoint as ckpt
+from gpufleet.train.checkpoint import format as ckpt
 
 from .conftest import PYTHON, node_env
 

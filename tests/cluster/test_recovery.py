@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gpufleet.data.sampler import ResumableDistributedSampler
-from gpufleet.train import checkpoint as ckpt
+from gpufleet.train.checkpoint import format as ckpt
 
 from .nodes import TOY, final_weights, start, train_records, wait, wait_for
 

@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import dcgan as example
 
-from gpufleet.train import checkpoint as ckpt
+from gpufleet.train.checkpoint import format as ckpt
 
 QUIET = {"log.progress": "off", "monitor.report": False}
 

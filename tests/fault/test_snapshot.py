@@ -172,7 +172,7 @@ def _two_rank_run(out_dir: str, strategy: str = "auto") -> bytes:
     from gpufleet.config import load_config
     from gpufleet.core.tree import map_tensors
     from gpufleet.fault.host_state import join_state, local_tensor, split_state
-    from gpufleet.train.build import build_run
+    from gpufleet.train.engine.build import build_run
     from gpufleet.train.loop import Trainer
 
     torch.manual_seed(0)

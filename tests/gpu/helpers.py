@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch.utils.data import TensorDataset
 
+from gpufleet.core.callbacks import Callback
 from gpufleet.models.gpt import build_gpt
-from gpufleet.train.callbacks import Callback
 
 VOCAB, SEQ = 64, 32
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import gpufleet
 from conftest import TESTS, final_params
 from gpufleet.hf import TextDataset, add_tokens, pad_batch
-from gpufleet.train.batches import make_loss_fn
+from gpufleet.train.engine.batches import make_loss_fn
 
 from .conftest import EXAMPLES, MARKERS, SENTENCE
 

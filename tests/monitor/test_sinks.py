@@ -9,11 +9,11 @@ import torch.nn.functional as F
 import gpufleet
 import toyjob
 from gpufleet.config import Config, config_to_dict
+from gpufleet.core.callbacks import Callback
 from gpufleet.errors import ConfigError
 from gpufleet.monitor import sinks
 from gpufleet.monitor.sinks import build_sinks
-from gpufleet.train.callbacks import Callback
-from gpufleet.train.rundir import named
+from gpufleet.train.checkpoint.rundir import named
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 HAS_MLFLOW = importlib.util.find_spec("mlflow") is not None

@@ -14,8 +14,8 @@ from torch import nn
 from equivalence import assert_same_weights
 from gpufleet.errors import CheckpointError, ConfigError
 from gpufleet.parallel.fsdp import blocks_to_shard
-from gpufleet.train import checkpoint as ckpt
-from gpufleet.train import sharded
+from gpufleet.train.checkpoint import format as ckpt
+from gpufleet.train.checkpoint import sharded
 
 # 256 training samples; 17 evaluation samples split 9/8 over two ranks: in batches of 8,
 # rank 0 has two and rank 1 one, which rank 1 repeats (uncounted) for the sharded forward.

@@ -21,7 +21,7 @@ from gpufleet.parallel.grad_norm import (
     spreads_gradients,
 )
 from gpufleet.resolve import Machine, resolve
-from gpufleet.train import checkpoint as ckpt
+from gpufleet.train.checkpoint import format as ckpt
 
 CPU = Machine(cuda=False, gpus=0, bf16=False)
 

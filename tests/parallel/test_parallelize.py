@@ -19,7 +19,7 @@ from gpufleet.parallel.dims import ParallelDims
 from gpufleet.parallel.fsdp import ReplicatedTensorParallel
 from gpufleet.plan import make_plan
 from gpufleet.resolve import Machine, resolve
-from gpufleet.train import checkpoint as ckpt
+from gpufleet.train.checkpoint import format as ckpt
 
 CPU = Machine(cuda=False, gpus=0, bf16=False)
 STEPS = 20

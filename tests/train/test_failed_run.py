@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import gpufleet
+from gpufleet.core.callbacks import Callback
 from gpufleet.monitor.arrival import ArrivalTimer
-from gpufleet.train.callbacks import Callback
 
 HAS_MLFLOW = importlib.util.find_spec("mlflow") is not None
 

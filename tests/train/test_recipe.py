@@ -12,9 +12,9 @@ from torch.nn import functional as F
 import gpufleet
 import toyjob
 from gpufleet.config import OptimConfig, load_config
+from gpufleet.core.callbacks import Callback
 from gpufleet.errors import ConfigError
 from gpufleet.models import build_gpt
-from gpufleet.train.callbacks import Callback
 from gpufleet.train.optim import fill_optimizer_defaults
 
 BASE = {"run.max_steps": 12, "log.progress": "off", "log.every": 4, "data.batch_size": 16,
@@ -232,7 +232,7 @@ def test_your_optimizer_factory_from_the_config_under_two_ranks_equals_single(
     batch = "16" if strategy == "pipeline" else "8"
     run_cli("train", *job, "--batch-size", batch, "--nproc", "2", "--strategy", strategy,
             *EXTRA.get(strategy, []), "--run-dir", "runs/two", timeout=300)
-    from gpufleet.train import checkpoint as ckpt
+    from gpufleet.train.checkpoint import format as ckpt
 
     def final_params(run_dir):  # a file, or fsdp's directory of shards
         return ckpt.load_checkpoint(ckpt.list_checkpoints(run_dir)[-1])["model"]

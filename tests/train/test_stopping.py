@@ -12,9 +12,9 @@ from torch.nn import functional as F
 
 import gpufleet
 import toyjob
+from gpufleet.core.callbacks import Callback
 from gpufleet.errors import CheckpointError, ConfigError
-from gpufleet.train.callbacks import Callback
-from gpufleet.train.checkpoint_files import list_checkpoints, step_of
+from gpufleet.train.checkpoint.files import list_checkpoints, step_of
 
 BASE = {"log.progress": "off", "log.every": 2, "data.batch_size": 16,
         "data.num_workers": 0, "monitor.report": False, "optim.lr": 0.01}

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
 
-    from gpufleet.bench.machine import machine_summary
+    from gpufleet.core.machine import machine_summary
     from gpufleet.launch import launch
 
     cuda = torch.cuda.is_available()

@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from gpufleet.bench.machine import machine_summary, usable_cores
+from gpufleet.core.machine import machine_summary, usable_cores
 from gpufleet.errors import ConfigError, unknown_choice
 
 PIN_CHOICES = ("auto", "true", "false", "both")

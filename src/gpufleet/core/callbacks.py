@@ -22,7 +22,7 @@ class Callback:
     ``view.env.is_main`` for things that should happen once.
 
     Every hook's first argument is the run's read-only view
-    (:class:`gpufleet.train.view.RunView`: step, epoch, config, env, run_dir, result,
+    (:class:`gpufleet.train.engine.view.RunView`: step, epoch, config, env, run_dir, result,
     phase, ...), named ``trainer`` here as it was before there was a view.
 
     A callback with ``essential = False`` (a metrics sink, a remote logger) may fail

@@ -1,7 +1,7 @@
 """Facts about the host: its CPU, the cores this process may use, the torch build.
 
 Every benchmark prints :func:`machine_summary` beside its numbers (through
-:mod:`gpufleet.bench.machine`)."""
+:mod:`gpufleet.core.machine`)."""
 
 from __future__ import annotations
 

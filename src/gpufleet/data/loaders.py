@@ -131,7 +131,7 @@ class TrainLoader:
 def loader_options(cfg: DataConfig, workers: int, pin_memory: bool) -> dict[str, Any]:
     options: dict[str, Any] = {
         "num_workers": workers, "pin_memory": pin_memory, "worker_init_fn": seed_worker,
-        # The loop reseeds this per epoch; see gpufleet.train.stream.TrainStream.
+        # The loop reseeds this per epoch; see gpufleet.train.engine.stream.TrainStream.
         "generator": torch.Generator(),
         # Workers live for the whole run instead of being forked again every epoch.
         "persistent_workers": workers > 0,

@@ -10,5 +10,5 @@
 * ``ncclenv``: NCCL settings that make a failing or hanging job say so.
 
 The ``[fault]`` config section also turns on skipping a non-finite step; that guard
-runs in the training loop (:mod:`gpufleet.train.nonfinite`).
+runs in the training loop (:mod:`gpufleet.train.guard.nonfinite`).
 """

@@ -228,7 +228,7 @@ class HostState:
         """The held state: its plain values, and its tensors as views of the buffer
         (clone them to keep them past the next snapshot). A DTensor comes back as this
         owner's local shard (``leaves[i].sharded`` says which); with ``pieces``, wrapped
-        as ``{PIECE: shard}`` (:mod:`gpufleet.train.reshard` joins them)."""
+        as ``{PIECE: shard}`` (:mod:`gpufleet.train.recovery.reshard` joins them)."""
         if self.step is None:
             raise RuntimeError("no complete state is held (none taken yet, or the copy "
                                "in progress is not finished)")

@@ -89,7 +89,7 @@ class PreemptionWatch:
     def regroup(self) -> None:
         """The ranks regrouped in process (after a lost node, :mod:`gpufleet.train.
         recovery`, or with new ranks that joined, built without a group,
-        :mod:`gpufleet.train.growing`): the flags are
+        :mod:`gpufleet.train.recovery.growing`): the flags are
         agreed over the new process group, through a gloo group of their own made again
         when it is not gloo (COLLECTIVE then)."""
         import torch.distributed as dist

@@ -267,7 +267,7 @@ class SnapshotCallback(Callback):
 
     def rejoin(self, rank: int, world_size: int) -> None:
         """This rank's new place after the ranks left regrouped in process (see
-        :mod:`gpufleet.train.recovery`): the ring of partners is made again over the new
+        :mod:`gpufleet.train.recovery.recovery`): the ring of partners is made again over the new
         process group (COLLECTIVE) when ranks are left to send to."""
         import torch.distributed as dist
 

@@ -113,7 +113,7 @@ class Watchdog(Callback):
                                   cfg.watchdog_poll_s, cfg.heartbeat_timeout_s, self._lost)
                          if store is not None and world_size > 1 else None)
         self.exit = os._exit  # how a rank ends itself (tests replace it)
-        # In-process recovery (gpufleet.train.recovery): told of ranks that stopped
+        # In-process recovery (gpufleet.train.recovery.recovery): told of ranks that stopped
         # answering instead of ending this rank; True when it took over.
         self.on_peers_lost: Callable[[Verdict], bool] | None = None
 
@@ -133,7 +133,7 @@ class Watchdog(Callback):
             self.liveness.start()
 
     def rejoin(self, rank: int, world_size: int, store: Any, generation: int) -> None:
-        """After the ranks left regrouped in process (:mod:`gpufleet.train.recovery`):
+        """After the ranks left regrouped in process (:mod:`gpufleet.train.recovery.recovery`):
         the old heartbeats stop and new ones start under this rank's new place, in keys
         of this ``generation``, so the lost ranks are not reported as silent."""
         if self.liveness is not None:

@@ -15,7 +15,7 @@ A Lightning Fabric or Accelerate loop moves over by changing a few lines: build 
   timer, watchdog, system sampler, metrics file and advisor work as in the built-in
   loop, and ``diagnosis.json`` and ``report.html`` are written at the end;
 * a step whose loss or gradients are not finite is skipped on every rank, naming the
-  rank and parameter (:class:`~gpufleet.train.nonfinite.NonFiniteGuard`);
+  rank and parameter (:class:`~gpufleet.train.guard.nonfinite.NonFiniteGuard`);
 * :meth:`Fleet.save` records the loaders' exact position, so a resumed loop reads the
   samples the uninterrupted one would have read.
 
@@ -56,12 +56,12 @@ from gpufleet.fleet.state import FleetCheckpoints
 from gpufleet.fleet.steps import StepTracker
 from gpufleet.launch import DistEnv, destroy_process_group, is_initialized
 from gpufleet.plan import RunPlan, make_plan
-from gpufleet.train.build import plan_run_dir, precision_and_strategy, rank_device
-from gpufleet.train.monitors import build_monitors
+from gpufleet.train.engine.build import plan_run_dir, precision_and_strategy, rank_device
+from gpufleet.train.engine.monitors import build_monitors
+from gpufleet.train.engine.view import RunView
 from gpufleet.train.perf import share_cores
 from gpufleet.train.rank import join_process_group
 from gpufleet.train.seed import seed_everything
-from gpufleet.train.view import RunView
 
 log = logging.getLogger(__name__)
 

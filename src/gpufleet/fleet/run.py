@@ -1,10 +1,10 @@
 """What the run's monitors see of an own loop: :class:`FleetRun`.
 
 The phase timer, the watchdog, the system sampler, the metrics file and the advisor
-are the same callbacks :func:`gpufleet.train.build.build_run` gives the built-in loop,
-and they read the run through the same read-only :class:`~gpufleet.train.view.RunView`.
+are the same callbacks :func:`gpufleet.train.engine.build.build_run` gives the built-in loop,
+and they read the run through the same read-only :class:`~gpufleet.train.engine.view.RunView`.
 A :class:`FleetRun` holds the parts that view, the log interval
-(:class:`~gpufleet.train.interval.LogInterval`) and the crash report read, filled in as
+(:class:`~gpufleet.train.engine.interval.LogInterval`) and the crash report read, filled in as
 your loop sets them up.
 """
 
@@ -21,8 +21,8 @@ from gpufleet.config import Config
 from gpufleet.core.callbacks import CallbackList
 from gpufleet.core.phases import PhaseAnnouncer
 from gpufleet.launch import DistEnv
-from gpufleet.train.result import FitResult
-from gpufleet.train.run import Monitors, TrainState
+from gpufleet.train.engine.result import FitResult
+from gpufleet.train.engine.run import Monitors, TrainState
 
 
 class LoaderCounts:
@@ -64,7 +64,7 @@ class LearningRate:
 @dataclass(eq=False)
 class FleetRun:
     """The parts of an own-loop run on this rank (the fields a
-    :class:`~gpufleet.train.run.Run` has that monitors read).
+    :class:`~gpufleet.train.engine.run.Run` has that monitors read).
 
     Attributes:
         cfg / env / device / run_dir: the planned config, this rank, its device and

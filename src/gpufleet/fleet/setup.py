@@ -24,7 +24,7 @@ from gpufleet.fleet.run import FleetPart
 from gpufleet.fleet.seeding import add_worker_seeding
 from gpufleet.fleet.steps import StepTracker
 from gpufleet.fleet.wrappers import FleetModule, hook_step, hook_zero_grad
-from gpufleet.train.nonfinite import NonFiniteGuard
+from gpufleet.train.guard.nonfinite import NonFiniteGuard
 from gpufleet.train.recipe import place_scheduler, spec_from_optimizer
 
 log = logging.getLogger(__name__)

@@ -4,9 +4,9 @@ plain values, written atomically with a checksum and read with ``weights_only=Tr
 What goes in a file: each model's own state dict (no ``module.`` prefix), each
 optimizer's and scheduler's state dict, each set-up loader's position, your plain values
 as they are, and every rank's RNG states (so dropout and your own random draws continue
-exactly). Rank 0 writes through :func:`~gpufleet.train.checkpoint.write_checkpoint_file`
+exactly). Rank 0 writes through :func:`~gpufleet.train.checkpoint.format.write_checkpoint_file`
 (a temporary name, fsync, rename, a ``.sha256`` beside it); every rank reads through
-:func:`~gpufleet.train.checkpoint.load_checkpoint` (the checksum checked, nothing in the
+:func:`~gpufleet.train.checkpoint.format.load_checkpoint` (the checksum checked, nothing in the
 file can run code).
 """
 
@@ -26,8 +26,8 @@ from gpufleet.errors import CheckpointError, ConfigError
 from gpufleet.fleet.run import FleetPart
 from gpufleet.fleet.wrappers import FleetModule
 from gpufleet.launch import barrier, gather_objects
-from gpufleet.train.checkpoint import load_checkpoint, write_checkpoint_file
-from gpufleet.train.checkpoint_files import FORMAT_VERSION
+from gpufleet.train.checkpoint.files import FORMAT_VERSION
+from gpufleet.train.checkpoint.format import load_checkpoint, write_checkpoint_file
 from gpufleet.train.seed import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)

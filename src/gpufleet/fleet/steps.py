@@ -25,8 +25,8 @@ from gpufleet.monitor.jsonl import MetricsFile
 from gpufleet.monitor.report_cli import write_at_end
 from gpufleet.monitor.sinks import build_sinks
 from gpufleet.procs import forget_process
-from gpufleet.train.interval import LogInterval
-from gpufleet.train.monitors import own_callbacks
+from gpufleet.train.engine.interval import LogInterval
+from gpufleet.train.engine.monitors import own_callbacks
 
 
 class StepTracker:

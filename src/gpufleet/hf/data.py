@@ -2,7 +2,7 @@
 
 A Transformers model called as ``model(**batch)`` with ``labels`` in the batch returns
 its loss, which is what the trainer uses when no loss function is given (see
-:func:`gpufleet.train.batches.make_loss_fn`). :class:`TextDataset` keeps each sample
+:func:`gpufleet.train.engine.batches.make_loss_fn`). :class:`TextDataset` keeps each sample
 unpadded and pads a batch only to its longest sample (:func:`pad_batch`); its
 ``lengths`` also allow ``data.batching = "tokens"``.
 """

@@ -12,7 +12,7 @@ give back the trained model.
 Nothing named in the run's config is imported: the base folder comes from
 ``model.kwargs.path`` of ``gpufleet.hf:pretrained`` runs, from the model's own config
 that a run of ``gpufleet.fit`` recorded (``<run_dir>/transformers/config.json``, see
-:mod:`gpufleet.train.modelrecord`), or from ``--base``. The class is ``--class``, else
+:mod:`gpufleet.train.checkpoint.modelrecord`), or from ``--base``. The class is ``--class``, else
 the one the run trained, else the base folder's. Weights of a model with a head
 (``bert.embeddings...``) export into the bare model (``embeddings...``; the head is
 left out) and the other way round, by the class's ``base_model_prefix``.
@@ -56,8 +56,8 @@ def export_pretrained(run_dir: str | Path, out_dir: str | Path, base: str | Path
     """
     from gpufleet.config import load_config
     from gpufleet.hf.models import check_model_folder, model_class, save_together
-    from gpufleet.train.checkpoint import find_resume_checkpoint
-    from gpufleet.train.modelrecord import FOLDER
+    from gpufleet.train.checkpoint.format import find_resume_checkpoint
+    from gpufleet.train.checkpoint.modelrecord import FOLDER
 
     run = Path(run_dir)
     if not (run / "config.toml").is_file():
@@ -155,7 +155,7 @@ def _model_state(checkpoint: Path) -> dict[str, Any]:
     """The model's state dict from a checkpoint, read without running anything in it
     (gpufleet's one safe loader: ``weights_only=True``; an old-format file gets the
     migration command)."""
-    from gpufleet.train.checkpoint import CheckpointError, load_checkpoint
+    from gpufleet.train.checkpoint.format import CheckpointError, load_checkpoint
 
     try:
         state = load_checkpoint(checkpoint, verify=False)  # newest_intact verified it

@@ -19,7 +19,7 @@ ranks instead. On every agent of the round that takes the new node in:
 
 The agent is :class:`gpufleet.launch.grow_agent.GrowingAgent` (torch's agent is
 imported only by the launcher, not by ranks). The ranks then meet in the live ranks'
-store (:mod:`gpufleet.train.growing`): the new ones build their run and say they are
+store (:mod:`gpufleet.train.recovery.growing`): the new ones build their run and say they are
 ready, the live ones agree at their next preemption check to stop after the same step,
 everyone forms a new process group, and the new ranks take the training state from
 rank 0 over it. No rank restarts and none reads a checkpoint. An agent that cannot

@@ -162,7 +162,7 @@ class Strategy:
     def regroup(self, world_size: int, local_world_size: int | None = None) -> None:
         """The process group was made again with ``world_size`` ranks, ``local_world_size``
         of them on each node (the ranks left after a lost node, see
-        :mod:`gpufleet.train.recovery`): the mesh degrees follow it (hsdp shards within
+        :mod:`gpufleet.train.recovery.recovery`): the mesh degrees follow it (hsdp shards within
         a node), the mesh is built again on first use, and the clip's choices are made
         again."""
         self.dims = plan_for(self.cfg, self.traits, world_size, local_world_size)

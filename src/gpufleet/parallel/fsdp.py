@@ -32,7 +32,7 @@ reduce-scattered, so a rank holds the full parameters of only the block it is ru
   nodes); with ``tp > 1`` tensor parallelism (:mod:`gpufleet.parallel.tensor`) splits
   the blocks first and FSDP shards the result over the data parallel ranks.
 * Checkpoints are sharded: every rank writes its own shards with
-  ``torch.distributed.checkpoint`` (see :mod:`gpufleet.train.checkpoint`), and they load
+  ``torch.distributed.checkpoint`` (see :mod:`gpufleet.train.checkpoint.format`), and they load
   at any world size.
 
 Example:
@@ -140,7 +140,7 @@ class FullyShardedDataParallel(Strategy):
     # -- state -----------------------------------------------------------------------
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """This rank's shards of model and optimizer state (DTensors, keyed by parameter
-        name); :func:`gpufleet.train.sharded.save_sharded_checkpoint` writes them."""
+        name); :func:`gpufleet.train.checkpoint.sharded.save_sharded_checkpoint` writes them."""
         msd, osd = self.api.get_state_dict(model, optimizer)
         return without_strided({"model": msd, "optimizer": osd})
 
@@ -148,7 +148,7 @@ class FullyShardedDataParallel(Strategy):
                         state: dict[str, Any]) -> None:
         """Load full (unsharded) state, e.g. a single-file checkpoint of a ``single`` or
         ``ddp`` run; each rank keeps its shards. Sharded checkpoints are loaded by
-        :func:`gpufleet.train.sharded.load_sharded_into`."""
+        :func:`gpufleet.train.checkpoint.sharded.load_sharded_into`."""
         api = self.api
         osd = state["optimizer"]
         if osd.get("state") and all(isinstance(k, int) for k in osd["state"]):

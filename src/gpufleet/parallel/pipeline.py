@@ -254,7 +254,7 @@ class PipelineParallel(Strategy):
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The full model and optimizer state (as ``single`` saves it), on every rank;
         with FSDP, this rank's shards keyed by the full model's names (every rank
-        writes them, see :mod:`gpufleet.train.sharded`)."""
+        writes them, see :mod:`gpufleet.train.checkpoint.sharded`)."""
         if self.saves_on_every_rank:
             msd, osd = fsdp_api().get_state_dict(model, optimizer)
             if len(osd["param_groups"]) == len(self._layout):

@@ -163,7 +163,7 @@ def _load_run(run_dir: Path, specs: list[TensorSpec], device: str,
               trust_code: bool) -> ServedModel:
     from gpufleet.config import load_config
     from gpufleet.job import build_job, require_trusted
-    from gpufleet.train.checkpoint import find_resume_checkpoint, load_checkpoint
+    from gpufleet.train.checkpoint.format import find_resume_checkpoint, load_checkpoint
 
     cfg = load_config(run_dir / "config.toml")
     require_trusted(cfg, trust_code, str(run_dir))  # before anything is imported

@@ -1,11 +1,11 @@
-"""The training loop: :class:`Trainer` trains a :class:`~gpufleet.train.run.Run`.
+"""The training loop: :class:`Trainer` trains a :class:`~gpufleet.train.engine.run.Run`.
 
 Read :meth:`Trainer.fit` top to bottom: resume, then per optimizer step ``grad_accum``
 micro-steps of data → forward/backward, then unscale → non-finite guard → clip → step →
 zero_grad, then what runs between steps (log line, evaluation, checkpoint, preemption).
 Every host-device sync and every collective in the loop is marked with ``SYNC`` or
 ``COLLECTIVE``; there is no sync per step, only one per log interval (unless fp16 loss
-scaling is on or the optimizer is not fused; see :mod:`gpufleet.train.nonfinite`).
+scaling is on or the optimizer is not fused; see :mod:`gpufleet.train.guard.nonfinite`).
 
 Example:
     >>> run = build_run(Config(), model, dataset, loss_fn=F.mse_loss)  # doctest: +SKIP
@@ -23,19 +23,19 @@ import torch
 from gpufleet.core.phases import Phase
 from gpufleet.fault.crash import crash_reported
 from gpufleet.monitor.report_cli import write_at_end
-from gpufleet.train.checkpointer import Position
-from gpufleet.train.growing import Regroup
-from gpufleet.train.interval import LogInterval
-from gpufleet.train.keeping import monitored
-from gpufleet.train.result import FitResult
-from gpufleet.train.run import Run
+from gpufleet.train.checkpoint.checkpointer import Position
+from gpufleet.train.checkpoint.keeping import monitored
+from gpufleet.train.engine.interval import LogInterval
+from gpufleet.train.engine.result import FitResult
+from gpufleet.train.engine.run import Run
+from gpufleet.train.recovery.growing import Regroup
 from gpufleet.train.scheduling import SchedulerSteps
 
 log = logging.getLogger(__name__)
 
 
 class Trainer:
-    """Trains ``run`` (built by :func:`~gpufleet.train.build.build_run`) on every rank.
+    """Trains ``run`` (built by :func:`~gpufleet.train.engine.build.build_run`) on every rank.
 
     The trainer owns no parts of its own: it changes ``run.state``, the data position
     and the result, and tells the callbacks.
@@ -163,7 +163,7 @@ class Trainer:
         """``grad_accum`` micro-steps of your step over several models; returns each
         model's losses summed (device tensors; the models that sat the step out are
         missing)."""
-        from gpufleet.train.steps import forward_backward_parts, no_sync_all
+        from gpufleet.train.engine.steps import forward_backward_parts, no_sync_all
 
         run = self.run
         announce, strategy, parts = run.phases.announce, run.strategy, run.parts
@@ -364,7 +364,7 @@ class Trainer:
         return step_loss
 
     def evaluate(self) -> float | None:
-        """Evaluate now (:class:`~gpufleet.train.evaluator.Evaluator`, COLLECTIVE + SYNC),
+        """Evaluate now (:class:`~gpufleet.train.engine.evaluator.Evaluator`, COLLECTIVE + SYNC),
         record the result and tell the callbacks; the loss, or None without eval data."""
         run, step = self.run, self.run.state.step
         if run.evaluator is None:

@@ -82,7 +82,7 @@ def optimizer_spec(cfg: OptimConfig, device_type: str) -> OptimizerSpec:
         kwargs = {"lr": cfg.lr, "momentum": cfg.momentum}
         cls = torch.optim.SGD
     # The fused kernel does the whole update in one launch per parameter group, and
-    # takes the non-finite flag on the device (gpufleet.train.nonfinite): no host sync.
+    # takes the non-finite flag on the device (gpufleet.train.guard.nonfinite): no host sync.
     if _has_fused(cls, device_type):
         kwargs["fused"] = True
     if cfg.preset == "none":  # as torch does it: one group, decay on every parameter

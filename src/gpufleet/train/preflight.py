@@ -38,14 +38,14 @@ def preflight(model: Any, train_data: Any, loss_fn: Any, cfg: Config,
     if not cfg.run.preflight:
         return
     from gpufleet.data.loaders import train_collate
-    from gpufleet.train.batches import make_loss_fn
+    from gpufleet.train.engine.batches import make_loss_fn
 
     try:
         count = min(PREFLIGHT_SAMPLES, len(train_data))
         batch = train_collate(train_data, cfg.data)([train_data[i] for i in range(count)])
     except Exception as e:
         raise ConfigError(_failed("reading the first training samples", e, cfg)) from None
-    from gpufleet.train.steps import named_models, split_losses
+    from gpufleet.train.engine.steps import named_models, split_losses
 
     models = named_models(model)
     was_training = {name: m.training for name, m in models.items()}
@@ -159,7 +159,7 @@ def preflight_job(cfg: Config, job: Any = None) -> Any:
 
 
 def _check_strategy(cfg: Config, job: Any) -> None:
-    from gpufleet.train.steps import check_strategy
+    from gpufleet.train.engine.steps import check_strategy
 
     several = job is not None and isinstance(job.model, dict) and len(job.model) > 1
     has_step = bool(cfg.model.training_step) or (
