@@ -24,6 +24,7 @@ import numpy as np
 
 from gpufleet.errors import GpufleetError, unknown_choice
 from gpufleet.serve import jsonnum
+from gpufleet.serve.schema import INFER_REQUEST, Schema, problem
 
 try:  # bfloat16 for numpy; shipped with tritonclient, optional here
     from ml_dtypes import bfloat16 as _bfloat16
@@ -129,17 +130,10 @@ def parse_infer_request(body: bytes | bytearray,
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ProtocolError(f"the request body is not valid JSON: {e}. Send a JSON object "
                             "with an 'inputs' list (KServe v2 protocol).") from None
-    if not isinstance(doc, dict):
-        raise ProtocolError(f"the request body is JSON {type(doc).__name__}, not an object. "
-                            "Send {\"inputs\": [...]}.")
+    require(doc, INFER_REQUEST, "the inference request")  # every field's type, before use
     params = _dict_field(doc, "parameters", "the request")
     request_id = doc.get("id")
-    if request_id is not None and not isinstance(request_id, str):
-        raise ProtocolError(f"'id' must be a string, got {request_id!r}.")
-    raw_inputs = doc.get("inputs")
-    if not isinstance(raw_inputs, list) or not raw_inputs:
-        raise ProtocolError("the request has no 'inputs' list. Send 'inputs': "
-                            "[{\"name\", \"datatype\", \"shape\", \"data\"}, ...].")
+    raw_inputs = doc["inputs"]
     inputs, used = [], 0
     for i, raw in enumerate(raw_inputs):
         tensor, used = _parse_input(raw, i, binary, used)
@@ -150,14 +144,20 @@ def parse_infer_request(body: bytes | bytearray,
                             f"{HEADER_LENGTH} header.")
     outputs = None
     if doc.get("outputs") is not None:
-        if not isinstance(doc["outputs"], list):
-            raise ProtocolError("'outputs' must be a list of {\"name\": ...} objects.")
         outputs = [_parse_output(raw, i) for i, raw in enumerate(doc["outputs"])]
     binary_output = params.get("binary_data_output", False)
     if not isinstance(binary_output, bool):
         raise ProtocolError(f"parameters.binary_data_output must be true or false, "
                             f"got {binary_output!r}.")
     return InferRequest(request_id, inputs, outputs, binary_output)
+
+
+def require(doc: Any, schema: Schema, where: str) -> None:
+    """Raise a 400 :class:`ProtocolError` naming the first field of ``doc`` that does not
+    fit ``schema`` (see :mod:`gpufleet.serve.schema`)."""
+    message = problem(doc, schema, where)
+    if message is not None:
+        raise ProtocolError(message)
 
 
 def _split_body(body: bytes | bytearray,
