@@ -29,7 +29,7 @@ import logging
 import multiprocessing as mp
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -37,9 +37,11 @@ from dataclasses import dataclass
 import numpy as np
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gpufleet.errors import unknown_choice
 from gpufleet.serve.batcher import DynamicBatcher, ModelError
@@ -51,6 +53,7 @@ from gpufleet.serve.protocol import (
     InferRequest,
     ProtocolError,
     Tensor,
+    dump_json,
     encode_infer_response,
     parse_infer_request,
 )
@@ -82,8 +85,16 @@ class ServeOptions:
             raise ValueError(f"max_queue_delay_us = {self.max_queue_delay_us}: must be >= 0.")
 
 
-def _error(message: str, status: int = 400) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
+class StrictJSONResponse(JSONResponse):
+    """A JSON response that is always RFC 8259 JSON (no bare NaN or Infinity)."""
+
+    def render(self, content: object) -> bytes:
+        return dump_json(content)
+
+
+def _error(message: str, status: int = 400, headers: Mapping[str, str] | None = None
+           ) -> StrictJSONResponse:
+    return StrictJSONResponse({"error": message}, status_code=status, headers=headers)
 
 
 class _Server:
@@ -149,7 +160,7 @@ class _Server:
     async def server_metadata(self, request: Request) -> Response:
         from gpufleet import __version__
 
-        return JSONResponse({"name": "gpufleet", "version": __version__,
+        return StrictJSONResponse({"name": "gpufleet", "version": __version__,
                              "extensions": EXTENSIONS})
 
     async def model_metadata(self, request: Request) -> Response:
@@ -158,7 +169,7 @@ class _Server:
         def spec(s):
             return {"name": s.name, "datatype": s.datatype, "shape": [-1, *s.dims]}
 
-        return JSONResponse({"name": m.name, "versions": [m.version], "platform": m.platform,
+        return StrictJSONResponse({"name": m.name, "versions": [m.version], "platform": m.platform,
                              "inputs": [spec(s) for s in m.inputs],
                              "outputs": [spec(s) for s in m.outputs]})
 
@@ -170,11 +181,11 @@ class _Server:
         from gpufleet.serve.export import model_config
 
         m = self.model(request)
-        return JSONResponse(model_config(m, self.options.max_batch_size,
+        return StrictJSONResponse(model_config(m, self.options.max_batch_size,
                                          self.options.max_queue_delay_us))
 
     async def repository_index(self, request: Request) -> Response:
-        return JSONResponse([{"name": m.name, "version": m.version, "state": "READY"}
+        return StrictJSONResponse([{"name": m.name, "version": m.version, "state": "READY"}
                              for m in self.models.values()])
 
     async def metrics_text(self, request: Request) -> Response:
@@ -404,12 +415,39 @@ def create_app(models: Sequence[ServedModel], options: ServeOptions | None = Non
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        detail = exc.detail if exc.status_code != 404 else (
-            f"no endpoint {request.method} {request.url.path}. See /v2 and "
-            "/v2/models/{name}.")
-        return _error(str(detail), exc.status_code)
+        detail = exc.detail
+        if exc.status_code == 404:
+            detail = (f"no endpoint {request.method} {request.url.path}. See /v2 and "
+                      "/v2/models/{name}.")
+        elif exc.status_code == 405:  # Starlette's exception carries the Allow header
+            detail = (f"{request.url.path} does not take {request.method}; it takes "
+                      f"{(exc.headers or {}).get('Allow', '?')}.")
+        return _error(str(detail), exc.status_code, exc.headers)
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return _error(f"internal server error ({type(exc).__name__}: {exc}). This is a bug "
+                      "in gpufleet serve: please report it with the request.", 500)
 
     app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={ProtocolError: protocol_error, HTTPException: http_error})
+                    middleware=[Middleware(_SameWithTrailingSlash)],
+                    exception_handlers={ProtocolError: protocol_error, HTTPException: http_error,
+                                        Exception: internal_error})
+    app.router.redirect_slashes = False  # a trailing slash is the same path, not a 307
     app.state.server = server
     return app
+
+
+class _SameWithTrailingSlash:
+    """ASGI wrapper: ``/v2/`` is ``/v2`` (the protocol's REST spec writes the server
+    metadata path with the slash), and so for every path; no redirect."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            trimmed = path.rstrip("/") or "/"
+            scope = {**scope, "path": trimmed, "raw_path": trimmed.encode()}
+        await self.app(scope, receive, send)

@@ -46,6 +46,9 @@ if _bfloat16 is not None:
 
 _INTS = {"UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"}
 _FLOATS = {"FP16", "FP32", "FP64", "BF16"}
+# Non-finite floats in JSON tensor data, both ways (the names of protobuf's JSON mapping).
+NON_FINITE_TEXT = {math.inf: "Infinity", -math.inf: "-Infinity"}
+NON_FINITE_VALUES = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 _SHARED_MEMORY = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 
 
@@ -304,13 +307,15 @@ def _from_json(data: Any, datatype: str, count: int, where: str) -> np.ndarray:
     elif datatype in _INTS:
         ok = all(type(v) is int for v in flat)
     else:
-        ok = all(type(v) in (int, float) for v in flat)
+        ok = all(_fits_kind(v, datatype) for v in flat)
     if not ok:
         kind = {"BOOL": "true/false"}.get(datatype, "integers" if datatype in _INTS
-                                          else "numbers")
+                                          else 'numbers (or "NaN", "Infinity", "-Infinity")')
         bad = next(v for v in flat if not _fits_kind(v, datatype))
         raise ProtocolError(f"{where}: datatype {datatype} needs {kind} in 'data', got "
                             f"{bad!r}.")
+    if datatype in _FLOATS:
+        flat = [NON_FINITE_VALUES[v] if type(v) is str else v for v in flat]
     try:
         if datatype == "BF16":
             return np.array(flat, dtype=np.float32).astype(DTYPES["BF16"])
@@ -350,7 +355,7 @@ def _fits_kind(v: Any, datatype: str) -> bool:
         return type(v) is bool
     if datatype in _INTS:
         return type(v) is int
-    return type(v) in (int, float)
+    return type(v) in (int, float) or (type(v) is str and v in NON_FINITE_VALUES)
 
 
 def _parse_output(raw: Any, i: int) -> OutputRequest:
@@ -401,10 +406,21 @@ def encode_infer_response(model_name: str, model_version: str, request_id: str |
     if request_id is not None:
         doc["id"] = request_id
     doc["outputs"] = entries
-    head = json.dumps(doc, separators=(",", ":")).encode()
+    head = dump_json(doc)
     if not chunks:
         return head, None
     return b"".join([head, *chunks]), len(head)
+
+
+def dump_json(doc: Any) -> bytes:
+    """``doc`` as compact RFC 8259 JSON: a NaN or an infinity that reaches it is a bug
+    (``ValueError``), never a bare ``NaN`` that strict parsers reject.
+
+    Example:
+        >>> dump_json({"a": [1, "NaN"]})
+        b'{"a":[1,"NaN"]}'
+    """
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
 def _to_json(tensor: Tensor) -> list:
@@ -417,4 +433,10 @@ def _to_json(tensor: Tensor) -> list:
                                 "text. Ask for it with binary_data = true.") from None
     if tensor.datatype == "BF16":
         flat = flat.astype(np.float32)
-    return flat.tolist()
+    values = flat.tolist()
+    if tensor.datatype in _FLOATS:
+        # JSON has no NaN or infinity: they travel as the strings protobuf's JSON mapping
+        # uses, which numpy (and so tritonclient's as_numpy) reads back as floats.
+        for i in np.flatnonzero(~np.isfinite(flat)).tolist():
+            values[i] = NON_FINITE_TEXT[values[i]] if values[i] == values[i] else "NaN"
+    return values
