@@ -282,7 +282,8 @@ PROPERTY = settings(max_examples=60, deadline=5000, derandomize=True, phases=PHA
 
 
 @PROPERTY
-@given(case=infer_cases(), version=st.sampled_from(["", "/versions/1"]),
+@given(case=infer_cases(models=["float", "ints", "text"]),  # unknown ones: the next test
+       version=st.sampled_from(["", "/versions/1"]),
        slash=st.sampled_from(["", "/"]))
 def test_inference_answers_fit_the_protocol(fixed_server, case, version, slash):
     model, (payload, headers) = case
