@@ -20,8 +20,9 @@ def _tok(shape=(1, 3), data=(1, 2, 3), datatype="INT64", name="INPUT__0"):
 
 CASES = [
     ("malformed JSON", INFER, b'{"inputs": [', {}, 400, "not valid JSON"),
-    ("not an object", INFER, b"[1, 2]", {}, 400, "not an object"),
-    ("no inputs", INFER, b"{}", {}, 400, "no 'inputs' list"),
+    ("not an object", INFER, b"[1, 2]", {}, 400, "must be an object, got an array"),
+    ("no inputs", INFER, b"{}", {}, 400, "inputs is missing"),
+    ("empty inputs", INFER, b'{"inputs": []}', {}, 400, "inputs must be an array of at least"),
     ("wrong datatype", INFER, _req([_tok(datatype="FP32")]), {}, 400,
      "datatype FP32, but model 'gpt' takes INT64"),
     ("unknown datatype", INFER, _req([_tok(datatype="FP31")]), {}, 400,
@@ -54,6 +55,34 @@ CASES = [
      "Content-Encoding: unknown value 'br'"),
     ("unknown endpoint", "/v2/modelz", b"", {}, 404, "no endpoint"),
 ]
+# Each field of the request with a value of the wrong JSON type: a 400 naming the field
+# (an object or list where a string belongs used to reach the server's code: a 500).
+WRONG_TYPES = [
+    ("inputs[0].datatype must be a string, got an object", _req([_tok(datatype={})])),
+    ("inputs[0].datatype must be a string, got an array", _req([_tok(datatype=["INT64"])])),
+    ("inputs[0].name must be a string, got an integer", _req([_tok(name=7)])),
+    ("inputs[0].shape must be an array, got a string", _req([{**_tok(), "shape": "1,3"}])),
+    ("inputs[0].shape[1] must be an integer, got a number", _req([_tok(shape=(1, 3.0))])),
+    ("inputs[0].data must be an array, got an object", _req([{**_tok(), "data": {"a": 1}}])),
+    ("inputs[0].datatype is missing", _req([{"name": "INPUT__0", "shape": [1, 1],
+                                             "data": [1]}])),
+    ("inputs[0].parameters.binary_data_size must be a string, a number or a boolean, got "
+     "an object", _req([{**_tok(), "parameters": {"binary_data_size": {}}}])),
+    ("inputs[0].parameters must be an object, got an array",
+     _req([{**_tok(), "parameters": [1]}])),
+    ("inputs[1] must be an object, got a string", _req([_tok(), "INPUT__1"])),
+    ("id must be a string, got an integer", _req([_tok()], id=5)),
+    ("parameters must be an object, got a string", _req([_tok()], parameters="x")),
+    ("parameters.binary_data_output must be a string, a number or a boolean, got an array",
+     _req([_tok()], parameters={"binary_data_output": []})),
+    ("outputs must be an array, got an object", _req([_tok()], outputs={"name": "x"})),
+    ("outputs[0].name must be a string, got an object", _req([_tok()],
+                                                              outputs=[{"name": {}}])),
+    ("outputs[0].parameters.binary_data must be a string, a number or a boolean, got an "
+     "object", _req([_tok()], outputs=[{"name": "OUTPUT__0",
+                                        "parameters": {"binary_data": {"x": 1}}}])),
+]
+CASES += [(words.split(" ")[0], INFER, body, {}, 400, words) for words, body in WRONG_TYPES]
 
 
 @pytest.mark.parametrize("what, path, body, headers, status, words", CASES,

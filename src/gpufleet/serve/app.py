@@ -6,9 +6,18 @@ Endpoints (``{model}`` path segments may carry ``/versions/{version}``):
 - ``GET /v2``: server metadata (name, version, extensions);
 - ``GET /v2/models/{name}``: model metadata (inputs and outputs with -1 for any size);
 - ``GET /v2/models/{name}/ready``; ``GET /v2/models/{name}/config`` (Triton's model
-  config as JSON); ``POST /v2/repository/index``;
+  config as JSON);
 - ``POST /v2/models/{name}/infer``: inference, JSON or with binary tensor data;
+- with a model repository (:mod:`gpufleet.serve.repository`), the ``model_repository``
+  extension: ``POST /v2/repository/index``, ``POST /v2/repository/models/{name}/load``
+  and ``.../unload``;
 - ``GET /metrics``: Prometheus text.
+
+Every path answers the same with a trailing slash (the REST spec writes ``/v2/``), every
+405 names the allowed methods in ``Allow``, and every JSON body is RFC 8259 JSON (a NaN
+or an infinity in a tensor travels as the string ``"NaN"``, ``"Infinity"`` or
+``"-Infinity"``). Each request body is checked against the protocol's schema
+(:mod:`gpufleet.serve.schema`) before any field is used.
 
 The event loop stays free for health and metadata requests: each model runs in its
 batcher's thread, and a large body (over ``PARSE_INLINE_BYTES``) is parsed into arrays in
@@ -25,25 +34,26 @@ log line.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import multiprocessing as mp
 import time
-import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-import numpy as np
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gpufleet.errors import unknown_choice
 from gpufleet.serve.batcher import DynamicBatcher, ModelError
-from gpufleet.serve.body import Body, parse_shared
+from gpufleet.serve.body import Body, InflightBytes, decompress, parse_shared
 from gpufleet.serve.metrics import CONTENT_TYPE, ServerMetrics
 from gpufleet.serve.model import ServedModel
 from gpufleet.serve.protocol import (
@@ -51,14 +61,20 @@ from gpufleet.serve.protocol import (
     InferRequest,
     ProtocolError,
     Tensor,
+    dump_json,
     encode_infer_response,
     parse_infer_request,
+    require,
 )
+from gpufleet.serve.repository import ModelRepository, free_memory
+from gpufleet.serve.schema import LOAD_REQUEST, REPOSITORY_INDEX_REQUEST, UNLOAD_REQUEST, Schema
+from gpufleet.serve.signature import check_inputs, wanted_outputs
 from gpufleet.serve.trim import fix_mmap_threshold, parse_and_trim, trim_heap
 
 log = logging.getLogger(__name__)
 
-EXTENSIONS = ["binary_tensor_data", "model_repository"]
+EXTENSIONS = ["binary_tensor_data"]  # and "model_repository" when serving a repository
+MAX_CONTROL_BYTES = 64 * 1024  # bodies of the repository requests (index, load, unload)
 PARSE_INLINE_BYTES = 256 * 1024  # larger bodies are parsed in another process
 TRIM_AFTER_BYTES = 1 * 2**20  # after a larger request the freed heap goes back to the OS
 
@@ -82,26 +98,43 @@ class ServeOptions:
             raise ValueError(f"max_queue_delay_us = {self.max_queue_delay_us}: must be >= 0.")
 
 
-def _error(message: str, status: int = 400) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
+class StrictJSONResponse(JSONResponse):
+    """A JSON response that is always RFC 8259 JSON (no bare NaN or Infinity)."""
+
+    def render(self, content: object) -> bytes:
+        return dump_json(content)
+
+
+def _error(message: str, status: int = 400, headers: Mapping[str, str] | None = None
+           ) -> StrictJSONResponse:
+    return StrictJSONResponse({"error": message}, status_code=status, headers=headers)
 
 
 class _Server:
-    """The state behind the routes: the models, their batchers, the metrics."""
+    """The state behind the routes: the models, their batchers, the metrics, and the
+    repository the models come from (None: a fixed set of models)."""
 
-    def __init__(self, models: Sequence[ServedModel], options: ServeOptions) -> None:
+    def __init__(self, models: Sequence[ServedModel], options: ServeOptions,
+                 repository: ModelRepository | None,
+                 unavailable: Mapping[str, str] | None) -> None:
         self.models = {m.name: m for m in models}
         self.options = options
         self.metrics = ServerMetrics()
         self.batchers: dict[str, DynamicBatcher] = {}
         self.inflight = InflightBytes(options.max_inflight_bytes)
         self._parser: ProcessPoolExecutor | None = None  # started by the first large body
+        self.repository = repository
+        self.unavailable = dict(unavailable or {})  # repository model -> why not loaded
+        self._loading = asyncio.Lock()  # one load or unload at a time
+
+    def _batcher(self, m: ServedModel) -> DynamicBatcher:
+        return DynamicBatcher(m.fn, self.options.max_batch_size,
+                              self.options.max_queue_delay_us / 1e6, name=m.name,
+                              metrics=self.metrics)
 
     def start(self) -> None:
         for name, m in self.models.items():
-            self.batchers[name] = DynamicBatcher(
-                m.fn, self.options.max_batch_size, self.options.max_queue_delay_us / 1e6,
-                name=name, metrics=self.metrics)
+            self.batchers[name] = self._batcher(m)
 
     def stop(self) -> None:
         for batcher in self.batchers.values():
@@ -129,7 +162,13 @@ class _Server:
     def model(self, request: Request) -> ServedModel:
         name = request.path_params["name"]
         if name not in self.models:
-            raise ProtocolError(unknown_choice("model", name, self.models), status=404)
+            if self.repository is not None and name in self.repository.names():
+                why = self.unavailable.get(name, "not loaded")
+                raise ProtocolError(f"model {name!r} is not loaded ({why}). Load it with "
+                                    f"POST /v2/repository/models/{name}/load.")
+            known = set(self.models) | set(self.repository.names() if self.repository
+                                           else ())
+            raise ProtocolError(unknown_choice("model", name, sorted(known)), status=404)
         version = request.path_params.get("version")
         model = self.models[name]
         if version is not None and version != model.version:
@@ -149,8 +188,9 @@ class _Server:
     async def server_metadata(self, request: Request) -> Response:
         from gpufleet import __version__
 
-        return JSONResponse({"name": "gpufleet", "version": __version__,
-                             "extensions": EXTENSIONS})
+        extensions = EXTENSIONS + (["model_repository"] if self.repository else [])
+        return StrictJSONResponse({"name": "gpufleet", "version": __version__,
+                                   "extensions": extensions})
 
     async def model_metadata(self, request: Request) -> Response:
         m = self.model(request)
@@ -158,9 +198,10 @@ class _Server:
         def spec(s):
             return {"name": s.name, "datatype": s.datatype, "shape": [-1, *s.dims]}
 
-        return JSONResponse({"name": m.name, "versions": [m.version], "platform": m.platform,
-                             "inputs": [spec(s) for s in m.inputs],
-                             "outputs": [spec(s) for s in m.outputs]})
+        return StrictJSONResponse({"name": m.name, "versions": [m.version],
+                                   "platform": m.platform,
+                                   "inputs": [spec(s) for s in m.inputs],
+                                   "outputs": [spec(s) for s in m.outputs]})
 
     async def model_ready(self, request: Request) -> Response:
         m = self.model(request)
@@ -170,12 +211,100 @@ class _Server:
         from gpufleet.serve.export import model_config
 
         m = self.model(request)
-        return JSONResponse(model_config(m, self.options.max_batch_size,
-                                         self.options.max_queue_delay_us))
+        return StrictJSONResponse(model_config(m, self.options.max_batch_size,
+                                               self.options.max_queue_delay_us))
+
+    # -- the model_repository extension --------------------------------------------------
+
+    def _repository(self, request: Request) -> ModelRepository:
+        if self.repository is None:
+            raise ProtocolError(
+                f"{request.url.path}: this server serves a fixed set of models "
+                f"({', '.join(sorted(self.models))}), not a model repository, so the "
+                "model_repository extension is off. Serve a directory of model folders "
+                "(gpufleet serve DIR, e.g. what gpufleet export triton writes).", status=404)
+        return self.repository
+
+    async def _control_body(self, request: Request, schema: Schema, where: str) -> dict:
+        """The small JSON body of a repository request (empty: ``{}``)."""
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_CONTROL_BYTES:
+                raise ProtocolError(f"{where} is over {MAX_CONTROL_BYTES} bytes.", status=413)
+        if not raw.strip():
+            return {}
+        try:
+            doc = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise ProtocolError(f"{where} is not valid JSON: {e}.") from None
+        require(doc, schema, where)
+        return doc
 
     async def repository_index(self, request: Request) -> Response:
-        return JSONResponse([{"name": m.name, "version": m.version, "state": "READY"}
-                             for m in self.models.values()])
+        repo = self._repository(request)
+        doc = await self._control_body(request, REPOSITORY_INDEX_REQUEST,
+                                       "the repository index request")
+        entries = []
+        for name in sorted(set(repo.names()) | set(self.models)):
+            if name in self.batchers:
+                entries.append({"name": name, "version": self.models[name].version,
+                                "state": "READY", "reason": ""})
+            elif not doc.get("ready"):
+                entries.append({"name": name, "state": "UNAVAILABLE",
+                                "reason": self.unavailable.get(name, "not loaded")})
+        return StrictJSONResponse(entries)
+
+    async def load(self, request: Request) -> Response:
+        """Load (or reload) a model from its folder; the old one serves until then."""
+        repo = self._repository(request)
+        name = request.path_params["name"]
+        doc = await self._control_body(request, LOAD_REQUEST, "the load request")
+        given = [k for k in (doc.get("parameters") or {})
+                 if k == "config" or k.startswith("file:")]
+        if given:
+            raise ProtocolError(f"load parameters {given}: this server loads a model only as "
+                                f"its folder in {str(repo.root)!r} holds it. Change the "
+                                "files there and load again, without parameters.")
+        try:
+            repo.folder(name)
+        except KeyError as e:
+            raise ProtocolError(e.args[0], status=404) from None
+        async with self._loading:
+            try:  # reads files and runs the model on an example batch: off the event loop
+                model = await asyncio.to_thread(repo.load, name)
+            except Exception as e:  # whatever the folder holds, the server keeps serving
+                if name not in self.batchers:
+                    self.unavailable[name] = f"load failed: {type(e).__name__}: {e}"
+                raise ProtocolError(f"model {name!r} failed to load from "
+                                    f"{str(repo.folder(name))!r}: {type(e).__name__}: {e}"
+                                    ) from None
+            old = self.batchers.pop(name, None)
+            self.models[name], self.batchers[name] = model, self._batcher(model)
+            self.unavailable.pop(name, None)
+            if old is not None:  # its queued requests finish on the old model
+                await asyncio.to_thread(old.close)
+        log.info("loaded model %r from the repository", name)
+        return Response(status_code=200)
+
+    async def unload(self, request: Request) -> Response:
+        """Unload a model: its queued requests finish, then its memory is freed."""
+        repo = self._repository(request)
+        name = request.path_params["name"]
+        await self._control_body(request, UNLOAD_REQUEST, "the unload request")
+        if name not in self.models and name not in repo.names():
+            raise ProtocolError(unknown_choice("model", name, sorted(
+                set(repo.names()) | set(self.models))), status=404)
+        async with self._loading:
+            batcher = self.batchers.pop(name, None)
+            self.models.pop(name, None)
+            self.unavailable[name] = "unloaded"
+            if batcher is not None:
+                await asyncio.to_thread(batcher.close)
+                del batcher  # the last reference to the model's function
+                await asyncio.to_thread(free_memory)
+        log.info("unloaded model %r", name)
+        return Response(status_code=200)
 
     async def metrics_text(self, request: Request) -> Response:
         return PlainTextResponse(self.metrics.render(), media_type=CONTENT_TYPE)
@@ -207,12 +336,17 @@ class _Server:
             req = await self.parse(body, request.headers.get(HEADER_LENGTH))
             body.release()  # parsed: the arrays are all the request holds now
             inputs = check_inputs(m, req, self.options.max_batch_size)
-            wanted = _wanted_outputs(m, req)
+            wanted = wanted_outputs(m, req)
         except ProtocolError:
             self.metrics.failures.inc(m.name, "request")
             raise
+        batcher = self.batchers.get(m.name)
+        if batcher is None:  # unloaded while this request was read
+            self.metrics.failures.inc(m.name, "request")
+            raise ProtocolError(f"model {m.name!r} was unloaded while the request was read. "
+                                f"Load it again (POST /v2/repository/models/{m.name}/load).")
         try:
-            outputs = await self.batchers[m.name].infer(inputs)
+            outputs = await batcher.infer(inputs)
         except ModelError as e:
             self.metrics.failures.inc(m.name, "model")
             return _error(f"model {m.name!r} failed on this request: {e}", 400)
@@ -253,122 +387,28 @@ class _Server:
         if not encoding or encoding == "identity":
             return body
         raw_size = body.size
-        data = _decompress(body.bytes(), encoding, limit)
+        data = decompress(body.bytes(), encoding, limit)
         body.release()
         held.hold(len(data) + raw_size)  # both were in memory at once
         return Body(data)
 
-class InflightBytes:
-    """The bytes of the request bodies being handled, against a limit (one event loop:
-    no lock needed). Past the limit a request gets 429 and is not read."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.used = limit, 0
-
-    def holder(self) -> InflightBytes.Holder:
-        return InflightBytes.Holder(self)
-
-    class Holder:
-        """What one request holds; :meth:`hold` raises it to ``n`` bytes in all."""
-
-        def __init__(self, pool: InflightBytes) -> None:
-            self.pool, self.held = pool, 0
-
-        def hold(self, n: int) -> None:
-            extra = n - self.held
-            if extra <= 0:
-                return
-            if self.pool.used + extra > self.pool.limit:
-                raise ProtocolError(
-                    f"the server is busy: {self.pool.used:,} bytes of requests are in flight "
-                    f"and this one needs {n:,} more than the limit of {self.pool.limit:,} "
-                    "allows (--max-inflight-bytes). Retry shortly, or send smaller requests.",
-                    status=429)
-            self.pool.used += extra
-            self.held = n
-
-        def release(self) -> None:
-            self.pool.used -= self.held
-            self.held = 0
-
-
-def _decompress(body: bytes | bytearray, encoding: str, limit: int) -> bytes | bytearray:
-    wbits = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}.get(encoding.lower())
-    if wbits is None:
-        raise ProtocolError(unknown_choice("Content-Encoding", encoding,
-                                           ("gzip", "deflate", "identity")), status=415)
-    d = zlib.decompressobj(wbits)
-    try:
-        out = d.decompress(body, limit + 1)
-    except zlib.error as e:
-        raise ProtocolError(f"the {encoding} request body cannot be decompressed: {e}.") \
-            from None
-    if len(out) > limit:
-        raise ProtocolError(f"the decompressed request body exceeds the server's limit of "
-                            f"{limit} bytes (--max-body-bytes).", status=413)
-    return out
-
-
-def check_inputs(model: ServedModel, req: InferRequest, max_batch_size: int) -> list[np.ndarray]:
-    """The request's input arrays in the model's order, after checking names, datatypes,
-    shapes and the batch size against the model's signature."""
-    given = {}
-    for t in req.inputs:
-        if t.name in given:
-            raise ProtocolError(f"input {t.name!r} appears twice in the request.")
-        given[t.name] = t
-    names = [s.name for s in model.inputs]
-    for name in given:
-        if name not in names:
-            raise ProtocolError(unknown_choice(f"model {model.name!r}: input", name, names))
-    arrays, batch = [], None
-    for spec in model.inputs:
-        t = given.get(spec.name)
-        if t is None:
-            raise ProtocolError(f"model {model.name!r} needs input {spec.name!r} "
-                                f"({spec.datatype}, shape {[-1, *spec.dims]}); the request "
-                                "does not have it.")
-        shape = t.array.shape
-        want = f"{[-1, *spec.dims]}"
-        if t.datatype != spec.datatype:
-            raise ProtocolError(f"input {spec.name!r}: datatype {t.datatype}, but model "
-                                f"{model.name!r} takes {spec.datatype}.")
-        if len(shape) != len(spec.dims) + 1 or any(
-                d not in (-1, n) for d, n in zip(spec.dims, shape[1:])):
-            raise ProtocolError(f"input {spec.name!r}: shape {list(shape)} does not match "
-                                f"{want} (batch first, -1 = any size).")
-        if not 1 <= shape[0] <= max_batch_size:
-            raise ProtocolError(f"input {spec.name!r}: batch size {shape[0]} is outside 1.."
-                                f"{max_batch_size} (the server's --max-batch-size).")
-        if batch is not None and shape[0] != batch:
-            raise ProtocolError(f"input {spec.name!r} has {shape[0]} rows but another input "
-                                f"has {batch}; every input needs the same batch size.")
-        batch = shape[0]
-        arrays.append(t.array)
-    return arrays
-
-
-def _wanted_outputs(model: ServedModel, req: InferRequest) -> list[tuple[str, bool]]:
-    names = [s.name for s in model.outputs]
-    if req.outputs is None:
-        return [(n, req.binary_output) for n in names]
-    wanted = []
-    for out in req.outputs:
-        if out.name not in names:
-            raise ProtocolError(unknown_choice(f"model {model.name!r}: output", out.name,
-                                               names))
-        wanted.append((out.name, req.binary_output if out.binary is None else out.binary))
-    return wanted
-
-
-def create_app(models: Sequence[ServedModel], options: ServeOptions | None = None) -> Starlette:
+def create_app(models: Sequence[ServedModel], options: ServeOptions | None = None,
+               repository: ModelRepository | None = None,
+               unavailable: Mapping[str, str] | None = None) -> Starlette:
     """The Starlette app serving ``models`` over the v2 protocol.
+
+    Args:
+        models: the models to serve from the start.
+        options: batching and limits.
+        repository: where ``models`` came from, for the ``model_repository`` extension
+            (index, load, unload); None: the models are fixed and the extension is off.
+        unavailable: repository models that failed to load, each with why.
 
     Example:
         >>> import uvicorn  # doctest: +SKIP
         >>> uvicorn.run(create_app([load_model("runs/gpt-1")]), port=8000)  # doctest: +SKIP
     """
-    server = _Server(models, options or ServeOptions())
+    server = _Server(models, options or ServeOptions(), repository, unavailable)
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
@@ -391,6 +431,8 @@ def create_app(models: Sequence[ServedModel], options: ServeOptions | None = Non
         Route("/v2/health/ready", server.ready, methods=["GET"]),
         Route("/v2", server.server_metadata, methods=["GET"]),
         Route("/v2/repository/index", server.repository_index, methods=["POST"]),
+        Route("/v2/repository/models/{name}/load", server.load, methods=["POST"]),
+        Route("/v2/repository/models/{name}/unload", server.unload, methods=["POST"]),
         Route("/metrics", server.metrics_text, methods=["GET"]),
         *model_routes,
     ]
@@ -404,12 +446,39 @@ def create_app(models: Sequence[ServedModel], options: ServeOptions | None = Non
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        detail = exc.detail if exc.status_code != 404 else (
-            f"no endpoint {request.method} {request.url.path}. See /v2 and "
-            "/v2/models/{name}.")
-        return _error(str(detail), exc.status_code)
+        detail = exc.detail
+        if exc.status_code == 404:
+            detail = (f"no endpoint {request.method} {request.url.path}. See /v2 and "
+                      "/v2/models/{name}.")
+        elif exc.status_code == 405:  # Starlette's exception carries the Allow header
+            detail = (f"{request.url.path} does not take {request.method}; it takes "
+                      f"{(exc.headers or {}).get('Allow', '?')}.")
+        return _error(str(detail), exc.status_code, exc.headers)
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return _error(f"internal server error ({type(exc).__name__}: {exc}). This is a bug "
+                      "in gpufleet serve: please report it with the request.", 500)
 
     app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={ProtocolError: protocol_error, HTTPException: http_error})
+                    middleware=[Middleware(_SameWithTrailingSlash)],
+                    exception_handlers={ProtocolError: protocol_error, HTTPException: http_error,
+                                        Exception: internal_error})
+    app.router.redirect_slashes = False  # a trailing slash is the same path, not a 307
     app.state.server = server
     return app
+
+
+class _SameWithTrailingSlash:
+    """ASGI wrapper: ``/v2/`` is ``/v2`` (the protocol's REST spec writes the server
+    metadata path with the slash), and so for every path; no redirect."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            trimmed = path.rstrip("/") or "/"
+            scope = {**scope, "path": trimmed, "raw_path": trimmed.encode()}
+        await self.app(scope, receive, send)

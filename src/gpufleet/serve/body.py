@@ -1,4 +1,5 @@
-"""A request body in one buffer: in process memory, or shared with the parse processes.
+"""A request body in one buffer (in process memory, or shared with the parse processes),
+the cap on the bytes of all bodies in flight, and the inflating of compressed bodies.
 
 A body is read into a buffer of its declared length (a list of chunks joined at the end
 holds it twice). A large body goes into a POSIX shared-memory block that a parse process
@@ -8,8 +9,10 @@ maps by name: handing it over as an argument would pickle it, one copy in each p
 from __future__ import annotations
 
 import contextlib
+import zlib
 from multiprocessing.shared_memory import SharedMemory
 
+from gpufleet.errors import unknown_choice
 from gpufleet.serve.protocol import InferRequest, ProtocolError, parse_infer_request
 from gpufleet.serve.trim import trim_heap
 
@@ -76,3 +79,55 @@ def parse_shared(name: str, size: int, header_length: str | None) -> InferReques
             shm.close()
         trim_heap()
     raise error
+
+
+class InflightBytes:
+    """The bytes of the request bodies being handled, against a limit (one event loop:
+    no lock needed). Past the limit a request gets 429 and is not read."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+
+    def holder(self) -> InflightBytes.Holder:
+        return InflightBytes.Holder(self)
+
+    class Holder:
+        """What one request holds; :meth:`hold` raises it to ``n`` bytes in all."""
+
+        def __init__(self, pool: InflightBytes) -> None:
+            self.pool, self.held = pool, 0
+
+        def hold(self, n: int) -> None:
+            extra = n - self.held
+            if extra <= 0:
+                return
+            if self.pool.used + extra > self.pool.limit:
+                raise ProtocolError(
+                    f"the server is busy: {self.pool.used:,} bytes of requests are in flight "
+                    f"and this one needs {n:,} more than the limit of {self.pool.limit:,} "
+                    "allows (--max-inflight-bytes). Retry shortly, or send smaller requests.",
+                    status=429)
+            self.pool.used += extra
+            self.held = n
+
+        def release(self) -> None:
+            self.pool.used -= self.held
+            self.held = 0
+
+
+def decompress(body: bytes | bytearray, encoding: str, limit: int) -> bytes | bytearray:
+    """A gzip or deflate body inflated, refused (413) past ``limit`` bytes."""
+    wbits = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}.get(encoding.lower())
+    if wbits is None:
+        raise ProtocolError(unknown_choice("Content-Encoding", encoding,
+                                           ("gzip", "deflate", "identity")), status=415)
+    d = zlib.decompressobj(wbits)
+    try:
+        out = d.decompress(body, limit + 1)
+    except zlib.error as e:
+        raise ProtocolError(f"the {encoding} request body cannot be decompressed: {e}.") \
+            from None
+    if len(out) > limit:
+        raise ProtocolError(f"the decompressed request body exceeds the server's limit of "
+                            f"{limit} bytes (--max-body-bytes).", status=413)
+    return out

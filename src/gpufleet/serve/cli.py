@@ -11,6 +11,9 @@ from gpufleet.errors import ConfigError
 
 EPILOG = """\
 MODEL is one of:
+  a model repository       a directory of model folders (Triton model directories or run
+                           directories), as `gpufleet export triton` writes; every model
+                           loads at start, and clients load/unload them by name
   a run directory          config.toml + checkpoints/ from `gpufleet train`; the newest
                            checkpoint is served, inputs are read off the run's own data
   a Triton model directory config.pbtxt + 1/model.pt, as `gpufleet export triton` writes
@@ -23,11 +26,13 @@ examples:
       --max-queue-delay-us 2000
   gpufleet serve model.pt --input x:FP32:8 --model-name mlp
   gpufleet serve mypkg.nets:build --input tokens:INT64:-1
+  gpufleet serve model_repository      # all its models; POST /v2/repository/models/NAME/load
 
 clients: the official tritonclient works unchanged, e.g.
   tritonclient.http.InferenceServerClient("127.0.0.1:8000").infer("gpt-stdlib", [...])
 endpoints: /v2/health/live, /v2/health/ready, /v2, /v2/models/NAME[/versions/V][/ready],
-  POST /v2/models/NAME/infer (JSON or binary tensor data), /metrics (Prometheus)
+  POST /v2/models/NAME/infer (JSON or binary tensor data), /metrics (Prometheus);
+  with a repository: POST /v2/repository/index, /v2/repository/models/NAME/load|unload
 """
 
 
@@ -93,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
 
     from gpufleet.serve.app import ServeOptions, create_app
     from gpufleet.serve.model import load_model
+    from gpufleet.serve.repository import ModelRepository, is_repository
     from gpufleet.serve.runner import bind, make_server, url_of
     from gpufleet.serve.trim import fix_mmap_threshold
 
@@ -105,19 +111,35 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port} is not a TCP port. Pick one from 1 to 65535 "
                           "(0: any free port).")
-    model = load_model(args.model, name=args.model_name, inputs=args.input,
-                       device=args.device, trust_code=args.trust_code)
+    repository, unavailable = None, {}
+    if is_repository(args.model):
+        if args.model_name or args.input:
+            raise ConfigError(f"{args.model!r} is a model repository: each model is named "
+                              "after its folder and described by its own files. Drop "
+                              "--model-name and --input, or serve one folder of it.")
+        repository = ModelRepository(args.model, device=args.device,
+                                     trust_code=args.trust_code)
+        models, unavailable = repository.load_all()
+    else:
+        models = [load_model(args.model, name=args.model_name, inputs=args.input,
+                             device=args.device, trust_code=args.trust_code)]
     try:
         sock = bind(args.host, args.port)
     except OSError as e:
         raise ConfigError(f"cannot listen on {args.host}:{args.port} ({e}). Pick another "
                           "--port (0: any free port) or --host.") from None
     fix_mmap_threshold()  # this process only serves: large buffers go back when freed
-    server = make_server(create_app([model], options), log_level=args.log_level)
+    server = make_server(create_app(models, options, repository, unavailable),
+                         log_level=args.log_level)
     url = url_of(sock)
-    print(f"serving model {model.name!r} at {url} (v2 protocol; metrics at {url}/metrics; "
+    what = (f"model repository {args.model!r} ({len(models)} loaded: "
+            f"{', '.join(m.name for m in models) or 'none'})" if repository
+            else f"model {models[0].name!r}")
+    print(f"serving {what} at {url} (v2 protocol; metrics at {url}/metrics; "
           f"max batch {options.max_batch_size}, queue delay {options.max_queue_delay_us} us)",
           flush=True)
+    for name, why in unavailable.items():
+        print(f"model {name!r} is not available: {why}", flush=True)
     try:
         server.run(sockets=[sock])  # until Ctrl-C / SIGTERM; the queued requests finish
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, after shutdown

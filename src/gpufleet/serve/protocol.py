@@ -24,6 +24,7 @@ import numpy as np
 
 from gpufleet.errors import GpufleetError, unknown_choice
 from gpufleet.serve import jsonnum
+from gpufleet.serve.schema import INFER_REQUEST, Schema, problem
 
 try:  # bfloat16 for numpy; shipped with tritonclient, optional here
     from ml_dtypes import bfloat16 as _bfloat16
@@ -45,6 +46,9 @@ if _bfloat16 is not None:
 
 _INTS = {"UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"}
 _FLOATS = {"FP16", "FP32", "FP64", "BF16"}
+# Non-finite floats in JSON tensor data, both ways (the names of protobuf's JSON mapping).
+NON_FINITE_TEXT = {math.inf: "Infinity", -math.inf: "-Infinity"}
+NON_FINITE_VALUES = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 _SHARED_MEMORY = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 
 
@@ -129,17 +133,10 @@ def parse_infer_request(body: bytes | bytearray,
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ProtocolError(f"the request body is not valid JSON: {e}. Send a JSON object "
                             "with an 'inputs' list (KServe v2 protocol).") from None
-    if not isinstance(doc, dict):
-        raise ProtocolError(f"the request body is JSON {type(doc).__name__}, not an object. "
-                            "Send {\"inputs\": [...]}.")
+    require(doc, INFER_REQUEST, "the inference request")  # every field's type, before use
     params = _dict_field(doc, "parameters", "the request")
     request_id = doc.get("id")
-    if request_id is not None and not isinstance(request_id, str):
-        raise ProtocolError(f"'id' must be a string, got {request_id!r}.")
-    raw_inputs = doc.get("inputs")
-    if not isinstance(raw_inputs, list) or not raw_inputs:
-        raise ProtocolError("the request has no 'inputs' list. Send 'inputs': "
-                            "[{\"name\", \"datatype\", \"shape\", \"data\"}, ...].")
+    raw_inputs = doc["inputs"]
     inputs, used = [], 0
     for i, raw in enumerate(raw_inputs):
         tensor, used = _parse_input(raw, i, binary, used)
@@ -150,14 +147,20 @@ def parse_infer_request(body: bytes | bytearray,
                             f"{HEADER_LENGTH} header.")
     outputs = None
     if doc.get("outputs") is not None:
-        if not isinstance(doc["outputs"], list):
-            raise ProtocolError("'outputs' must be a list of {\"name\": ...} objects.")
         outputs = [_parse_output(raw, i) for i, raw in enumerate(doc["outputs"])]
     binary_output = params.get("binary_data_output", False)
     if not isinstance(binary_output, bool):
         raise ProtocolError(f"parameters.binary_data_output must be true or false, "
                             f"got {binary_output!r}.")
     return InferRequest(request_id, inputs, outputs, binary_output)
+
+
+def require(doc: Any, schema: Schema, where: str) -> None:
+    """Raise a 400 :class:`ProtocolError` naming the first field of ``doc`` that does not
+    fit ``schema`` (see :mod:`gpufleet.serve.schema`)."""
+    message = problem(doc, schema, where)
+    if message is not None:
+        raise ProtocolError(message)
 
 
 def _split_body(body: bytes | bytearray,
@@ -304,13 +307,15 @@ def _from_json(data: Any, datatype: str, count: int, where: str) -> np.ndarray:
     elif datatype in _INTS:
         ok = all(type(v) is int for v in flat)
     else:
-        ok = all(type(v) in (int, float) for v in flat)
+        ok = all(_fits_kind(v, datatype) for v in flat)
     if not ok:
         kind = {"BOOL": "true/false"}.get(datatype, "integers" if datatype in _INTS
-                                          else "numbers")
+                                          else 'numbers (or "NaN", "Infinity", "-Infinity")')
         bad = next(v for v in flat if not _fits_kind(v, datatype))
         raise ProtocolError(f"{where}: datatype {datatype} needs {kind} in 'data', got "
                             f"{bad!r}.")
+    if datatype in _FLOATS:
+        flat = [NON_FINITE_VALUES[v] if type(v) is str else v for v in flat]
     try:
         if datatype == "BF16":
             return np.array(flat, dtype=np.float32).astype(DTYPES["BF16"])
@@ -350,7 +355,7 @@ def _fits_kind(v: Any, datatype: str) -> bool:
         return type(v) is bool
     if datatype in _INTS:
         return type(v) is int
-    return type(v) in (int, float)
+    return type(v) in (int, float) or (type(v) is str and v in NON_FINITE_VALUES)
 
 
 def _parse_output(raw: Any, i: int) -> OutputRequest:
@@ -401,10 +406,21 @@ def encode_infer_response(model_name: str, model_version: str, request_id: str |
     if request_id is not None:
         doc["id"] = request_id
     doc["outputs"] = entries
-    head = json.dumps(doc, separators=(",", ":")).encode()
+    head = dump_json(doc)
     if not chunks:
         return head, None
     return b"".join([head, *chunks]), len(head)
+
+
+def dump_json(doc: Any) -> bytes:
+    """``doc`` as compact RFC 8259 JSON: a NaN or an infinity that reaches it is a bug
+    (``ValueError``), never a bare ``NaN`` that strict parsers reject.
+
+    Example:
+        >>> dump_json({"a": [1, "NaN"]})
+        b'{"a":[1,"NaN"]}'
+    """
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
 def _to_json(tensor: Tensor) -> list:
@@ -417,4 +433,10 @@ def _to_json(tensor: Tensor) -> list:
                                 "text. Ask for it with binary_data = true.") from None
     if tensor.datatype == "BF16":
         flat = flat.astype(np.float32)
-    return flat.tolist()
+    values = flat.tolist()
+    if tensor.datatype in _FLOATS:
+        # JSON has no NaN or infinity: they travel as the strings protobuf's JSON mapping
+        # uses, which numpy (and so tritonclient's as_numpy) reads back as floats.
+        for i in np.flatnonzero(~np.isfinite(flat)).tolist():
+            values[i] = NON_FINITE_TEXT[values[i]] if values[i] == values[i] else "NaN"
+    return values
