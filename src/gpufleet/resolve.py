@@ -12,14 +12,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from gpufleet.config import Config
+from gpufleet.config import Config, ParallelConfig
 from gpufleet.config.distributed import AUTO_SNAPSHOT_EVERY
 from gpufleet.core.machine import default_num_workers
 from gpufleet.errors import ConfigError
 from gpufleet.launch.rendezvous import parse_nnodes
 from gpufleet.parallel import strategy_class
 from gpufleet.parallel.base import why_not_in_process
-from gpufleet.parallel.dims import ParallelDims, plan_for
+from gpufleet.parallel.dims import DIMS, ParallelDims, auto_preset, plan_for
 
 __all__ = ["Machine", "auto_precision", "auto_tf32", "recipe_preset", "resolve",
            "resolve_with_dims", "strategy_for"]
@@ -47,18 +47,26 @@ class Machine:
         return cls(cuda=cuda, gpus=torch.cuda.device_count() if cuda else 0, bf16=bf16)
 
 
-def strategy_for(name: str, world_size: int) -> str:
-    """The strategy ``parallel.strategy = name`` means for a run of ``world_size`` ranks:
-    ``auto`` is ``ddp`` on several ranks and ``single`` on one (the one place that
-    decides it).
+def strategy_for(par: ParallelConfig, world_size: int) -> str:
+    """The strategy the ``[parallel]`` section means for a run of ``world_size`` ranks
+    (the one place that decides ``auto``): the one named, as named (degrees it cannot
+    use are then refused, never answered with another preset); for ``auto``, the preset
+    the degrees given need (:func:`gpufleet.parallel.dims.auto_preset`: ``pipeline``
+    for ``pp > 1``, else ``fsdp`` for ``dp_shard > 1``), else ``ddp`` on several ranks
+    and ``single`` on one.
 
     Example:
-        >>> strategy_for("auto", 1), strategy_for("auto", 4), strategy_for("fsdp", 1)
-        ('single', 'ddp', 'fsdp')
+        >>> from gpufleet.config import ParallelConfig
+        >>> strategy_for(ParallelConfig(), 1), strategy_for(ParallelConfig(), 4)
+        ('single', 'ddp')
+        >>> strategy_for(ParallelConfig(dp_shard=2, tp=2, pp=2), 8)
+        'pipeline'
+        >>> strategy_for(ParallelConfig(strategy="ddp", pp=2), 2)  # refused by plan_for
+        'ddp'
     """
-    if name != "auto":
-        return name
-    return "ddp" if world_size > 1 else "single"
+    if par.strategy != "auto":
+        return par.strategy
+    return auto_preset({n: getattr(par, n) for n in DIMS}, world_size)
 
 
 def recipe_preset(cfg: Config, model: Any = None, own_loop: bool = False) -> str:
@@ -138,7 +146,7 @@ def resolve_with_dims(cfg: Config, machine: Machine, world_size: int,
     if mode == "bf16-mixed" and device == "cuda" and not machine.bf16:
         raise ConfigError("precision.mode = 'bf16-mixed' but this GPU has no bf16 support. "
                           "Use precision.mode=fp16-mixed (with loss scaling) or fp32.")
-    strategy = strategy_for(par.strategy, world_size)
+    strategy = strategy_for(par, world_size)
     # The strategy's traits answer how many processes, which device and backend, and
     # which mesh degrees (gpufleet.parallel.dims).
     traits = strategy_class(strategy).traits

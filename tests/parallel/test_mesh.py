@@ -12,6 +12,7 @@ import torch
 from equivalence import assert_same_weights
 from gpufleet.config import load_config
 from gpufleet.errors import ConfigError
+from gpufleet.launch import DistEnv
 from gpufleet.parallel import strategy_class, strategy_names
 from gpufleet.parallel.dims import ParallelDims, plan_for
 from gpufleet.parallel.grad_norm import (
@@ -20,6 +21,7 @@ from gpufleet.parallel.grad_norm import (
     grad_norm,
     spreads_gradients,
 )
+from gpufleet.plan import make_plan
 from gpufleet.resolve import Machine, resolve
 from gpufleet.train.checkpoint import format as ckpt
 
@@ -56,7 +58,8 @@ def test_presets_give_the_rest_of_the_ranks_to_their_own_dimension():
     (4, ["parallel.strategy=hsdp", "parallel.dp_shard=2", "parallel.dp_replicate=3"],
      ["multiply to 6", "has 4 rank(s)"]),
     (6, ["parallel.strategy=fsdp", "parallel.tp=4"], ["multiply to 4", "has 6 rank(s)"]),
-    (4, ["parallel.strategy=local_sgd", "parallel.tp=2"], ["parallel.tp = 2 cannot", "fsdp"]),
+    (4, ["parallel.strategy=local_sgd", "parallel.tp=2"],
+     ["parallel.tp = 2 cannot", "parallel.strategy = ddp"]),
     (4, ["parallel.strategy=zero1", "parallel.tp=2"], ["parallel.tp = 2 cannot"]),
     (2, ["parallel.strategy=single"], ["independent copies", "ddp"]),
     # The communication hooks are a trait of ddp alone.
@@ -68,6 +71,47 @@ def test_impossible_degrees_are_refused_by_resolve_with_the_product(world, overr
         resolve(load_config(overrides=overrides), CPU, world, world)
     for word in words:
         assert word in str(e.value)
+
+
+@pytest.mark.parametrize("world, degrees, preset, dims", [
+    (8, ["dp_shard=2", "tp=2", "pp=2"], "pipeline", ParallelDims(dp_shard=2, tp=2, pp=2)),
+    (4, ["dp_replicate=2", "pp=2"], "pipeline", ParallelDims(dp_replicate=2, pp=2)),
+    (8, ["dp_replicate=2", "dp_shard=2", "tp=2"], "fsdp",
+     ParallelDims(dp_replicate=2, dp_shard=2, tp=2)),
+    (4, ["dp_shard=4"], "fsdp", ParallelDims(dp_shard=4)),
+    (4, ["dp_replicate=2", "tp=2"], "ddp", ParallelDims(dp_replicate=2, tp=2)),
+    (2, ["tp=2"], "ddp", ParallelDims(tp=2)),
+    (4, [], "ddp", ParallelDims(dp_replicate=4)),
+    (1, [], "single", ParallelDims()),
+])
+def test_auto_takes_the_preset_the_degrees_need_once_in_the_plan(world, degrees, preset, dims):
+    """Degrees alone (parallel.strategy left at auto) take the preset that runs them; the
+    plan records the decision, so nothing downstream decides it again."""
+    cfg = load_config(overrides=[f"parallel.{d}" for d in degrees]
+                      + [f"dist.nproc={world}", "run.device=cpu"])
+    plan = make_plan(cfg, DistEnv.detect({}), machine=CPU)
+    assert (plan.strategy, plan.dims) == (preset, dims)
+    assert plan.cfg.parallel.strategy == preset  # what config.toml records
+
+
+@pytest.mark.parametrize("strategy, degree, preset", [
+    ("ddp", "pp=2", "pipeline"), ("fsdp", "pp=2", "pipeline"), ("hsdp", "pp=2", "pipeline"),
+    ("zero1", "dp_shard=2", "fsdp"), ("local_sgd", "tp=2", "ddp"), ("ddp", "dp_shard=2", "fsdp"),
+])
+def test_a_named_strategy_is_never_swapped_for_the_preset_of_its_degrees(strategy, degree,
+                                                                          preset):
+    """The user named the strategy: degrees it cannot use are refused (not silently
+    answered with another preset), naming the strategy, the degree and both fixes."""
+    name, value = degree.split("=")
+    cfg = load_config(overrides=[f"parallel.strategy={strategy}", f"parallel.{degree}",
+                                 "dist.nproc=2", "run.device=cpu"])
+    with pytest.raises(ConfigError) as e:
+        make_plan(cfg, DistEnv.detect({}), machine=CPU)
+    message = str(e.value)
+    assert f"parallel.{name} = {value} cannot be used with parallel.strategy = {strategy!r}" \
+        in message
+    assert f"Use parallel.strategy = {preset} (the preset for {name} > 1)" in message
+    assert "parallel.strategy = auto" in message and f"parallel.{name} = 1" in message
 
 
 def test_the_traits_answer_backend_and_processes():

@@ -11,6 +11,7 @@ from torch import nn
 from conftest import final_params
 from equivalence import assert_same_weights
 from gpufleet.errors import ConfigError
+from gpufleet.models.gpt import GPT, GPTConfig, lm_loss
 from gpufleet.parallel.parallelize import distribute
 from gpufleet.parallel.pipeline_split import (
     balanced_split,
@@ -19,6 +20,7 @@ from gpufleet.parallel.pipeline_split import (
     sequential_units,
     stage_module,
 )
+from meshjob import make_tokens
 
 TOY = ["--model", "toyjob:make_model", "--data", "toyjob:make_data",
        "--model.loss", "torch.nn.functional:mse_loss", "--max-steps", "6",
@@ -143,3 +145,36 @@ def test_fp16_loss_scaling_is_refused_with_the_alternative():
     strategy = build_strategy("pipeline", ParallelConfig(), torch.device("cpu"), fp16)
     with pytest.raises(ConfigError, match="bf16-mixed"):
         distribute(_deep(), strategy)
+
+
+class _GPTWithoutStageLoss(GPT):
+    """A model that computes its loss in its own forward and can be cut into stages,
+    but does not say how its last stage turns the output into that loss."""
+
+    pipeline_loss = None
+
+
+@pytest.mark.parametrize("model, loss_fn, refused", [
+    (_GPTWithoutStageLoss, None, True),
+    (_GPTWithoutStageLoss, lm_loss, False),  # a loss function of the user's
+    (GPT, None, False),  # the built-in GPT's pipeline_loss
+])
+def test_a_pipeline_without_a_loss_for_its_last_stage_is_refused_before_ranks_start(
+        model, loss_fn, refused):
+    """The preflight runs the whole model (which computes its own loss); the stages never
+    do, so without a loss function or a pipeline_loss hook the run is refused here, not
+    at step 0 on the last rank."""
+    from gpufleet.config import load_config
+    from gpufleet.job import Job
+    from gpufleet.train.preflight import preflight_job
+
+    cfg = load_config(overrides={"parallel.strategy": "pipeline", "run.device": "cpu"})
+    job = Job(model(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)),
+              make_tokens(8), loss_fn=loss_fn)
+    if not refused:
+        assert preflight_job(cfg, job) is job
+        return
+    with pytest.raises(ConfigError) as e:
+        preflight_job(cfg, job)
+    assert "_GPTWithoutStageLoss" in str(e.value)
+    assert "--model.loss" in str(e.value) and "pipeline_loss(output, target)" in str(e.value)

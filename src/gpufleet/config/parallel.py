@@ -85,9 +85,10 @@ class ParallelConfig(Section):
     (``[parallel.ddp]``, ``[parallel.fsdp]``, ``[parallel.pipeline]``,
     ``[parallel.local_sgd]``) for what only that concern reads."""
 
-    strategy: str = opt("auto", "How the model is spread: auto (ddp with several ranks, else "
-                        "single) or a registered strategy (single, dp, ddp, fsdp, hsdp, ...); the "
-                        "dp_replicate/dp_shard/tp/pp degrees refine it.")
+    strategy: str = opt("auto", "How the model is spread: auto (the preset the degrees need: "
+                        "pipeline for pp > 1, else fsdp for dp_shard > 1, else ddp with several "
+                        "ranks, single on one) or a registered strategy (single, dp, ddp, fsdp, "
+                        "hsdp, ...); the dp_replicate/dp_shard/tp/pp degrees refine it.")
     dp_replicate: int = opt(0, "Mesh: whole replicas that all-reduce gradients (0: the "
                             "strategy chooses; hsdp: the nodes).", min=0)
     dp_shard: int = opt(0, "Mesh: ranks that shard parameters, gradients and optimizer state "

@@ -197,6 +197,14 @@ class GPT(nn.Module):
         the token embedding. Stages that hold one each keep their gradients summed."""
         return [("wte.weight", "lm_head.weight")]
 
+    @staticmethod
+    def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss :meth:`forward` computes from its logits, for a pipeline's last stage
+        (which returns the logits): a run without a loss function of its own trains the
+        same loss under ``pipeline`` as under every other strategy. A static method, so
+        the stages do not keep the whole model alive."""
+        return lm_loss(logits, targets)
+
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters, each tensor counted once (the tied head is the embedding).
 
@@ -264,7 +272,7 @@ class GPTStage(nn.Module):
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of ``[B, T, V]`` logits against ``[B, T]`` ids: the
     loss :meth:`GPT.forward` computes, for a loop that calls the model for logits (a
-    pipeline's last stage: ``--model.loss gpufleet.models.gpt:lm_loss``)."""
+    pipeline's last stage uses it through :meth:`GPT.pipeline_loss`)."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 

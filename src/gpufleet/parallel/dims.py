@@ -37,6 +37,11 @@ from gpufleet.errors import ConfigError
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 #: What may keep a strategy's data parallel ranks in step (``StrategyTraits.data_parallel``).
 DATA_PARALLEL = ("none", "replicate", "shard", "threads", "optimizer")
+#: The preset a degree above 1 needs, most demanding first: ``pp`` the pipeline (which
+#: takes every other degree too), ``dp_shard`` FSDP (which takes ``dp_replicate``, i.e.
+#: HSDP, and ``tp``), ``tp`` and ``dp_replicate`` DDP (tensor parallel replicas).
+PRESET_FOR_DEGREE = (("pp", "pipeline"), ("dp_shard", "fsdp"), ("tp", "ddp"),
+                     ("dp_replicate", "ddp"))
 
 
 @dataclass(frozen=True)
@@ -154,6 +159,25 @@ class StrategyTraits:
                              f"valid: {', '.join(DATA_PARALLEL)}.")
 
 
+def auto_preset(degrees: dict[str, int], world_size: int) -> str:
+    """The preset ``parallel.strategy = auto`` takes: the one the degrees given need
+    (:data:`PRESET_FOR_DEGREE`, the first degree above 1 decides), else ``ddp`` on
+    several ranks and ``single`` on one.
+
+    Example:
+        >>> auto_preset({"dp_shard": 2, "tp": 2, "pp": 2}, 8)
+        'pipeline'
+        >>> auto_preset({"dp_replicate": 2, "dp_shard": 2, "tp": 2}, 8)
+        'fsdp'
+        >>> auto_preset({"tp": 2}, 2), auto_preset({}, 4), auto_preset({}, 1)
+        ('ddp', 'ddp', 'single')
+    """
+    for dim, preset in PRESET_FOR_DEGREE:
+        if degrees.get(dim, 0) > 1:
+            return preset
+    return "ddp" if world_size > 1 else "single"
+
+
 def plan_for(par: Any, traits: StrategyTraits, world_size: int,
              local_world_size: int | None = None) -> ParallelDims:
     """The degrees of ``par`` (the ``[parallel]`` section) for a run of ``world_size``.
@@ -177,11 +201,14 @@ def plan_for(par: Any, traits: StrategyTraits, world_size: int,
     for name, value in given.items():
         if value > 1 and name not in traits.dims:
             usable = ", ".join(sorted(traits.dims))
+            needed = auto_preset({n: v for n, v in given.items() if n not in traits.dims},
+                                 world_size)
             raise ConfigError(
                 f"parallel.{name} = {value} cannot be used with parallel.strategy = "
-                f"{strategy!r} (it spreads over {usable}). Use parallel.strategy = fsdp or "
-                f"hsdp for dp_shard, ddp, fsdp or hsdp for tp, pipeline for pp, or set "
-                f"parallel.{name} = 1.")
+                f"{strategy!r}, which spreads over {usable} only. Use parallel.strategy = "
+                f"{needed} (the preset for {name} > 1), or leave parallel.strategy = auto "
+                f"to take the preset the degrees need, or set parallel.{name} = 1 to keep "
+                f"{strategy}.")
     fixed = 1
     for name, value in given.items():
         if name != traits.rest or value:

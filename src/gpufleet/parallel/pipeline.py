@@ -32,6 +32,11 @@ How the loop's pieces map onto the pipeline:
   stages' model and optimizer states are gathered into the full model's state, in the
   layout a ``single`` run saves, so a pipeline checkpoint loads anywhere and back.
 
+* **a model that computes its own loss** (``GPT(idx, targets)``, no loss function
+  given): the last stage returns the model's output, and the model's
+  ``pipeline_loss(output, target)`` hook turns it into the same loss (the built-in GPT
+  has one); without the hook the launching process's preflight asks for a loss function.
+
 Limits: fp16-mixed is refused (the schedule runs backward itself, past the loss
 scaler; use bf16-mixed); batches must be ``(inputs, target)`` with the batch size a
 multiple of the micro-batch count and the same shape every step.
@@ -63,8 +68,6 @@ from gpufleet.parallel.pipeline_split import StageSplit, bubble_share
 from gpufleet.parallel.tensor import without_strided
 
 log = logging.getLogger(__name__)
-
-_IDENTITY = nn.Identity()
 
 
 class PipelineParallel(Strategy):
@@ -101,6 +104,7 @@ class PipelineParallel(Strategy):
         assert stage is not None, "parallelize splits a pipelined model before attach"
         self._group, self.rank = stage.group, stage.index
         self._ties = tied_pairs(stage.tied, model, stage.pipelines, self.rank)
+        self._head = _LastStageHead(stage.loss)
         self.layers = stage.layers
         self.is_first, self.is_last = self.rank == 0, self.rank == self.stages - 1
         self._stage = PipelineStage(model, self.rank, self.stages, self.device,
@@ -221,7 +225,7 @@ class PipelineParallel(Strategy):
         """The schedule's loss: the user's loss (through the loop's loss function, with
         the model's output standing in for the model), scaled for the backward."""
         assert self._loss_fn is not None
-        loss = self._loss_fn(_IDENTITY, (output, target))
+        loss = self._loss_fn(self._head, (output, target))
         self._mb_losses.append(loss.detach())
         return loss * (self._loss_scale / self.microbatches)
 
@@ -229,9 +233,9 @@ class PipelineParallel(Strategy):
         if not (type(batch) in (tuple, list) and len(batch) == 2
                 and isinstance(batch[0], torch.Tensor)):
             raise ConfigError(
-                f"parallel.strategy = 'pipeline' needs (inputs, target) batches with a loss "
-                f"function (the last stage computes the loss); got {type(batch).__name__}. "
-                "Return (x, y) from your dataset and pass --model.loss.")
+                f"parallel.strategy = 'pipeline' needs (inputs, target) batches (the first "
+                f"stage takes the inputs, the last computes the loss from the target); got "
+                f"{type(batch).__name__}. Return (x, y) from your dataset.")
         inputs, target = batch
         if inputs.shape[0] % self.microbatches:
             raise ConfigError(
@@ -330,7 +334,9 @@ class _PipelineForward(nn.Module):
         self.stage = stage
         self._strategy = strategy
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, target: Any = None) -> torch.Tensor:
+        """The model's output for ``inputs``; with ``target`` (a loop without a loss
+        function calls the model as ``model(inputs, target)``), its loss."""
         s = self._strategy
         hidden = inputs
         for index in range(s.stages):
@@ -347,7 +353,35 @@ class _PipelineForward(nn.Module):
             if s.rank != index:
                 hidden = torch.empty(meta[0], dtype=meta[1], device=s.device)
             dist.broadcast(hidden, src=src, group=s._group)
-        return hidden
+        return s._head(hidden, target)
+
+
+class _LastStageHead(nn.Module):
+    """What the loop's loss function calls as "the model" on the last stage, whose
+    output the schedule hands over.
+
+    Called with the output alone it returns it, so a loss function of yours computes
+    ``loss(output, target)``. Called with the target too, as a loop without a loss
+    function calls a model that computes its own loss (``GPT(idx, targets)``), it
+    returns the model's ``pipeline_loss(output, target)``: the loss its forward would
+    have computed from that output.
+    """
+
+    def __init__(self, loss: Callable[[Any, Any], torch.Tensor] | None) -> None:
+        super().__init__()
+        self._loss = loss
+
+    def forward(self, output: Any, target: Any = None) -> Any:
+        if target is None:
+            return output
+        if self._loss is None:  # the launching process's preflight refuses this first
+            raise ConfigError(
+                "parallel.strategy = 'pipeline': the last stage returns the model's output, "
+                "and this run has no loss function, while the model computes its loss "
+                "inside a forward the stages never run whole. Pass a loss function "
+                "(--model.loss=package.module:function, loss_fn=... in Python) or give "
+                "the model a pipeline_loss(output, target) method.")
+        return self._loss(output, target)
 
 
 @contextlib.contextmanager

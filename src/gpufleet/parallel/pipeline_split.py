@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,9 @@ class StageSplit:
         layers: the layer names each stage holds, stage by stage.
         tied: the model's ``pipeline_ties()`` (pairs of parameter names one weight
             takes on two stages; empty for a sequential cut).
+        loss: the model's ``pipeline_loss(output, target)``: the loss its forward
+            computes from the last stage's output, for a run without a loss function
+            (None: the model has none).
     """
 
     module: nn.Module
@@ -56,6 +60,7 @@ class StageSplit:
     pipelines: list[list[int]]
     layers: list[list[str]]
     tied: list[tuple[str, str]] = field(default_factory=list)
+    loss: Callable[[Any, Any], torch.Tensor] | None = None
 
 
 def check_pipelinable(precision: Any) -> None:
@@ -100,7 +105,32 @@ def keep_stage(model: nn.Module, dims: ParallelDims, mesh: Any, split: str,
              else stage_module(model, units, first, stop)).to(device)
     layers = [[n for n, _ in units[a:b]] for a, b in itertools.pairwise(starts)]
     return StageSplit(stage, index, dims.pp, group, pipelines, layers,
-                      list(model.pipeline_ties()) if own else [])
+                      list(model.pipeline_ties()) if own else [], stage_loss(model))
+
+
+def stage_loss(model: nn.Module) -> Callable[[Any, Any], torch.Tensor] | None:
+    """The model's ``pipeline_loss(output, target)`` hook, or None."""
+    loss = getattr(model, "pipeline_loss", None)
+    return loss if callable(loss) else None
+
+
+def check_stage_loss(model: Any, loss_fn: Any) -> None:
+    """Refuse, before any rank starts, a pipelined run with no loss to compute on its
+    last stage: no loss function given, and a model that computes its loss in its own
+    forward (which the stages never run whole) without a ``pipeline_loss`` hook.
+
+    Raises:
+        ConfigError: naming the two ways to give the last stage its loss.
+    """
+    if loss_fn is not None or not isinstance(model, nn.Module) or stage_loss(model):
+        return
+    raise ConfigError(
+        f"parallel.strategy = 'pipeline' computes the loss on the last stage from its "
+        f"output, and this run has no loss function while the model "
+        f"({type(model).__name__}) computes its loss inside its own forward, which the "
+        "stages never run whole. Pass a loss function (loss_fn=... in Python, "
+        "--model.loss=package.module:function on the CLI), or give the model a "
+        "pipeline_loss(output, target) method (the built-in GPT has one).")
 
 
 def sequential_units(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -18,6 +18,8 @@ import torch
 
 from gpufleet.config import Config
 from gpufleet.errors import ConfigError
+from gpufleet.parallel import strategy_class, strategy_names
+from gpufleet.parallel.pipeline_split import check_stage_loss
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +157,9 @@ def preflight_job(cfg: Config, job: Any = None) -> Any:
             job = build_job(cfg)
         _check_strategy(cfg, job)  # now it is known whether the factory made several
     preflight(job.model, job.train_data, job.loss_fn, cfg, job.training_step)
+    if cfg.parallel.strategy in strategy_names() \
+            and strategy_class(cfg.parallel.strategy).traits.pipelined:
+        check_stage_loss(job.model, job.loss_fn)  # the whole model ran; its stages won't
     return job
 
 
