@@ -27,7 +27,7 @@ import torch
 from conftest import _env
 from gpufleet.parallel import strategy_names
 from gpufleet.parallel.horovod import horovod_available
-from gpufleet.train import sharded
+from gpufleet.train.checkpoint import sharded
 
 SMALL = ["--model.n_layer", "2", "--model.n_head", "2", "--model.n_embd", "32",
          "--model.block_size", "32", "--batch-size", "8", "--max-steps", "4",
