@@ -23,10 +23,14 @@ a counter that is not there (no cgroup controller, no PSI) is left out, never gu
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 _HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+#: (root, pid) -> (when found, its cgroup folders): looked up again after this long
+_DIRS: dict[tuple[str, int], tuple[float, dict[str, Path]]] = {}
+_DIRS_FOR_S = 10.0
 
 
 def read_counters(pid: int, root: str | Path = "/", own_cpu_s: float | None = None
@@ -37,7 +41,11 @@ def read_counters(pid: int, root: str | Path = "/", own_cpu_s: float | None = No
     read from ``/proc/PID/stat``)."""
     root = Path(root)
     out: dict[str, float] = {"time": _uptime(root)}
-    cgroup = _cgroup_dirs(root, pid)
+    now = time.monotonic()
+    found, cgroup = _DIRS.get((str(root), pid), (-_DIRS_FOR_S, {}))
+    if now - found >= _DIRS_FOR_S:
+        cgroup = _cgroup_dirs(root, pid)
+        _DIRS[(str(root), pid)] = (now, cgroup)
     out |= _cpu_throttling(cgroup)
     out |= _psi(root / "proc" / "pressure" / "memory", "mem")
     out |= _psi(root / "proc" / "pressure" / "io", "io")
@@ -246,6 +254,33 @@ def _number(path: Path) -> float | None:
         return float(path.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def kernel_view(samples: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Per rank, what its counters did over ``samples`` (system samples, oldest first,
+    each with ``kernel``: rank -> :func:`read_counters`): the :func:`delta` from its
+    first reading in them to its last."""
+    first: dict[str, dict[str, float]] = {}
+    last: dict[str, dict[str, float]] = {}
+    for sample in samples:
+        for rank, counters in (sample.get("kernel") or {}).items():
+            first.setdefault(rank, counters)
+            last[rank] = counters
+    return {int(r): delta(first[r], last[r]) for r in last if last[r] is not first[r]}
+
+
+def explains(view: dict[int, dict[str, float]], rank: int) -> tuple[str, float] | None:
+    """The kernel's :func:`cause` of rank ``rank``'s slowness when the other ranks do
+    not show the same (a cause every rank shares does not explain a gap between them)."""
+    own = cause(view[rank]) if rank in view else None
+    if own is None:
+        return None
+    for r, d in view.items():
+        other = cause(d) if r != rank else None
+        if other is not None and other[0].split(" ")[:3] == own[0].split(" ")[:3] \
+                and other[1] >= 0.5 * own[1]:
+            return None
+    return own
 
 
 def summary(d: dict[str, Any]) -> dict[str, float]:
