@@ -67,9 +67,58 @@ class _Mlp(nn.Module):
 
 
 def make_mlp(dim: int = 256, width: int = 512, depth: int = 3, extra: int = 0,
-             slow_rank: int = -1) -> nn.Module:
-    """An MLP regressor; ``extra`` forwards more on rank ``slow_rank``."""
+             slow_rank: int = -1, quota_rank: int = -1, quota_us: int = 10000) -> nn.Module:
+    """An MLP regressor; ``extra`` forwards more on rank ``slow_rank``; rank
+    ``quota_rank`` moves itself into a cgroup that allows it ``quota_us`` of CPU per
+    100 ms (a container's CPU limit)."""
+    if _mine(quota_rank):
+        _join_quota_group(quota_us)
     return _Mlp(dim, width, depth, extra, slow_rank)
+
+
+#: The cgroup (v1 cpu controller, or v2) the quota-throttled rank moves into.
+QUOTA_GROUP = "gpufleet-zoo-quota"
+
+
+def _cgroup_base() -> tuple[Path, int] | None:
+    """Where a child cgroup with a CPU quota can be made here, and its version."""
+    v2 = Path("/sys/fs/cgroup")
+    if (v2 / "cgroup.controllers").is_file() and "cpu" in \
+            (v2 / "cgroup.subtree_control").read_text().split():
+        return v2, 2
+    v1 = Path("/sys/fs/cgroup/cpu")
+    if (v1 / "cpu.cfs_quota_us").is_file():
+        return v1, 1
+    return None
+
+
+def cpu_quota_missing() -> str | None:
+    if os.geteuid() != 0:
+        return "skipped: needs root to make a cgroup with a CPU quota"
+    if _cgroup_base() is None:
+        return "skipped: no writable cgroup cpu controller (v1 or v2) here"
+    return None
+
+
+def _join_quota_group(quota_us: int) -> None:
+    base, version = _cgroup_base()  # type: ignore[misc]
+    group = base / QUOTA_GROUP
+    group.mkdir(exist_ok=True)
+    if version == 2:
+        (group / "cpu.max").write_text(f"{quota_us} 100000")
+    else:
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text(str(quota_us))
+    (group / "cgroup.procs").write_text(str(os.getpid()))
+
+
+def remove_quota_group() -> None:
+    found = _cgroup_base()
+    if found is not None:
+        try:
+            (found[0] / QUOTA_GROUP).rmdir()
+        except OSError:
+            pass
 
 
 def _mine(rank: int) -> bool:
@@ -288,6 +337,12 @@ def scenarios() -> list[Scenario]:
                  ["--log.every=1"], launcher="slow-sink", quick=True),
         # Designed from users' reports, not from the rules.
         *_user_reports(cores),
+        # The issue's run: rank 1 held to 10% of a core by its cgroup's CPU quota.
+        Scenario("quota-throttled rank (rank 1's cgroup: 10 ms of CPU per 100 ms)",
+                 "straggler", ["--nproc=2", "--batch-size=32", "--max-steps=200",
+                               "--model.kwargs={quota_rank = 1}"],
+                 cause_removed=(["--nproc=2", "--batch-size=32", "--max-steps=200"], {}, 0),
+                 needs=cpu_quota_missing()),
         Scenario("data-loader workers restarted every epoch", "input-bound",
                  needs="not buildable: gpufleet keeps its workers for the whole run "
                        "(persistent_workers) and takes no user DataLoader"),
@@ -576,7 +631,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for i, scn in enumerate(chosen):
         start = time.perf_counter()
-        rows.append(run_scenario(scn, out / f"s{i}", repeats))
+        try:
+            rows.append(run_scenario(scn, out / f"s{i}", repeats))
+        finally:
+            remove_quota_group()  # empty once the throttled rank has ended
         print(f"  {scn.name}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
     print_table(rows)
     if args.json:
