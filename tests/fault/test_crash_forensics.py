@@ -100,11 +100,19 @@ def test_faulthandlers_stacks_of_an_aborted_rank_name_the_programs_line(tmp_path
     assert crash_forensics.read_folders([tmp_path / "rank-1"])[1].at == ranks[1].at
 
 
-def test_a_rank_that_ends_well_leaves_nothing(tmp_path):
+def test_a_rank_that_ends_well_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.delattr(sys, "last_value", raising=False)  # pytest's, after a failure
     dump = FatalDump(tmp_path, 0)
     assert dump.start() and dump.ring_path.is_file()
     dump.stop()
     assert not (tmp_path / "crash").exists()
+    # A script ending on an uncaught exception (Fleet's end at exit) keeps them.
+    monkeypatch.setattr(sys, "last_value", RuntimeError("the loop failed"), raising=False)
+    assert dump.start()
+    dump.stop()
+    assert dump.ring_path.is_file() and dump.path.is_file()
+    monkeypatch.delattr(sys, "last_value")
+    dump.stop()
 
 
 def test_a_mismatched_collective_that_aborts_is_named_with_both_ranks_positions(tmp_path):
