@@ -8,9 +8,13 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
+
+import torch
 
 from gpufleet.core.ring import CollectiveRing, call_site, read_ring_file
 from gpufleet.fault import crash_forensics
+from gpufleet.fault.crash import write_crash_report
 from gpufleet.fault.crash_forensics import RankFiles, positions, sentence
 from gpufleet.fault.fatal import FatalDump
 
@@ -130,3 +134,22 @@ def test_a_mismatched_collective_that_aborts_is_named_with_both_ranks_positions(
             in done.stderr and "(gradient bucket 0, 16640 bytes, step 4)" in done.stderr
             ), done.stderr[-3000:]
     assert f"(your code: mismatched_loop.py:{line} in <module>)" in done.stderr
+
+
+def test_rank_0s_crash_report_merges_a_dead_peers_ring(tmp_path, monkeypatch):
+    (tmp_path / "crash").mkdir()
+    peer = CollectiveRing(8)  # rank 1, dead inside its own 4-byte all-reduce
+    peer.attach(tmp_path / "crash" / "ring-rank-1.bin", rank=1)
+    peer.step, peer.phase, peer.site = 6, "end", "train.py:17"
+    peer.enter("all_reduce", 4)
+    peer.detach()
+    mine = CollectiveRing(8)  # rank 0, in the gradient bucket of its 7th step
+    mine.step, mine.phase = 6, "backward"
+    mine.enter("all_reduce", 66304, bucket=0)
+    monkeypatch.setattr("gpufleet.fault.crash.RING", mine)  # this rank's live ring
+    view = SimpleNamespace(env=SimpleNamespace(rank=0, world_size=2), run_dir=tmp_path,
+                           step=6, epoch=0, phase="backward", device=torch.device("cpu"))
+    path = write_crash_report(view, RuntimeError("gloo: Connection reset by peer"))
+    assert ("collective mismatch: rank 0 entered all_reduce #1 (gradient bucket 0, 66304 "
+            "bytes, step 7) while rank 1 was in all_reduce #1 (4 bytes, step 6, "
+            "train.py:17)") in path.read_text()
