@@ -27,6 +27,7 @@ import json
 import os
 import random
 import re
+import signal
 import statistics
 import string
 import subprocess
@@ -67,9 +68,58 @@ class _Mlp(nn.Module):
 
 
 def make_mlp(dim: int = 256, width: int = 512, depth: int = 3, extra: int = 0,
-             slow_rank: int = -1) -> nn.Module:
-    """An MLP regressor; ``extra`` forwards more on rank ``slow_rank``."""
+             slow_rank: int = -1, quota_rank: int = -1, quota_us: int = 10000) -> nn.Module:
+    """An MLP regressor; ``extra`` forwards more on rank ``slow_rank``; rank
+    ``quota_rank`` moves itself into a cgroup that allows it ``quota_us`` of CPU per
+    100 ms (a container's CPU limit)."""
+    if _mine(quota_rank):
+        _join_quota_group(quota_us)
     return _Mlp(dim, width, depth, extra, slow_rank)
+
+
+#: The cgroup (v1 cpu controller, or v2) the quota-throttled rank moves into.
+QUOTA_GROUP = "gpufleet-zoo-quota"
+
+
+def _cgroup_base() -> tuple[Path, int] | None:
+    """Where a child cgroup with a CPU quota can be made here, and its version."""
+    v2 = Path("/sys/fs/cgroup")
+    if (v2 / "cgroup.controllers").is_file() and "cpu" in \
+            (v2 / "cgroup.subtree_control").read_text().split():
+        return v2, 2
+    v1 = Path("/sys/fs/cgroup/cpu")
+    if (v1 / "cpu.cfs_quota_us").is_file():
+        return v1, 1
+    return None
+
+
+def cpu_quota_missing() -> str | None:
+    if os.geteuid() != 0:
+        return "skipped: needs root to make a cgroup with a CPU quota"
+    if _cgroup_base() is None:
+        return "skipped: no writable cgroup cpu controller (v1 or v2) here"
+    return None
+
+
+def _join_quota_group(quota_us: int) -> None:
+    base, version = _cgroup_base()  # type: ignore[misc]
+    group = base / QUOTA_GROUP
+    group.mkdir(exist_ok=True)
+    if version == 2:
+        (group / "cpu.max").write_text(f"{quota_us} 100000")
+    else:
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text(str(quota_us))
+    (group / "cgroup.procs").write_text(str(os.getpid()))
+
+
+def remove_quota_group() -> None:
+    found = _cgroup_base()
+    if found is not None:
+        try:
+            (found[0] / QUOTA_GROUP).rmdir()
+        except OSError:
+            pass
 
 
 def _mine(rank: int) -> bool:
@@ -186,6 +236,27 @@ def make_data(n: int = 16384, dim: int = 256, delay: float = 0.0) -> Dataset:
     return _Data(n, dim, delay)
 
 
+class _KilledWorker(Dataset):
+    """Items as ``_Data``'s; on rank 0, the DataLoader worker that reads item ``at``
+    is killed with SIGKILL (as the kernel's OOM killer or a person would)."""
+
+    def __init__(self, n: int, dim: int, at: int) -> None:
+        self.data, self.at = _Data(n, dim, 0.0), at
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if i == self.at and _mine(0) and torch.utils.data.get_worker_info() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.data[i]
+
+
+def make_killed_worker_data(n: int = 16384, dim: int = 256, at: int = 3000) -> Dataset:
+    """Random inputs; rank 0's worker reading item ``at`` is killed."""
+    return _KilledWorker(n, dim, at)
+
+
 class _Rows(Dataset):
     """Items of ``rows`` x ``dim`` (``rows`` per rank: uneven work across ranks)."""
 
@@ -288,6 +359,20 @@ def scenarios() -> list[Scenario]:
                  ["--log.every=1"], launcher="slow-sink", quick=True),
         # Designed from users' reports, not from the rules.
         *_user_reports(cores),
+        # Crashes: named, not survived (no fix to measure).
+        Scenario("mismatched collective that aborts (only rank 1 all-reduces, at step 3)",
+                 "collective-mismatch", launcher="crash-mismatch", quick=True),
+        Scenario("loader worker killed (SIGKILL to rank 0's DataLoader worker)",
+                 "loader-worker-killed", ["--nproc=2", "--data.num_workers=2",
+                                          "--data=diagnosis_zoo:make_killed_worker_data",
+                                          "--max-steps=400", "--log.every=1"],
+                 launcher="crash-loader"),
+        # The issue's run: rank 1 held to 10% of a core by its cgroup's CPU quota.
+        Scenario("quota-throttled rank (rank 1's cgroup: 10 ms of CPU per 100 ms)",
+                 "straggler", ["--nproc=2", "--batch-size=32", "--max-steps=200",
+                               "--model.kwargs={quota_rank = 1}"],
+                 cause_removed=(["--nproc=2", "--batch-size=32", "--max-steps=200"], {}, 0),
+                 needs=cpu_quota_missing()),
         Scenario("data-loader workers restarted every epoch", "input-bound",
                  needs="not buildable: gpufleet keeps its workers for the whole run "
                        "(persistent_workers) and takes no user DataLoader"),
@@ -427,6 +512,8 @@ def run_scenario(scn: Scenario, out: Path, repeats: int) -> dict[str, Any]:
         return {**row, **_slow_link(out, repeats)}
     if scn.launcher == "two-nodes-clean":
         return {**row, **_two_nodes_clean(out)}
+    if scn.launcher.startswith("crash-"):
+        return {**row, **_crash(scn, out)}
     given = [*BASE, *scn.args]
     slow = [_measure(scn, given, {}, scn.hogs, out / "slow-0")]
     first = slow[0].findings[0] if slow[0].findings else None
@@ -459,6 +546,54 @@ def run_scenario(scn: Scenario, out: Path, repeats: int) -> dict[str, Any]:
     after = statistics.median(m.samples_per_s for m in fixed)
     return {**row, "fix": what, "before": before, "after": after,
             "speedup": after / before if before else None, "note": _titles(slow[0])}
+
+
+_MISMATCH = """
+import sys
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+import gpufleet
+
+fleet = gpufleet.Fleet(accelerator="cpu", devices=2, run_dir=sys.argv[1])
+net = torch.nn.Linear(64, 64)
+model, opt = fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+loader = fleet.setup_dataloaders(DataLoader(
+    TensorDataset(torch.randn(256, 64), torch.randn(256, 64)), batch_size=8))
+for step, (x, y) in enumerate(loader):
+    fleet.backward(torch.nn.functional.mse_loss(model(x), y))
+    opt.step()
+    opt.zero_grad()
+    if step == 2 and fleet.global_rank == 1:
+        fleet.all_reduce(torch.ones(1))
+"""
+
+
+def _crash(scn: Scenario, out: Path) -> dict[str, Any]:
+    """A run that must stop, named: the first thing said is what the output names."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, **BASE_ENV, "PYTHONPATH": path}
+    if scn.launcher == "crash-mismatch":
+        script = out / "train.py"
+        script.write_text(_MISMATCH)
+        cmd = [sys.executable, "-m", "gpufleet", "run", str(script), "--nproc", "2", "--",
+               str(out / "run")]
+    else:
+        cmd = [sys.executable, "-m", "gpufleet", "train", *BASE, *scn.args,
+               "--run-dir", str(out / "run")]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    said = done.stdout + done.stderr
+    named = {"collective-mismatch": re.search(r"collective mismatch: rank 1 entered "
+                                              r"all_reduce #\d+ \(4 bytes, step 3, "
+                                              r"train\.py:\d+\) while rank 0 was in", said),
+             "loader-worker-killed": re.search(r"DataLoader worker \(pid \d+\) is killed "
+                                               r"by signal", said)
+             and "Training goes on without it" not in said}
+    first = next((k for k, v in named.items() if v and done.returncode != 0), "(not named)")
+    line = next((ln for ln in said.splitlines() if ln.startswith("collective mismatch:")
+                 or "is killed by signal" in ln), "")
+    return {"first": first, "correct": first == scn.expected, "confident_wrong": False,
+            "fix": "-", "speedup": None, "note": line.strip()[:200]}
 
 
 def _slow_link(out: Path, repeats: int, mbit: float = 20.0) -> dict[str, Any]:
@@ -576,7 +711,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for i, scn in enumerate(chosen):
         start = time.perf_counter()
-        rows.append(run_scenario(scn, out / f"s{i}", repeats))
+        try:
+            rows.append(run_scenario(scn, out / f"s{i}", repeats))
+        finally:
+            remove_quota_group()  # empty once the throttled rank has ended
         print(f"  {scn.name}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
     print_table(rows)
     if args.json:

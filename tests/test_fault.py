@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from torch.nn import functional as F
@@ -542,3 +543,35 @@ def test_an_essential_callback_error_still_stops_training(tmp_path):
 
     with pytest.raises(ValueError, match="bad callback"):
         _fit(tmp_path, {}, callbacks=[Strict()])
+
+
+class _KillsALoaderWorker(Callback):
+    """A contained callback (like the Advisor) running when a DataLoader worker dies:
+    at step 3 the worker is killed with SIGKILL while the callback runs on."""
+
+    essential = False
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.waited_out = False
+
+    def on_step_end(self, trainer, step):
+        self.steps.append(step)
+        if step != 3:
+            return
+        workers = psutil.Process().children()
+        assert workers, "the loader has no worker processes"
+        os.kill(workers[0].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10  # torch's SIGCHLD handler raises in this loop
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.waited_out = True
+
+
+def test_a_loader_worker_killed_while_a_callback_runs_stops_the_run_at_once(tmp_path):
+    callback = _KillsALoaderWorker()
+    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid \d+\) is killed by signal"):
+        _fit(tmp_path, {"data.num_workers": 2, "run.max_steps": 50},
+             callbacks=[callback])
+    assert callback.steps[-1] == 3  # no step after the worker's death
+    assert not callback.waited_out  # the error came in the callback's wait, at once

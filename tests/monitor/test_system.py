@@ -13,7 +13,7 @@ from gpufleet.monitor.system import SYSTEM_FILE, SystemSampler, read_system
 from .fake_pynvml import FakeGpu, install
 
 HOST_KEYS = {"time", "host", "gpus", "cpu_pct", "ram_used_mb", "ram_total_mb", "proc_rss_mb",
-             "proc_cpu_pct", "procs", "disk_free_gb", "others"}
+             "proc_cpu_pct", "procs", "disk_free_gb", "others", "kernel"}
 GPU_KEYS = {"index", "name", "util_pct", "mem_used_mb", "mem_total_mb", "power_w", "temp_c",
             "sm_clock_mhz"}
 

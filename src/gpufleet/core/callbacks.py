@@ -12,6 +12,7 @@ import logging
 import time
 from typing import Any, ClassVar
 
+from gpufleet.core.outside import from_outside
 from gpufleet.core.phases import Phase, PhaseMarks
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,10 @@ class Callback:
 
     A callback with ``essential = False`` (a metrics sink, a remote logger) may fail
     without stopping training: its error is reported, counted, and the run goes on.
+    Only errors of its own making are contained: one that reaches it from outside (a
+    DataLoader worker's death raised from a signal handler, a collective's or CUDA's
+    failure, running out of memory, Ctrl-C) stops the run at once, as itself
+    (:func:`gpufleet.core.outside.from_outside`).
     """
 
     essential: ClassVar[bool] = True
@@ -134,8 +139,10 @@ def _timed(name: str, fn: Any, seconds: dict[str, float]) -> Any:
 
 
 def _tolerant(callback: Callback, fn: Any, record: dict[str, str]) -> Any:
-    """``fn`` with its errors reported instead of raised (the 1st, then every 100th) and
-    the first one kept in ``record`` under the callback's name."""
+    """``fn`` with its own errors reported instead of raised (the 1st, then every 100th)
+    and the first one kept in ``record`` under the callback's name; an error from outside
+    the callback (:func:`from_outside`) is raised as it is, except in ``on_exception``,
+    where the run's error is already on its way."""
     name = type(callback).__name__
     failures = 0
 
@@ -144,6 +151,8 @@ def _tolerant(callback: Callback, fn: Any, record: dict[str, str]) -> Any:
         try:
             fn(*args)
         except Exception as e:
+            if fn.__name__ != "on_exception" and from_outside(e):
+                raise  # the run's error, not the callback's: it stops the run
             failures += 1
             record.setdefault(getattr(callback, "name", name),
                               f"{fn.__name__}: {type(e).__name__}: {e}"[:300])

@@ -23,6 +23,7 @@ import torch
 
 from gpufleet.core.ring import RING
 from gpufleet.errors import ConfigError
+from gpufleet.fault import crash_forensics
 from gpufleet.fault.forensics import ring_lines
 from gpufleet.procs import forget_process
 
@@ -54,6 +55,7 @@ def write_crash_report(trainer: Any, error: BaseException) -> Path | None:
     the original error matters more than the report)."""
     rank = trainer.env.rank
     path = crash_dir(trainer.run_dir) / f"rank-{rank}.txt"
+    where = _positions(trainer.run_dir, rank, trainer.env.world_size)
     lines = [
         f"gpufleet crash report: rank {rank} of {trainer.env.world_size}, "
         f"host {socket.gethostname()}, pid {os.getpid()}",
@@ -63,6 +65,8 @@ def write_crash_report(trainer: Any, error: BaseException) -> Path | None:
         f"error: {type(error).__name__}: {error}",
         "",
         "likely cause: " + explain(error),
+        *(["", "where the ranks were (from the rings of the ranks on this node):",
+            *where] if where else []),
         "",
         "traceback:",
         "".join(traceback.format_exception(type(error), error, error.__traceback__)),
@@ -108,6 +112,16 @@ def _collectives(world_size: int) -> list[str]:
         return []
     return ["this rank's last collectives (numbered alike on every rank):",
             *ring_lines(RING.snapshot()), ""]
+
+
+def _positions(run_dir: str | Path, rank: int, world_size: int) -> list[str]:
+    """Every rank's position on this node, merged (this rank's from its live ring):
+    a collective mismatch named with both sides, a rank dead by a signal."""
+    if world_size < 2:
+        return []
+    ranks = crash_forensics.read_folder(crash_dir(run_dir))
+    ranks[rank] = crash_forensics.RankFiles(rank, RING.snapshot())
+    return crash_forensics.positions(ranks)
 
 
 def _memory_state(device: torch.device) -> str:

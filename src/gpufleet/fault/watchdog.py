@@ -52,6 +52,7 @@ from gpufleet.core.callbacks import Callback
 from gpufleet.core.phases import Phase, PhaseMarks
 from gpufleet.core.ring import RING
 from gpufleet.fault import flight_recorder, forensics, signal_stacks
+from gpufleet.fault.fatal import FatalDump
 from gpufleet.fault.liveness import Liveness, Verdict, side_channel
 from gpufleet.fault.signal_stacks import SignalStacks
 from gpufleet.fault.stall_report import stall_report, where_is
@@ -109,6 +110,7 @@ class Watchdog(Callback):
         self._thread: threading.Thread | None = None
         self.reports: list[Path] = []  # report.txt files written (rank 0)
         self.signal_stacks = SignalStacks(run_dir, rank)
+        self.fatal = FatalDump(run_dir, rank)  # stacks and ring left by a fatal signal
         self.liveness = (Liveness(store, self.prefix, rank, world_size, self.heartbeat,
                                   cfg.watchdog_poll_s, cfg.heartbeat_timeout_s, self._lost)
                          if store is not None and world_size > 1 else None)
@@ -130,6 +132,7 @@ class Watchdog(Callback):
         self._thread.start()
         if self.liveness is not None:
             self.signal_stacks.start()  # a peer asks for them if this rank goes silent
+            self.fatal.start()
             self.liveness.start()
 
     def rejoin(self, rank: int, world_size: int, store: Any, generation: int) -> None:
@@ -147,6 +150,7 @@ class Watchdog(Callback):
         if self.liveness is not None:
             if self.signal_stacks._file is None:  # a rank that joined had no heartbeats
                 self.signal_stacks.start()
+            self.fatal.start()
             self.liveness.start()
 
     def on_phase_marks(self, trainer: Any, marks: PhaseMarks) -> None:
@@ -167,13 +171,17 @@ class Watchdog(Callback):
         self._phase, self._phase_at = phase, phase_at
 
     def on_fit_end(self, trainer: Any, result: Any) -> None:
-        self.stop()
+        self.stop(ended_well=True)
 
-    def stop(self) -> None:
+    def stop(self, ended_well: bool = False) -> None:
+        """Stop the thread and the heartbeats; ``ended_well``: the run finished, so
+        what a fatal signal would have left is removed (a failed run keeps it)."""
         if RING.view is self._view:
             RING.view = None  # the run is over: its view goes with it
         self._stop.set()
         self.signal_stacks.stop()
+        if ended_well:
+            self.fatal.stop()
         if self.liveness is not None:
             self.liveness.stop()
         if self._thread is not None:

@@ -10,15 +10,16 @@ the built-in loop's are. In one process they return what a one-rank job would ga
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gpufleet.core.ring import RING
+from gpufleet.core.ring import RING, call_site
 from gpufleet.core.tree import to_device
 from gpufleet.errors import ConfigError, unknown_choice
 from gpufleet.fleet.run import FleetPart, FleetRun
@@ -31,9 +32,25 @@ _FIRSTS = itertools.count()
 _POLL_S = 0.05
 
 
+def _noted(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A collective whose ring entries name the line of your code that called it
+    (``train.py:42`` in a crash or hang report)."""
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        RING.site = call_site()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            RING.site = ""
+
+    return call
+
+
 class FleetComm(FleetPart):
     """The collectives of :class:`~gpufleet.fleet.Fleet` (a part of it)."""
 
+    @_noted
     def all_reduce(self, data: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """``data`` (a tensor or a number, or a dict, list or tuple of them) reduced over
         every rank: ``"mean"`` (or ``"avg"``), ``"sum"``, ``"max"`` or ``"min"``, in any
@@ -53,6 +70,7 @@ class FleetComm(FleetPart):
         return _each_value(data, lambda v: _reduce(v, run, group, reduce_op, size),
                            "all_reduce")
 
+    @_noted
     def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
         """Every rank's ``data``: a tensor or a number, or a dict, list or tuple of them,
         gathered into the same structure. Each tensor comes back on this rank's device
@@ -69,6 +87,7 @@ class FleetComm(FleetPart):
             _group_size(group, "all_gather")
         return _each_value(data, lambda v: _gather(v, run, sync_grads, group), "all_gather")
 
+    @_noted
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Rank ``src``'s ``obj`` (anything picklable: a tensor, a dict, a path chosen on
         rank 0) on every rank; tensors in it (also in a dict, list or tuple) come on
@@ -86,6 +105,7 @@ class FleetComm(FleetPart):
         # Unpickled tensors come on the sender's device (cuda:src): bring them here.
         return to_device(box[0], run.device) if run.device.type != "cpu" else box[0]
 
+    @_noted
     def barrier(self, name: str | None = None) -> None:
         """Wait until every rank is here (COLLECTIVE). ``name`` (Fabric's) names the
         barrier in a hang report's list of collectives: ranks waiting at differently

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from gpufleet.fault import crash_forensics
+from gpufleet.fault.fatal import rank_folders
 from gpufleet.fault.watchdog import EXIT_RANK_LOST
 
 # Exceptions that come from the config or the code: a restart fails the same way.
@@ -16,8 +18,11 @@ _USER_ERRORS = frozenset({
 _COMM_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")
 
 
-def describe_failures(err: ChildFailedError, max_restarts: int, where: str) -> str:
-    """The failed ranks, the first failure's cause once, and advice that fits it."""
+def describe_failures(err: ChildFailedError, max_restarts: int, where: str,
+                      forensics: str | None = None) -> str:
+    """The failed ranks, the first failure's cause once, and advice that fits it; with
+    ``forensics`` (the folder the ranks linked their crash folders into), where each
+    rank was: a collective mismatch named with both sides, a rank dead by a signal."""
     lines = [f"{len(err.failures)} rank(s) failed:"]
     for rank, failure in sorted(err.failures.items()):
         how = (f"killed by signal {failure.signal_name()}" if failure.exitcode < 0
@@ -39,7 +44,9 @@ def describe_failures(err: ChildFailedError, max_restarts: int, where: str) -> s
     # A config or code mistake reads best as its own sentence; anything else shows the
     # traceback (once: the agent's own copy of it is not logged, see _launch_elastic).
     cause = str(message).rstrip() if known or not stack else stack.rstrip()
-    lines += [f"First failure (rank {root_rank}):", cause, where,
+    positions = (crash_forensics.positions(crash_forensics.read_folders(
+        rank_folders(forensics))) if forensics else [])
+    lines += [f"First failure (rank {root_rank}):", cause, *positions, where,
               advice(kind, str(message), root.exitcode, root.signal_name(), max_restarts)]
     return "\n".join(lines)
 

@@ -34,6 +34,7 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError, Rendezvo
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from gpufleet.errors import LaunchError, RunStopped, unknown_choice
+from gpufleet.fault.fatal import FORENSICS_ENV
 from gpufleet.fault.preempt import (
     AGENT_SIGNALS,
     INTERRUPT_EXIT,
@@ -232,6 +233,11 @@ def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: Launc
     level = agent_log.level
     agent_log.setLevel(logging.CRITICAL)
     ranks_dir = None if isinstance(fn, str) else Path(tempfile.mkdtemp(prefix="gpufleet-ranks-"))
+    # Each rank links its crash folder here (gpufleet.fault.fatal): a rank that dies by
+    # a signal is then named with its last collective and line of code.
+    forensics = tempfile.mkdtemp(prefix="gpufleet-forensics-")
+    outer_forensics = os.environ.get(FORENSICS_ENV)
+    os.environ[FORENSICS_ENV] = forensics
     try:
         if ranks_dir is not None:  # each rank: python -m gpufleet.launch.rankmain PAYLOAD
             args = (*COMMAND, str(_payload(ranks_dir, fn, args)))
@@ -260,7 +266,7 @@ def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: Launc
                              "checkpoint.", max(codes), name) from None
         where = (f"Rank logs (stdout.log, stderr.log) and error files are under {log_dir}."
                  if log_dir else f"Error files are under {logs.root_log_dir}.")
-        raise LaunchError(describe_failures(err, max_restarts, where)) from err
+        raise LaunchError(describe_failures(err, max_restarts, where, forensics)) from err
     except SignalException as err:  # the agent got it, passed it on, the ranks ended
         name = signal_name(err.sigval)
         raise RunStopped(f"stopped by {name}: the agent passed it to the ranks, which "
@@ -286,6 +292,11 @@ def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: Launc
         agent_log.setLevel(level)
         if ranks_dir is not None:
             shutil.rmtree(ranks_dir, ignore_errors=True)
+        shutil.rmtree(forensics, ignore_errors=True)  # the links (their targets stay)
+        if outer_forensics is None:
+            os.environ.pop(FORENSICS_ENV, None)
+        else:
+            os.environ[FORENSICS_ENV] = outer_forensics
     if not log_dir:  # torch made a temporary directory for error files; none were needed
         shutil.rmtree(logs.root_log_dir, ignore_errors=True)
     return results

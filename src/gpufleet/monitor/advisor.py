@@ -28,6 +28,7 @@ from gpufleet.monitor.diagnose import (
     diagnose,
 )
 from gpufleet.monitor.host_rules import host_view
+from gpufleet.monitor.kernel import kernel_view
 from gpufleet.monitor.phases import PHASES
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,9 @@ class Advisor(Callback):
             return
         latest = self.system.latest() if self.system is not None else None
         if latest is not None:  # the host's CPU over the last half minute
-            latest = {**latest, "host_view": host_view(self.system.window(30.0))}
+            window = self.system.window(30.0)
+            latest = {**latest, "host_view": host_view(window),
+                      "kernel_view": kernel_view(window)}
         findings = [Finding(**{**f.to_dict(), "step": step})
                     for f in diagnose(summary, self.facts, latest, self.syncs)]
         new = [f for f in findings if (f.rule, f.title) not in self._said]

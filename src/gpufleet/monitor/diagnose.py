@@ -23,6 +23,7 @@ from gpufleet.monitor.findings import (
     ms,
 )
 from gpufleet.monitor.host_rules import HOST_RULES, host_view
+from gpufleet.monitor.kernel import explains, summary
 from gpufleet.monitor.links import link_sentence, slow_node_fix, slow_nodes
 
 # The findings' types live in gpufleet.monitor.findings (the host rules use them too);
@@ -35,6 +36,10 @@ def diagnose(s: Summary, facts: RunFacts, system: dict[str, Any] | None = None,
              syncs: list[tuple[str, int]] | None = None) -> list[Finding]:
     """Every rule that fires for this summary, most costly first."""
     found = [f for rule in _rules() if (f := rule(s, facts, system, syncs)) is not None]
+    if any(f.rule == "straggler" and f.measurements.get("kernel") for f in found):
+        # The others' wait in the all-reduce is the straggler's time, which the kernel
+        # explains: not the link's.
+        found = [f for f in found if f.rule != "communication-bound"]
     found.sort(key=lambda f: f.severity != "warn")
     return found
 
@@ -73,6 +78,19 @@ def _input_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
 def _straggler(s: Summary, facts: RunFacts, system: dict[str, Any] | None = None,
                *_: Any) -> Finding | None:
     found = _straggler_found(s, facts)
+    if found is not None and found.rule == "straggler" and found.title.startswith("rank "):
+        rank = int(found.title.split()[1])
+        why = explains((system or {}).get("kernel_view") or {}, rank)
+        if why is not None:  # the kernel counted the cause: said, and sure
+            d = system["kernel_view"][rank]
+            return dataclasses.replace(
+                found, severity="warn", confidence="high",
+                title=f"rank {rank} is the straggler: {why[0]}",
+                message=found.message + f" The kernel says why: over {d['seconds']:.0f} s, "
+                f"rank {rank}'s {why[0]}; the other ranks show no such cause.",
+                fix=_kernel_fix(why[0], rank) + " " + found.fix,
+                measurements={**found.measurements, "kernel": summary(d),
+                              "kernel_cause": why[0]})
     share = _cpu_share(facts, system)
     if found is None or share >= 1.0 or found.confidence == "high":
         return found
@@ -85,6 +103,20 @@ def _straggler(s: Summary, facts: RunFacts, system: dict[str, Any] | None = None
                                  "its ranks ask for, and the scheduler can share that out "
                                  "unevenly: that is as plausible a cause of a difference "
                                  "this size."))
+
+
+def _kernel_fix(cause: str, rank: int) -> str:
+    """What to do about the kernel's cause of a slow rank."""
+    if cause.startswith("its cgroup throttled"):
+        return (f"Raise or remove the CPU quota of rank {rank}'s cgroup (cpu.max on cgroup "
+                "v2, cpu.cfs_quota_us on v1: the container's or job's CPU limit), or ask "
+                "the scheduler for as many CPUs as the rank runs threads.")
+    if "swapped" in cause or "memory" in cause:
+        return (f"Give rank {rank}'s node more memory headroom: fewer data.num_workers, a "
+                "smaller data.batch_size or other processes moved off.")
+    if cause.startswith("other processes"):
+        return f"Move the other processes off rank {rank}'s cores (`gpufleet top`)."
+    return f"Look at rank {rank}'s storage (I/O wait)."
 
 
 def _straggler_found(s: Summary, facts: RunFacts) -> Finding | None:

@@ -18,7 +18,9 @@ One :class:`SystemSampler` per node (local rank 0) appends one JSON object per s
      "others": [{"pid": 4242, "name": "ffmpeg", "cpu_pct": 195.0}, ...],
                                       # the busiest other processes (>= 5%, 5 at most),
                                       # since the previous reading of them
-     "disk_free_gb": 812.4}           # free space where the run directory lives
+     "disk_free_gb": 812.4,           # free space where the run directory lives
+     "kernel": {"1": {...}}}          # per rank on this node: the kernel's counters
+                                      # (gpufleet.monitor.kernel.read_counters)
 
 Reading every process of the node (for ``others``, and for the children of the run's
 processes) is the costly part of a sample: it is done on every ``SCAN_EVERY``-th sample
@@ -57,6 +59,7 @@ from typing import Any
 import psutil
 
 from gpufleet.core.callbacks import Callback
+from gpufleet.monitor.kernel import read_counters
 from gpufleet.monitor.nvml import MB, Nvml, visible_indices
 
 log = logging.getLogger(__name__)
@@ -188,6 +191,7 @@ class SystemSampler(Callback):
         self._fd: int | None = None
         self._procs: dict[int, psutil.Process] = {}
         self._roots: list[int] = []
+        self._ranks: dict[int, int] = {}  # rank -> pid, on this node (from the records)
         self._roots_read = -PIDS_REFRESH_S
         self._samples_taken = 0
         self._others: list[dict[str, Any]] = []
@@ -278,7 +282,13 @@ class SystemSampler(Callback):
         if scan:
             self._others = busiest_others(procs)
         host = host_sample(procs, self.run_dir, self._others)
-        return {"time": round(time.time(), 3), "host": self.host, "gpus": gpus, **host}
+        kernel = {}
+        for rank, pid in self._ranks.items():  # a few small files per rank
+            counters = read_counters(pid)
+            if len(counters) > 1:
+                kernel[str(rank)] = counters
+        return {"time": round(time.time(), 3), "host": self.host, "gpus": gpus, **host,
+                "kernel": kernel}
 
     def _processes(self, scan: bool = True) -> list[psutil.Process]:
         """The processes to measure: the roots and all their descendants (looked up
@@ -292,7 +302,7 @@ class SystemSampler(Callback):
         if self.pids is not None:
             self._roots = self.pids
         elif now - self._roots_read >= PIDS_REFRESH_S:
-            self._roots = _recorded_ranks(self.run_dir, self.host)
+            self._roots, self._ranks = _recorded_ranks(self.run_dir, self.host)
             self._roots_read = now
         if not scan and self._roots == roots and self._procs:
             return list(self._procs.values())
@@ -308,13 +318,18 @@ class SystemSampler(Callback):
         return list(found.values())
 
 
-def _recorded_ranks(run_dir: Path, host: str) -> list[int]:
-    """This process and the ranks of the run recorded on this host."""
+def _recorded_ranks(run_dir: Path, host: str) -> tuple[list[int], dict[int, int]]:
+    """This process and the ranks of the run recorded on this host; and rank -> pid."""
     from gpufleet.procs import list_records
 
     pids = {os.getpid()}
+    ranks: dict[int, int] = {}
     try:
-        pids.update(r.pid for r in list_records(run_dir) if r.role == "rank" and r.host == host)
+        for r in list_records(run_dir):
+            if r.role == "rank" and r.host == host:
+                pids.add(r.pid)
+                if r.rank is not None:
+                    ranks[r.rank] = r.pid
     except (OSError, ValueError) as e:
         log.debug("Could not read the run's process records: %s", e)
-    return sorted(pids)
+    return sorted(pids), ranks
