@@ -128,9 +128,12 @@ class Trainer:
                 step_loss = self._counted(forward_backward)
             else:
                 step_loss = forward_backward()
-            # For each model with a loss: unscale → guard → clip → step or skip →
-            # schedule → zero_grad; then the step's end (step += 1, Phase.END,
-            # on_step_end). The COLLECTIVE and SYNC points are marked in engine/step.py.
+            # For each model with a loss: unscale → guard → clip → step or skip → log
+            # interval → schedule → zero_grad; then the step's end (step += 1,
+            # Phase.END, on_step_end); each point marked in engine/step.py.
+            # COLLECTIVE: the guard's agreed flag (fault.skip_nonfinite, every step, no
+            # SYNC on the device path) and the clip's norm where gradients are sharded;
+            # SYNC: the guard's host path (fp16, ZeRO, an unfused optimizer).
             losses = step_loss if isinstance(step_loss, dict) else {first: step_loss}
             optimizer_step.end(optimizer_step.step_parts(run.parts, losses, accum,
                                                          clip_value, clip_norm))
