@@ -1,3 +1,2 @@
-"""The engine both loops share: what a step and the end of a run go through, the same
-for :class:`~gpufleet.train.loop.Trainer` and for your own loop under
-:class:`~gpufleet.fleet.Fleet`."""
+"""Building and stepping one rank's run: the Run, its build, its monitors, the log
+interval, the callbacks' view and the result."""
