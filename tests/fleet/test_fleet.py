@@ -437,3 +437,30 @@ def test_a_gan_loop_clips_both_optimizers_under_fp16(tmp_path):
         opt_d.zero_grad()
     assert fleet.step == 2 and fleet.skipped_steps == 0
     fleet.finish()
+
+
+class _FailingSink(Callback):
+    essential = False  # a metrics sink: its failure is recorded, training goes on
+
+    def on_step_end(self, view, step) -> None:
+        raise OSError("disk full")
+
+
+def test_your_loop_s_result_has_the_built_in_loop_s_totals(tmp_path):
+    """The run's end is the engine's for both loops: the epochs read and the callbacks
+    that failed are in your loop's result as in fit's."""
+    fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run"), log_every=2,
+                           callbacks=[_FailingSink()])
+    net = _net()
+    model, optimizer = fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = fleet.setup_dataloaders(DataLoader(_data(), batch_size=8))
+    for _ in range(2):
+        for x, y in loader:
+            fleet.backward(F.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+    fleet.finish()
+    result = fleet.run.result
+    assert (result.steps, result.epochs) == (8, 2.0)
+    assert result.callback_errors == {"_FailingSink": "on_step_end: OSError: disk full"}
+    assert result.samples_per_s > 0 and result.tokens_per_s is None  # no tokens counted

@@ -22,11 +22,11 @@ from gpufleet.core.callbacks import Callback, CallbackList
 from gpufleet.core.phases import Phase, PhaseAnnouncer
 from gpufleet.fleet.run import FleetRun
 from gpufleet.monitor.jsonl import MetricsFile
-from gpufleet.monitor.report_cli import write_at_end
 from gpufleet.monitor.sinks import build_sinks
 from gpufleet.procs import forget_process
 from gpufleet.train.engine.interval import LogInterval
 from gpufleet.train.engine.monitors import own_callbacks
+from gpufleet.train.engine.step import OptimizerStep, abort, finish
 
 
 class StepTracker:
@@ -43,6 +43,9 @@ class StepTracker:
         #: tells the run which phase begins (builds the monitors the first time)
         self.announce: Callable[[Phase], None] = self._first_announce
         self.interval: LogInterval | None = None
+        # The optimizer step the built-in loop takes too; your loop steps its scheduler
+        # and zeroes its gradients itself.
+        self.engine = OptimizerStep(run, None, schedules=None, zero_grad=False)
         self._step_loss: torch.Tensor | None = None
         self._micro = 0  # backward passes in this step
         self._inspected = False  # the guard saw this step's gradients
@@ -97,7 +100,7 @@ class StepTracker:
         run.phases = PhaseAnnouncer(run.callbacks.phase_listeners, run.view,
                                     run.callbacks.mark_readers)
         self.announce = run.phases.announce
-        self.interval = LogInterval(run)
+        self.interval = self.engine.interval = LogInterval(run)
         run.callbacks.on_fit_start(run.view)
         for step, values in self._early_logs:
             run.callbacks.on_user_log(run.view, step, values)
@@ -127,14 +130,13 @@ class StepTracker:
         primary = optimizer is run.optimizer
         if primary:
             self.prepare_step(optimizer)
-        else:
-            run.precision.unscale(optimizer)  # once between its steps
-        if clip_val is not None:
-            torch.nn.utils.clip_grad_value_(placed.parameters(), clip_val)
-        if max_norm is None:
+        else:  # unscaled once between its steps; no guard watches it
+            self.engine.prepare(placed, optimizer, run.precision, None, None)
+        # COLLECTIVE with sharding (in the engine's clip)
+        norm = self.engine.clip(placed, clip_val, max_norm, norm_type,
+                                record=primary and self.interval is not None)
+        if norm is None:
             return None
-        # COLLECTIVE with sharding
-        norm = run.strategy.clip_grad_norm(placed, max_norm, norm_type)
         # The guard skips the step on every rank; fp16's loss scaler skips it and backs off.
         guarded = (primary and run.nonfinite is not None) or run.precision.scales_loss
         if error_if_nonfinite and not guarded and not torch.isfinite(norm):  # SYNC
@@ -143,24 +145,21 @@ class StepTracker:
                 "is not finite, and neither the non-finite guard (the first optimizer "
                 "set up, with fault.skip_nonfinite on) nor fp16's loss scaler watches "
                 "this optimizer's step. Pass error_if_nonfinite=False to step anyway.")
-        if primary and self.interval is not None:
-            self.interval.grad_norm = norm
-            if not run.cfg.optim.clip_norm:  # the log line shows the norm from now on
-                run.cfg = dataclasses.replace(run.cfg, optim=dataclasses.replace(
-                    run.cfg.optim, clip_norm=float(max_norm)))
+        if primary and self.interval is not None and not run.cfg.optim.clip_norm:
+            # the log line shows the norm from now on
+            run.cfg = dataclasses.replace(run.cfg, optim=dataclasses.replace(
+                run.cfg.optim, clip_norm=float(max_norm)))
         return norm
 
     def prepare_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Before clipping or stepping: unscale (once between steps), then let the guard
         see the gradients as backward left them (once, unless they change)."""
         run = self.run
-        run.precision.unscale(optimizer)
-        if self._inspected:
-            return
-        guard = run.nonfinite
-        if guard is not None and (guard.on_device is None or guard.inspects):
-            guard.inspect(run.model, self._loss_or_zero(), optimizer)
-        self._inspected, self._zeroed = True, False
+        guard = None if self._inspected else run.nonfinite
+        self.engine.prepare(run.model, optimizer, run.precision, guard,
+                            None if guard is None else self._loss_or_zero())
+        if not self._inspected:
+            self._inspected, self._zeroed = True, False
 
     def on_zero_grad(self) -> None:
         """The primary optimizer's ``zero_grad`` ran."""
@@ -187,38 +186,34 @@ class StepTracker:
 
     def primary_step(self, optimizer: torch.optim.Optimizer, original: Any,
                      closure: Any) -> Any:
-        """The first optimizer's step: the guard, the step, then the step's end."""
-        run = self.run
+        """The first optimizer's step: the guard, the step, then the step's end (the
+        engine's, as the built-in loop's), and every ``log.every`` steps the log line."""
+        run, engine = self.run, self.engine
         self.announce(Phase.OPTIMIZER)
         self.prepare_step(optimizer)
-        step_loss, guard, out = self._loss_or_zero(), run.nonfinite, None
-        # COLLECTIVE (+ SYNC off the device path): every rank agrees on skipping.
-        skip = guard is not None and guard.should_skip(run.model, step_loss, None, optimizer)
-        if not skip:
-            # A loss scaler steps through the precision (SYNC with fp16: found_inf);
-            # without one that is the optimizer's own step, called here directly.
-            out = (original(closure) if closure is not None or not run.precision.scales_loss
-                   else run.precision.step(optimizer))
-            if self._micro:
-                self.interval.add(step_loss, self._micro)
-        run.strategy.after_optimizer_step(run.model, run.state.step)
-        run.state.step += 1
+        # A loss scaler steps through the precision (None: the engine's precision.step);
+        # without one that is the optimizer's own step, called here directly.
+        take = None if closure is None and run.precision.scales_loss else \
+            (lambda: original(closure))
+        guard, micro = run.nonfinite, self._micro
+        # Your clip_gradients call, if any, ran before: no norm is handed to the guard.
+        skip, out = engine.after_clip(run.model, optimizer, run.precision, guard,
+                                      self._loss_or_zero(), None, micro, take=take)
         self._step_loss, self._micro, self._inspected = None, 0, False
-        if skip:
-            guard.report(run.state.step, run.env.is_main)  # stops after too many in a row
-        self.announce(Phase.END)
-        run.callbacks.on_step_end(run.view, run.state.step)
+        engine.end((guard,) if skip else ())
         if run.state.step % run.cfg.log.every == 0:
             self._log()
         return out
 
     def other_step(self, optimizer: torch.optim.Optimizer, original: Any,
                    closure: Any) -> Any:
-        """Another optimizer's step (a GAN's second one): unscaled, then stepped."""
+        """Another optimizer's step (a GAN's second one): unscaled, then stepped; no
+        guard watches it, its loss is not the run's and it ends no step."""
+        run = self.run
         self.announce(Phase.OPTIMIZER)
-        self.run.precision.unscale(optimizer)
-        return original(closure) if closure is not None else \
-            self.run.precision.step(optimizer)
+        self.engine.prepare(None, optimizer, run.precision, None, None)
+        take = None if closure is None else (lambda: original(closure))
+        return self.engine.step_or_skip(optimizer, run.precision, False, None, 0, take)
 
     def _log(self) -> None:
         """The log interval's one all-reduce (COLLECTIVE + SYNC), then the callbacks."""
@@ -238,7 +233,7 @@ class StepTracker:
         self.finished = True
         try:
             if self.interval is not None:  # the callbacks were told the run started
-                self.run.callbacks.on_exception(self.run.view, error)
+                abort(self.run, error)
         finally:
             self.run.close()
 
@@ -254,16 +249,7 @@ class StepTracker:
             if self.interval is not None:
                 if collective and run.state.step % run.cfg.log.every:
                     self._log()  # the steps since the last log line
-                result = run.result
-                result.steps = run.state.step
-                result.skipped_steps = run.nonfinite.skipped if run.nonfinite else 0
-                result.train_time_s = run.state.train_time_s
-                if run.state.train_time_s > 0:
-                    result.samples_per_s = run.state.samples / run.state.train_time_s
-                run.phases.hand_over()  # the monitors read every phase mark
-                run.callbacks.on_fit_end(run.view, result)
-                if run.env.is_main and run.cfg.monitor.report:
-                    write_at_end(run.run_dir)
+                finish(run, run.result)  # the totals, on_fit_end, report.html: as fit's
             elif self._early_logs and run.env.is_main:  # logged, never stepped (eval)
                 sinks = CallbackList([MetricsFile(run.run_dir / "metrics.jsonl"),
                                       *build_sinks(run.cfg.monitor.sinks, run.run_dir,

@@ -15,19 +15,18 @@ Example:
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any
 
 import torch
 
 from gpufleet.core.phases import Phase
 from gpufleet.fault.crash import crash_reported
-from gpufleet.monitor.report_cli import write_at_end
 from gpufleet.train.checkpoint.checkpointer import Position
 from gpufleet.train.checkpoint.keeping import monitored
 from gpufleet.train.engine.interval import LogInterval
 from gpufleet.train.engine.result import FitResult
 from gpufleet.train.engine.run import Run
+from gpufleet.train.engine.step import OptimizerStep, abort, finish
 from gpufleet.train.recovery.growing import Regroup
 from gpufleet.train.scheduling import SchedulerSteps
 
@@ -70,7 +69,7 @@ class Trainer:
                         if run.recovery is None or not run.recovery.recover(error):
                             raise
         except BaseException as error:  # the run failed (also before or in on_fit_start):
-            run.callbacks.on_exception(run.view, error)  # callbacks let go of what they hold
+            abort(run, error)  # callbacks let go of what they hold
             raise
         finally:
             self.run.close()
@@ -88,7 +87,6 @@ class Trainer:
     def _train(self) -> FitResult:
         run, state = self.run, self.run.state
         self.interval = LogInterval(run)
-        announce, step_end = run.phases.announce, run.callbacks.on_step_end
         # What each micro-step hands the strategy; the strategy calls the last one where
         # backward begins (None: nobody listens).
         accum = run.cfg.optim.grad_accum
@@ -102,6 +100,11 @@ class Trainer:
         next_due = self._next_due(state.step)
         self._next_epoch_save = self._epoch_save_after(run.data.epochs_done)
         self._schedules = SchedulerSteps(run)
+        # The optimizer step both loops share; this loop steps the schedulers and zeroes
+        # the gradients itself (an own loop calls them).
+        optimizer_step = OptimizerStep(run, self.interval, self._schedules, zero_grad=True)
+        clip_value, clip_norm = run.cfg.optim.clip_value or None, run.cfg.optim.clip_norm or None
+        first = run.parts[0].name
         for part in run.parts:
             if part.guard is not None:  # decides whether it inspects before the clip
                 part.guard.start(part.model, part.optimizer, run.device)
@@ -125,12 +128,15 @@ class Trainer:
                 step_loss = self._counted(forward_backward)
             else:
                 step_loss = forward_backward()
-            skipped = self._optimizer_step(step_loss)
-            state.step += 1
-            for guard in skipped:
-                guard.report(state.step, run.env.is_main)  # stops after too many
-            announce(Phase.END)
-            step_end(run.view, state.step)
+            # For each model with a loss: unscale → guard → clip → step or skip → log
+            # interval → schedule → zero_grad; then the step's end (step += 1,
+            # Phase.END, on_step_end); each point marked in engine/step.py.
+            # COLLECTIVE: the guard's agreed flag (fault.skip_nonfinite, every step, no
+            # SYNC on the device path) and the clip's norm where gradients are sharded;
+            # SYNC: the guard's host path (fp16, ZeRO, an unfused optimizer).
+            losses = step_loss if isinstance(step_loss, dict) else {first: step_loss}
+            optimizer_step.end(optimizer_step.step_parts(run.parts, losses, accum,
+                                                         clip_value, clip_norm))
             if state.step >= next_due:
                 if self._between_steps():
                     break  # preempted, with a checkpoint
@@ -186,64 +192,6 @@ class Trainer:
             for name, loss in losses.items():
                 step_loss[name] = loss if name not in step_loss else step_loss[name] + loss
         return step_loss
-
-    def _optimizer_step(self, step_loss: torch.Tensor | dict[str, torch.Tensor]
-                        ) -> list[Any]:
-        """For each model with a loss this step: unscale, guard, clip, step, schedule,
-        zero the gradients. Returns the guards of the models whose step was skipped as
-        non-finite."""
-        run = self.run
-        run.phases.announce(Phase.OPTIMIZER)
-        losses = step_loss if isinstance(step_loss, dict) else {run.parts[0].name: step_loss}
-        skipped, norms = [], []
-        for part in run.parts:
-            if part.name in losses and self._step_part(part, losses[part.name], norms):
-                skipped.append(part.guard)
-        if len(norms) > 1:  # several models: the norm over all their gradients
-            self.interval.grad_norm = torch.linalg.vector_norm(torch.stack(norms))
-        run.strategy.after_optimizer_step(run.model, run.state.step)
-        return skipped
-
-    def _step_part(self, part: Any, step_loss: torch.Tensor, norms: list) -> bool:
-        """One model's optimizer step (see :meth:`_optimizer_step`); returns whether it
-        was skipped as non-finite. The clip's norm, when measured, goes to ``norms``."""
-        run, cfg = self.run, self.run.cfg
-        model, opt, guard = part.model, part.optimizer, part.guard
-        part.precision.unscale(opt)  # true gradient sizes before clipping
-        if guard is not None and guard.inspects:
-            # COLLECTIVE (fault.skip_nonfinite): with a fused optimizer, the ranks agree
-            # on the device whether this step's loss or gradients (as backward left them)
-            # are non-finite, and the optimizer skips by itself (when the clip by norm
-            # measures the gradients, this happens on its norms, below).
-            guard.inspect(model, step_loss, opt)
-        if cfg.optim.clip_value:
-            torch.nn.utils.clip_grad_value_(model.parameters(), cfg.optim.clip_value)
-        norm = None
-        if cfg.optim.clip_norm:
-            # The norm stays a device tensor; it is only read at log time.
-            self.interval.grad_norm = norm = run.strategy.clip_grad_norm(
-                model, cfg.optim.clip_norm)
-            norms.append(norm)
-        # Device path with clipping by norm only: the same COLLECTIVE happens here, on
-        # the norms the clip measured before clipping. Without the device path (fp16,
-        # ZeRO, an unfused optimizer): COLLECTIVE + SYNC, all ranks agree on the host to
-        # skip a step that is not finite.
-        skip = guard is not None and guard.should_skip(model, step_loss, norm, opt)
-        if skip:
-            with warnings.catch_warnings():
-                # The schedule follows the step count, skipped steps included, so
-                # torch's warning about a scheduler step without an optimizer step does
-                # not apply.
-                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
-                self._schedules.after_step(part)
-        else:
-            part.precision.step(opt)  # SYNC with fp16 and a non-fused optimizer (found_inf)
-            # On the device path a skipped step's loss is added too (no host read here);
-            # the guard takes it out again at the log interval.
-            self.interval.add(step_loss, cfg.optim.grad_accum)
-            self._schedules.after_step(part)
-        opt.zero_grad()  # frees the gradients (set_to_none is the default)
-        return skip
 
     def _next_due(self, step: int) -> int:
         """The first step after ``step`` that ends a log interval, or is due for
@@ -416,17 +364,4 @@ class Trainer:
         # COLLECTIVE with checkpoint.async_save: the background write ends before the run
         # does (also after a preemption signal); a failed one is reported in the result.
         run.checkpointer.finish(result)
-        result.steps = state.step
-        result.epochs = run.data.epochs_done
-        result.skipped_steps = sum(p.guard.skipped for p in run.parts if p.guard is not None)
-        result.train_time_s = state.train_time_s
-        if state.train_time_s > 0:
-            result.samples_per_s = state.samples / state.train_time_s
-            if state.tokens:
-                result.tokens_per_s = state.tokens / state.train_time_s
-        run.phases.hand_over()  # the monitors read every phase mark
-        run.callbacks.on_fit_end(run.view, result)
-        result.callback_errors = dict(run.callbacks.failures)
-        if run.env.is_main and run.cfg.monitor.report:
-            write_at_end(run.run_dir)
-        return result
+        return finish(run, result)  # the totals, on_fit_end, report.html: as Fleet's
