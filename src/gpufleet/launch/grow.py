@@ -122,11 +122,16 @@ def joining() -> Joining | None:
 
 
 def store_client(address: tuple[str, int], timeout_s: float) -> Any:
-    """A client of the live ranks' store at ``address`` (rank 0 hosts it)."""
+    """A client of the live ranks' store at ``address`` (rank 0 hosts it; with
+    ``--rdzv-backend etcd`` it names their keys on the etcd cluster)."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
+    from gpufleet.launch.etcd_store import ranks_store, uses_etcd
+
+    if uses_etcd():
+        return ranks_store(address, timeout_s)
     host, port = address
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)
