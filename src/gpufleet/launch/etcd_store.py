@@ -218,8 +218,13 @@ def _create_handler(params: RendezvousParameters) -> Any:
         EtcdRendezvousBackend,
     )
 
+    class Backend(EtcdRendezvousBackend):
+        @property
+        def name(self) -> str:  # the name torch's registry checks the handler by
+            return TORCH_BACKEND
+
     etcd_client = client(params.endpoint)
-    backend = EtcdRendezvousBackend(etcd_client, params.run_id, key_prefix=_RENDEZVOUS_KEYS)
+    backend = Backend(etcd_client, params.run_id, key_prefix=_RENDEZVOUS_KEYS)
     store = EtcdKV(etcd_client, f"{_AGENT_KEYS}/{params.run_id}")
     logger.info("rendezvous %r on the etcd cluster at %s", params.run_id, params.endpoint)
     return create_handler(store, backend, params)
