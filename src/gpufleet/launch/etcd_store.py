@@ -44,6 +44,10 @@ except ModuleNotFoundError:  # optional: a clear error when the backend is asked
     etcd = None
 
 logger = logging.getLogger(__name__)
+# python-etcd logs an error for every request a lost member fails, which the client then
+# sends to another member: a survived loss, not an error of the run's. What the run
+# cannot survive (no member left) reaches the run as an exception.
+logging.getLogger("etcd.client").setLevel(logging.CRITICAL)
 
 #: The user-facing name of the backend (``--rdzv-backend etcd``).
 BACKEND = "etcd"
@@ -94,12 +98,22 @@ def client(endpoints: str, timeout_s: float = _READ_TIMEOUT_S) -> Any:
     try:
         # allow_reconnect: on a failed request the client moves to the next member
         # (the cluster's advertised client addresses, read when it connects).
-        return etcd.Client(host=hosts, allow_reconnect=True, read_timeout=timeout_s)
+        made = etcd.Client(host=hosts, allow_reconnect=True, read_timeout=timeout_s)
     except etcd.EtcdException as err:
         raise LaunchError(
             f"No etcd member answers at {endpoints} ({err}). Start the cluster first (`gpufleet "
             "etcd --name NAME --cluster NAME1=HOST1,NAME2=HOST2,NAME3=HOST3` on each member's "
             "host, see docs/across-nodes.md), or fix --rdzv-endpoint.") from None
+    # A member that stopped answering: on to the next one at once, rather than after
+    # urllib3's own three tries of the same one (each a warning in the log).
+    urlopen = made.http.urlopen
+
+    def once(method: str, url: str, **kw: Any) -> Any:
+        kw.setdefault("retries", False)
+        return urlopen(method, url, **kw)
+
+    made.http.urlopen = once
+    return made
 
 
 class EtcdKV(EtcdStore):
