@@ -21,8 +21,8 @@ from gpufleet.cli import main
 from gpufleet.errors import LaunchError
 from gpufleet.fault.snapshot_ring import Held
 from gpufleet.launch import DistEnv
-from gpufleet.launch.etcd_cluster import endpoints, member_command, parse_cluster
-from gpufleet.launch.etcd_store import ENDPOINTS_ENV, EtcdKV, client, parse_endpoints, ranks_store
+from gpufleet.launch.etcd_cluster import ENDPOINTS_ENV, endpoints, member_command, parse_cluster
+from gpufleet.launch.etcd_store import EtcdKV, client, parse_endpoints, ranks_store
 from gpufleet.train.disconnect import store_endpoint
 from gpufleet.train.recovery import Membership, Recovery, RecoveryFailed
 

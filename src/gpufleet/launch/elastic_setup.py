@@ -19,7 +19,8 @@ from typing import Any
 
 from torch.distributed.launcher import api as torch_launcher
 
-from gpufleet.launch import etcd_store
+from gpufleet.launch.etcd_cluster import BACKEND as ETCD
+from gpufleet.launch.etcd_cluster import ENDPOINTS_ENV
 from gpufleet.launch.rendezvous import LaunchPlan
 
 
@@ -114,7 +115,7 @@ def rendezvous_poll(seconds: float) -> Iterator[None]:
 @contextmanager
 def rendezvous_on_etcd(plan: LaunchPlan) -> Iterator[None]:
     """With ``--rdzv-backend etcd``: torch's agent finds gpufleet's rendezvous on every
-    member of the etcd cluster (:data:`~gpufleet.launch.etcd_store.TORCH_BACKEND`), and
+    member of the etcd cluster (:data:`~gpufleet.launch.etcd_cluster.TORCH_BACKEND`), and
     the ranks it starts find the cluster's endpoints in their environment, for their own
     store (:func:`~gpufleet.launch.etcd_store.ranks_store`).
 
@@ -122,12 +123,15 @@ def rendezvous_on_etcd(plan: LaunchPlan) -> Iterator[None]:
         LaunchError: python-etcd is missing, or no member answers (checked here, before
             torch's agent would report it as a failed rendezvous).
     """
-    if plan.rdzv_backend != etcd_store.BACKEND:
+    if plan.rdzv_backend != ETCD:
         yield
         return
-    etcd_store.client(plan.rdzv_endpoint)  # a clear error now rather than torch's later
-    etcd_store.register_rendezvous()
-    name, previous = etcd_store.ENDPOINTS_ENV, os.environ.get(etcd_store.ENDPOINTS_ENV)
+    # Deferred: python-etcd takes seconds to import, and only this backend needs it.
+    from gpufleet.launch.etcd_store import client, register_rendezvous
+
+    client(plan.rdzv_endpoint)  # a clear error now rather than torch's later
+    register_rendezvous()
+    name, previous = ENDPOINTS_ENV, os.environ.get(ENDPOINTS_ENV)
     os.environ[name] = plan.rdzv_endpoint  # the agents pass their environment on
     try:
         yield

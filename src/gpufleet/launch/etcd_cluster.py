@@ -33,8 +33,21 @@ import sys
 from gpufleet.errors import LaunchError
 
 CLIENT_PORT, PEER_PORT = 2379, 2380  # etcd's own defaults
+#: The user-facing name of the backend (``--rdzv-backend etcd``).
+BACKEND = "etcd"
+#: The name gpufleet's rendezvous on etcd is registered under with torch (torch's own
+#: "etcd" is its older rendezvous, on one endpoint).
+TORCH_BACKEND = "gpufleet-etcd"
+#: The environment variable that gives the ranks the cluster's endpoints (set by the
+#: launcher; the agents pass it on to the ranks they start).
+ENDPOINTS_ENV = "GPUFLEET_ETCD_ENDPOINTS"
 _INSTALL = ("install etcd (Debian/Ubuntu: `apt-get install etcd-server`; elsewhere a release "
             "from github.com/etcd-io/etcd), or give its path with --etcd PATH")
+
+
+def uses_etcd() -> bool:
+    """Whether this rank's stores live on an etcd cluster (``--rdzv-backend etcd``)."""
+    return bool(os.environ.get(ENDPOINTS_ENV))
 
 
 def parse_cluster(text: str) -> dict[str, str]:

@@ -15,7 +15,9 @@ store a run uses lives in a replicated etcd cluster (its v2 API, ``etcd
 Losing any one node, the one that started the job included, then loses no store: the
 survivors go on in their processes. The cluster survives losing a minority of its
 members (one of three). The client is ``python-etcd`` (``pip install
-'gpufleet[etcd]'``), the one torch's etcd backends use.
+'gpufleet[etcd]'``), the one torch's etcd backends use. Importing it takes seconds on a
+busy machine: this module is imported only where etcd is used (the names other modules
+test for are in :mod:`.etcd_cluster`).
 
 Example:
     >>> parse_endpoints("10.0.0.1:2379,10.0.0.2")
@@ -36,6 +38,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handl
 from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
 
 from gpufleet.errors import LaunchError
+from gpufleet.launch.etcd_cluster import ENDPOINTS_ENV, TORCH_BACKEND
 from gpufleet.launch.netif import split_endpoint
 
 try:
@@ -49,14 +52,6 @@ logger = logging.getLogger(__name__)
 # cannot survive (no member left) reaches the run as an exception.
 logging.getLogger("etcd.client").setLevel(logging.CRITICAL)
 
-#: The user-facing name of the backend (``--rdzv-backend etcd``).
-BACKEND = "etcd"
-#: The name the handler is registered under with torch (torch's own "etcd" is its older
-#: rendezvous, on one endpoint).
-TORCH_BACKEND = "gpufleet-etcd"
-#: The environment variable that gives the ranks the cluster's endpoints (set by the
-#: launcher; the agents pass it on to the ranks they start).
-ENDPOINTS_ENV = "GPUFLEET_ETCD_ENDPOINTS"
 DEFAULT_PORT = 2379
 _INSTALL = "pip install 'gpufleet[etcd]' (python-etcd, the client torch's etcd backends use)"
 _RENDEZVOUS_KEYS, _AGENT_KEYS, _RANK_KEYS = "/gpufleet/rdzv", "/gpufleet/agents", "/gpufleet/ranks"
@@ -213,11 +208,6 @@ def ranks_store(address: tuple[str, int], timeout_s: float,
     # keys beneath the process groups' prefixes (gpufleet.train.growing) unwraps those.
     return EtcdKV(client(endpoints), f"{_RANK_KEYS}/{run_id}/{host}:{port}",
                   datetime.timedelta(seconds=timeout_s))
-
-
-def uses_etcd() -> bool:
-    """Whether this rank's stores live on an etcd cluster (``--rdzv-backend etcd``)."""
-    return bool(os.environ.get(ENDPOINTS_ENV))
 
 
 def register_rendezvous() -> None:

@@ -128,9 +128,11 @@ def store_client(address: tuple[str, int], timeout_s: float) -> Any:
 
     import torch.distributed as dist
 
-    from gpufleet.launch.etcd_store import ranks_store, uses_etcd
+    from gpufleet.launch.etcd_cluster import uses_etcd
 
     if uses_etcd():
+        from gpufleet.launch.etcd_store import ranks_store  # deferred: python-etcd, slow
+
         return ranks_store(address, timeout_s)
     host, port = address
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),

@@ -47,8 +47,8 @@ from gpufleet.launch.elastic_setup import (
     rendezvous_on_etcd,
     rendezvous_poll,
 )
-from gpufleet.launch.etcd_store import BACKEND as ETCD
-from gpufleet.launch.etcd_store import TORCH_BACKEND
+from gpufleet.launch.etcd_cluster import BACKEND as ETCD
+from gpufleet.launch.etcd_cluster import TORCH_BACKEND
 from gpufleet.launch.failures import describe_failures
 from gpufleet.launch.netif import multi_node_network
 from gpufleet.launch.rankmain import COMMAND, read_results, write_payload

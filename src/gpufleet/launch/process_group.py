@@ -22,7 +22,7 @@ from gpufleet.core.collectives import is_initialized
 from gpufleet.core.ring import RING
 from gpufleet.errors import LaunchError, unknown_choice
 from gpufleet.launch.env import DistEnv, export_for_torch
-from gpufleet.launch.etcd_store import ranks_store, uses_etcd
+from gpufleet.launch.etcd_cluster import uses_etcd
 from gpufleet.launch.netif import choose_socket_ifname
 
 logger = logging.getLogger(__name__)
@@ -77,6 +77,8 @@ def init_process_group(env: DistEnv, backend: str, init_method: str = "env://",
         # --rdzv-backend etcd: the group meets in the etcd cluster, not in a store that
         # rank 0 would host (which dies with rank 0's node), and so does everything that
         # uses the job's store, also after an in-process recovery.
+        from gpufleet.launch.etcd_store import ranks_store  # deferred: python-etcd, slow
+
         store = ranks_store((env.master_addr, env.master_port), timeout_s)
     export_for_torch(env)
     if env.world_size > env.local_world_size and init_method.startswith("env://"):
