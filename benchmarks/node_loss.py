@@ -34,12 +34,24 @@ store's own node is killed and both training nodes are watched.
 
     sudo python benchmarks/node_loss.py --store-host separate --repeats 3
     sudo python benchmarks/node_loss.py --store-host separate --lose-store
+
+``--store-host etcd`` keeps every store on a 3-member etcd cluster (``gpufleet etcd``),
+one member on each of three nodes of the bed, two of them training (``--rdzv-backend
+etcd``). Node 0, the node that started the job and whose rank was rank 0, is killed
+(its member with it); node 1 the survivor; node 0 (its member first) started again
+``--rejoin-after`` s later. With ``--lose-store`` node 2, the node that holds only a
+member, is killed instead: the two training nodes should go on together, at world 2,
+and the row says how many steps they trained in the ``--watch`` seconds after.
+
+    sudo python benchmarks/node_loss.py --store-host etcd --snapshot-every 1
+    sudo python benchmarks/node_loss.py --store-host etcd --lose-store --snapshot-every 1
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import statistics
@@ -89,11 +101,15 @@ def elastic_job(bed: NetBed, run_dir: Path, args: argparse.Namespace) -> list[st
 
 
 def one_loss(bed: NetBed, run_dir: Path, args: argparse.Namespace, *, lose: int = 1,
-             endpoint: str | None = None) -> dict[str, float]:
+             endpoint: str | None = None, etcd: bool = False) -> dict[str, float]:
     """Both nodes train; every process of node ``lose`` is killed, and started again
     ``--rejoin-after`` s after the kill. ``endpoint``: a store elsewhere (default: in
-    node 0's launcher)."""
+    node 0's launcher); ``etcd``: a member of the etcd cluster runs on every node, and
+    the lost node's is started again first."""
     job = elastic_job(bed, run_dir, args)
+    if etcd:
+        endpoint = start_etcd(bed, run_dir.parent / f"{run_dir.name}-etcd")
+        job = [*job, "--rdzv-backend", "etcd"]
     if endpoint:
         job = with_endpoint(job, endpoint)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -118,6 +134,9 @@ def one_loss(bed: NetBed, run_dir: Path, args: argparse.Namespace, *, lose: int 
     # between reading the records above and the kill).
     at_step = max(r["step"] for r in records(run_dir) if len(r["rank_phases"]) == 2)
     time.sleep(max(0.0, killed_at + args.rejoin_after - time.time()))
+    if etcd:  # its member back first (from its data folder), as an operator would
+        start_member(bed, lose, run_dir.parent / f"{run_dir.name}-etcd")
+        wait_healthy(bed, list(range(bed.nodes)))
     rejoined_at = time.time()
     with open(run_dir.parent / f"{run_dir.name}-node{lose}-restart.log", "w") as out:
         bed.popen(lose, job, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -181,6 +200,60 @@ def start_store(bed: NetBed, node: int, env: dict[str, str], log: Path) -> str:
     return f"{bed.addr(node)}:{STORE_PORT}"
 
 
+def start_member(bed: NetBed, node: int, folder: Path) -> None:
+    """Member ``m<node>`` of the bed's etcd cluster (one on every node) on ``node``."""
+    cluster = ",".join(f"m{i}={bed.addr(i)}" for i in range(bed.nodes))
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"m{node}.log", "a") as out:
+        bed.popen(node, [sys.executable, "-m", "gpufleet", "etcd", "--name", f"m{node}",
+                         "--cluster", cluster, "--data-dir", str(folder / f"m{node}")],
+                  stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait_healthy(bed: NetBed, members: list[int], timeout: float = 60.0) -> None:
+    """Until every member of ``members`` answers, part of a healthy cluster."""
+    urls = ",".join(f"{bed.addr(i)}:2379" for i in members)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        probe = bed.popen(members[0], ["etcdctl", "--endpoints", urls, "endpoint", "health"],
+                          env={**os.environ, "ETCDCTL_API": "3"},
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if probe.wait(timeout=60) == 0:
+            return
+        time.sleep(0.3)
+    sys.exit(f"the etcd cluster on {urls} did not become healthy in {timeout:.0f} s")
+
+
+def start_etcd(bed: NetBed, folder: Path) -> str:
+    """An etcd member on every node of the bed (``gpufleet etcd``); the endpoints."""
+    for node in range(bed.nodes):
+        start_member(bed, node, folder)
+    wait_healthy(bed, list(range(bed.nodes)))
+    return ",".join(f"{bed.addr(i)}:2379" for i in range(bed.nodes))
+
+
+def member_loss(bed: NetBed, run_dir: Path, args: argparse.Namespace) -> dict[str, float]:
+    """Both nodes train on the etcd cluster; node 2 (a member only) is killed; the steps
+    trained in the ``--watch`` seconds after, and whether the world stayed 2."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    job = with_endpoint([*elastic_job(bed, run_dir, args), "--rdzv-backend", "etcd"],
+                        start_etcd(bed, run_dir.parent / f"{run_dir.name}-etcd"))
+    for node in (0, 1):
+        with open(run_dir.parent / f"{run_dir.name}-node{node}.log", "w") as out:
+            bed.popen(node, job, env=env, stdout=out, stderr=subprocess.STDOUT)
+    wait_until(lambda: [r for r in records(run_dir)
+                        if r["step"] >= args.kill_at and len(r["rank_phases"]) == 2], 300)
+    at_step = records(run_dir)[-1]["step"]
+    killed_at = time.time()
+    bed.kill_node(2)
+    time.sleep(args.watch)
+    after = [r for r in records(run_dir) if r["time"] > killed_at]
+    gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(after)]
+    return {"steps_after": float(after[-1]["step"] - at_step) if after else 0.0,
+            "world_2": float(bool(after) and all(len(r["rank_phases"]) == 2 for r in after)),
+            "longest_gap_s": max(gaps, default=float("inf"))}
+
+
 def with_endpoint(job: list[str], endpoint: str) -> list[str]:
     """``job`` with its ``--rdzv-endpoint`` replaced."""
     at = job.index("--rdzv-endpoint") + 1
@@ -221,6 +294,26 @@ def separate_store_rows(args: argparse.Namespace) -> None:
         for k in median["reference"] if median["reference"][k]))
 
 
+def etcd_rows(args: argparse.Namespace) -> None:
+    """Each repeat on a fresh 3-node bed with an etcd member on every node: node 0 lost
+    (or, with ``--lose-store``, node 2, a member only)."""
+    what = "node 2 (an etcd member only) killed" if args.lose_store else \
+        "node 0 (the node that started the job, an etcd member too) killed and started again"
+    print(f"every store on a 3-member etcd cluster, a member on each node; {what}",
+          flush=True)
+    rows = []
+    with workdir(args.keep) as tmp:
+        for i in range(args.repeats):
+            with NetBed(3) as bed:
+                run_dir = Path(tmp) / f"etcd{i}"
+                rows.append(member_loss(bed, run_dir, args) if args.lose_store else
+                            one_loss(bed, run_dir, args, lose=0, etcd=True))
+            print(f"  repeat {i + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in rows[-1].items()),
+                  flush=True)
+    print("median: " + ", ".join(f"{k} {statistics.median(r[k] for r in rows):.1f}"
+                                 for k in rows[0]))
+
+
 @contextlib.contextmanager
 def workdir(keep: str) -> Iterator[str]:
     """Where the runs go: ``keep`` (made if missing, left afterwards), else a temporary
@@ -253,10 +346,15 @@ def main() -> None:
                              "restarted node's log shows where its rejoin time goes)")
     parser.add_argument("--lose-store", action="store_true",
                         help="kill node 0 (the rendezvous store's host) instead of node 1")
-    parser.add_argument("--store-host", choices=("node0", "separate"), default="node0",
-                        help="where the rendezvous store runs: node0 (in node 0's launcher) "
-                             "or separate (`gpufleet store` on a third node; node 0 is the "
-                             "node killed, or with --lose-store the store's node)")
+    parser.add_argument("--store-host", choices=("node0", "separate", "etcd"), default="node0",
+                        help="where the rendezvous store runs: node0 (in node 0's launcher), "
+                             "separate (`gpufleet store` on a third node; node 0 is the "
+                             "node killed, or with --lose-store the store's node) or etcd "
+                             "(a 3-member etcd cluster, a member on each node; node 0 "
+                             "killed, or with --lose-store node 2, a member only)")
+    parser.add_argument("--watch", type=float, default=20.0,
+                        help="--store-host etcd --lose-store: seconds the training nodes "
+                             "are watched after the member's node is killed")
     args = parser.parse_args()
     reason = netbed_available()
     if reason:
@@ -266,6 +364,9 @@ def main() -> None:
           f"steps, snapshot every {args.snapshot_every or '-'} steps, rendezvous heartbeat "
           f"1 s, last call 2 s, state read every {args.rdzv_poll or 'default'} s; killed "
           f"past step {args.kill_at}")
+    if args.store_host == "etcd":
+        etcd_rows(args)
+        return
     if args.lose_store:
         where = "a third node (`gpufleet store`)" if args.store_host == "separate" else \
             "node 0's launcher"

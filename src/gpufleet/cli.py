@@ -36,6 +36,7 @@ COMMANDS: dict[str, str] = {
     "sbatch": "gpufleet.launch.sbatch",
     "run": "gpufleet.fleet.cli",
     "store": "gpufleet.launch.store",
+    "etcd": "gpufleet.launch.etcd_cluster",
 }
 
 

@@ -22,8 +22,13 @@ class DistConfig(Section):
     node_rank: int = opt(0, "This node's rank (static multi-node).", min=0)
     master_addr: str = opt("127.0.0.1", "Address of node 0 (static multi-node).")
     master_port: int = opt(0, "Port on node 0 (0: a free port; needed for multi-node).", min=0)
-    rdzv_endpoint: str = opt("", "Rendezvous endpoint host:port (elastic multi-node).")
-    rdzv_backend: str = opt("c10d", "Rendezvous backend.", choices=("c10d", "static", "etcd-v2"))
+    rdzv_endpoint: str = opt("", "Rendezvous endpoint host:port (elastic multi-node); with "
+                             "--rdzv-backend etcd every etcd member's, comma-separated.")
+    rdzv_backend: str = opt("c10d", "Rendezvous backend: c10d (a store on node 0 or on "
+                            "`gpufleet store`'s host), etcd (an etcd cluster: every store of "
+                            "the run replicated, no node the others need), static, etcd-v2 "
+                            "(torch's, on one etcd member).",
+                            choices=("c10d", "etcd", "static", "etcd-v2"))
     rdzv_id: str = opt("", "Rendezvous id shared by all nodes (default: the run name).")
     max_restarts: int = opt(0, "Times the agent restarts the ranks after a failure.", min=0)
     rdzv_timeout: float = opt(600.0, "Seconds the nodes have to meet at the rendezvous before "

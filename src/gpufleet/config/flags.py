@@ -12,6 +12,8 @@ SHORTCUTS: dict[str, tuple[str, str]] = {
     "--master-port": ("dist.master_port", "port on node 0 (static multi-node)"),
     "--rdzv-endpoint": ("dist.rdzv_endpoint", "rendezvous host:port (elastic multi-node)"),
     "--rdzv-id": ("dist.rdzv_id", "rendezvous id shared by all nodes"),
+    "--rdzv-backend": ("dist.rdzv_backend", "c10d (default), etcd (an etcd cluster, every "
+                                            "member in --rdzv-endpoint), static or etcd-v2"),
     "--launcher": ("dist.launcher", "auto, elastic, spawn or none"),
     "--max-restarts": ("dist.max_restarts", "restarts of the ranks after a failure"),
     "--resume": ("checkpoint.resume", "'latest', 'auto' or a checkpoint / run directory path"),

@@ -4,7 +4,8 @@ setting for. Each is a context manager that puts torch's own piece back on the w
 - :func:`fresh_store_per_restart`: the ranks of every restart get a new store;
 - :func:`agent_made_with`: the agent's exit barrier, and gpufleet's agent that keeps its
   live ranks when a node joins (:mod:`.grow_agent`);
-- :func:`rendezvous_poll`: how often the c10d rendezvous reads its state while it waits.
+- :func:`rendezvous_poll`: how often the c10d rendezvous reads its state while it waits;
+- :func:`rendezvous_on_etcd`: the rendezvous and the ranks' stores on an etcd cluster.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from torch.distributed.launcher import api as torch_launcher
+
+from gpufleet.launch.etcd_cluster import BACKEND as ETCD
+from gpufleet.launch.etcd_cluster import ENDPOINTS_ENV
+from gpufleet.launch.rendezvous import LaunchPlan
 
 
 @contextmanager
@@ -105,3 +110,33 @@ def rendezvous_poll(seconds: float) -> Iterator[None]:
         yield
     finally:
         rdzv._delay, rdzv._BackendRendezvousStateHolder = delay, holder
+
+
+@contextmanager
+def rendezvous_on_etcd(plan: LaunchPlan) -> Iterator[None]:
+    """With ``--rdzv-backend etcd``: torch's agent finds gpufleet's rendezvous on every
+    member of the etcd cluster (:data:`~gpufleet.launch.etcd_cluster.TORCH_BACKEND`), and
+    the ranks it starts find the cluster's endpoints in their environment, for their own
+    store (:func:`~gpufleet.launch.etcd_store.ranks_store`).
+
+    Raises:
+        LaunchError: python-etcd is missing, or no member answers (checked here, before
+            torch's agent would report it as a failed rendezvous).
+    """
+    if plan.rdzv_backend != ETCD:
+        yield
+        return
+    # Deferred: python-etcd takes seconds to import, and only this backend needs it.
+    from gpufleet.launch.etcd_store import client, register_rendezvous
+
+    client(plan.rdzv_endpoint)  # a clear error now rather than torch's later
+    register_rendezvous()
+    name, previous = ENDPOINTS_ENV, os.environ.get(ENDPOINTS_ENV)
+    os.environ[name] = plan.rdzv_endpoint  # the agents pass their environment on
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous

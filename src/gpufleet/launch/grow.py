@@ -122,11 +122,18 @@ def joining() -> Joining | None:
 
 
 def store_client(address: tuple[str, int], timeout_s: float) -> Any:
-    """A client of the live ranks' store at ``address`` (rank 0 hosts it)."""
+    """A client of the live ranks' store at ``address`` (rank 0 hosts it; with
+    ``--rdzv-backend etcd`` it names their keys on the etcd cluster)."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
+    from gpufleet.launch.etcd_cluster import uses_etcd
+
+    if uses_etcd():
+        from gpufleet.launch.etcd_store import ranks_store  # deferred: python-etcd, slow
+
+        return ranks_store(address, timeout_s)
     host, port = address
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)

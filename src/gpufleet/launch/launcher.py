@@ -45,8 +45,11 @@ from gpufleet.fault.preempt import (
 from gpufleet.launch.elastic_setup import (
     agent_made_with,
     fresh_store_per_restart,
+    rendezvous_on_etcd,
     rendezvous_poll,
 )
+from gpufleet.launch.etcd_cluster import BACKEND as ETCD
+from gpufleet.launch.etcd_cluster import TORCH_BACKEND
 from gpufleet.launch.failures import describe_failures
 from gpufleet.launch.netif import multi_node_network
 from gpufleet.launch.rankmain import COMMAND, read_results, write_payload
@@ -216,12 +219,14 @@ def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: Launc
     configs = {**timeouts.configs(plan.rdzv_backend), **network_configs, **plan.rdzv_configs}
     generations = _store_elsewhere(plan, configs, timeouts)
     generation = generations.current() if generations else 0
+    # --rdzv-backend etcd: gpufleet's rendezvous on every etcd member (elastic_setup)
+    torch_backend = TORCH_BACKEND if plan.rdzv_backend == ETCD else plan.rdzv_backend
 
     def launch_config() -> LaunchConfig:
         return LaunchConfig(
             min_nodes=plan.min_nodes, max_nodes=plan.max_nodes, nproc_per_node=nproc,
             logs_specs=logs, run_id=torch_run_id(plan.run_id, generation),
-            rdzv_endpoint=plan.rdzv_endpoint, rdzv_backend=plan.rdzv_backend,
+            rdzv_endpoint=plan.rdzv_endpoint, rdzv_backend=torch_backend,
             rdzv_configs=configs, local_addr=local_addr, max_restarts=max_restarts,
             start_method="spawn")
     logger.info("launching %d rank(s) with torch's elastic agent (%s rendezvous at %s, "
@@ -248,6 +253,7 @@ def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: Launc
         for tries_left in range(_REOPEN_TRIES, -1, -1):
             try:
                 with fresh_store_per_restart(plan.rdzv_backend), \
+                        rendezvous_on_etcd(plan), \
                         agent_made_with(barrier, grow_in), rendezvous_poll(timeouts.poll_s):
                     # A rank's exception lands in its error file (torch's @record around fn).
                     results = elastic_launch(launch_config(), entry)(*args)

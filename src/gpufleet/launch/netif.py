@@ -246,7 +246,7 @@ def multi_node_network(plan: LaunchPlan) -> tuple[str | None, dict[str, Any]]:
     """
     if plan.mode == "standalone":
         return None, {}
-    host, port = split_endpoint(plan.rdzv_endpoint)
+    host, port = split_endpoint(plan.rdzv_endpoint.split(",")[0])
     route = choose_socket_ifname(host) or route_to(host)  # also: a name that does not resolve
     extra: dict[str, Any] = {}
     owner = owns_address(host)
@@ -261,6 +261,8 @@ def multi_node_network(plan: LaunchPlan) -> tuple[str | None, dict[str, Any]]:
                 "node 0 on the machine that has it.")
         if hosts:
             check_store_port(port, "rendezvous store")
+        return route.local_ip, extra
+    if plan.rdzv_backend != "c10d":  # etcd: no node hosts a store; the route to a member
         return route.local_ip, extra
     # c10d: torch would compare the endpoint with the host name; the route does not lie.
     hosts = plan.rdzv_configs.get("is_host", owner)

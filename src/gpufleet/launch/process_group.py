@@ -22,6 +22,7 @@ from gpufleet.core.collectives import is_initialized
 from gpufleet.core.ring import RING
 from gpufleet.errors import LaunchError, unknown_choice
 from gpufleet.launch.env import DistEnv, export_for_torch
+from gpufleet.launch.etcd_cluster import uses_etcd
 from gpufleet.launch.netif import choose_socket_ifname
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,13 @@ def init_process_group(env: DistEnv, backend: str, init_method: str = "env://",
     if init_method.startswith("env://") and env.master_port == 0 and env.source in (
             "horovod", "mpi"):
         store, env = _rendezvous_through_horovod(env, timeout_s)
+    elif init_method.startswith("env://") and env.world_size > 1 and uses_etcd():
+        # --rdzv-backend etcd: the group meets in the etcd cluster, not in a store that
+        # rank 0 would host (which dies with rank 0's node), and so does everything that
+        # uses the job's store, also after an in-process recovery.
+        from gpufleet.launch.etcd_store import ranks_store  # deferred: python-etcd, slow
+
+        store = ranks_store((env.master_addr, env.master_port), timeout_s)
     export_for_torch(env)
     if env.world_size > env.local_world_size and init_method.startswith("env://"):
         # Several nodes (torchrun, SLURM...): talk over the interface that reaches rank 0.
@@ -159,7 +167,8 @@ def destroy_process_group() -> None:
 
 def job_store() -> Any:
     """The key-value store the process group was built on (a ``TCPStore`` on rank 0 for
-    env:// and tcp://), or None without a process group.
+    env:// and tcp://, the etcd cluster with ``--rdzv-backend etcd``), or None without a
+    process group.
 
     Side channels that must work while a collective hangs (the watchdog's heartbeats)
     use it: the store answers from its own thread, whatever the ranks are doing.

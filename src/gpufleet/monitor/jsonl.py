@@ -18,13 +18,16 @@ _encode = json.JSONEncoder(check_circular=False).encode
 class MetricsFile(Callback):
     """Appends metrics to a JSON-lines file (a resumed run keeps adding to it).
 
-    Not essential: a full disk loses lines, not the run.
+    Not essential: a full disk loses lines, not the run. ``main_only``: write only while
+    this rank is rank 0 (``trainer.env.is_main``), for a rank that becomes rank 0 when an
+    in-process recovery goes on without the first one.
     """
 
     essential = False
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, main_only: bool = False) -> None:
         self.path = Path(path)
+        self.main_only = main_only
         self._file = None
 
     def on_fit_start(self, trainer: Any) -> None:
@@ -35,14 +38,20 @@ class MetricsFile(Callback):
         if self._file is not None:
             self._file.write(_encode({"kind": kind, "time": time.time(), **metrics}) + "\n")
 
+    def _writes(self, trainer: Any) -> bool:
+        return not self.main_only or trainer.env.is_main
+
     def on_log(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
-        self.write("train", metrics)
+        if self._writes(trainer):
+            self.write("train", metrics)
 
     def on_eval(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
-        self.write("eval", metrics)
+        if self._writes(trainer):
+            self.write("eval", metrics)
 
     def on_user_log(self, trainer: Any, step: int, values: dict[str, float]) -> None:
-        self.write("user", {"step": step, **values})
+        if self._writes(trainer):
+            self.write("user", {"step": step, **values})
 
     def on_fit_end(self, trainer: Any, result: Any) -> None:
         if self._file is not None:

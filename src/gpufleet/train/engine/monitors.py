@@ -72,6 +72,10 @@ def own_callbacks(run: Run) -> list[Callback]:
     links = probe_node_links(env, mon.link_probe and mon.diagnose and mon.phases,
                              run.device)
     if not env.is_main:
+        if cfg.fault.snapshot_every and isinstance(run, Run):
+            # Rank 0's node lost (stores on etcd): this rank may go on as rank 0, and
+            # then writes the metrics (the sinks and the advisor stay with the first).
+            own.append(MetricsFile(run.run_dir / "metrics.jsonl", main_only=True))
         return own
     metrics = MetricsFile(run.run_dir / "metrics.jsonl")
     own.append(metrics)

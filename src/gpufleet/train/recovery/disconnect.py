@@ -41,18 +41,23 @@ def cut_connections(addresses: set[str],
 
 
 def store_endpoint(store: Any) -> frozenset[tuple[str, int]] | None:
-    """The addresses and port the job's ``store`` (a TCPStore, maybe under prefixes)
-    answers at, or None when they cannot be told."""
+    """The addresses and ports the job's ``store`` (a TCPStore, maybe under prefixes, or
+    the etcd cluster's members) answers at, or None when they cannot be told."""
     while hasattr(store, "underlying_store"):  # PrefixStore
         store = store.underlying_store
-    host, port = getattr(store, "host", None), getattr(store, "port", None)
-    if not host or not port:
-        return None
-    try:
-        found = {info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
-    except OSError:
-        return None
-    return frozenset((addr.removeprefix("::ffff:"), port) for addr in found)
+    # The etcd cluster: every member's (gpufleet.launch.etcd_store.EtcdKV).
+    endpoints = getattr(store, "endpoints", None) or \
+        [(getattr(store, "host", None), getattr(store, "port", None))]
+    found = set()
+    for host, port in endpoints:
+        if not host or not port:
+            return None
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError:
+            return None
+        found |= {(info[4][0].removeprefix("::ffff:"), port) for info in infos}
+    return frozenset(found)
 
 
 def cut_old_group(watchdog: Any, store: Any) -> int:

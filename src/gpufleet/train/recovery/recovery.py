@@ -7,11 +7,13 @@ connection a dead peer's kernel closed), every rank left, in :meth:`Recovery.rec
 1. waits for its own snapshot copy in flight and for the snapshot thread (whose exchange
    with a lost partner fails the same way), then leaves the broken process group: every
    group destroyed, NCCL's communicators aborted first;
-2. reports to the job's store (hosted by rank 0's process, kept across groups) under
-   keys of this recovery's *generation*, so that a second loss meets in fresh keys: its
-   rank and the step of the snapshot it holds. Rank 0 waits for the reports, at most
-   ``fault.recover_window_s`` (less when every rank reported), and decides: the ranks
-   that reported go on, in rank order, from the newest step they all hold
+2. reports to the job's store (hosted by rank 0's process and kept across groups, or,
+   with ``--rdzv-backend etcd``, the etcd cluster) under keys of this recovery's
+   *generation*, so that a second loss meets in fresh keys: its rank and the step of
+   the snapshot it holds. Every rank waits for the reports, at most
+   ``fault.recover_window_s`` (less when every rank reported), and proposes a decision;
+   the first the store takes (``compare_set``) holds for all: the ranks that reported
+   go on, in rank order, from the newest step they all hold
    (:func:`~gpufleet.fault.snapshot_ring.newest_replicated`);
 3. joins a new process group with them, and rebuilds what depends on it: the strategy's
    degrees and mesh, the DDP wrappers, its data shard, the ring of snapshot partners, the
@@ -35,7 +37,7 @@ snapshots); the log says which path was taken and why. That happens when the err
 not a lost peer (every rank reported), when the strategy's state is split in ways not
 put together again (zero1, pipeline, tensor or local SGD: decided when the run is built),
 when no snapshot of one step is held by every rank left (sharded: for every shard
-position), when rank 0 (the store's host) is
+position), when rank 0 (the store's host, unless the stores are on etcd) is
 lost, or when a step of the recovery fails or times out.
 """
 
@@ -261,35 +263,33 @@ class Recovery:
         return f"{self.prefix}/g{self.generation}"
 
     def _agree(self, held: list[Held]) -> Membership:
-        """Report the complete snapshot copies this rank holds to the store; rank 0
-        decides who goes on from which step (and, for shards, whose copies make it)."""
+        """Report the complete snapshot copies this rank holds to the store; the first
+        rank to propose a decision (whoever is lost, rank 0 included) decides who goes on
+        from which step (and, for shards, whose copies make it)."""
         env, keys, store = self.run.env, self._keys, self.store
         store.set(f"{keys}/member/{env.rank}",
                   json.dumps({"held": [[h.holder, h.owner, h.step] for h in held]}))
         store.add(f"{keys}/count", 1)
-        if env.rank == 0:
-            deadline = time.monotonic() + self.window_s
-            while (store.add(f"{keys}/count", 0) < env.world_size
-                   and time.monotonic() < deadline):
-                time.sleep(0.01)
-            present = [r for r in range(env.world_size)
-                       if store.check([f"{keys}/member/{r}"])]
-            reported = [Held(*h) for r in present
-                        for h in json.loads(store.get(f"{keys}/member/{r}"))["held"]]
-            assembly = newest_sharded(
-                reported, present, [shard_position(r, self.run.strategy.dims)
-                                    for r in range(env.world_size)]) \
-                if self.reshards else newest_replicated(reported, present)
-            store.set(f"{keys}/decision", json.dumps(
-                {"ranks": present, "step": None if assembly is None else assembly.step,
-                 "sources": {} if assembly is None else assembly.sources}))
-        else:
-            store.wait([f"{keys}/decision"], timedelta(seconds=self.timeout_s))
-        decision = json.loads(store.get(f"{keys}/decision"))
+        # Every rank waits for the others' reports (at most the window), then proposes
+        # what it saw; the first proposal the store takes is the decision for all.
+        deadline = time.monotonic() + self.window_s
+        while store.add(f"{keys}/count", 0) < env.world_size and time.monotonic() < deadline:
+            time.sleep(0.01)
+        present = [r for r in range(env.world_size) if store.check([f"{keys}/member/{r}"])]
+        reported = [Held(*h) for r in present
+                    for h in json.loads(store.get(f"{keys}/member/{r}"))["held"]]
+        assembly = newest_sharded(
+            reported, present, [shard_position(r, self.run.strategy.dims)
+                                for r in range(env.world_size)]) \
+            if self.reshards else newest_replicated(reported, present)
+        proposal = json.dumps({"ranks": present,
+                               "step": None if assembly is None else assembly.step,
+                               "sources": {} if assembly is None else assembly.sources})
+        decision = json.loads(store.compare_set(f"{keys}/decision", "", proposal))
         membership = Membership(tuple(decision["ranks"]), decision["step"],
                                 {int(k): v for k, v in decision["sources"].items()})
         if env.rank not in membership.ranks:
-            raise RecoveryFailed(f"rank {env.rank} reported after rank 0 closed the "
+            raise RecoveryFailed(f"rank {env.rank} reported after another rank closed the "
                                  f"membership {list(membership.ranks)}")
         if len(membership.ranks) == env.world_size:
             raise RecoveryFailed("every rank reported: no rank was lost, so the error "
