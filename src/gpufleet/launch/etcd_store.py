@@ -127,7 +127,7 @@ class EtcdKV(EtcdStore):
         super().__init__(etcd_client, prefix, timeout)
         _KEPT.append(self)
         #: (host, port) of every member: the connections a rank keeps when it cuts off
-        #: a lost node (gpufleet.train.disconnect)
+        #: a lost node (gpufleet.train.recovery.disconnect)
         self.endpoints = [split_endpoint(u.split("://")[-1]) for u in
                           [etcd_client.base_uri, *etcd_client._machines_cache]]
 
@@ -205,7 +205,7 @@ def ranks_store(address: tuple[str, int], timeout_s: float,
     run_id = run_id or os.environ.get("TORCHELASTIC_RUN_ID", "gpufleet")
     host, port = address
     # The address in the folder, not in a PrefixStore: code that reads the store's own
-    # keys beneath the process groups' prefixes (gpufleet.train.growing) unwraps those.
+    # keys beneath the process groups' prefixes (gpufleet.train.recovery.growing) unwraps those.
     return EtcdKV(client(endpoints), f"{_RANK_KEYS}/{run_id}/{host}:{port}",
                   datetime.timedelta(seconds=timeout_s))
 
