@@ -22,6 +22,7 @@ from torch.utils.data import Dataset, IterableDataset
 from gpufleet.config import Config, write_config
 from gpufleet.core.callbacks import Callback, CallbackList
 from gpufleet.core.phases import PhaseAnnouncer
+from gpufleet.data.ledger import open_ledger
 from gpufleet.data.loaders import build_eval_loader, build_train_loader
 from gpufleet.errors import ConfigError, GpufleetError
 from gpufleet.job import import_object
@@ -173,6 +174,8 @@ def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module]
         parts=parts,
         user_step=None if training_step is None else UserStep(training_step, list(placed)))
     run.result.run_dir = str(run_dir)
+    if data.data_copies == 1:  # (pipeline stages read the same samples: not kept there)
+        data.ledger = open_ledger(run_dir, run.state, data.sampler, env.restart_count)
     run.view = RunView(run)  # what callbacks get: read-only, reads live values
     run.callbacks = CallbackList(own_callbacks(run) + list(callbacks))
     if run.monitors.system_sampler is None:  # one the caller added (its own interval)
