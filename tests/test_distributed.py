@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import final_params
+from gpufleet.data.audit import audit
 
 TOY = ["--model", "toyjob:make_model", "--data", "toyjob:make_data",
        "--model.loss", "torch.nn.functional:mse_loss", "--max-steps", "12",
@@ -29,11 +30,12 @@ def _assert_same_params(a, b, atol=1e-5):
         torch.testing.assert_close(pa[k], pb[k], rtol=1e-4, atol=atol)
 
 
-def _audit_passes(run_cli, run_dir):
-    """`gpufleet data audit` proves every sample of each finished epoch was read once."""
-    audit = run_cli("data", "audit", str(run_dir))
-    assert "audit passed" in audit.stdout, audit.stdout
-    return audit.stdout
+def _audit_passes(run_dir):
+    """The data ledger's audit (`gpufleet data audit`, here without its start-up)
+    proves every sample of each finished epoch was read once; returns its report."""
+    report = audit(run_dir)
+    assert report.ok, report.lines()
+    return "\n".join(report.lines())
 
 
 def _losses(run_dir):
@@ -87,7 +89,7 @@ def test_killed_rank_is_restarted_and_the_run_finishes_as_if_nothing_happened(
     _assert_same_params(clean, killed, atol=0)
     assert _losses(killed) == _losses(clean)
     # Rank 0 read into step 7 before the restart; the resume from step 6 voids that.
-    assert "resume at step 6" in _audit_passes(run_cli, killed)
+    assert "resume at step 6" in _audit_passes(killed)
 
 
 def test_resume_latest_continues_steps_and_loss_curve(run_cli, tmp_path):
@@ -99,7 +101,7 @@ def test_resume_latest_continues_steps_and_loss_curve(run_cli, tmp_path):
     assert [s for s, _ in _losses(resumed)] == list(range(1, 13))
     assert _losses(resumed) == _losses(straight)
     _assert_same_params(straight, resumed, atol=0)
-    _audit_passes(run_cli, resumed)
+    _audit_passes(resumed)
 
 
 # Slow: the killed-rank test (bit-equal weights after a restart mid-run) and the
@@ -127,7 +129,7 @@ def test_resume_mid_epoch_reads_the_same_samples_on_every_rank(run_cli, tmp_path
         resumed = (tmp_path / "resumed" / f"rank{rank}.txt").read_text().split()
         assert len(straight) == 12 * 16
         assert first[:6 * 16] + resumed == straight  # steps 1-6, then 7-12 after resume
-    _audit_passes(run_cli, tmp_path / "runs" / "cut")
+    _audit_passes(tmp_path / "runs" / "cut")
 
 
 def test_resume_at_other_world_sizes_reads_every_sample_of_the_epoch_once(run_cli, tmp_path):
@@ -158,7 +160,7 @@ def test_resume_at_other_world_sizes_reads_every_sample_of_the_epoch_once(run_cl
     read = committed("a", 2, 4) + committed("b", 1, 4) + committed("c", 2, 2)
     assert sorted(map(int, read)) == list(range(256))
     # The ledger shows the same without the recording data set: 256 of 256 read once.
-    report = _audit_passes(run_cli, tmp_path / "runs" / "ws")
+    report = _audit_passes(tmp_path / "runs" / "ws")
     assert "epoch 0 (finished): 256 of 256 samples consumed once" in report
     assert "resume at step 4 (1 rank(s))" in report and "resume at step 8" in report
 

@@ -11,6 +11,7 @@ from torch.nn import functional as F
 
 import gpufleet
 import toyjob
+from gpufleet.data.audit import audit
 from gpufleet.train.callbacks import Callback
 
 
@@ -238,6 +239,11 @@ def test_token_budget_batching_trains_and_resumes_exactly(tmp_path):
     rest = _fit_tokens(tmp_path / "b", {"checkpoint.every": 4, "run.name": "t",
                                         "checkpoint.resume": "latest"})
     assert rest.losses == full.losses[8:]  # resumed from the step-8 checkpoint
+    # The bucket sampler's batches, sample by sample: 12 steps of 8, epoch 0 under way.
+    for run in (full, rest):
+        report = audit(run.run_dir)
+        assert report.ok and not report.epochs[0].finished, report.lines()
+    assert "resume at step 8" in audit(rest.run_dir).lines()[0]
 
 
 def test_token_batching_needs_lengths(tmp_path):

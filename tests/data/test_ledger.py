@@ -4,17 +4,21 @@ indices."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 
 from gpufleet.data.audit import audit
 from gpufleet.data.bucket import BucketBatchSampler
 from gpufleet.data.ledger import LEDGER_DIR, DataLedger, open_ledger
 from gpufleet.data.sampler import ResumableDistributedSampler
+from gpufleet.errors import ConfigError
+from gpufleet.train import ledger_cli
 
 
 @dataclass
@@ -165,9 +169,8 @@ def test_token_budget_batches_are_audited_by_sample(tmp_path):
 
 
 def test_a_run_dir_without_a_ledger_is_a_clear_error(tmp_path):
-    cli = subprocess.run([sys.executable, "-m", "gpufleet", "data", "audit", str(tmp_path)],
-                         capture_output=True, text=True)
-    assert cli.returncode == 2 and "holds no ledger" in cli.stderr
+    with pytest.raises(ConfigError, match="holds no ledger"):
+        ledger_cli.run(argparse.Namespace(run_dir=str(tmp_path)))
 
 
 def test_a_span_changes_when_a_step_takes_another_amount(tmp_path):

@@ -223,9 +223,18 @@ class _Epoch:
                 uneven=seg["uneven"])
             self.batches = sampler.epoch_batches(seg["epoch"])
             self.real = sampler.real_batches(seg["epoch"])
+            self.weights = np.array([len(b) for b in self.batches], dtype=np.int64)
         else:
             self.order = _order(seg)
             self.real = seg["n"]
+            self.weights = None  # one sample a position
+
+    def count(self, counts: np.ndarray, start: int = 0) -> int:
+        """Samples ``counts`` marks at positions ``start`` on (a bucket position is a
+        batch of several)."""
+        if self.weights is None:
+            return int(counts[start:].sum())
+        return int((counts[start:] * self.weights[start:len(counts)]).sum())
 
     def samples(self, positions: list[int]) -> list[int]:
         """The sample indices at these positions (positions themselves when the order
@@ -296,10 +305,10 @@ def _audit_epoch(epoch: int, spans: list[Span], folder: Path, later: bool) -> Ep
               and s.segment["world"] == spans[-1].segment["world"]] or spans
     ends = _read_ends(newest)
     finished = later or ends is not None
-    report = EpochReport(epoch, finished, view.real)
     real = counts[:view.real]
-    report.once = int((real == 1).sum())
-    report.padding = int(counts[view.real:].sum())
+    report = EpochReport(epoch, finished, view.count(np.ones(view.real, dtype=np.int64)))
+    report.once = view.count((real == 1).astype(np.int64))
+    report.padding = view.count(counts, view.real)
     dup = np.flatnonzero(counts > 1)
     if dup.size:
         report.problems.append(_duplicates(dup.tolist(), view, spans))
