@@ -32,6 +32,7 @@ from gpufleet.launch.rankmain import restarts
 from gpufleet.monitor.flops import device_peak_flops
 from gpufleet.monitor.system import SystemSampler
 from gpufleet.parallel import build_strategy, strategy_class
+from gpufleet.parallel.compile_cache import keep_compile_cache
 from gpufleet.parallel.parallelize import parallelize
 from gpufleet.plan import RunPlan, make_plan
 from gpufleet.precision import build_precision
@@ -327,6 +328,8 @@ def plan_run_dir(cfg: Config, env: DistEnv) -> tuple[Config, Path | None, runloc
     if isinstance(plan, Exception):
         raise plan
     cfg, resume_from = plan
+    # Before the first compile: a restarted rank reads what its predecessor compiled.
+    keep_compile_cache(cfg.run.dir, cfg.perf.compile)
     # By pid, so `gpufleet cleanup RUN_DIR` can end this rank (and its data-loader
     # workers) if the run is left hanging; removed again when training ends well.
     record_process(Path(cfg.run.dir), "rank", env.rank)
