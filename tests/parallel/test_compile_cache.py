@@ -23,6 +23,14 @@ CHILD = textwrap.dedent("""
     from torch._dynamo.utils import counters
     from torch.nn import functional as F
     import gpufleet, toyjob
+
+    class Net(torch.nn.Module):  # (a plain nn.Sequential's compile traces no frame)
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x)))
     run_dir, steps, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
     over = {"perf.compile": True, "run.dir": run_dir, "run.max_steps": steps,
             "checkpoint.every": 1, "log.progress": "off", "data.batch_size": 32,
@@ -30,7 +38,7 @@ CHILD = textwrap.dedent("""
     if resume:
         over["checkpoint.resume"] = "latest"
     torch.manual_seed(0)
-    gpufleet.fit(toyjob.make_model(), toyjob.make_data(), loss_fn=F.mse_loss, overrides=over)
+    gpufleet.fit(Net(), toyjob.make_data(), loss_fn=F.mse_loss, overrides=over)
     print(json.dumps({"hit": counters["inductor"]["fxgraph_cache_hit"],
                       "miss": counters["inductor"]["fxgraph_cache_miss"]}))
 """)

@@ -48,11 +48,10 @@ class StepSource(Protocol):
 
 
 def slot_check(values: tuple[int, ...]) -> int:
-    """The check word of a slot's values: a torn write does not match it."""
-    check = SLOT_MAGIC
-    for v in values:
-        check = (check * 1_000_003 + v) & 0x7FFF_FFFF_FFFF_FFFF
-    return check
+    """The check word of a slot's values (magic first): a torn write does not match it."""
+    magic, span, first, per, last, end, start = values
+    return (magic ^ (span + 3 * first + 5 * per + 7 * last + 11 * end + 13 * start)) \
+        & 0x7FFF_FFFF_FFFF_FFFF
 
 
 class DataLedger:
@@ -116,9 +115,12 @@ class DataLedger:
             span = self._span
         self._pos += count
         assert span is not None
-        values = (SLOT_MAGIC, span[0], span[3], span[4], step, self._pos, span[6])
+        pos, first, per, start = self._pos, span[3], span[4], span[6]
+        check = (SLOT_MAGIC ^ (span[0] + 3 * first + 5 * per + 7 * step + 11 * pos
+                               + 13 * start)) & 0x7FFF_FFFF_FFFF_FFFF  # slot_check, inline
         self._turn ^= 1
-        SLOT.pack_into(self._slot, self._turn * SLOT.size, *values, slot_check(values))
+        SLOT.pack_into(self._slot, self._turn * SLOT.size, SLOT_MAGIC, span[0], first, per,
+                       step, pos, start, check)
 
     def _next_step(self, span: list[int] | None, step: int) -> None:
         """The first batch of ``step``: the span goes on if its steps stay alike."""
