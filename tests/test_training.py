@@ -116,6 +116,14 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     assert rest.losses == full.losses[10:]
     for k, v in _params(straight).items():
         torch.testing.assert_close(_params(resumed)[k], v, rtol=0, atol=0)
+    # The ledger: steps 11-12, read before the interruption, are voided by the resume
+    # from step 10; each of the 4 epochs (5 steps of 48) read its 240 samples once (the
+    # loader's drop_last leaves 16 out).
+    report = audit(rest.run_dir)
+    assert report.ok and "resume at step 10 (1 rank(s))" in report.events, report.lines()
+    finished = [e for e in report.epochs if e.finished]
+    assert len(finished) == 4 and all(e.once == 240 and len(e.dropped) == 16
+                                      for e in finished), report.lines()
 
 
 def test_a_run_directory_with_checkpoints_is_never_trained_over(tmp_path):
