@@ -10,6 +10,7 @@ import torch
 
 from conftest import final_params
 from equivalence import assert_same_weights
+from gpufleet.data.audit import audit
 
 TOY = ["--model", "toyjob:make_model", "--data", "toyjob:make_data",
        "--model.loss", "torch.nn.functional:mse_loss", "--max-steps", "12",
@@ -33,6 +34,14 @@ def _assert_same_params(a, b, atol: float | None = None):
     assert pa.keys() == pb.keys()
     for k in pa:
         torch.testing.assert_close(pa[k], pb[k], rtol=1e-4, atol=atol)
+
+
+def _audit_passes(run_dir):
+    """The data ledger's audit (`gpufleet data audit`, here without its start-up)
+    proves every sample of each finished epoch was read once; returns its report."""
+    report = audit(run_dir)
+    assert report.ok, report.lines()
+    return "\n".join(report.lines())
 
 
 def _losses(run_dir):
@@ -85,6 +94,8 @@ def test_killed_rank_is_restarted_and_the_run_finishes_as_if_nothing_happened(
     assert [s for s, _ in _losses(killed)] == list(range(1, 13))
     _assert_same_params(clean, killed, atol=0)
     assert _losses(killed) == _losses(clean)
+    # Rank 0 read into step 7 before the restart; the resume from step 6 voids that.
+    assert "resume at step 6" in _audit_passes(killed)
 
 
 def test_resume_latest_continues_steps_and_loss_curve(run_cli, tmp_path):
@@ -96,6 +107,7 @@ def test_resume_latest_continues_steps_and_loss_curve(run_cli, tmp_path):
     assert [s for s, _ in _losses(resumed)] == list(range(1, 13))
     assert _losses(resumed) == _losses(straight)
     _assert_same_params(straight, resumed, atol=0)
+    _audit_passes(resumed)
 
 
 # Slow: the killed-rank test (bit-equal weights after a restart mid-run) and the
@@ -123,6 +135,7 @@ def test_resume_mid_epoch_reads_the_same_samples_on_every_rank(run_cli, tmp_path
         resumed = (tmp_path / "resumed" / f"rank{rank}.txt").read_text().split()
         assert len(straight) == 12 * 16
         assert first[:6 * 16] + resumed == straight  # steps 1-6, then 7-12 after resume
+    _audit_passes(tmp_path / "runs" / "cut")
 
 
 def test_resume_at_other_world_sizes_reads_every_sample_of_the_epoch_once(run_cli, tmp_path):
@@ -152,6 +165,10 @@ def test_resume_at_other_world_sizes_reads_every_sample_of_the_epoch_once(run_cl
     assert "resumed from" in done.stderr and "at step 8" in done.stderr
     read = committed("a", 2, 4) + committed("b", 1, 4) + committed("c", 2, 2)
     assert sorted(map(int, read)) == list(range(256))
+    # The ledger shows the same without the recording data set: 256 of 256 read once.
+    report = _audit_passes(tmp_path / "runs" / "ws")
+    assert "epoch 0 (finished): 256 of 256 samples consumed once" in report
+    assert "resume at step 4 (1 rank(s))" in report and "resume at step 8" in report
 
 
 def test_ddp_fp16_comm_hook_stays_close_and_bf16_on_gloo_names_the_fix(run_cli, tmp_path):

@@ -13,6 +13,7 @@ import gpufleet
 import toyjob
 from equivalence import assert_same_weights
 from gpufleet.core.callbacks import Callback
+from gpufleet.data.audit import audit
 
 
 def _fit(tmp_path, overrides: dict, model_kwargs=None, data=None, callbacks=(),
@@ -115,6 +116,14 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     assert rest.losses == full.losses[10:]
     for k, v in _params(straight).items():
         torch.testing.assert_close(_params(resumed)[k], v, rtol=0, atol=0)
+    # The ledger: steps 11-12, read before the interruption, are voided by the resume
+    # from step 10; each of the 4 epochs (5 steps of 48) read its 240 samples once (the
+    # loader's drop_last leaves 16 out).
+    report = audit(rest.run_dir)
+    assert report.ok and "resume at step 10 (1 rank(s))" in report.events, report.lines()
+    finished = [e for e in report.epochs if e.finished]
+    assert len(finished) == 4 and all(e.once == 240 and len(e.dropped) == 16
+                                      for e in finished), report.lines()
 
 
 def test_a_run_directory_with_checkpoints_is_never_trained_over(tmp_path):
@@ -238,6 +247,11 @@ def test_token_budget_batching_trains_and_resumes_exactly(tmp_path):
     rest = _fit_tokens(tmp_path / "b", {"checkpoint.every": 4, "run.name": "t",
                                         "checkpoint.resume": "latest"})
     assert rest.losses == full.losses[8:]  # resumed from the step-8 checkpoint
+    # The bucket sampler's batches, sample by sample: 12 steps of 8, epoch 0 under way.
+    for run in (full, rest):
+        report = audit(run.run_dir)
+        assert report.ok and not report.epochs[0].finished, report.lines()
+    assert "resume at step 8" in audit(rest.run_dir).lines()[0]
 
 
 def test_token_batching_needs_lengths(tmp_path):

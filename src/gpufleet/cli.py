@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "doctor": "gpufleet.doctor.cli",
     "cleanup": "gpufleet.procs",
     "checkpoint": "gpufleet.train.checkpoint.migrate",
+    "data": "gpufleet.train.ledger_cli",
     "tokens": "gpufleet.hf.cli",
     "report": "gpufleet.monitor.report_cli",
     "top": "gpufleet.monitor.top",

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpufleet.data.audit import audit
 from gpufleet.data.sampler import ResumableDistributedSampler
 from gpufleet.train.checkpoint import format as ckpt
 
@@ -113,6 +114,12 @@ def test_survivor_recovers_in_process_with_exact_data_and_no_disk_read(netbed, t
     lost_reads = [i for i, _ in lost]
     epoch = together[:16 * step] + lost_reads[:16 * step] + alone[:rest]
     assert sorted(epoch) == list(range(256))
+    # The run's own ledger shows it too: what the lost rank and the survivor read after
+    # the snapshot's step, before the recovery, does not count.
+    report = audit(run)
+    assert report.ok and report.epochs[0].finished, report.lines()
+    assert report.epochs[0].once == 256 and any(e.startswith(("recovery", "regroup"))
+                                                for e in report.events), report.lines()
     records = train_records(run)
     assert records[-1]["step"] == 24 and len(records[-1]["rank_phases"]) == 1
 

@@ -134,6 +134,7 @@ class BucketBatchSampler(EpochPasses, Sampler[list[int]]):
 
         self._init_passes()
         self._cache: tuple[int, list[list[int]]] | None = None  # (epoch, all ranks' batches)
+        self._real = (-1, 0)  # (epoch, its batches before the fill rule)
 
     @property
     def dataset_len(self) -> int:
@@ -166,6 +167,7 @@ class BucketBatchSampler(EpochPasses, Sampler[list[int]]):
             batches = batches + (batches * math.ceil(pad / n))[:pad]
         assert len(batches) % ws == 0
         self._cache = (epoch, batches)
+        self._real = (epoch, n if self.uneven == "repeat" else len(batches))
         return batches
 
     def _pack(self, order: np.ndarray) -> list[list[int]]:
@@ -192,6 +194,24 @@ class BucketBatchSampler(EpochPasses, Sampler[list[int]]):
         if current:
             batches.append(current)
         return batches
+
+    def real_batches(self, epoch: int) -> int:
+        """Batches of ``epoch`` before the fill rule: the positions of
+        :meth:`epoch_batches` from this one on repeat earlier batches."""
+        self.epoch_batches(epoch)  # cached: it sets the count for its epoch
+        return self._real[1]
+
+    def ledger_segment(self, epoch: int) -> dict[str, Any]:
+        """What the data ledger records of ``epoch`` before this rank reads from it (the
+        batches are recomputed from the lengths and these settings).
+
+        Example:
+            >>> BucketBatchSampler([1, 2, 3], token_budget=4).ledger_segment(0)["items"]
+            2
+        """
+        return {"kind": "bucket", "epoch": epoch, "seed": self.seed, "shard": self.rank,
+                "world": self.world_size, "skip": 0, "items": self._count(epoch),
+                **{k: v for k, v in self._config().items() if k != "world_size"}}
 
     def rank_batches(self, epoch: int) -> list[list[int]]:
         """The batches this rank yields in ``epoch``, in order."""

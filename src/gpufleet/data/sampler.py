@@ -143,6 +143,21 @@ class ResumableDistributedSampler(EpochPasses, Sampler[int]):
             rest += (order * math.ceil(pad / max(1, n)))[:pad]
         return rest[self.rank::ws]
 
+    def ledger_segment(self, epoch: int) -> dict[str, Any]:
+        """What the data ledger records of ``epoch`` before this rank reads from it: the
+        order's identity (kind, seed, length), the samples an earlier run consumed
+        (``skip``), the shard and this rank's items; enough to recompute every index.
+
+        Example:
+            >>> ResumableDistributedSampler(6, rank=1, world_size=2).ledger_segment(0)["items"]
+            3
+        """
+        kind = "source" if self.source is not None else "perm" if self.shuffle else "range"
+        seed = self._drawn.get(epoch, None if self.draw_seeds else self.seed + epoch)
+        return {"kind": kind, "epoch": epoch, "n": self.dataset_len, "seed": seed,
+                "skip": self._skipped(epoch), "world": self.world_size, "shard": self.rank,
+                "pad": not self.drop_last, "items": self._count(epoch)}
+
     def _epoch_seed(self, epoch: int) -> int:
         """The seed of ``epoch``'s permutation: ``seed + epoch``, or with ``draw_seeds``
         one drawn from torch's random state when the epoch is first read, as

@@ -22,6 +22,7 @@ from torch.utils.data import Dataset, IterableDataset
 from gpufleet.config import Config, write_config
 from gpufleet.core.callbacks import Callback, CallbackList
 from gpufleet.core.phases import PhaseAnnouncer
+from gpufleet.data.ledger import open_ledger
 from gpufleet.data.loaders import build_eval_loader, build_train_loader
 from gpufleet.errors import ConfigError, GpufleetError
 from gpufleet.job import import_object
@@ -31,6 +32,7 @@ from gpufleet.launch.rankmain import restarts
 from gpufleet.monitor.flops import device_peak_flops
 from gpufleet.monitor.system import SystemSampler
 from gpufleet.parallel import build_strategy, strategy_class
+from gpufleet.parallel.compile_cache import keep_compile_cache
 from gpufleet.parallel.parallelize import parallelize
 from gpufleet.plan import RunPlan, make_plan
 from gpufleet.precision import build_precision
@@ -173,6 +175,8 @@ def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module]
         parts=parts,
         user_step=None if training_step is None else UserStep(training_step, list(placed)))
     run.result.run_dir = str(run_dir)
+    if data.data_copies == 1:  # (pipeline stages read the same samples: not kept there)
+        data.ledger = open_ledger(run_dir, run.state, data.sampler, env.restart_count)
     run.view = RunView(run)  # what callbacks get: read-only, reads live values
     run.callbacks = CallbackList(own_callbacks(run) + list(callbacks))
     if run.monitors.system_sampler is None:  # one the caller added (its own interval)
@@ -324,6 +328,8 @@ def plan_run_dir(cfg: Config, env: DistEnv) -> tuple[Config, Path | None, runloc
     if isinstance(plan, Exception):
         raise plan
     cfg, resume_from = plan
+    # Before the first compile: a restarted rank reads what its predecessor compiled.
+    keep_compile_cache(cfg.run.dir, cfg.perf.compile)
     # By pid, so `gpufleet cleanup RUN_DIR` can end this rank (and its data-loader
     # workers) if the run is left hanging; removed again when training ends well.
     record_process(Path(cfg.run.dir), "rank", env.rank)

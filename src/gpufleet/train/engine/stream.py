@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from gpufleet.core.tree import batch_size_of, to_device, tokens_of
+from gpufleet.data.ledger import DataLedger
 from gpufleet.data.loaders import TrainLoader
 from gpufleet.data.prefetch import DevicePrefetcher
 from gpufleet.train.perf import to_channels_last
@@ -36,6 +37,7 @@ class TrainStream:
         epoch: the epoch being read.
         consumed: what of it was taken: samples ("fixed" batches) or batches ("tokens").
         samples / tokens: handed out since :meth:`take_counts` last emptied them.
+        ledger: records what each step consumed in the run directory (None: not kept).
     """
 
     def __init__(self, train: TrainLoader, device: torch.device, *, seed: int, rank: int,
@@ -53,12 +55,22 @@ class TrainStream:
         self.samples, self.tokens = 0, 0
         self._batches: Any = None
         self._loader_it: Any = None  # the loader's own iterator under _batches
+        self.ledger: DataLedger | None = None
 
     def start(self, epoch: int, consumed: int = 0) -> None:
         """Read from ``epoch`` on (the sampler already knows where in it: a resumed
         run's sampler skips what ``consumed`` counts)."""
+        self._start(epoch, consumed, event=True)
+
+    def _start(self, epoch: int, consumed: int, event: bool) -> None:
         self.epoch, self.consumed = epoch, consumed
         self._batches = self._epoch_iterator()
+        if self.ledger is not None:  # the segment: enough to recompute every index
+            segment = self.sampler.ledger_segment(epoch)
+            segment["reads"] = segment["items"] // self.unit * self.unit  # drop_last
+            self.ledger.begin(segment, consumed // self.unit * self.unit, event=event,
+                              world=self.data_copies * self.sampler.world_size,
+                              rank=self._rank)
 
     def reshard(self, rank: int, shard: int, shards: int, data_copies: int) -> None:
         """This rank (``rank``) reads shard ``shard`` of ``shards`` from now on, each
@@ -74,6 +86,8 @@ class TrainStream:
         workers until the garbage collector or the interpreter's exit reaches it: each
         ``fit`` of a process (a sweep, a notebook) added a loader's workers and memory.
         The next :meth:`start` begins a fresh pass."""
+        if self.ledger is not None:
+            self.ledger.close()
         it, self._loader_it, self._batches = self._loader_it, None, None
         # What torch's own iterator does when it is freed or runs out (persistent workers
         # too: the loader is this run's).
@@ -87,9 +101,11 @@ class TrainStream:
         """The next training batch on the device."""
         batch = next(self._batches, None)
         if batch is None:  # end of epoch: the sampler has moved on to the next one
-            self.start(self.epoch + 1)
+            self._start(self.epoch + 1, 0, event=False)
             batch = next(self._batches)
         self.consumed += self.unit
+        if self.ledger is not None:  # a few stores into a memory-mapped file
+            self.ledger.take(self.unit)
         if self._variable:
             self.samples += batch_size_of(batch)
             self.tokens += tokens_of(batch) or 0  # padding included
