@@ -11,8 +11,9 @@ adds, besides the guard's off the device path).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -48,6 +49,7 @@ class StepTracker:
         self._inspected = False  # the guard saw this step's gradients
         self._zeroed = False  # the primary optimizer's zero_grad ran since it did
         self._early_logs: list[tuple[int, dict[str, float]]] = []  # before the 1st step
+        self.busy = False  # a set-up optimizer steps through the run now
         self.finished = False
 
     # -- phases -------------------------------------------------------------------------
@@ -64,7 +66,7 @@ class StepTracker:
     def _first_announce(self, phase: Phase) -> None:
         """The loop's first step begins: build the monitors, then announce as usual. A
         batch read before any model is set up (a peek at its shapes) begins nothing."""
-        if self.run.model is None:
+        if self.run.model is None and self.run.optimizer is None:
             return
         self._begin()
         self.announce(phase)
@@ -175,7 +177,8 @@ class StepTracker:
         self._inspected = False
         if run.nonfinite is not None:
             run.nonfinite.forget_step()
-        if self._zeroed or all(p.grad is None for p in run.model.parameters()):
+        if self._zeroed or run.model is None or \
+                all(p.grad is None for p in run.model.parameters()):
             self._step_loss, self._micro = None, 0
             if run.optimizer is not None:
                 run.precision.forget_unscale(run.optimizer)
@@ -185,8 +188,7 @@ class StepTracker:
             return torch.zeros((), device=self.run.device)
         return self._step_loss
 
-    def primary_step(self, optimizer: torch.optim.Optimizer, original: Any,
-                     closure: Any) -> Any:
+    def primary_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
         """The first optimizer's step: the guard, the step, then the step's end."""
         run = self.run
         self.announce(Phase.OPTIMIZER)
@@ -197,28 +199,59 @@ class StepTracker:
         if not skip:
             # A loss scaler steps through the precision (SYNC with fp16: found_inf);
             # without one that is the optimizer's own step, called here directly.
-            out = (original(closure) if closure is not None or not run.precision.scales_loss
-                   else run.precision.step(optimizer))
+            with self._stepping():
+                out = (optimizer.step(closure) if closure is not None
+                       or not run.precision.scales_loss else run.precision.step(optimizer))
             if self._micro:
                 self.interval.add(step_loss, self._micro)
+        self._step_done(skip)
+        return out
+
+    def _step_done(self, skipped: bool = False) -> None:
+        """The primary optimizer stepped (or its step was skipped): the step's end."""
+        run = self.run
         run.strategy.after_optimizer_step(run.model, run.state.step)
         run.state.step += 1
         self._step_loss, self._micro, self._inspected = None, 0, False
-        if skip:
-            guard.report(run.state.step, run.env.is_main)  # stops after too many in a row
+        if skipped:
+            run.nonfinite.report(run.state.step, run.env.is_main)  # stops after many in a row
         self.announce(Phase.END)
         run.callbacks.on_step_end(run.view, run.state.step)
         if run.state.step % run.cfg.log.every == 0:
             self._log()
-        return out
 
-    def other_step(self, optimizer: torch.optim.Optimizer, original: Any,
-                   closure: Any) -> Any:
+    def other_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
         """Another optimizer's step (a GAN's second one): unscaled, then stepped."""
         self.announce(Phase.OPTIMIZER)
         self.run.precision.unscale(optimizer)
-        return original(closure) if closure is not None else \
-            self.run.precision.step(optimizer)
+        with self._stepping():
+            return optimizer.step(closure) if closure is not None else \
+                self.run.precision.step(optimizer)
+
+    @contextlib.contextmanager
+    def _stepping(self) -> Iterator[None]:
+        self.busy = True
+        try:
+            yield
+        finally:
+            self.busy = False
+
+    def inside_step(self) -> bool:
+        """A set-up optimizer is stepping through the run now."""
+        return self.busy
+
+    def direct_step_begins(self) -> None:
+        """Your optimizer's own ``step`` was called (not through what ``setup`` returned):
+        the optimizer phase."""
+        self.announce(Phase.OPTIMIZER)
+
+    def direct_step_ended(self, primary: bool) -> None:
+        """That step ended: for the first optimizer, the run's step ends too (without
+        the guard: it watches the steps taken through what ``setup`` returned)."""
+        if primary:
+            if self._micro and self.interval is not None:
+                self.interval.add(self._loss_or_zero(), self._micro)
+            self._step_done()
 
     def _log(self) -> None:
         """The log interval's one all-reduce (COLLECTIVE + SYNC), then the callbacks."""
