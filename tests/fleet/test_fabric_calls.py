@@ -424,6 +424,9 @@ def test_group_and_named_barrier_on_two_ranks(tmp_path):
     assert "rank 0 is not in that group" in ranks[0]["outside"]
     assert ranks[1]["alone"] == 5.0 and ranks[1]["alone_gather"] == [[3.0]]
     assert ranks[1]["alone_grad"] == [1.0]
+    for seen in ranks:  # Accelerate's gather_for_metrics: the padding duplicate dropped
+        assert sorted(seen["for_metrics"]) == list(range(35))
+        assert len(seen["plain"]) == 36
 
 
 def test_save_refuses_the_files_own_keys(tmp_path):
