@@ -443,3 +443,33 @@ def test_a_gan_loop_clips_both_optimizers_under_fp16(tmp_path):
         opt_d.zero_grad()
     assert fleet.step == 2 and fleet.skipped_steps == 0
     fleet.finish()
+
+
+def test_no_gpufleet_thread_outlives_a_fleet(tmp_path):
+    """The watchdog and the system sampler run while the loop steps, and are gone once
+    the Fleet ends: by finish(), and by launch(fn) whose fn fails."""
+    import threading
+
+    def ours():
+        return sorted(t.name for t in threading.enumerate() if t.name.startswith("gpufleet"))
+
+    before = ours()
+    fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run"), log_every=1)
+    net = _net()
+    model, opt = fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    fleet.backward(model(torch.ones(2, 4)).sum())
+    opt.step()
+    assert "gpufleet-watchdog" in ours()  # a check with teeth: it runs while stepping
+    fleet.finish()
+    assert ours() == before
+
+    def fails(f):
+        m, o = f.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        f.backward(m(torch.ones(2, 4)).sum())
+        o.step()
+        raise RuntimeError("the loop's own error")
+
+    failing = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run2"))
+    with pytest.raises(RuntimeError, match="own error"):
+        failing.launch(fails)
+    assert ours() == before
