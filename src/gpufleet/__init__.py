@@ -19,7 +19,8 @@ __version__ = "0.1.0"
 # --help) does not pull in the whole training stack.
 _EXPORTS = {
     "fit": "gpufleet.api", "train": "gpufleet.api", "load_checkpoint": "gpufleet.api",
-    "Fleet": "gpufleet.fleet",
+    "Fleet": "gpufleet.fleet", "Fabric": "gpufleet.fleet",
+    "seed_everything": "gpufleet.fleet.seeding",
     "Config": "gpufleet.config", "load_config": "gpufleet.config",
     "Callback": "gpufleet.core.callbacks",
     "FitResult": "gpufleet.train.engine.result", "Trainer": "gpufleet.train.loop",

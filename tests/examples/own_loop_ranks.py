@@ -72,7 +72,7 @@ def _collectives(out: Path) -> dict:
     seen = {"gathered": gathered.detach(), "x_grad": x.grad,
             "numbers": fleet.all_gather({"n": rank, "t": torch.arange(2) + 10 * rank}),
             "broadcast": fleet.broadcast({"from": rank}, src=1), "node": fleet.node_rank,
-            "zero1": type(sharded).__name__}
+            "zero1": type(sharded.optimizer).__name__}
     fleet.finish()
     return seen
 

@@ -38,6 +38,11 @@ def collectives(fleet, out):
             fleet.all_reduce(5.0, alone)
         except ConfigError as error:
             seen["outside"] = str(error)
+    # 35 evaluation samples on 2 ranks: the sampler repeats one so both read 18
+    ids = torch.utils.data.TensorDataset(torch.arange(35.0))
+    loader = fleet.setup_dataloaders(torch.utils.data.DataLoader(ids, batch_size=4))
+    seen["for_metrics"] = torch.cat([fleet.gather_for_metrics(x) for (x,) in loader]).tolist()
+    seen["plain"] = torch.cat([fleet.all_gather(x).flatten(0, 1) for (x,) in loader]).tolist()
     fleet.barrier(name="after-groups")
     seen["ring"] = [entry["op"] for entry in RING.snapshot()["entries"]]
     torch.save(seen, Path(out) / f"rank-{rank}.pt")

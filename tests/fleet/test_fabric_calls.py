@@ -124,7 +124,7 @@ def test_loggers_receive_what_log_dict_logs(tmp_path):
     assert fleet.logger is mine and fleet.loggers == loggers
     fleet.log("acc", torch.tensor(0.25), step=3)
     fleet.log_dict({"loss": 1.5})
-    assert mine.seen == [({"acc": 0.25}, 3), ({"loss": 1.5}, 0)]
+    assert mine.seen == [({"acc": 0.25}, 3), ({"loss": 1.5}, None)]  # Fabric's step
     fleet.finish()
     if csv is not None:
         csv.finalize("success")
@@ -137,21 +137,20 @@ def test_loggers_receive_what_log_dict_logs(tmp_path):
     plain.finish()
 
 
-def test_a_scheduler_built_before_setup_is_named(tmp_path, caplog):
-    """Fabric wraps the optimizer it is given, so a scheduler built before setup still
-    reaches training; Fleet rebuilds it, and that scheduler would silently not."""
+def test_a_scheduler_built_before_setup_reaches_training(tmp_path, caplog):
+    """Fleet wraps the optimizer it is given, as Fabric does, so a scheduler built on it
+    before setup steps the learning rate training uses (and nothing warns)."""
     fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run"))
     net = _net()
     early = torch.optim.SGD(net.parameters(), lr=0.1)
-    torch.optim.lr_scheduler.StepLR(early, step_size=1)
+    sched = torch.optim.lr_scheduler.StepLR(early, step_size=1, gamma=0.5)
     with caplog.at_level("WARNING", logger="gpufleet.fleet.setup"):
-        fleet.setup(net, early)
-    assert "scheduler was built on this SGD before fleet.setup" in caplog.text
-    caplog.clear()
-    model = fleet.setup_module(_net())
-    with caplog.at_level("WARNING", logger="gpufleet.fleet.setup"):
-        fleet.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
-    assert "scheduler" not in caplog.text  # none built: nothing to say
+        model, opt = fleet.setup(net, early)
+    assert "scheduler" not in caplog.text
+    fleet.backward(model(torch.ones(2, 4)).sum())
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)  # the one training reads
     fleet.finish()
 
 
@@ -178,7 +177,10 @@ def _data() -> TensorDataset:
     return TensorDataset(torch.arange(16.0).view(8, 2), torch.zeros(8, 1))
 
 
-def test_seed_everything_takes_fabrics_arguments_and_returns_the_seed(tmp_path, caplog):
+def test_seed_everything_takes_fabrics_arguments_and_returns_the_seed(tmp_path, caplog,
+                                                                     monkeypatch):
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    monkeypatch.delenv("PL_SEED_WORKERS", raising=False)
     fleet = _fleet(tmp_path)
     with caplog.at_level("INFO", logger="gpufleet.fleet.seeding"):
         assert fleet.seed_everything(5, workers=True, verbose=True) == 5
@@ -188,15 +190,19 @@ def test_seed_everything_takes_fabrics_arguments_and_returns_the_seed(tmp_path, 
     with caplog.at_level("INFO", logger="gpufleet.fleet.seeding"):
         assert fleet.seed_everything(seed=5, verbose=False) == 5
     assert torch.equal(torch.rand(2), first) and not caplog.text
+    assert fleet.seed_everything() == 5  # the seed chosen before (PL_GLOBAL_SEED)
+    monkeypatch.delenv("PL_GLOBAL_SEED")
     assert fleet.seed_everything() == 0  # Fabric's default seed
     fleet.finish()
 
 
-def test_seed_everything_seeds_the_workers_of_later_loaders_per_rank(tmp_path):
+def test_seed_everything_seeds_the_workers_of_later_loaders_per_rank(tmp_path, monkeypatch):
     """Fabric's workers=True (its default): loaders set up afterwards seed their workers
     from the rank too; a worker_init_fn of your own stays; workers=False adds none."""
     from gpufleet.fleet.seeding import seed_rank_worker
 
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    monkeypatch.delenv("PL_SEED_WORKERS", raising=False)
     fleet = _fleet(tmp_path)
     fleet.seed_everything(0)
     seeded = fleet.setup_dataloaders(DataLoader(_data(), batch_size=4))
@@ -418,6 +424,9 @@ def test_group_and_named_barrier_on_two_ranks(tmp_path):
     assert "rank 0 is not in that group" in ranks[0]["outside"]
     assert ranks[1]["alone"] == 5.0 and ranks[1]["alone_gather"] == [[3.0]]
     assert ranks[1]["alone_grad"] == [1.0]
+    for seen in ranks:  # Accelerate's gather_for_metrics: the padding duplicate dropped
+        assert sorted(seen["for_metrics"]) == list(range(35))
+        assert len(seen["plain"]) == 36
 
 
 def test_save_refuses_the_files_own_keys(tmp_path):

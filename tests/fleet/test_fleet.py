@@ -5,6 +5,7 @@ a user can cause."""
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ import gpufleet
 from gpufleet.core.callbacks import Callback
 from gpufleet.errors import CheckpointError, ConfigError
 from gpufleet.fleet.args import fleet_overrides
+from gpufleet.fleet.dtypes import ForwardDtypes
 from gpufleet.fleet.wrappers import FleetModule
 
 
@@ -176,13 +178,14 @@ def test_save_and_load_restore_everything(tmp_path):
     other.finish()
 
 
-def test_a_fleet_of_several_ranks_asks_for_launch(tmp_path):
+def test_a_fleet_of_several_ranks_asks_for_launch(tmp_path, monkeypatch):
     fleet = gpufleet.Fleet(accelerator="cpu", devices=2, run_dir=str(tmp_path / "run"))
     assert fleet.world_size == 2 and fleet.run is None  # the ranks are not started yet
     with pytest.raises(ConfigError, match=r"fleet.launch\(fn\)"):
         fleet.setup(_net())
+    monkeypatch.setattr(sys, "argv", ["-c"])  # no script to run again on each rank
     with pytest.raises(ConfigError, match=r"gpufleet run script.py --nproc N"):
-        fleet.launch()  # Fabric's form: the ranks must be started for it
+        fleet.launch()  # Fabric's form, in a process with no script
 
 
 def test_clip_gradients_clips_and_returns_the_norm(tmp_path):
@@ -257,7 +260,8 @@ def test_mixed_precision_outputs_come_back_in_float32_as_fabric_returns_them(tmp
         assert loss.item() == pytest.approx(plain_loss.item(), rel=1e-6)
     # Outputs that are not an autocast dtype, and containers, keep their types.
     out = FleetModule(lambda x: {"n": x.long(), "h": (x.bfloat16(),)}, net, lambda p: None,
-                      fleet.run.precision)(torch.ones(2))
+                      fleet.run.precision,
+                      dtypes=ForwardDtypes.for_run("bf16-mixed", torch.bfloat16))(torch.ones(2))
     assert out["n"].dtype == torch.int64 and out["h"][0].dtype == torch.float32
     fleet.finish()
 
@@ -290,10 +294,12 @@ def test_fleet_keeps_fp32_by_default_on_a_gpu_with_bf16_as_fabric_does(tmp_path)
 
 
 def test_float32_outputs_reach_into_every_container_without_changing_the_models():
+    """Fabric's mixed precisions give every floating-point output back in the default
+    dtype (float32; a float64 one too), other dtypes as they are."""
     import collections
     import dataclasses
 
-    from gpufleet.fleet.wrappers import float32_outputs
+    float32_outputs = ForwardDtypes.for_run("bf16-mixed", torch.bfloat16).convert_output
 
     @dataclasses.dataclass
     class Out:
@@ -312,7 +318,7 @@ def test_float32_outputs_reach_into_every_container_without_changing_the_models(
     assert type(out[1]) is Named and out[1]["x"].dtype == torch.float32
     assert type(out[2]) is pair and out[2].a.dtype == torch.float32 and out[2].b == 2
     assert out[3]["cache"].dtype == torch.float32 and kept["cache"].dtype == torch.bfloat16
-    assert [t.dtype for t in out[4:]] == [torch.float64, torch.int64]
+    assert [t.dtype for t in out[4:]] == [torch.float32, torch.int64]
 
 
 @pytest.mark.parametrize(("fused", "precision"), [
@@ -400,9 +406,9 @@ def test_setup_optimizers_takes_an_optimizer_built_after_setup_module(tmp_path):
     optimizer.step()
     assert fleet.step == 1 and fleet.run.nonfinite is not None
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    stranger = torch.nn.Linear(2, 2)
-    with pytest.raises(ConfigError, match="parameters of no model set up"):
-        fleet.setup_optimizers(torch.optim.SGD(stranger.parameters(), lr=0.1))
+    stranger = torch.nn.Linear(2, 2)  # Fabric wraps any optimizer, and so does Fleet
+    theirs = torch.optim.SGD(stranger.parameters(), lr=0.1)
+    assert fleet.setup_optimizers(theirs).optimizer is theirs
     fleet.finish()
 
 
@@ -464,3 +470,33 @@ def test_your_loop_s_result_has_the_built_in_loop_s_totals(tmp_path):
     assert (result.steps, result.epochs) == (8, 2.0)
     assert result.callback_errors == {"_FailingSink": "on_step_end: OSError: disk full"}
     assert result.samples_per_s > 0 and result.tokens_per_s is None  # no tokens counted
+
+
+def test_no_gpufleet_thread_outlives_a_fleet(tmp_path):
+    """The watchdog and the system sampler run while the loop steps, and are gone once
+    the Fleet ends: by finish(), and by launch(fn) whose fn fails."""
+    import threading
+
+    def ours():
+        return sorted(t.name for t in threading.enumerate() if t.name.startswith("gpufleet"))
+
+    before = ours()
+    fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run"), log_every=1)
+    net = _net()
+    model, opt = fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    fleet.backward(model(torch.ones(2, 4)).sum())
+    opt.step()
+    assert "gpufleet-watchdog" in ours()  # a check with teeth: it runs while stepping
+    fleet.finish()
+    assert ours() == before
+
+    def fails(f):
+        m, o = f.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        f.backward(m(torch.ones(2, 4)).sum())
+        o.step()
+        raise RuntimeError("the loop's own error")
+
+    failing = gpufleet.Fleet(accelerator="cpu", run_dir=str(tmp_path / "run2"))
+    with pytest.raises(RuntimeError, match="own error"):
+        failing.launch(fails)
+    assert ours() == before

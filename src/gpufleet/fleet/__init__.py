@@ -14,13 +14,17 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_EXPORTS = {"Fleet": "gpufleet.fleet.fleet", "FleetLoader": "gpufleet.fleet.loader",
-            "FleetModule": "gpufleet.fleet.wrappers"}
+# ``Fabric``: Fleet under Lightning Fabric's name, so that a Fabric script moves over by
+# its import line alone (``import gpufleet as L``; ``L.Fabric(...)``).
+_EXPORTS = {"Fleet": "gpufleet.fleet.fleet", "Fabric": "gpufleet.fleet.fleet",
+            "FleetLoader": "gpufleet.fleet.loader", "FleetModule": "gpufleet.fleet.wrappers",
+            "FleetOptimizer": "gpufleet.fleet.wrappers"}
 
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
+        return getattr(importlib.import_module(_EXPORTS[name]), "Fleet" if name == "Fabric"
+                       else name)
     raise AttributeError(f"module 'gpufleet.fleet' has no attribute {name!r}")

@@ -21,10 +21,17 @@ PRECISIONS = {
     "auto": "auto", "32": "fp32", "32-true": "fp32", "fp32": "fp32",
     "bf16": "bf16-mixed", "bf16-mixed": "bf16-mixed",
     "16": "fp16-mixed", "16-mixed": "fp16-mixed", "fp16-mixed": "fp16-mixed",
+    # Fabric's true precisions: no autocast, no loss scaling (the run's fp32 recipe);
+    # Fleet converts the model and its inputs (gpufleet.fleet.dtypes).
+    "bf16-true": "fp32", "16-true": "fp32", "fp16-true": "fp32", "64-true": "fp32",
+    "64": "fp32",
 }
 STRATEGIES = {"auto": "auto", "single": "single", "single_device": "single", "ddp": "ddp",
               "fsdp": "fsdp", "hsdp": "hsdp", "zero1": "zero1", "dp": "dp",
-              "local_sgd": "local_sgd"}
+              "local_sgd": "local_sgd",
+              # Fabric's ways of starting ddp's ranks: the same DDP and the same numbers;
+              # Fleet starts the ranks with torch's elastic agent (see Fleet.launch)
+              "ddp_spawn": "ddp", "ddp_fork": "ddp", "ddp_notebook": "ddp"}
 
 
 #: What an argument left out means when no config is given: Fabric's defaults (fp32
@@ -57,6 +64,8 @@ def fleet_overrides(accelerator: str | None = None, devices: int | str = "auto",
         out["precision.mode"] = _mapped("precision", given["precision"], PRECISIONS)
     if given["strategy"] is not None:
         out["parallel.strategy"] = _mapped("strategy", given["strategy"], STRATEGIES)
+        if out["parallel.strategy"] == "dp" and out.get("run.device") == "cpu":
+            out["parallel.strategy"] = "ddp"  # as Fabric: DataParallel is CUDA's only
     if num_nodes != 1:
         out["dist.nnodes"] = str(num_nodes)
     return out

@@ -88,6 +88,30 @@ class FleetComm(FleetPart):
         return _each_value(data, lambda v: _gather(v, run, sync_grads, group), "all_gather")
 
     @_noted
+    def gather_for_metrics(self, data: Any, loader: Any = None) -> Any:
+        """Every rank's ``data`` (tensors, also in a dict, list or tuple) concatenated
+        along the first dimension, without the items the sampler repeated so that every
+        rank reads as many: Accelerate's ``gather_for_metrics``, for an evaluation over
+        exactly the data set's samples. ``data`` holds one row per sample of the last
+        batch read from ``loader`` (None: the set-up loader read last); a tensor of no
+        dimension is gathered as it is (one value per rank). COLLECTIVE."""
+        run = self._rank_run()
+        if loader is None:
+            loaders = [x for x in run.data.loaders if x.last_batch is not None]
+            loader = max(loaders, key=lambda x: x.reads) if loaders else None
+        world = run.env.world_size if run.strategy.reduces() else 1
+        real = [None if loader is None else loader.real_items(r) for r in range(world)]
+
+        def gather(value: Any) -> torch.Tensor:
+            stacked = _gather(value, run, False, None)  # (world, ...) in rank order
+            if stacked.dim() == 1:
+                return stacked
+            return torch.cat([part if keep is None else part[:keep]
+                              for part, keep in zip(stacked, real, strict=True)])
+
+        return _each_value(data, gather, "gather_for_metrics")
+
+    @_noted
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Rank ``src``'s ``obj`` (anything picklable: a tensor, a dict, a path chosen on
         rank 0) on every rank; tensors in it (also in a dict, list or tuple) come on

@@ -30,38 +30,41 @@ import atexit
 import contextlib
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from gpufleet.config import Config, load_config
 from gpufleet.core.callbacks import Callback
 from gpufleet.core.phases import Phase, PhaseScope
 from gpufleet.core.tree import to_device
-from gpufleet.entry import setup_logging
 from gpufleet.errors import ConfigError, unknown_choice
 from gpufleet.fault.crash import crash_reported
+from gpufleet.fleet.accumulate import Accumulation
 from gpufleet.fleet.args import fleet_overrides
 from gpufleet.fleet.comm import FleetComm
+from gpufleet.fleet.dtypes import ForwardDtypes
 from gpufleet.fleet.grads import FleetGrads
 from gpufleet.fleet.init import FleetInit
 from gpufleet.fleet.logs import FleetLogs, as_list, as_loggers
 from gpufleet.fleet.run import FleetRun
-from gpufleet.fleet.seeding import seed_process
+from gpufleet.fleet.seeding import seed_everything
 from gpufleet.fleet.setup import FleetSetup
 from gpufleet.fleet.state import FleetCheckpoints
 from gpufleet.fleet.steps import StepTracker
 from gpufleet.launch import DistEnv, destroy_process_group, is_initialized
+from gpufleet.parallel import strategy_class
 from gpufleet.plan import RunPlan, make_plan
 from gpufleet.train.engine.build import plan_run_dir, precision_and_strategy, rank_device
 from gpufleet.train.engine.monitors import build_monitors
 from gpufleet.train.engine.view import RunView
 from gpufleet.train.perf import share_cores
 from gpufleet.train.rank import join_process_group
-from gpufleet.train.seed import seed_everything
+from gpufleet.train.seed import seed_everything as seed_all
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +108,9 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
         loggers: Fabric's loggers (a logger or a list: objects with
             ``log_metrics(metrics, step)``, such as Lightning's), handed what
             :meth:`log_dict` logs on rank 0, beside ``metrics.jsonl``.
+        gradient_accumulation_steps: Accelerate's: micro-batches per optimizer step
+            under :meth:`accumulate` (see :mod:`~gpufleet.fleet.accumulate`); above 1,
+            :meth:`backward` divides the loss by it.
 
     Example:
         >>> fleet = Fleet(accelerator="cpu", devices=1)  # doctest: +SKIP
@@ -118,12 +124,14 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
                  *, seed: int | None = None, run_dir: str | None = None,
                  name: str | None = None, log_every: int = 10,
                  overrides: dict[str, Any] | None = None, config: Config | None = None,
-                 callbacks: Sequence[Any] = (), loggers: Any = None) -> None:
+                 callbacks: Sequence[Any] = (), loggers: Any = None,
+                 gradient_accumulation_steps: int = 1) -> None:
         self._init_args = dict(accelerator=accelerator, devices=devices, precision=precision,
                                strategy=strategy, num_nodes=num_nodes, seed=seed,
                                run_dir=run_dir,
                                name=name, log_every=log_every, overrides=overrides,
-                               config=config, callbacks=as_list(callbacks), loggers=loggers)
+                               config=config, callbacks=as_list(callbacks), loggers=loggers,
+                               gradient_accumulation_steps=gradient_accumulation_steps)
         keys: dict[str, Any] = {**_OWN_LOOP, "log.every": log_every,
                                 **fleet_overrides(accelerator, devices, precision, strategy,
                                                   num_nodes, defaults=config is None)}
@@ -141,7 +149,8 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
         self._seed = seed
         self.run: FleetRun | None = None
         self._placed: list[nn.Module] = []  # every model set up, as placed
-        self._seed_workers = False  # seed_everything(workers=True): loaders' workers
+        self._dtypes = ForwardDtypes()  # what a set-up model's forward converts
+        self._accumulation = Accumulation(gradient_accumulation_steps)
         if self.plan.launcher in ("none", "external"):  # this process is a rank
             self._start_rank()
 
@@ -151,15 +160,22 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
         env = DistEnv.detect()
         plan = self.plan.for_world(env)
         cfg = plan.cfg
-        if not logging.getLogger().handlers:  # the caller's logging stays as it is
-            setup_logging(cfg.log.level, env)
+        log_until_configured(cfg.log.level, env)  # the caller's logging stays theirs
         self._owns_group = env.is_distributed and not is_initialized()
         join_process_group(plan, env)  # the way every gpufleet rank joins
+        if not is_initialized() and strategy_class(cfg.parallel.strategy).needs_process_group:
+            # One process asked for ddp (or another strategy of several ranks): as
+            # Fabric does, it joins a process group of its own, of one rank.
+            dist.init_process_group(plan.backend, store=dist.HashStore(), rank=0,
+                                    world_size=1)
+            self._owns_group = True
         share_cores(env.local_world_size, env.is_main)
         if self._seed is not None:  # the same seed on every rank, as you asked
-            seed_everything(self._seed)
+            seed_all(self._seed)
         device = rank_device(cfg, env)
         precision, strategy = precision_and_strategy(cfg, plan.dims, device)
+        given = self._init_args["precision"]
+        self._dtypes = ForwardDtypes.for_run(given, precision.autocast_dtype)
         cfg, _, run_lock = plan_run_dir(cfg, env)  # COLLECTIVE: rank 0 chooses and locks it
         run_dir = Path(cfg.run.dir)
         self.plan = plan.with_config(cfg)
@@ -181,24 +197,45 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
         (as ``gpufleet train --nproc N`` starts them): ``fn`` must then be a module-level
         function and ``args`` and ``kwargs`` picklable. The run ends (:meth:`finish`) when ``fn``
         returns; an error leaves a crash report in the run directory. Without ``fn``
-        (Fabric's ``launch()``), a rank already has nothing to start.
+        (Fabric's ``launch()``): on a rank, nothing to do; in a process that is not a
+        rank yet, the script runs again as each rank (``python SCRIPT ARGS``, as
+        ``gpufleet run`` starts it), and this process exits when they end.
         """
         if fn is None:
-            self._rank_run()  # not a rank yet: the error says how to start the ranks
+            if self.run is None:  # not a rank yet: the script runs again on each rank
+                self._rerun_script()
             return None
         if self.run is not None:
             return self._run_here(fn, args, kwargs)
-        plan, dist = self.plan, self.plan.cfg.dist
+        return self._start_ranks(_rank_main, (self._init_args, fn, args, kwargs)).get(0)
+
+    def _rerun_script(self) -> None:
+        """Fabric's ``launch()`` outside a rank: this script runs again as each of the
+        planned ranks (``python SCRIPT ARGS``, started by torch's elastic agent as
+        ``gpufleet run`` starts them); this process waits for them and then exits
+        with their status, instead of running the rest of the script itself."""
+        script = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else None
+        main = sys.modules.get("__main__")
+        if script is None or not script.is_file() or getattr(main, "__spec__", None):
+            # (``python -m module``: start the ranks with gpufleet run or torchrun)
+            self._rank_run()  # no script to run again: the error says how to start ranks
+        self._start_ranks(sys.executable, (str(script), *sys.argv[1:]), "elastic")
+        raise SystemExit(0)  # every rank ended well (a failure raised LaunchError)
+
+    def _start_ranks(self, entry: Any, args: tuple, launcher: str | None = None
+                     ) -> dict[int, Any]:
+        """Start the planned ranks (with the plan's launcher, or ``launcher``), each
+        running ``entry`` (a function, or a command for torch's elastic agent)."""
+        plan, ranks = self.plan, self.plan.cfg.dist
         from gpufleet.launch.launcher import launch  # the agent: only where ranks start
 
-        results = launch(
-            _rank_main, (self._init_args, fn, args, kwargs), nproc=plan.nproc,
-            launcher=plan.launcher, nnodes=plan.nnodes, node_rank=plan.node_rank,
-            master_addr=dist.master_addr, master_port=dist.master_port,
-            rdzv_endpoint=dist.rdzv_endpoint, rdzv_backend=dist.rdzv_backend,
-            rdzv_id=dist.rdzv_id or plan.name, max_restarts=dist.max_restarts,
-            rdzv_timeout=dist.rdzv_timeout)
-        return results.get(0)
+        return launch(
+            entry, args, nproc=plan.nproc,
+            launcher=launcher or plan.launcher, nnodes=plan.nnodes, node_rank=plan.node_rank,
+            master_addr=ranks.master_addr, master_port=ranks.master_port,
+            rdzv_endpoint=ranks.rdzv_endpoint, rdzv_backend=ranks.rdzv_backend,
+            rdzv_id=ranks.rdzv_id or plan.name, max_restarts=ranks.max_restarts,
+            rdzv_timeout=ranks.rdzv_timeout)
 
     def _run_here(self, fn: Callable[..., Any], args: tuple, kwargs: dict | None = None
                   ) -> Any:
@@ -276,14 +313,17 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
         if self.is_global_zero:
             print(*args, **kwargs)
 
-    def seed_everything(self, seed: int | None = None, workers: bool | None = None,
+    @staticmethod
+    def seed_everything(seed: int | None = None, workers: bool | None = None,
                         verbose: bool = True) -> int:
-        """Seed python, numpy and torch with ``seed`` on this rank (None: 0) and return it,
-        as Fabric's. ``workers`` (None: True, Fabric's default): the loaders set up
-        afterwards seed their workers from the rank too (see :mod:`~gpufleet.fleet.
-        seeding`); ``verbose``: log the seed."""
-        self._seed_workers = workers is None or bool(workers)
-        return seed_process(seed, verbose, self.global_rank)
+        """Seed python, numpy and torch in this process and return the seed, as
+        Fabric's (:func:`gpufleet.fleet.seeding.seed_everything`: None reads
+        ``PL_GLOBAL_SEED``, else 0; bounds checked; ``PL_GLOBAL_SEED`` set).
+        ``workers`` (None: True, Fabric's default): the loaders set up afterwards seed
+        their workers from the rank too (see :mod:`~gpufleet.fleet.seeding`), and on
+        several ranks shuffle from this seed, as Fabric's ``DistributedSampler`` does."""
+        return seed_everything(seed, workers=workers is None or bool(workers),
+                               verbose=verbose)
 
     # -- the step ---------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, *, retain_graph: bool | None = None,
@@ -294,13 +334,44 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
         line and the non-finite guard. ``model`` is taken as Fabric takes it, and not
         needed."""
         self._rank_run()
+        every = self._accumulation.every
+        if every > 1:  # as Accelerate's backward: the mean over the micro-batches
+            loss = loss / every
         self._steps.backward(loss, retain_graph=retain_graph, inputs=inputs,
                              create_graph=create_graph)
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """The run's autocast (bf16-mixed, fp16-mixed; nothing under fp32), for what
-        your loop computes outside the model's forward (a loss on its outputs)."""
-        return self._rank_run().precision.autocast()
+    @contextlib.contextmanager
+    def accumulate(self, *models: nn.Module) -> Iterator[None]:
+        """One micro-batch of Accelerate's gradient accumulation
+        (``Fleet(gradient_accumulation_steps=N)``): every N-th block, and the block of
+        a set-up loader's last batch, synchronises the gradients and lets the set-up
+        optimizers' ``step`` and ``zero_grad`` act; the others skip the all-reduce
+        (``no_backward_sync``) and make ``step`` and ``zero_grad`` do nothing. See
+        :mod:`gpufleet.fleet.accumulate`."""
+        run = self._rank_run()
+        read = [x for x in run.data.loaders if x.last_batch is not None]
+        last = max(read, key=lambda x: x.reads).at_last_batch if read else False
+        sync = self._accumulation.begin(last_batch=last)
+        with contextlib.ExitStack() as stack:
+            if not sync:
+                for model in models:
+                    stack.enter_context(self.no_backward_sync(model))
+            yield
+
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether the :meth:`accumulate` block under way (or the last one) synchronises
+        and steps: Accelerate's ``accelerator.sync_gradients``. True outside any."""
+        return self._accumulation.sync
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """The context a set-up model's forward runs in, for what your loop computes
+        outside it (a loss on its outputs), as Fabric's: the run's autocast
+        (bf16-mixed, fp16-mixed), or a true precision's default dtype (bf16-true,
+        16-true, 64-true); nothing under fp32."""
+        with self._rank_run().precision.autocast(), self._dtypes.default_dtype():
+            yield
 
     def to_device(self, obj: Any) -> Any:
         """``obj`` (a tensor, a module, or a dict, list or tuple of tensors) on this
@@ -342,6 +413,32 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
         finally:
             if collective and self._owns_group:
                 destroy_process_group()
+
+class _UntilConfigured(logging.StreamHandler):
+    """Prints gpufleet's lines while the root logger has no handler (the script has not
+    configured logging); once it has one, the lines go to the script's handlers only
+    (they propagate), so nothing prints twice."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
+def log_until_configured(level: str, env: DistEnv) -> None:
+    """gpufleet's log lines on stderr (with a rank prefix on several ranks; ranks other
+    than 0 show warnings and errors only), through a handler on the ``gpufleet`` logger,
+    not the root: a ``logging.basicConfig(level=...)`` the script calls afterwards still
+    configures the root logger, and its own lines show as it asks."""
+    logger = logging.getLogger("gpufleet")
+    logger.setLevel(level if env.rank == 0 else "WARNING")
+    if any(isinstance(h, _UntilConfigured) for h in logger.handlers):
+        return
+    prefix = f"[rank {env.rank}] " if env.world_size > 1 else ""
+    handler = _UntilConfigured()
+    handler.setFormatter(logging.Formatter(
+        f"{prefix}%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"))
+    logger.addHandler(handler)
+
 
 def _script_name() -> str:
     """The running script's name (``train`` for ``train.py``), or ``fleet``."""

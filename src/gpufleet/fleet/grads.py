@@ -21,7 +21,7 @@ from torch import nn
 from gpufleet.errors import ConfigError
 from gpufleet.fleet.run import FleetPart
 from gpufleet.fleet.steps import StepTracker
-from gpufleet.fleet.wrappers import FleetModule
+from gpufleet.fleet.wrappers import FleetModule, unwrap_optimizer
 
 
 class FleetGrads(FleetPart):
@@ -34,8 +34,11 @@ class FleetGrads(FleetPart):
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> Iterator[None]:
         """Backward passes inside do not synchronise gradients across ranks (ddp's
         ``no_sync``): for gradient accumulation, all but the last micro-batch."""
-        placed = module.placed if isinstance(module, FleetModule) else module
-        with self._rank_run().strategy.no_sync(placed) if enabled \
+        if not isinstance(module, FleetModule):  # as Fabric's
+            raise TypeError(f"no_backward_sync got a {type(module).__name__} that was not "
+                            "set up: pass the model fleet.setup returned "
+                            "(model = fleet.setup(model, ...)).")
+        with self._rank_run().strategy.no_sync(module.placed) if enabled \
                 else contextlib.nullcontext():
             yield
 
@@ -64,5 +67,5 @@ class FleetGrads(FleetPart):
                               "order, a number above 0 (2.0: L2) or 'inf'.")
         self._rank_run()
         placed = module.placed if isinstance(module, FleetModule) else module
-        return self._steps.clip(placed, optimizer, max_norm, clip_val, norm_type=order,
-                                error_if_nonfinite=error_if_nonfinite)
+        return self._steps.clip(placed, unwrap_optimizer(optimizer), max_norm, clip_val,
+                                norm_type=order, error_if_nonfinite=error_if_nonfinite)

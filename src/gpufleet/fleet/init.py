@@ -25,12 +25,15 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from gpufleet.fleet.dtypes import ForwardDtypes
 from gpufleet.fleet.run import FleetPart
 
 
 class FleetInit(FleetPart):
     """``init_module`` and ``init_tensor`` of :class:`~gpufleet.fleet.Fleet` (a part of
     it)."""
+
+    _dtypes: ForwardDtypes  # a true precision's default dtype applies here too
 
     @contextlib.contextmanager
     def init_module(self, empty_init: bool | None = None) -> Iterator[None]:
@@ -39,15 +42,17 @@ class FleetInit(FleetPart):
         functions of ``torch.nn.init`` do nothing here): load a checkpoint into them
         before training (:meth:`load_raw`, :meth:`load`). None and False initialise as
         usual. Every rank builds the whole model, also under fsdp (its shards are made
-        at :meth:`setup`)."""
+        at :meth:`setup`). Under a true precision (``"bf16-true"``...) the tensors are
+        created in its dtype, as with Fabric."""
         device = self._rank_run().device
-        with torch.device(device), (_SkipInit() if empty_init else contextlib.nullcontext()):
+        with torch.device(device), self._dtypes.default_dtype(), \
+                (_SkipInit() if empty_init else contextlib.nullcontext()):
             yield
 
     @contextlib.contextmanager
     def init_tensor(self) -> Iterator[None]:
         """Tensors created inside this block are created on this rank's device."""
-        with torch.device(self._rank_run().device):
+        with torch.device(self._rank_run().device), self._dtypes.default_dtype():
             yield
 
 

@@ -11,6 +11,7 @@ tells the run that a batch is being waited for (the data phase).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -61,6 +62,13 @@ def shard_loader(loader: DataLoader, *, rank: int, world_size: int, seed: int
                           "gpufleet shards and resumes map-style datasets (__len__ and "
                           "__getitem__). Shard the stream yourself and pass "
                           "use_distributed_sampler=False.")
+    try:
+        len(loader.dataset)
+    except TypeError:
+        raise ConfigError(f"setup_dataloaders got a DataLoader whose dataset "
+                          f"({type(loader.dataset).__name__}) has no len(); give it "
+                          "__len__, or pass use_distributed_sampler=False and shard it "
+                          "yourself.") from None
     if loader.batch_size is None:
         raise ConfigError("setup_dataloaders got a DataLoader with a batch_sampler of its "
                           "own; give batch_size= instead, or pass "
@@ -133,6 +141,10 @@ class FleetLoader:
         self._passes = 0  # passes begun (numbers them)
         self._live: tuple[int, int] | None = None  # the pass under way: (number, epoch)
         self._taken = 0  # batches the pass under way handed out
+        #: the last batch handed out: (its epoch, its first item's position in this
+        #: rank's share of the epoch, its size), for gather_for_metrics
+        self.last_batch: tuple[int, int, int] | None = None
+        self.reads = 0  # batches handed out by this loader (which was read last)
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -198,6 +210,8 @@ class FleetLoader:
                     return
                 n = batch_size_of(batch)
                 self._taken += 1
+                self.last_batch = (epoch, self.consumed, n)
+                self.reads = next(_READS)
                 self.consumed += n
                 self.samples += n
                 yield batch if to_device is None else to_device(batch)
@@ -235,6 +249,35 @@ class FleetLoader:
             if isinstance(g, torch.Generator) and all(g is not h for h in found):
                 found.append(g)
         return found
+
+    @property
+    def at_last_batch(self) -> bool:
+        """The last batch handed out was the last of its pass (what Accelerate calls the
+        end of the dataloader)."""
+        if self.last_batch is None:
+            return False
+        epoch, start, n = self.last_batch
+        if self.sampler is not None:
+            return start + n >= self.sampler._count(epoch)
+        try:
+            return self._taken >= len(self.loader)
+        except TypeError:  # no len(): known only once the pass has ended
+            return self._ended
+
+    def real_items(self, rank: int) -> int | None:
+        """How many items of the last batch handed out (on ``rank``: every rank's batch
+        has the same size and position) are samples of the data set, not the padding
+        the sampler repeats so that every rank reads as many (None: not known, the
+        loader was left as it was)."""
+        sampler = self.sampler
+        if sampler is None or self.last_batch is None:
+            return None
+        epoch, start, n = self.last_batch
+        if sampler.drop_last:
+            return n
+        left = sampler.dataset_len - sampler._skipped(epoch)  # the epoch's samples to read
+        real = len(range(rank, left, sampler.world_size))  # this rank's real positions
+        return max(0, min(start + n, real) - start)
 
     def take_samples(self) -> int:
         """Samples taken since the last call."""
@@ -275,3 +318,4 @@ class FleetLoader:
 
 
 _END = object()
+_READS = itertools.count(1)

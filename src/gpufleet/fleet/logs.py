@@ -76,7 +76,9 @@ class FleetLogs(FleetPart):
         """Numbers (or one-element tensors: read on the host, a SYNC) of rank 0 at
         ``step`` (default: the steps done): a ``"user"`` line in metrics.jsonl, the
         sinks (``monitor.sinks``) and your loggers' ``log_metrics``, under the names
-        given. Other ranks' calls do nothing, as with Fabric's loggers; reduce first
+        given; the loggers get the values and ``step`` as Fabric hands them (a
+        tensor as its ``.item()``, the rest as given, ``step`` None when not given).
+        Other ranks' calls do nothing, as with Fabric's loggers; reduce first
         (:meth:`all_reduce`) for a value over every rank."""
         run = self._rank_run()
         if self._steps.finished:
@@ -84,18 +86,17 @@ class FleetLogs(FleetPart):
                               "Log before finish (or before launch's function returns).")
         if not run.env.is_main:
             return
-        values = {}
+        given, values = {}, {}
         for key, value in metrics.items():
             if isinstance(value, torch.Tensor) and value.numel() == 1:
                 value = value.item()
             if not isinstance(value, numbers.Real):  # numpy's scalars and bools too
                 raise ConfigError(f"log_dict: {key!r} is {type(value).__name__}: log "
                                   "numbers or one-element tensors.")
-            values[str(key)] = float(value)
-        at = run.state.step if step is None else int(step)
-        self._steps.user_log(at, values)
-        for logger in self._loggers:
-            logger.log_metrics(metrics=dict(values), step=at)
+            given[key], values[str(key)] = value, float(value)
+        self._steps.user_log(run.state.step if step is None else int(step), values)
+        for logger in self._loggers:  # as Fabric hands them: the values and step as given
+            logger.log_metrics(metrics=given, step=step)
 
     def call(self, hook_name: str, *args: Any, **kwargs: Any) -> None:
         """Call ``hook_name(*args, **kwargs)`` on each of your callbacks

@@ -1,6 +1,6 @@
-"""Fabric's ``seed_everything(seed, workers=, verbose=)`` on a
-:class:`~gpufleet.fleet.Fleet`: the process seeded, and the DataLoader workers of the
-loaders set up afterwards seeded per rank.
+"""Fabric's ``seed_everything(seed, workers=, verbose=)``, as ``gpufleet.seed_everything``
+and the static ``Fleet.seed_everything``: the process seeded, and the DataLoader workers
+of the loaders set up afterwards seeded per rank.
 
 Without a ``worker_init_fn`` a DataLoader seeds each worker's torch from a base seed
 drawn from this process's random state, plus the worker's index (and, in recent torch,
@@ -13,7 +13,7 @@ its own, so the draws inside the workers differ from a Fabric run's; what each r
 workers draw apart, and the same run after run, is the same promise.)
 
 Example:
-    >>> seed_process(7, verbose=False, rank=0)
+    >>> seed_everything(7, workers=True, verbose=False)
     7
 """
 
@@ -21,31 +21,81 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import random
 from typing import Any
 
 import numpy as np
 import torch
 
-from gpufleet.train.seed import seed_everything
+from gpufleet.train.seed import seed_everything as seed_all
 
 log = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
 
 
-def seed_process(seed: int | None, verbose: bool, rank: int) -> int:
-    """Seed python, numpy and torch with ``seed`` (None: 0, as Fabric when its
-    ``PL_GLOBAL_SEED`` variable is not set, which Fleet does not read); returns it."""
+#: The seeds numpy accepts, the bounds Fabric checks.
+MIN_SEED, MAX_SEED = 0, 2**32 - 1
+#: Fabric's variables: the seed chosen (read when none is given; ranks started later
+#: inherit it) and whether loaders set up afterwards seed their workers.
+SEED_VAR, WORKERS_VAR = "PL_GLOBAL_SEED", "PL_SEED_WORKERS"
+
+
+def seed_everything(seed: int | None = None, workers: bool = False,
+                    verbose: bool = True) -> int:
+    """Seed python, numpy and torch in this process, as Lightning's
+    ``seed_everything``: ``seed`` None reads ``PL_GLOBAL_SEED`` (0 when it is not set,
+    with a warning); the seed is checked against numpy's bounds; it is written to
+    ``PL_GLOBAL_SEED`` (processes started afterwards inherit it) and ``workers`` to
+    ``PL_SEED_WORKERS`` (loaders set up afterwards then seed their workers per rank).
+    Returns the seed.
+
+    Raises:
+        ValueError: the seed (given, or in ``PL_GLOBAL_SEED``) is not an integer from 0
+            to 2**32 - 1.
+
+    Example:
+        >>> seed_everything(7, verbose=False)
+        7
+    """
     if seed is None:
-        seed = 0
-        if verbose:
-            log.warning("seed_everything(None): no seed given, seed set to 0")
+        found = os.environ.get(SEED_VAR)
+        if found is None:
+            seed = 0
+            if verbose:
+                log.warning("seed_everything(None): no seed given and %s not set, seed "
+                            "set to 0", SEED_VAR)
+        else:
+            try:
+                seed = int(found)
+            except ValueError:
+                raise ValueError(f"{SEED_VAR}={found!r} is not an integer seed; set it to "
+                                 f"a number from {MIN_SEED} to {MAX_SEED}, or unset it.") from None
     seed = int(seed)
-    seed_everything(seed)
+    if not MIN_SEED <= seed <= MAX_SEED:
+        raise ValueError(f"seed_everything({seed}): the seed must be from {MIN_SEED} to "
+                         f"{MAX_SEED} (what numpy accepts).")
     if verbose:
-        log.info("[rank: %d] seed set to %d", rank, seed)
+        log.info("[rank: %s] seed set to %d", os.environ.get("RANK", "0"), seed)
+    os.environ[SEED_VAR] = str(seed)
+    os.environ[WORKERS_VAR] = str(int(bool(workers)))
+    seed_all(seed)
     return seed
+
+
+def seeds_workers() -> bool:
+    """``seed_everything(workers=True)`` was called in this process (Fabric's flag)."""
+    return os.environ.get(WORKERS_VAR, "0") not in ("", "0")
+
+
+def chosen_seed(default: int) -> int:
+    """The seed ``seed_everything`` chose (``PL_GLOBAL_SEED``), else ``default``: what
+    Fabric's ``DistributedSampler`` takes when it shards a loader."""
+    try:
+        return int(os.environ[SEED_VAR])
+    except (KeyError, ValueError):
+        return default
 
 
 def seed_rank_worker(worker_id: int, rank: int) -> None:

@@ -12,18 +12,22 @@ loader is sharded over the ranks with a resumable sampler.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from gpufleet.core.tree import to_device
 from gpufleet.errors import ConfigError
+from gpufleet.fleet.accumulate import Accumulation
+from gpufleet.fleet.dtypes import ForwardDtypes
 from gpufleet.fleet.loader import FleetLoader, shard_loader
 from gpufleet.fleet.run import FleetPart
-from gpufleet.fleet.seeding import add_worker_seeding
+from gpufleet.fleet.seeding import add_worker_seeding, chosen_seed, seeds_workers
 from gpufleet.fleet.steps import StepTracker
-from gpufleet.fleet.wrappers import FleetModule, hook_step, hook_zero_grad
+from gpufleet.fleet.wrappers import FleetModule, FleetOptimizer, watch_direct_steps
 from gpufleet.train.guard.nonfinite import NonFiniteGuard
 from gpufleet.train.recipe import place_scheduler, spec_from_optimizer
 
@@ -34,18 +38,28 @@ class FleetSetup(FleetPart):
     """The ``setup`` methods of :class:`~gpufleet.fleet.Fleet` (a part of it)."""
 
     _placed: list[nn.Module]  # every model set up, as placed
-    _seed_workers: bool  # seed_everything(workers=True) was called
+    _seed: int | None  # Fleet(seed=)
     _steps: StepTracker
+    _dtypes: ForwardDtypes  # what a set-up model's forward converts
+    call: Callable[..., None]  # your callbacks' hooks (FleetLogs.call)
+    _accumulation: Accumulation  # Fleet(gradient_accumulation_steps=)
 
     def setup(self, module: nn.Module, *optimizers: torch.optim.Optimizer,
               scheduler: Any = None, move_to_device: bool = True) -> Any:
-        """Place ``module`` as the run's strategy says and rebuild ``optimizers`` on the
-        placed parameters (by parameter name: groups and settings kept, state not).
-        COLLECTIVE (ddp broadcasts rank 0's weights).
+        """Place ``module`` as the run's strategy says and wrap ``optimizers`` so that
+        their steps go through the run. COLLECTIVE (ddp broadcasts rank 0's weights).
 
-        ``scheduler`` (Fabric's): an LR scheduler built on one of ``optimizers``; it is
-        moved onto that optimizer's rebuilt one (with the schedulers it chains) and
-        returned last, so that its learning rates reach training.
+        Each optimizer comes back as a :class:`~gpufleet.fleet.wrappers.FleetOptimizer`
+        around your own object (``wrapped.optimizer is optimizer``), which keeps
+        training, as with Fabric, wherever the strategy trains the parameters you built
+        it on (single, ddp, dp). A strategy that shards or replaces the parameters
+        (fsdp, tensor and pipeline parallel) or the optimizer (zero1, local_sgd,
+        horovod) builds a new one of your class on the placed parameters (by name:
+        groups and settings kept, state not), and ``.optimizer`` is that one.
+
+        ``scheduler`` (Fabric's): an LR scheduler built on one of ``optimizers``,
+        returned last; where that optimizer was rebuilt, it is moved onto the new one
+        (with the schedulers it chains), so that its learning rates reach training.
 
         ``move_to_device=False`` (Fabric's: leave the model where it is) is taken where
         nothing would move: the module's parameters and buffers are all on this rank's
@@ -54,75 +68,134 @@ class FleetSetup(FleetPart):
 
         Returns:
             The model (a :class:`FleetModule`), ``(model, *optimizers)``, or with a
-            ``scheduler``, ``(model, *optimizers, scheduler)``. Build any other LR
-            scheduler on an optimizer returned here.
+            ``scheduler``, ``(model, *optimizers, scheduler)``.
+
+        Raises:
+            ValueError: the model or an optimizer was set up already (as Fabric's).
         """
+        _check_not_set_up(module, optimizers, "setup")
+        return self._setup(module, optimizers, scheduler, move_to_device, "setup")
+
+    def _setup(self, module: nn.Module, optimizers: tuple, scheduler: Any,
+               move_to_device: bool, call: str) -> Any:
         run = self._rank_run()
         if not move_to_device:
             _check_in_place(module, run.device)
         scheduled = _scheduled_index(scheduler, optimizers)
-        specs = [spec_from_optimizer(opt, module) for opt in optimizers]
-        for i, opt in enumerate(optimizers):
-            if i != scheduled:
-                _warn_if_scheduled(opt)
         from gpufleet.parallel.parallelize import parallelize  # heavy: layer options
 
+        module = self._dtypes.convert_module(module)  # the true precisions' dtype
+        # What rebuilds each optimizer by parameter name, read before placing (a
+        # strategy that rebuilds it places new parameters)
+        specs = [spec_from_optimizer(opt, module) for opt in optimizers]
         placed = parallelize(module, run.strategy, run.cfg, run.env.world_size)
         self._placed.append(placed)
         if run.model is None:  # the run's model until an optimizer names its own
             run.model = placed
         wrapped = FleetModule(placed, run.strategy.unwrap(placed),
-                              self._steps.phase_announce, run.precision)
-        built = [run.strategy.setup_optimizer(placed, spec) for spec in specs]
-        self._take_optimizers(placed, built)
+                              self._steps.phase_announce, run.precision,
+                              device=run.device, dtypes=self._dtypes)
+        built = [self._adopt(placed, opt, spec, scheduled_here=i == scheduled)
+                 for i, (opt, spec) in enumerate(zip(optimizers, specs, strict=True))]
+        wrappers = self._take_optimizers(placed, built)
+        if call == "setup":  # Fabric's setup calls this hook; its setup_module does not
+            self.call("on_after_setup", fabric=self, module=wrapped)
         if scheduled is not None:
-            return (wrapped, *built, place_scheduler(scheduler, built[scheduled]))
-        return wrapped if not built else (wrapped, *built)
+            if built[scheduled] is not optimizers[scheduled]:
+                scheduler = place_scheduler(scheduler, built[scheduled])
+            return (wrapped, *wrappers, scheduler)
+        return wrapped if not wrappers else (wrapped, *wrappers)
+
+    def _adopt(self, placed: nn.Module, optimizer: torch.optim.Optimizer,
+               spec: Any = None, scheduled_here: bool = False) -> torch.optim.Optimizer:
+        """The optimizer the run steps for yours: yours itself where the strategy keeps
+        the parameters it holds and adds nothing to an optimizer; else one the strategy
+        builds on the placed parameters."""
+        run = self._rank_run()
+        own = {id(p) for p in run.strategy.unwrap(placed).parameters()}
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        if run.strategy.keeps_optimizer() and all(id(p) in own for p in held):
+            return optimizer
+        spec = spec or spec_from_optimizer(optimizer, run.strategy.unwrap(placed))
+        if not scheduled_here:
+            _warn_if_scheduled(optimizer)
+        return run.strategy.setup_optimizer(placed, spec)
 
     def setup_module(self, module: nn.Module, move_to_device: bool = True) -> FleetModule:
         """:meth:`setup` without an optimizer: build it afterwards on the returned
         model's parameters (sharded ones, under fsdp) and pass it to
         :meth:`setup_optimizers`."""
-        return self.setup(module, move_to_device=move_to_device)
+        _check_not_set_up(module, (), "setup_module")
+        return self._setup(module, (), None, move_to_device, "setup_module")
 
     def setup_optimizers(self, *optimizers: torch.optim.Optimizer) -> Any:
-        """Optimizers built on the parameters of a model :meth:`setup_module` returned,
-        made ready as :meth:`setup` makes them (rebuilt by the strategy: zero1 shards
-        it, local_sgd averages, ...; groups and settings kept, state not). Use the ones
-        returned: the optimizer, or a tuple of them."""
+        """Optimizers made ready as :meth:`setup` makes them, each wrapped around your
+        own object (or, where the strategy rebuilds it: zero1 shards it, local_sgd
+        averages, one built on the parameters of a model :meth:`setup_module`
+        returned). Use the ones returned: the optimizer, or a tuple of them.
+
+        Raises:
+            ValueError: no optimizer given, or one set up already (as Fabric's).
+        """
         run = self._rank_run()
-        built = []
+        if not optimizers:
+            raise ValueError("setup_optimizers needs at least one optimizer: "
+                             "fleet.setup_optimizers(optimizer).")
+        _check_not_set_up(None, optimizers, "setup_optimizers")
+        wrappers = []
         for opt in optimizers:
             params = {id(p) for group in opt.param_groups for p in group["params"]}
             owner = next((m for m in self._placed
                           if params <= {id(p) for p in m.parameters()}), None)
-            if owner is None:
+            if owner is not None:
+                wrappers += self._take_optimizers(owner, [self._adopt(owner, opt)])
+            elif run.strategy.keeps_optimizer():  # Fabric steps any optimizer as it is
+                wrappers += self._take_optimizers(None, [opt])
+            else:
                 raise ConfigError(
                     f"setup_optimizers: this {type(opt).__name__} holds parameters of no "
-                    "model set up by this Fleet. Build it on the parameters of the model "
-                    "setup_module returned, or pass model and optimizer to "
+                    f"model set up by this Fleet, and strategy {run.strategy.name!r} builds "
+                    "the optimizer on the placed parameters. Build it on the parameters of "
+                    "the model setup_module returned, or pass model and optimizer to "
                     "fleet.setup(model, optimizer).")
-            spec = spec_from_optimizer(opt, run.strategy.unwrap(owner))
-            _warn_if_scheduled(opt)
-            built.append(run.strategy.setup_optimizer(owner, spec))
-            self._take_optimizers(owner, built[-1:])
-        return built[0] if len(built) == 1 else tuple(built)
+        return wrappers[0] if len(wrappers) == 1 else tuple(wrappers)
 
-    def _take_optimizers(self, placed: nn.Module, optimizers: list) -> None:
+    def _take_optimizers(self, placed: nn.Module | None, optimizers: list
+                         ) -> list[FleetOptimizer]:
         """The first optimizer of the run is the primary one (its steps are the run's
         steps, the non-finite guard watches its model); every step goes through the
-        run."""
+        run. Returns each wrapped."""
         run, steps = self._rank_run(), self._steps
+        out = []
         for opt in optimizers:
             primary = run.optimizer is None
             if primary:
-                run.model, run.optimizer = placed, opt
+                if placed is not None:
+                    run.model = placed
+                run.optimizer = opt
                 run.scheduler.optimizer = opt
-                if run.cfg.fault.skip_nonfinite:
+                if run.cfg.fault.skip_nonfinite and run.model is not None:
                     run.nonfinite = NonFiniteGuard(run.cfg.fault, run.strategy,
                                                    run.precision)
-                hook_zero_grad(opt, steps.on_zero_grad)
-            hook_step(opt, steps.primary_step if primary else steps.other_step)
+            step = steps.primary_step if primary else steps.other_step
+            out.append(FleetOptimizer(opt, self._with_callbacks(step),
+                                      steps.on_zero_grad if primary else None,
+                                      acts=lambda: self._accumulation.sync))
+            watch_direct_steps(opt, steps.inside_step, steps.direct_step_begins,
+                               lambda p=primary: steps.direct_step_ended(p))
+        return out
+
+    def _with_callbacks(self, step: Any) -> Any:
+        """``step`` followed by Fabric's ``on_after_optimizer_step`` hook of your
+        callbacks (what Fabric's optimizer wrapper calls after each step)."""
+        def stepped(optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
+            if not self._accumulation.sync:  # accumulate(): not this micro-batch
+                return None
+            out = step(optimizer, closure)
+            self.call("on_after_optimizer_step", strategy=self._rank_run().strategy,
+                      optimizer=optimizer)
+            return out
+        return stepped
 
     def setup_dataloaders(self, *loaders: Any, use_distributed_sampler: bool = True,
                           move_to_device: bool = True) -> Any:
@@ -135,18 +208,46 @@ class FleetSetup(FleetPart):
         (weighted, a subset) keeps its draws, sharded over the ranks as Fabric shards
         them.
 
+        In a job of one process, a loader that cannot be rebuilt so (an
+        ``IterableDataset``, a dataset or sampler without ``len()``, a batch sampler of
+        its own) is left as it is, as Fabric leaves every loader on one device: it
+        iterates as before, and has no position for :meth:`save`.
+
         Returns:
             One :class:`~gpufleet.fleet.loader.FleetLoader`, or a tuple of them.
+
+        Raises:
+            ValueError: no loader given, or one set up already; TypeError: not a
+                ``DataLoader`` (as Fabric's).
         """
         run = self._rank_run()
+        if not loaders:
+            raise ValueError("setup_dataloaders needs at least one DataLoader: "
+                             "fleet.setup_dataloaders(loader).")
+        if any(isinstance(loader, FleetLoader) for loader in loaders):
+            raise ValueError("setup_dataloaders: a loader given was set up already (it is "
+                             "what setup_dataloaders returned); pass each loader once.")
+        wrong = next((x for x in loaders if not isinstance(x, DataLoader)), None)
+        if wrong is not None:
+            raise TypeError(f"setup_dataloaders got a {type(wrong).__name__}; give "
+                            "torch.utils.data.DataLoader objects.")
         shard, shards = run.strategy.data_shard(run.env.rank, run.env.world_size)
+        # Fleet(seed=), else the seed seed_everything chose (as Fabric's sampler), else
+        # run.seed
+        seed = run.cfg.run.seed if self._seed is not None else chosen_seed(run.cfg.run.seed)
         out = []
         for loader in loaders:
             sampler = None
             if use_distributed_sampler:
-                loader, sampler = shard_loader(loader, rank=shard, world_size=shards,
-                                               seed=run.cfg.run.seed)
-            if self._seed_workers:  # seed_everything(workers=True), Fabric's default
+                try:
+                    loader, sampler = shard_loader(loader, rank=shard, world_size=shards,
+                                                   seed=seed)
+                except ConfigError:
+                    if shards > 1 or run.env.world_size > 1:
+                        raise
+                    log.debug("one process: this loader is left as it is (no position "
+                              "to save), as Fabric leaves it")
+            if seeds_workers():  # seed_everything(workers=True), Fabric's default
                 add_worker_seeding(loader, run.env.rank)
             mover = None
             if move_to_device and run.device.type != "cpu":
@@ -157,6 +258,17 @@ class FleetSetup(FleetPart):
             run.data.pin_memory = run.data.pin_memory or bool(loader.pin_memory)
             out.append(fleet_loader)
         return out[0] if len(out) == 1 else tuple(out)
+
+
+def _check_not_set_up(module: Any, optimizers: tuple, call: str) -> None:
+    """Fabric's misuse errors: a model or optimizer handed to setup a second time."""
+    if isinstance(module, FleetModule):
+        raise ValueError(f"{call}: this model was set up already (it is what setup "
+                         "returned); pass each model to setup once, and use the one it "
+                         "returned.")
+    if any(isinstance(opt, FleetOptimizer) for opt in optimizers):
+        raise ValueError(f"{call}: an optimizer given was set up already (it is what "
+                         "setup returned); pass each optimizer to setup once.")
 
 
 def _scheduled_index(scheduler: Any, optimizers: tuple) -> int | None:

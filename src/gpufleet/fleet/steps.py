@@ -11,8 +11,9 @@ adds, besides the guard's off the device path).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -51,6 +52,7 @@ class StepTracker:
         self._inspected = False  # the guard saw this step's gradients
         self._zeroed = False  # the primary optimizer's zero_grad ran since it did
         self._early_logs: list[tuple[int, dict[str, float]]] = []  # before the 1st step
+        self.busy = False  # a set-up optimizer steps through the run now
         self.finished = False
 
     # -- phases -------------------------------------------------------------------------
@@ -67,7 +69,7 @@ class StepTracker:
     def _first_announce(self, phase: Phase) -> None:
         """The loop's first step begins: build the monitors, then announce as usual. A
         batch read before any model is set up (a peek at its shapes) begins nothing."""
-        if self.run.model is None:
+        if self.run.model is None and self.run.optimizer is None:
             return
         self._begin()
         self.announce(phase)
@@ -174,7 +176,8 @@ class StepTracker:
         self._inspected = False
         if run.nonfinite is not None:
             run.nonfinite.forget_step()
-        if self._zeroed or all(p.grad is None for p in run.model.parameters()):
+        if self._zeroed or run.model is None or \
+                all(p.grad is None for p in run.model.parameters()):
             self._step_loss, self._micro = None, 0
             if run.optimizer is not None:
                 run.precision.forget_unscale(run.optimizer)
@@ -184,8 +187,7 @@ class StepTracker:
             return torch.zeros((), device=self.run.device)
         return self._step_loss
 
-    def primary_step(self, optimizer: torch.optim.Optimizer, original: Any,
-                     closure: Any) -> Any:
+    def primary_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
         """The first optimizer's step: the guard, the step, then the step's end (the
         engine's, as the built-in loop's), and every ``log.every`` steps the log line."""
         run, engine = self.run, self.engine
@@ -194,26 +196,59 @@ class StepTracker:
         # A loss scaler steps through the precision (None: the engine's precision.step);
         # without one that is the optimizer's own step, called here directly.
         take = None if closure is None and run.precision.scales_loss else \
-            (lambda: original(closure))
+            (lambda: optimizer.step(closure))
         guard, micro = run.nonfinite, self._micro
         # Your clip_gradients call, if any, ran before: no norm is handed to the guard.
-        skip, out = engine.after_clip(run.model, optimizer, run.precision, guard,
-                                      self._loss_or_zero(), None, micro, take=take)
-        self._step_loss, self._micro, self._inspected = None, 0, False
-        engine.end((guard,) if skip else ())
-        if run.state.step % run.cfg.log.every == 0:
-            self._log()
+        # The step hooks on your optimizer see this step as the run's own (_stepping).
+        with self._stepping():
+            skip, out = engine.after_clip(run.model, optimizer, run.precision, guard,
+                                          self._loss_or_zero(), None, micro, take=take)
+        self._step_done((guard,) if skip else ())
         return out
 
-    def other_step(self, optimizer: torch.optim.Optimizer, original: Any,
-                   closure: Any) -> Any:
+    def _step_done(self, skipped_guards: tuple[Any, ...] = ()) -> None:
+        """The primary optimizer stepped (or its step was skipped): the engine's end of
+        the step, then the log line when one is due."""
+        run = self.run
+        self._step_loss, self._micro, self._inspected = None, 0, False
+        self.engine.end(skipped_guards)
+        if run.state.step % run.cfg.log.every == 0:
+            self._log()
+
+    def other_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
         """Another optimizer's step (a GAN's second one): unscaled, then stepped; no
         guard watches it, its loss is not the run's and it ends no step."""
         run = self.run
         self.announce(Phase.OPTIMIZER)
         self.engine.prepare(None, optimizer, run.precision, None, None)
-        take = None if closure is None else (lambda: original(closure))
-        return self.engine.step_or_skip(optimizer, run.precision, False, None, 0, take)
+        take = None if closure is None else (lambda: optimizer.step(closure))
+        with self._stepping():
+            return self.engine.step_or_skip(optimizer, run.precision, False, None, 0, take)
+
+    @contextlib.contextmanager
+    def _stepping(self) -> Iterator[None]:
+        self.busy = True
+        try:
+            yield
+        finally:
+            self.busy = False
+
+    def inside_step(self) -> bool:
+        """A set-up optimizer is stepping through the run now."""
+        return self.busy
+
+    def direct_step_begins(self) -> None:
+        """Your optimizer's own ``step`` was called (not through what ``setup`` returned):
+        the optimizer phase."""
+        self.announce(Phase.OPTIMIZER)
+
+    def direct_step_ended(self, primary: bool) -> None:
+        """That step ended: for the first optimizer, the run's step ends too (without
+        the guard: it watches the steps taken through what ``setup`` returned)."""
+        if primary:
+            if self._micro and self.interval is not None:
+                self.interval.add(self._loss_or_zero(), self._micro)
+            self._step_done()
 
     def _log(self) -> None:
         """The log interval's one all-reduce (COLLECTIVE + SYNC), then the callbacks."""

@@ -3,19 +3,19 @@ each telling the run when its part of a step begins.
 
 * :class:`FleetModule` wraps the model as the strategy placed it (DDP, FSDP, or the
   module itself): a forward announces the forward phase (evaluation when the module is
-  in ``eval()`` mode) and runs under the run's autocast, and its floating-point outputs
-  come back in float32 under mixed precision (as Fabric returns them), so the loss your
+  in ``eval()`` mode) and runs under the run's autocast; its inputs and outputs are
+  converted as Fabric's precision plugins convert them (:mod:`~gpufleet.fleet.dtypes`:
+  floating-point inputs in the autocast or true dtype, outputs in float32), so the loss your
   loop computes outside the forward sees one dtype, not a bf16 output beside an fp32
   target (whose backward CUDA refuses); attributes of your module read through;
   ``state_dict`` is your module's own (no ``module.`` prefix).
-* :func:`hook_step` replaces ``optimizer.step`` on the optimizer object itself (it stays
-  a ``torch.optim.Optimizer``: your LR scheduler takes it as it is), so that a step goes
-  through the run: unscale, the non-finite guard, the step, then the step's end.
+* :class:`FleetOptimizer` wraps your optimizer object (as Fabric's wrapper does): its
+  ``step`` goes through the run (unscale, the non-finite guard, the step, then the
+  step's end); ``.optimizer`` is your own object, which keeps training.
 """
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from gpufleet.core.phases import Phase
-from gpufleet.core.tree import map_tensors
+from gpufleet.fleet.dtypes import ForwardDtypes
 
 
 class FleetModule(nn.Module):
@@ -34,10 +34,15 @@ class FleetModule(nn.Module):
         original: your own module (its attributes and state dict).
         announce: tells the run which phase begins.
         precision: the run's precision (its autocast wraps each forward).
+        device: this rank's device (``.device``, as Fabric's wrapper has it).
+        dtypes: what the forward converts (inputs, outputs, the true precisions'
+            default dtype), as Fabric's precision plugins.
     """
 
     def __init__(self, placed: nn.Module, original: nn.Module,
-                 announce: Callable[[Phase], None], precision: Any) -> None:
+                 announce: Callable[[Phase], None], precision: Any,
+                 device: torch.device | None = None,
+                 dtypes: ForwardDtypes | None = None) -> None:
         super().__init__()
         self.placed = placed
         # Read on every forward: plain attributes (a submodule's lookup goes through
@@ -46,19 +51,30 @@ class FleetModule(nn.Module):
         object.__setattr__(self, "_original", original)
         object.__setattr__(self, "_announce", announce)
         object.__setattr__(self, "_precision", precision)
+        object.__setattr__(self, "_device", device)
+        object.__setattr__(self, "_dtypes", dtypes or ForwardDtypes())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._announce(Phase.FORWARD if self.training else Phase.EVAL)
-        if self._precision.autocast_dtype is None:  # fp32: no autocast to enter
+        dtypes = self._dtypes
+        args, kwargs = dtypes.convert_input((args, kwargs))
+        if self._precision.autocast_dtype is None and dtypes.true is None:  # fp32
             return self._placed(*args, **kwargs)
-        with self._precision.autocast():
+        with self._precision.autocast(), dtypes.default_dtype():
             out = self._placed(*args, **kwargs)
-        return float32_outputs(out)
+        return dtypes.convert_output(out)
 
     @property
     def module(self) -> nn.Module:
         """Your own module (unwrapped)."""
         return self._original
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device, where the model trains (Fabric's ``.device``)."""
+        if self._device is not None:
+            return self._device
+        return next(self._original.parameters(), torch.empty(0)).device
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self._original.state_dict(*args, **kwargs)
@@ -73,56 +89,75 @@ class FleetModule(nn.Module):
             return getattr(object.__getattribute__(self, "_original"), name)
 
 
-def float32_outputs(value: Any) -> Any:
-    """``value`` with its bf16 and fp16 tensors as float32 (other dtypes, float64 too, as
-    they are), through tuples (named ones too), lists, mappings and dataclasses (a
-    Transformers ``ModelOutput`` is both), as Fabric converts a mixed-precision forward's
-    output. Containers are new ones of the same type (see
-    :func:`~gpufleet.core.tree.map_tensors`), never changed in place: a list or dict the
-    model keeps and returns stays the model's.
+class FleetOptimizer:
+    """Your optimizer as the run steps it: a thin wrapper around your own object (as
+    Fabric's), whose ``step`` goes through the run: unscale, the non-finite guard, the
+    step, then the step's end. ``.optimizer`` is your object, which keeps training:
+    its parameter groups, state and learning rates are the ones the run steps. Its
+    class is a subclass of your optimizer's, so ``isinstance`` checks and LR schedulers
+    take it; everything else reads through to your object. Nothing of your object is
+    patched (see :func:`watch_direct_steps` for a step called on it directly).
 
-    Example:
-        >>> out = float32_outputs({"h": (torch.ones(1, dtype=torch.bfloat16),), "n": 3})
-        >>> out["h"][0].dtype, out["n"]
-        (torch.float32, 3)
+    Args:
+        optimizer: the optimizer the run steps (yours, or the one the strategy built).
+        run_step: ``run_step(optimizer, closure)``: the step through the run.
+        on_zero_grad: called before each ``zero_grad``.
+        acts: whether ``zero_grad`` acts now (False inside an accumulate block that
+            does not synchronise).
     """
-    return map_tensors(value, _as_float32)
 
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 run_step: Callable[[torch.optim.Optimizer, Any], Any],
+                 on_zero_grad: Callable[[], None] | None = None,
+                 acts: Callable[[], bool] | None = None) -> None:
+        self._optimizer = optimizer
+        self._run_step = run_step
+        self._on_zero_grad = on_zero_grad
+        self._acts = acts
+        # isinstance(wrapped, type(optimizer)) holds, as with Fabric's wrapper
+        self.__class__ = type("Fleet" + type(optimizer).__name__,
+                              (FleetOptimizer, type(optimizer)), {})
 
-def _as_float32(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.float() if tensor.dtype in (torch.bfloat16, torch.float16) else tensor
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer this wraps (your own object, where the strategy kept it)."""
+        return self._optimizer
 
+    def step(self, closure: Any = None) -> Any:
+        return self._run_step(self._optimizer, closure)
 
-def hook_step(optimizer: torch.optim.Optimizer,
-              run_step: Callable[[torch.optim.Optimizer, Callable[..., Any], Any], Any]
-              ) -> None:
-    """Make ``optimizer.step(closure)`` call ``run_step(optimizer, original_step,
-    closure)``; a call from inside ``run_step`` (the precision's step) reaches the
-    original step."""
-    original = optimizer.step
-    busy = False
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._acts is not None and not self._acts():
+            return
+        if self._on_zero_grad is not None:
+            self._on_zero_grad()
+        self._optimizer.zero_grad(set_to_none=set_to_none)
 
-    def step(self: torch.optim.Optimizer, closure: Any = None) -> Any:
-        nonlocal busy
-        self._opt_called = True  # what an LR scheduler checks (torch warns otherwise)
-        if busy:  # the run's own call, through the precision
-            return original(closure) if closure is not None else original()
-        busy = True
+    def state_dict(self) -> dict[str, Any]:
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._optimizer.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:
         try:
-            return run_step(self, original, closure)
-        finally:
-            busy = False
-
-    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # already tracked
-    optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+            inner = object.__getattribute__(self, "_optimizer")
+        except AttributeError:  # not built yet (unpickling, copying)
+            raise AttributeError(name) from None
+        return getattr(inner, name)
 
 
-def hook_zero_grad(optimizer: torch.optim.Optimizer, on_zero: Callable[[], None]) -> None:
-    """Make ``optimizer.zero_grad(...)`` call ``on_zero()`` first."""
-    original = optimizer.zero_grad
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The optimizer a :class:`FleetOptimizer` wraps; any other object as it is."""
+    return optimizer.optimizer if isinstance(optimizer, FleetOptimizer) else optimizer
 
-    def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-        on_zero()
-        original(set_to_none)
 
-    optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
+def watch_direct_steps(optimizer: torch.optim.Optimizer, inside: Callable[[], bool],
+                       before: Callable[[], None], after: Callable[[], None]) -> None:
+    """A step called on your optimizer itself, not through its :class:`FleetOptimizer`
+    (a loop that kept its own reference), still marks the optimizer phase and counts as
+    the run's step, through torch's own step hooks (``register_step_pre_hook`` and
+    ``register_step_post_hook``); ``inside()`` is true while the wrapper is stepping
+    (then the run does it already)."""
+    optimizer.register_step_pre_hook(lambda *_: None if inside() else before())
+    optimizer.register_step_post_hook(lambda *_: None if inside() else after())

@@ -231,7 +231,10 @@ def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: Launc
             start_method="spawn")
     logger.info("launching %d rank(s) with torch's elastic agent (%s rendezvous at %s, "
                 "max_restarts=%d)", nproc, plan.mode, plan.rdzv_endpoint, max_restarts)
-    # The agent forwards these to every rank and waits for them to checkpoint and end.
+    # The agent forwards these to every rank and waits for them to checkpoint and end;
+    # torch's launcher sets the variable in this process, restored when the ranks end
+    # (a process that launches and goes on, Fleet.launch's, keeps its environment).
+    signals_before = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
     os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", AGENT_SIGNALS)
     # The agent logs each failed rank's traceback; the LaunchError below says it once.
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
@@ -296,6 +299,10 @@ def _launch_elastic(fn: Callable[..., Any], args: tuple, nproc: int, plan: Launc
         ) from err
     finally:
         agent_log.setLevel(level)
+        if signals_before is None:
+            os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
+        else:
+            os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = signals_before
         if ranks_dir is not None:
             shutil.rmtree(ranks_dir, ignore_errors=True)
         shutil.rmtree(forensics, ignore_errors=True)  # the links (their targets stay)

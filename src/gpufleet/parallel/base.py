@@ -147,6 +147,12 @@ class Strategy:
         """Build the optimizer for the wrapped ``model``."""
         return spec.build(self.unwrap(model))
 
+    def keeps_optimizer(self) -> bool:
+        """Whether an optimizer built on the placed model's own parameters trains as it
+        is (``setup_optimizer`` would only build one like it): own-loop runs then step
+        the user's object itself. False where this strategy wraps or hooks it."""
+        return True
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's own module (no ``module.`` prefix in its state dict)."""
         return model

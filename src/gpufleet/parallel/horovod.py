@@ -95,6 +95,9 @@ class Horovod(Strategy):
             log.info("horovod: %d rank(s), %d on this node", self.hvd.size(),
                      self.hvd.local_size())
 
+    def keeps_optimizer(self) -> bool:
+        return False  # it builds its own around the optimizer (or hooks it)
+
     def setup_optimizer(self, model: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
         hvd = self.hvd
         optimizer = spec.build(model)

@@ -90,6 +90,9 @@ class LocalSGD(DistributedDataParallel):
             log.info("local_sgd: gradient all-reduce for %d warm-up step(s), then model "
                      "averaging over %s", cfg.local_sgd.warmup_steps, levels)
 
+    def keeps_optimizer(self) -> bool:
+        return False  # it builds its own around the optimizer (or hooks it)
+
     def setup_optimizer(self, model: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
         optimizer = super().setup_optimizer(model, spec)
         params = list(self.unwrap(model).parameters())

@@ -51,6 +51,9 @@ class ZeroRedundancy(Strategy):
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         return self._ddp.no_sync(model)
 
+    def keeps_optimizer(self) -> bool:
+        return False  # it builds its own around the optimizer (or hooks it)
+
     def setup_optimizer(self, model: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
