@@ -8,7 +8,18 @@ done so far) and refuses assignment, so a callback cannot change the run by acci
 from __future__ import annotations
 
 from operator import attrgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
+
+    from gpufleet.config import Config
+    from gpufleet.launch import DistEnv
+    from gpufleet.monitor.system import SystemSampler
+    from gpufleet.train.engine.protocols import LearningRates, RunLike
+    from gpufleet.train.engine.result import FitResult
 
 # What a view reads, as paths into the run (gpufleet.train.engine.run.Run).
 _FIELDS = {
@@ -42,8 +53,28 @@ class RunView:
     """
 
     __slots__ = ("_run",)
+    _run: RunLike
 
-    def __init__(self, run: Any) -> None:
+    if TYPE_CHECKING:  # properties made from _FIELDS below
+        step: int
+        flops_per_step: int | None
+        epoch: int
+        epochs_done: float
+        pin_memory: bool
+        system_sampler: SystemSampler | None
+        max_steps: int
+        cfg: Config
+        env: DistEnv
+        run_dir: Path
+        device: torch.device
+        result: FitResult
+        model: Any
+        optimizer: Any
+        scheduler: LearningRates
+        strategy: Any
+        precision: Any
+
+    def __init__(self, run: RunLike) -> None:
         object.__setattr__(self, "_run", run)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -51,7 +82,7 @@ class RunView:
                              "reports through its hooks and its own attributes.")
 
     @property
-    def config(self) -> Any:
+    def config(self) -> Config:
         return self._run.cfg
 
     @property
