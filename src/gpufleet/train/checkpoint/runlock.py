@@ -95,7 +95,7 @@ def acquire(run_dir: str | Path, run: str | None = None) -> RunLock | None:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     run = run or run_id()
-    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fd: int | None = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:

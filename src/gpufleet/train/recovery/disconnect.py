@@ -49,7 +49,8 @@ def store_endpoint(store: Any) -> frozenset[tuple[str, int]] | None:
     if not host or not port:
         return None
     try:
-        found = {info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+        found = {str(info[4][0])
+                 for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
     except OSError:
         return None
     return frozenset((addr.removeprefix("::ffff:"), port) for addr in found)
