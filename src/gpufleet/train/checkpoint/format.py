@@ -83,7 +83,7 @@ def write_checkpoint_file(path: Path, state: dict[str, Any]) -> None:
         with open(tmp, "wb") as f:
             out = _HashingWriter(f)
             try:
-                torch.save(state, out)
+                torch.save(state, out.file)
             except RuntimeError as e:
                 # torch's zip writer turns a failed write into a RuntimeError: give the
                 # caller the OSError (ENOSPC, EIO, ...) that caused it.

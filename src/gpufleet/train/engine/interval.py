@@ -17,7 +17,7 @@ import torch
 
 from gpufleet.monitor.metrics import arrival_metrics, flops_metrics, phase_metrics
 from gpufleet.monitor.phases import PHASES
-from gpufleet.train.engine.protocols import RunLike
+from gpufleet.train.engine.view import RunLike
 
 
 class LogInterval:

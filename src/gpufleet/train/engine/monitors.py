@@ -25,9 +25,9 @@ from gpufleet.monitor.sinks import build_sinks
 from gpufleet.monitor.syncprobe import SyncProbe
 from gpufleet.monitor.system import SystemSampler
 from gpufleet.train.checkpoint.keeping import EarlyStopping
-from gpufleet.train.engine.protocols import RunLike
 from gpufleet.train.engine.resilience import snapshots_of
 from gpufleet.train.engine.run import Monitors, Run
+from gpufleet.train.engine.view import RunLike
 
 log = logging.getLogger(__name__)
 
