@@ -144,3 +144,9 @@ class Run:
         if mon.preemption is not None:
             mon.preemption.close()
         self.data.close()  # last: the rest is let go of even if a worker fails to stop
+
+
+if TYPE_CHECKING:  # mypy checks that a Run gives what the shared parts read
+    from gpufleet.train.engine.view import RunLike
+
+    _READ_AS: type[RunLike] = Run
