@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from gpufleet.core.outside import from_outside
@@ -86,6 +87,18 @@ class Callback:
 class CallbackList:
     """Dispatches each hook to the callbacks that override it, looked up once."""
 
+    # Each hook of _HOOKS, set in __init__: calls every callback that overrides it.
+    on_fit_start: Callable[..., None]
+    on_phase: Callable[..., None]
+    on_phase_marks: Callable[..., None]
+    on_step_end: Callable[..., None]
+    on_log: Callable[..., None]
+    on_eval: Callable[..., None]
+    on_user_log: Callable[..., None]
+    on_checkpoint: Callable[..., None]
+    on_fit_end: Callable[..., None]
+    on_exception: Callable[..., None]
+
     def __init__(self, callbacks: list[Callback]) -> None:
         self.callbacks = list(callbacks)
         # name -> first error, for each non-essential callback that failed (the summary
@@ -116,7 +129,7 @@ _HOOKS = ("on_fit_start", "on_phase", "on_phase_marks", "on_step_end", "on_log",
           "on_user_log", "on_checkpoint", "on_fit_end", "on_exception")
 
 
-def _dispatcher(listeners: list[Any]) -> Any:
+def _dispatcher(listeners: list[Any]) -> Callable[..., None]:
     def call(*args: Any) -> None:
         for fn in listeners:
             fn(*args)

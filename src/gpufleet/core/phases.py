@@ -29,11 +29,25 @@ Example:
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from enum import StrEnum
 from typing import Any
+
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:  # Python 3.10 has no StrEnum: the same behaviour (str() and format() give the value)
+    from enum import Enum
+
+    class StrEnum(str, Enum):
+        """An enum whose members are strings, as Python 3.11's ``enum.StrEnum``."""
+
+        def __str__(self) -> str:
+            return str(self.value)
+
+        def __format__(self, spec: str) -> str:
+            return str(self.value).__format__(spec)
 
 from gpufleet.core.ring import RING
 

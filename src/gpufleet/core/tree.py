@@ -63,7 +63,9 @@ def _mapping_like(original: Mapping, items: dict) -> Any:
                 clone[k] = v
             return clone
         if not isinstance(original, MutableMapping):
-            return type(original)(items)
+            # A Mapping's constructor is not part of Mapping; one taking no dict raises
+            # TypeError, caught below.
+            return type(original)(items)  # type: ignore[call-arg]
     except Exception:  # e.g. a mapping that refuses item assignment
         pass
     return items  # a mutable mapping of another kind: its copy may share its state

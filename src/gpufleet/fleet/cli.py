@@ -18,6 +18,7 @@ import argparse
 import os
 import runpy
 import sys
+from collections.abc import Callable
 from typing import Any
 
 
@@ -102,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
         # As torchrun does: the agent starts ``python SCRIPT ARGS`` per rank (a command,
         # which torch's elastic_launch takes besides a function), so a rank imports only
         # what the script imports.
-        entry, entry_args = sys.executable, (script, *args.script_args)
+        entry: str | Callable[..., Any] = sys.executable
+        entry_args: tuple[Any, ...] = (script, *args.script_args)
     else:  # torch.multiprocessing runs a function in each rank
         entry, entry_args = run_script, (script, list(args.script_args))
     launch(entry, entry_args, nproc=nproc, launcher=launcher,

@@ -12,8 +12,8 @@ tells the run that a batch is being waited for (the data phase).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sized
+from typing import Any, cast
 
 import torch
 from torch.utils.data import (
@@ -21,6 +21,7 @@ from torch.utils.data import (
     DistributedSampler,
     IterableDataset,
     RandomSampler,
+    Sampler,
     SequentialSampler,
 )
 
@@ -87,31 +88,32 @@ def _resumable(loader: DataLoader, rank: int, world_size: int, seed: int
     :func:`shard_loader`)."""
     theirs = loader.sampler
     if isinstance(theirs, DistributedSampler):  # it shards already: its order, ours
-        return ResumableDistributedSampler(len(loader.dataset), rank=rank,
+        return ResumableDistributedSampler(len(cast("Sized", loader.dataset)), rank=rank,
                                            world_size=world_size, shuffle=theirs.shuffle,
                                            seed=theirs.seed, drop_last=theirs.drop_last)
     shuffle = isinstance(theirs, RandomSampler)
     # One process: the shuffle your RandomSampler would draw (its seed from torch's
     # random state, each epoch); several: DistributedSampler's, from ``seed``.
     plain = shuffle and type(theirs) is RandomSampler and theirs.generator is None and \
-        not theirs.replacement and theirs.num_samples == len(loader.dataset)
+        not theirs.replacement and theirs.num_samples == len(cast("Sized", loader.dataset))
     # The sampler's own draws are the order: a sampler of your own (on any number of
     # ranks, as Fabric's DistributedSamplerWrapper), or alone a RandomSampler that is
     # not plain (as Fabric keeps a loader on one device).
     own = not isinstance(theirs, SequentialSampler) and not plain and \
         not (shuffle and world_size > 1)
     if not own:
-        return ResumableDistributedSampler(len(loader.dataset), rank=rank,
+        return ResumableDistributedSampler(len(cast("Sized", loader.dataset)), rank=rank,
                                            world_size=world_size, shuffle=shuffle,
                                            seed=seed, draw_seeds=plain)
     try:
-        count = len(theirs)
+        count = len(cast("Sized", theirs))
     except TypeError:
         raise ConfigError(f"setup_dataloaders got a DataLoader whose sampler "
                           f"({type(theirs).__name__}) has no len(); give it __len__, or "
                           "pass use_distributed_sampler=False and shard it yourself.") from None
     return ResumableDistributedSampler(count, rank=rank, world_size=world_size,
-                                       shuffle=False, seed=seed, source=theirs)
+                                       shuffle=False, seed=seed,
+                                       source=cast(Sampler, theirs))
 
 
 class FleetLoader:
@@ -284,14 +286,14 @@ class FleetLoader:
         n, self.samples = self.samples, 0
         return n
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         """The position to resume from (see ``ResumableDistributedSampler.state_dict``)."""
         if self.sampler is None:
             raise ConfigError("this loader was set up with use_distributed_sampler=False: "
                               "gpufleet does not know its position. Save your own sampler's "
                               "state instead, or let setup_dataloaders shard the loader.")
         if self._ended:  # the loop left the pass: the next one starts the next epoch
-            state = self.sampler.state_dict()
+            state: dict[str, Any] = self.sampler.state_dict()
         else:
             # Inside a pass (its last batch included): the samples taken, not the
             # sampler's own count, which a DataLoader runs ahead of the batches handed out.

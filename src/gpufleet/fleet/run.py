@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,9 @@ from gpufleet.core.phases import PhaseAnnouncer
 from gpufleet.launch import DistEnv
 from gpufleet.train.engine.result import FitResult
 from gpufleet.train.engine.run import Monitors, TrainState
+
+if TYPE_CHECKING:
+    from gpufleet.train.engine.view import RunLike
 
 
 class LoaderCounts:
@@ -119,6 +122,10 @@ class FleetRun:
         if self.run_lock is not None:
             self.run_lock.release()
             self.run_lock = None
+
+
+if TYPE_CHECKING:  # mypy checks that a FleetRun gives what the shared parts read
+    _READ_AS: type[RunLike] = FleetRun
 
 
 class FleetPart:

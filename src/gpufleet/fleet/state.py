@@ -127,7 +127,7 @@ def load_raw_state(path: str | Path, obj: Any, strict: bool = True) -> None:
                               "state dict (torch.save(model.state_dict(), path) writes one).")
     try:
         if isinstance(obj, Optimizer):
-            obj.load_state_dict(saved)
+            obj.load_state_dict(dict(saved))  # torch copies it first anyway
             return
         result = obj.load_state_dict(saved, strict=strict)
     except (RuntimeError, KeyError, ValueError) as e:

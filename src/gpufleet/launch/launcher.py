@@ -67,7 +67,7 @@ _STORE_WAIT_S = 60.0  # at most this long for a store hosted elsewhere to answer
 ELASTIC_EXIT_BARRIER_S = 30.0
 
 
-def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, launcher: str = "elastic",
+def launch(fn: Callable[..., Any] | str, args: tuple = (), *, nproc: int, launcher: str = "elastic",
            nnodes: str = "1", node_rank: int = 0, master_addr: str = "127.0.0.1",
            master_port: int = 0, rdzv_endpoint: str = "", rdzv_backend: str = "c10d",
            rdzv_id: str = "", max_restarts: int = 0, log_dir: str | None = None,
@@ -81,7 +81,8 @@ def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, launcher: st
     the same call on each; each node gets back the results of its own ranks.
 
     Args:
-        fn: What each rank runs; it finds its rank with ``DistEnv.detect()``.
+        fn: What each rank runs; it finds its rank with ``DistEnv.detect()``. Under the
+            elastic launcher also a command (an executable, run with ``args``).
         args: Positional arguments for ``fn``.
         nproc: Ranks on this node.
         launcher: "elastic" (torch's elastic agent: restarts, multi-node) or "spawn"

@@ -143,7 +143,7 @@ def _by_class(model: nn.Module, spec: str) -> list[str]:
             f"class {', '.join(map(repr, missing))}. Classes in the model (closest first): "
             f"{', '.join(closest_first(missing[0], sorted(present))[:12])}. Name one of "
             "them, or use 'every:K' for every K-th block.")
-    names = []
+    names: list[str] = []
     for name, m in model.named_modules():
         if type(m).__name__ in wanted and not any(name.startswith(p + ".") for p in names):
             names.append(name)  # outermost only: a checkpoint inside a checkpoint is waste

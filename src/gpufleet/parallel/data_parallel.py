@@ -67,7 +67,8 @@ def replicate(model: nn.Module, cfg: ParallelConfig, device: torch.device) -> DD
         static_graph=cfg.ddp.static_graph,
         gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view,
         find_unused_parameters=cfg.ddp.find_unused_parameters,
-        **{_SYNC_BUFFERS: cfg.ddp.broadcast_buffers},
+        # The buffers' option has one of two names, by torch version (_SYNC_BUFFERS).
+        **{_SYNC_BUFFERS: cfg.ddp.broadcast_buffers},  # type: ignore[arg-type]
     )
     register_comm_hook(ddp, cfg.ddp.comm_hook, cfg.ddp.powersgd_rank,
                        cfg.ddp.powersgd_start_step)

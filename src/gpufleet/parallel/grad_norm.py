@@ -23,13 +23,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
 
 from gpufleet.core.ring import RING
 from gpufleet.parallel.dims import ParallelDims
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def spreads_gradients(dims: ParallelDims) -> bool:
@@ -82,7 +85,7 @@ class EachNorm(NamedTuple):
             had a gradient (the common case, found without a second pass).
     """
 
-    values: torch.Tensor
+    values: torch.Tensor | Sequence[torch.Tensor]
     params: Sequence[torch.Tensor]
     present: list[int] | None
 
@@ -179,9 +182,10 @@ def _local_piece(grad: torch.Tensor, dims: ParallelDims | None) -> tuple[torch.T
     """This rank's piece of ``grad`` and how many ranks hold an identical copy of it."""
     if not hasattr(grad, "to_local"):  # a plain tensor: the same on every rank of a stage
         return grad, dims.world_size // dims.pp if dims else 1
-    mesh = grad.device_mesh
+    dtensor = cast("DTensor", grad)  # only a DTensor has to_local
+    mesh = dtensor.device_mesh
     shards = 1
-    for i, placement in enumerate(grad.placements):
+    for i, placement in enumerate(dtensor.placements):
         if not placement.is_replicate():  # sharded (plain or strided) along mesh dim i
             shards *= mesh.size(i)
     return grad.to_local(), (dims.world_size // dims.pp // shards) if dims else 1

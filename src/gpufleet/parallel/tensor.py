@@ -68,8 +68,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> None:
     col, row = _styles()
     for module in attention:
         parallelize_module(module, tp_mesh, {"c_attn": _head_columns(), "c_proj": row()})
-    for module in (m for m in model.modules() if isinstance(m, MLP)):
-        parallelize_module(module, tp_mesh, {"c_fc": col(), "c_proj": row()})
+    for mlp in (m for m in model.modules() if isinstance(m, MLP)):
+        parallelize_module(mlp, tp_mesh, {"c_fc": col(), "c_proj": row()})
     log.info("tensor parallel: %d attention block(s) split by heads over %d rank(s)",
              len(attention), tp)
 

@@ -108,9 +108,13 @@ package.module:function(output, target).
 
 def batch_totals(metric: EvalMetric, output: Any, target: Any, n: int) -> tuple[Any, Any]:
     """``(sum, count)`` of one batch; a scalar result counts as the mean of ``n`` samples."""
+    if metric.update is None:  # the evaluator calls this only for per-batch metrics
+        raise TypeError(f"eval metric {metric.name!r} is computed from the loss, not per "
+                        "batch")
     got = metric.update(output, target)
     if isinstance(got, (tuple, list)) and len(got) == 2:
-        return got
+        total, count = got
+        return total, count
     if (isinstance(got, torch.Tensor) and got.numel() == 1) or isinstance(got, (int, float)):
         return got * n, n
     raise TypeError(f"eval metric {metric.name!r} returned {type(got).__name__}; return a "

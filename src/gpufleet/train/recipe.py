@@ -96,7 +96,8 @@ def _constructor_defaults(cls: type, defaults: dict[str, Any]) -> dict[str, Any]
     """The optimizer's defaults its constructor takes back. Some classes keep settings
     the constructor fixes (AdamW's ``decoupled_weight_decay``): those stay in the
     parameter groups, which carry every setting, and out of the keyword arguments."""
-    accepted = inspect.signature(cls.__init__).parameters
+    # The class's own constructor is meant (cls is a class, not an instance).
+    accepted = inspect.signature(cls.__init__).parameters  # type: ignore[misc]
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
         return {k: v for k, v in defaults.items() if k != "params"}
     return {k: v for k, v in defaults.items() if k != "params" and k in accepted}

@@ -43,8 +43,8 @@ def rng_state() -> dict[str, Any]:
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
-                  float(cached)],
+        "numpy": [name, torch.from_numpy(np.asarray(keys).astype(np.int64)), int(pos),
+                  int(has_gauss), float(cached)],
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():

@@ -17,11 +17,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
 from gpufleet.core.tree import map_tensors
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +48,7 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def _is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch < 2.5 keeps it under _tensor; sharded saves need 2.5

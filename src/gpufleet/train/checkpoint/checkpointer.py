@@ -112,7 +112,7 @@ class Checkpointer:
                 if self.best is not None and self.env.is_main:  # the best k outlive
                     self.best.record(at.step, score)            # keep_last
                     keep = self.best.keep()
-                content = (model_state, state) if sharded else {**model_state, **state}
+                content = (model_state, state) if sharded else {**model_state, **(state or {})}
                 save = self._saver(sharded, at.step, keep)
                 if self.writer is not None:
                     self._write_in_background(at.step, path, content, save, start)

@@ -14,7 +14,7 @@ import re
 import shutil
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -79,6 +79,12 @@ class _HashingWriter:
     def __init__(self, f: Any) -> None:
         self.f, self.sha256 = f, hashlib.sha256()
         self.error: OSError | None = None
+
+    @property
+    def file(self) -> IO[bytes]:
+        """This writer as ``torch.save``'s file: it is written to through ``write`` and
+        ``flush`` only, all torch.save calls on a file it did not open."""
+        return cast("IO[bytes]", self)
 
     def write(self, data: bytes) -> int:
         self.sha256.update(data)

@@ -83,7 +83,7 @@ def write_checkpoint_file(path: Path, state: dict[str, Any]) -> None:
         with open(tmp, "wb") as f:
             out = _HashingWriter(f)
             try:
-                torch.save(state, out)
+                torch.save(state, out.file)
             except RuntimeError as e:
                 # torch's zip writer turns a failed write into a RuntimeError: give the
                 # caller the OSError (ENOSPC, EIO, ...) that caused it.
@@ -277,11 +277,11 @@ def find_resume_checkpoint(resume: str, out_dir: str | Path, run_name: str,
         verify_checkpoint(path)  # one sharded checkpoint, named explicitly
         return path
     if path.is_dir():
-        found = list_checkpoints(path) or list_checkpoints(path.parent)
-        if not found:
+        listed = list_checkpoints(path) or list_checkpoints(path.parent)
+        if not listed:
             raise CheckpointError(f"no checkpoint (step-N.pt or step-N/) in {resume!r}. "
                                   "Pass a run directory that has checkpoints/ or a .pt file.")
-        intact = newest_intact(found)
+        intact = newest_intact(listed)
         if intact is None:
             raise CheckpointError(f"every checkpoint in {resume!r} failed its checksum. "
                                   "Start a new run without --resume.")

@@ -141,7 +141,7 @@ def _replace_in_sharded(folder: Path, file: Path, state: dict[str, Any]) -> None
     tmp = file.with_name(f".{file.name}.tmp-migrate")
     with open(tmp, "wb") as f:
         out = _HashingWriter(f)
-        torch.save(state, out)
+        torch.save(state, out.file)
         f.flush()
         os.fsync(f.fileno())
     lines = (folder / MANIFEST).read_text().splitlines()

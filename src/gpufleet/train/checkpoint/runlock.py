@@ -96,6 +96,7 @@ def acquire(run_dir: str | Path, run: str | None = None) -> RunLock | None:
     run_dir.mkdir(parents=True, exist_ok=True)
     run = run or run_id()
     fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    held_fd: int | None = fd  # None where the file system has no flock
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -110,13 +111,13 @@ def acquire(run_dir: str | Path, run: str | None = None) -> RunLock | None:
                     "lock record is checked", run_dir, e)
         if record and record.get("run_id") != run and _alive(record):
             raise RunDirInUse(_in_use(run_dir, record)) from None
-        fd = None
+        held_fd = None
     previous = _read_record(run_dir)
     if previous and previous.get("run_id") != run:
         log.warning("run directory %s: taking over the lock of %s, which no longer holds "
                     "it (that process has ended)", run_dir, _holder(previous))
     _write_record(run_dir, run)
-    return RunLock(run_dir, fd)
+    return RunLock(run_dir, held_fd)
 
 
 def _in_use(run_dir: Path, record: dict[str, Any]) -> str:

@@ -113,7 +113,7 @@ def _finish_sharded(path: Path, staging: Path, state: dict[str, Any],
     rename to the final name."""
     with open(staging / TRAINER_STATE, "wb") as f:
         out = _HashingWriter(f)
-        torch.save({"format": FORMAT_VERSION, "sharded": True, **state}, out)
+        torch.save({"format": FORMAT_VERSION, "sharded": True, **state}, out.file)
         f.flush()
         os.fsync(f.fileno())
     digests[TRAINER_STATE] = out.sha256.hexdigest()

@@ -229,14 +229,16 @@ def _place_models(cfg: Config, env: DistEnv, device: torch.device, strategy: Any
     schedulers = per_model(scheduler, list(models), "scheduler")
     several = len(models) > 1
     placed: dict[str, tuple[nn.Module, Any, Any, Any]] = {}
-    recipes, first = [], None
+    recipes, cfgs = [], []
     for name, module in models.items():
-        named_cfg, *placed[name] = _model_and_optimizer(
+        named_cfg, *rest = _model_and_optimizer(
             cfg, env, device, strategy, module, optimizers[name], schedulers[name],
             name if several else "")
+        placed[name] = (rest[0], rest[1], rest[2], rest[3])
         recipes.append(f"{name}: {named_cfg.optim.recipe}" if several
                        else named_cfg.optim.recipe)
-        first = first or named_cfg
+        cfgs.append(named_cfg)
+    first = cfgs[0]
     return dataclasses.replace(first, optim=dataclasses.replace(
         first.optim, recipe=" || ".join(recipes))), placed
 

@@ -17,7 +17,7 @@ import torch
 
 from gpufleet.monitor.metrics import arrival_metrics, flops_metrics, phase_metrics
 from gpufleet.monitor.phases import PHASES
-from gpufleet.train.engine.run import Run
+from gpufleet.train.engine.view import RunLike
 
 
 class LogInterval:
@@ -27,7 +27,7 @@ class LogInterval:
         run: the run whose loop adds to it.
     """
 
-    def __init__(self, run: Run) -> None:
+    def __init__(self, run: RunLike) -> None:
         self.run = run
         # Each optimizer step's summed loss (device tensors, by reference), added up at the
         # end of the interval: no device operation per step.
@@ -95,7 +95,7 @@ class LogInterval:
             values = stats.tolist() + host  # SYNC, once per log interval
         loss_total, norm_total, *rest = values
         micro_steps = self.micro_steps
-        if skips is not None:
+        if skips is not None and guard is not None:  # skips come from the guard
             loss_total = guard.settle([v / world for v in rest[:len(skips)]],
                                       self.first_step, run.env.is_main, loss_total)
             # The skipped steps' losses are out of loss_total: out of the count too.

@@ -27,6 +27,7 @@ from gpufleet.monitor.system import SystemSampler
 from gpufleet.train.checkpoint.keeping import EarlyStopping
 from gpufleet.train.engine.resilience import snapshots_of
 from gpufleet.train.engine.run import Monitors, Run
+from gpufleet.train.engine.view import RunLike
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def build_monitors(cfg: Config, env: DistEnv, device: torch.device, run_dir: Pat
                     if fault.preempt_check_every else None))
 
 
-def own_callbacks(run: Run) -> list[Callback]:
+def own_callbacks(run: RunLike) -> list[Callback]:
     """The run's own callbacks, in the order they hear each hook: phase timing first
     (its clock reads bracket the others' work least), the file sinks before the advisor
     that reads what they were given. Fills in the monitors built here."""
@@ -53,8 +54,8 @@ def own_callbacks(run: Run) -> list[Callback]:
     own: list[Callback] = [cb for cb in (timer, timer and timer.stream, monitors.arrival,
                                           monitors.watchdog) if cb]
     if cfg.fault.snapshot_every and isinstance(run, Run):  # before the sinks: it adds
-        monitors.snapshots = snapshots_of(run)               # to the metrics they write
-        own.append(monitors.snapshots)
+        monitors.snapshots = snapshots = snapshots_of(run)   # to the metrics they write
+        own.append(snapshots)
     elif cfg.fault.snapshot_every and env.is_main:
         log.warning("fault.snapshot_every = %d applies to gpufleet's own loop (gpufleet "
                     "train, gpufleet.fit); this loop takes no snapshots",

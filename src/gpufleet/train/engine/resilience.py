@@ -11,7 +11,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from gpufleet.core.callbacks import Callback
 from gpufleet.errors import ConfigError
 from gpufleet.fault.snapshot import SnapshotCallback
 from gpufleet.launch import is_initialized, job_store
@@ -50,7 +49,7 @@ def recovery_of(run: Run, join: Any, backend: str) -> Any:
     return recovery
 
 
-def snapshots_of(run: Run) -> Callback:
+def snapshots_of(run: Run) -> SnapshotCallback:
     """In-memory snapshots of this rank's state (``fault.snapshot_every``), captured
     with the checkpointer's own state functions."""
     def capture() -> tuple[dict[str, Any], set[int]]:

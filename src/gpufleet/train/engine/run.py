@@ -24,16 +24,10 @@ from gpufleet.launch import DistEnv
 from gpufleet.train.checkpoint.checkpointer import Checkpointer
 from gpufleet.train.engine.evaluator import Evaluator
 from gpufleet.train.engine.result import FitResult
+from gpufleet.train.engine.state import Monitors, TrainState
 from gpufleet.train.engine.stream import TrainStream
 
 if TYPE_CHECKING:
-    from gpufleet.fault.preempt import PreemptionWatch
-    from gpufleet.fault.snapshot import SnapshotCallback
-    from gpufleet.fault.watchdog import Watchdog
-    from gpufleet.monitor.advisor import Advisor
-    from gpufleet.monitor.arrival import ArrivalTimer
-    from gpufleet.monitor.phases import PhaseTimer
-    from gpufleet.monitor.system import SystemSampler
     from gpufleet.parallel.base import Strategy
     from gpufleet.precision import Precision
     from gpufleet.train.checkpoint.runlock import RunLock
@@ -41,42 +35,6 @@ if TYPE_CHECKING:
     from gpufleet.train.engine.view import RunView
     from gpufleet.train.guard.nonfinite import NonFiniteGuard
     from gpufleet.train.recovery.recovery import Recovery
-
-
-@dataclass
-class TrainState:
-    """What training changes as it goes (the data position lives in the stream).
-
-    Attributes:
-        step: optimizer steps done (a resumed run counts the earlier ones).
-        saved_step: the step of the newest checkpoint written or resumed from (-1: none).
-        stop_reason: why this rank asked the run to stop ("" while it has not).
-        flops_per_step: counted on the second step (None before; 0 when not counted).
-        train_time_s / samples / tokens: training time and the global samples and tokens
-            read in it this session (evaluation and checkpoints excluded).
-    """
-
-    step: int = 0
-    saved_step: int = -1
-    stop_reason: str = ""  # why this rank asked the run to stop (RunView.request_stop)
-    flops_per_step: int | None = None
-    train_time_s: float = 0.0
-    samples: float = 0.0
-    tokens: float = 0.0
-
-
-@dataclass
-class Monitors:
-    """What watches the run. Each is None when the config turns it off or when it does
-    not run on this rank (one system sampler per node, the advisor on rank 0)."""
-
-    phase_timer: PhaseTimer | None = None
-    arrival: ArrivalTimer | None = None  # each rank's wait for the others, GC pauses
-    watchdog: Watchdog | None = None
-    preemption: PreemptionWatch | None = None
-    system_sampler: SystemSampler | None = None
-    advisor: Advisor | None = None
-    snapshots: SnapshotCallback | None = None  # fault.snapshot_every's in-memory copies
 
 
 @dataclass(eq=False)
@@ -186,3 +144,9 @@ class Run:
         if mon.preemption is not None:
             mon.preemption.close()
         self.data.close()  # last: the rest is let go of even if a worker fails to stop
+
+
+if TYPE_CHECKING:  # mypy checks that a Run gives what the shared parts read
+    from gpufleet.train.engine.view import RunLike
+
+    _READ_AS: type[RunLike] = Run

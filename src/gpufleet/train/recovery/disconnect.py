@@ -56,7 +56,7 @@ def store_endpoint(store: Any) -> frozenset[tuple[str, int]] | None:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except OSError:
             return None
-        found |= {(info[4][0].removeprefix("::ffff:"), port) for info in infos}
+        found |= {(str(info[4][0]).removeprefix("::ffff:"), port) for info in infos}
     return frozenset(found)
 
 

@@ -229,7 +229,7 @@ class Growing:
         dist.init_process_group(
             recovery.backend, store=dist.PrefixStore(f"{growth.key}/pg", store), rank=rank,
             world_size=growth.world, timeout=timedelta(seconds=meet_s))
-        if meet_s != self.timeout_s:
+        if meet_s != self.timeout_s and set_timeout is not None:
             set_timeout(timedelta(seconds=self.timeout_s))
         if recovery.reshards:
             sent = self._live_shards(mine, rank, growth.live)
