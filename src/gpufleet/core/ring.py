@@ -36,6 +36,7 @@ import struct
 import sys
 import time
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 #: How many collectives each rank remembers.
@@ -172,7 +173,7 @@ def call_site() -> str:
     """Where the program's own code called into gpufleet: "train.py:42" for the
     innermost frame outside gpufleet and torch ("" if none). A few frame reads: for
     the collectives your own loop calls (Fleet's), not per gradient bucket."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
         if not any(part in name for part in _LIBRARY):

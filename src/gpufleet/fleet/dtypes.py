@@ -69,7 +69,8 @@ class ForwardDtypes:
     def convert_input(self, data: Any) -> Any:
         if self.inputs is None:
             return data
-        return map_tensors(data, lambda t, d=self.inputs: _floating_as(t, d))
+        dtype = self.inputs
+        return map_tensors(data, lambda t: _floating_as(t, dtype))
 
     def convert_output(self, data: Any) -> Any:
         if not self.outputs:

@@ -64,7 +64,7 @@ def shard_loader(loader: DataLoader, *, rank: int, world_size: int, seed: int
                           "__getitem__). Shard the stream yourself and pass "
                           "use_distributed_sampler=False.")
     try:
-        len(loader.dataset)
+        len(cast(Sized, loader.dataset))  # what is checked: a TypeError without __len__
     except TypeError:
         raise ConfigError(f"setup_dataloaders got a DataLoader whose dataset "
                           f"({type(loader.dataset).__name__}) has no len(); give it "

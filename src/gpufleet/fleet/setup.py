@@ -11,6 +11,7 @@ loader is sharded over the ranks with a resumable sampler.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -182,7 +183,7 @@ class FleetSetup(FleetPart):
                                       steps.on_zero_grad if primary else None,
                                       acts=lambda: self._accumulation.sync))
             watch_direct_steps(opt, steps.inside_step, steps.direct_step_begins,
-                               lambda p=primary: steps.direct_step_ended(p))
+                               functools.partial(steps.direct_step_ended, primary))
         return out
 
     def _with_callbacks(self, step: Any) -> Any:

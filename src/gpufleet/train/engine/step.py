@@ -84,6 +84,10 @@ class OptimizerStep:
         self.schedules = schedules
         self.zero_grad = zero_grad
 
+    def _log_interval(self) -> LogInterval:
+        assert self.interval is not None, "the log interval is set before the first step"
+        return self.interval
+
     # -- each model's step, in order ----------------------------------------------------
     def prepare(self, model: nn.Module | None, optimizer: torch.optim.Optimizer,
                 precision: Any, guard: Any, step_loss: torch.Tensor | None) -> None:
@@ -112,7 +116,7 @@ class OptimizerStep:
         # pipeline stages). The norm stays a device tensor; it is only read at log time.
         norm = self.run.strategy.clip_grad_norm(model, max_norm, norm_type)
         if record:
-            self.interval.grad_norm = norm
+            self._log_interval().grad_norm = norm
         return norm
 
     def decide(self, model: nn.Module, optimizer: torch.optim.Optimizer, guard: Any,
@@ -136,10 +140,10 @@ class OptimizerStep:
         # A loss scaler steps through the precision: SYNC with fp16 and a non-fused
         # optimizer (found_inf).
         out = precision.step(optimizer) if take is None else take()
-        if count:
+        if count and step_loss is not None:
             # On the device path a skipped step's loss is added too (no host read here);
             # the guard takes it out again at the log interval.
-            self.interval.add(step_loss, count)
+            self._log_interval().add(step_loss, count)
         return out
 
     def schedule(self, part: Any, skip: bool) -> None:
@@ -198,7 +202,7 @@ class OptimizerStep:
                                                       clip_value, max_norm, norms):
                 skipped.append(part.guard)
         if len(norms) > 1:  # several models: the norm over all their gradients
-            self.interval.grad_norm = torch.linalg.vector_norm(torch.stack(norms))
+            self._log_interval().grad_norm = torch.linalg.vector_norm(torch.stack(norms))
         return skipped
 
     # -- the step's end -----------------------------------------------------------------
