@@ -28,6 +28,8 @@ from gpufleet.monitor.system import read_system
 from gpufleet.train.checkpoint.format import load_checkpoint
 from gpufleet.train.engine.step import OptimizerStep
 
+from .helpers import tiny_gpt
+
 pytestmark = pytest.mark.gpu
 
 
@@ -43,16 +45,13 @@ def test_fp16_fit_skips_an_inf_gradient_step_through_the_engine_and_backs_off(
         return plain(self, optimizer, precision, skip, *args, **kwargs)
 
     monkeypatch.setattr(OptimizerStep, "step_or_skip", spy)
-    calls = {"n": 0}
-
-    def loss_fn(logits, y):
-        calls["n"] += 1
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        return loss * float("inf") if calls["n"] == 7 else loss
+    guards = _spy_guards(monkeypatch)
+    loss_fn = _inf_at_call(7)
 
     result, cap = fit_cuda({"precision.mode": "fp16-mixed", "precision.init_scale": 1024.0,
                             "run.max_steps": 20, "checkpoint.save_final": True},
                            loss_fn=loss_fn)
+    assert guards and guards[0].on_device is False  # fp16: the scaler decides on the host
     assert result.skipped_steps == 1 and decisions.count(True) == 1, decisions
     assert len(decisions) == 20 and decisions[6] is True, decisions
     scaler = cap.trainer.precision.scaler
@@ -61,6 +60,56 @@ def test_fp16_fit_skips_an_inf_gradient_step_through_the_engine_and_backs_off(
     assert all(torch.isfinite(p).all() for p in model.parameters())
     saved = load_checkpoint(result.checkpoint)
     assert saved["precision"]["scaler"]["scale"] == 512.0, saved.get("precision")
+
+
+def _spy_guards(monkeypatch) -> list:
+    """The non-finite guards the engine's step asks (through ``OptimizerStep.decide``)."""
+    guards: list = []
+    plain = OptimizerStep.decide
+
+    def spy(self, model, optimizer, guard, *args, **kwargs):
+        guards.append(guard)
+        return plain(self, model, optimizer, guard, *args, **kwargs)
+
+    monkeypatch.setattr(OptimizerStep, "decide", spy)
+    return guards
+
+
+def _inf_at_call(bad: int):
+    """A GPT loss whose ``bad``-th call (1-based; one call a step) is inf."""
+    calls = {"n": 0}
+
+    def loss_fn(logits, y):
+        calls["n"] += 1
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        return loss * float("inf") if calls["n"] == bad else loss
+
+    return loss_fn
+
+
+def test_the_device_path_guard_skips_an_inf_step_inside_the_fused_optimizer(
+        fit_cuda, monkeypatch):
+    """bf16-mixed with fused AdamW on cuda: the guard hands the optimizer its flag (no
+    host decision: ``decide`` says False every step), the optimizer skips the inf step
+    by itself (the weights after it equal those before it) and the skip is counted."""
+    guards = _spy_guards(monkeypatch)
+    model = tiny_gpt()
+    weight = model.lm_head.weight
+    after: dict[int, torch.Tensor] = {}
+
+    class Keep(gpufleet.Callback):
+        def on_step_end(self, trainer, step):
+            after[step] = weight.detach().clone()
+
+    result, cap = fit_cuda({"precision.mode": "bf16-mixed", "run.max_steps": 12,
+                            "log.every": 4}, model=model, loss_fn=_inf_at_call(7),
+                           callbacks=[Keep()])
+    assert guards and all(g is guards[0] for g in guards) and guards[0].on_device is True
+    assert cap.trainer.optimizer.defaults.get("fused") is True
+    assert result.skipped_steps == 1
+    assert torch.equal(after[7], after[6])  # the skipped step left the weights as they were
+    assert not torch.equal(after[8], after[7])  # the next one trained
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def _net() -> torch.nn.Module:
