@@ -63,7 +63,8 @@ def _driver_version() -> str | None:
 
 def summarize(stage: str, ctx: Any, status: str) -> dict[str, Any]:
     """The numbers of one finished (or failed) stage; empty when it left nothing."""
-    reader = {"tests": _summary_tests, "default_job": _summary_default_job,
+    reader = {"tests": _summary_tests, "new_paths": lambda c: _summary_tests(c, "new_paths"),
+              "default_job": _summary_default_job,
               "mfu": _summary_mfu, "monitor": _summary_monitor,
               "prefetch": _summary_prefetch, "peers": _summary_peers}.get(stage)
     return reader(ctx) if reader is not None else {}
@@ -73,8 +74,8 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def _summary_tests(ctx: Any) -> dict[str, Any]:
-    log = (ctx.out / "tests.log").read_text(errors="replace")
+def _summary_tests(ctx: Any, stage: str = "tests") -> dict[str, Any]:
+    log = (ctx.out / f"{stage}.log").read_text(errors="replace")
     counts = {}
     tail = [line for line in log.splitlines() if re.search(r"\d+ (passed|failed|skipped|"
                                                            r"error|deselected)", line)]
@@ -210,7 +211,8 @@ def render_markdown(data: dict[str, Any]) -> str:
     lines += ["", "| target | measured | verdict |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {'dry run, no verdict' if data['dry_run'] else c} |"
               for a, b, c in targets(stages)]
-    for name, render in (("tests", _md_tests), ("default_job", _md_default_job),
+    for name, render in (("tests", _md_tests), ("new_paths", _md_new_paths),
+                         ("default_job", _md_default_job),
                          ("mfu", _md_mfu), ("monitor", _md_monitor),
                          ("prefetch", _md_prefetch), ("peers", _md_peers)):
         if stages.get(name):
@@ -228,6 +230,12 @@ def _md_tests(s: dict[str, Any]) -> list[str]:
     out += [f"- {line}" for line in s.get("problems", [])]
     out += [f"- {line}" for line in s.get("skips", [])]
     return out
+
+
+def _md_new_paths(s: dict[str, Any]) -> list[str]:
+    first, *rest = _md_tests(s)
+    return [first.replace("`pytest -m gpu`", "This turn's CUDA paths (`new_paths`, "
+                          "`pytest -m gpu tests/gpu/test_cuda_new_paths.py`)"), *rest]
 
 
 def _md_default_job(s: dict[str, Any]) -> list[str]:

@@ -4,13 +4,18 @@ Stages, each a child process with its own time budget (a stage that fails or run
 time is recorded, and the next one runs):
 
 1. ``tests``: ``pytest -m gpu`` over the test files that hold GPU tests.
-2. ``default_job``: ``gpufleet train`` with no arguments (wall time, tokens/s, MFU).
-3. ``mfu``: ``benchmarks/mfu.py`` on a GPT-2-124M-class model in fp32, bf16 and
+2. ``new_paths``: ``pytest -m gpu tests/gpu/test_cuda_new_paths.py``, the paths merged
+   since the last GPU check: fp16's scaler and the device-path non-finite guard through
+   the engine's step, Fleet's optimizer wrapper with the ``-true`` precisions and the
+   mixed ones' input casting, the compile caches (Triton's too) kept with the run, an
+   NCCL rank's crash forensics and flight recorder, kernel counters beside NVML.
+3. ``default_job``: ``gpufleet train`` with no arguments (wall time, tokens/s, MFU).
+4. ``mfu``: ``benchmarks/mfu.py`` on a GPT-2-124M-class model in fp32, bf16 and
    bf16 + compile (tokens/s, MFU, the hand-written loop in lockstep, loss curves).
-4. ``monitor``: ``benchmarks/monitor_overhead.py`` on the GPU (all monitoring, phase
+5. ``monitor``: ``benchmarks/monitor_overhead.py`` on the GPU (all monitoring, phase
    timing, the sampler and the non-finite check, each on against off, interleaved).
-5. ``prefetch``: ``benchmarks/prefetch.py`` (the side-stream prefetcher on against off).
-6. ``peers``: ``benchmarks/input_path.py`` (each way a batch reaches the GPU, alone),
+6. ``prefetch``: ``benchmarks/prefetch.py`` (the side-stream prefetcher on against off).
+7. ``peers``: ``benchmarks/input_path.py`` (each way a batch reaches the GPU, alone),
    ``benchmarks/guard_floor.py --device cuda`` (the non-finite guard's device path
    beside cheaper stand-ins and a host read a step), then ``benchmarks/peers.py
    --device cuda`` twice (gpufleet's defaults, ``Fleet`` and
@@ -24,10 +29,10 @@ after every stage, so a run cut short still leaves what it measured. ``--dry-run
 runs every stage with tiny sizes (on the CPU when there is no GPU) to prove the plumbing.
 
 On an H200 (2026-11-27) the stages took 112, 139, 58, 136, 75 and about 80 s: more
-than one device call's 10 minutes. So run it as two calls, the checks first (about 435 s
-of budgets), then the comparisons (about 315 s):
+than one device call's 10 minutes. So run it as two calls, the checks first (about 545 s
+of budgets with ``new_paths``, not yet timed on a GPU), then the comparisons (about 315 s):
 
-    bash scripts/gpu_check.sh --stages tests,default_job,mfu,prefetch   # OUT=... or --out
+    bash scripts/gpu_check.sh --stages tests,new_paths,default_job,mfu,prefetch
     bash scripts/gpu_check.sh --stages peers,monitor
     OUT=/tmp/gpu_dry bash scripts/gpu_check.sh --dry-run
     python benchmarks/gpu_suite.py --out DIR --stages mfu,prefetch --budget 300
@@ -96,23 +101,38 @@ class Outcome:
 
 # -- the stages -------------------------------------------------------------------------
 
+#: The GPU tests of the paths merged since the last GPU check (issue 48): their own
+#: stage, so that a short device call can run them first and their result stands apart.
+NEW_PATHS = "tests/gpu/test_cuda_new_paths.py"
+
+
 def gpu_test_files() -> list[str]:
     """Test files that hold tests marked ``gpu`` (collecting only these keeps a missing
-    optional test dependency elsewhere from stopping the run)."""
+    optional test dependency elsewhere from stopping the run), less the ``new_paths``
+    stage's file."""
     files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py")
-                   if "mark.gpu" in p.read_text(errors="replace"))
+                   if "mark.gpu" in p.read_text(errors="replace")
+                   and str(p.relative_to(REPO)) != NEW_PATHS)
     return files or ["tests"]
 
 
-def _tests(ctx: Context) -> list[str]:
+def _pytest_gpu(ctx: Context, files: list[str]) -> list[str]:
     cmd = [ctx.python, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider",
-           "-o", "addopts=", "--continue-on-collection-errors", *gpu_test_files()]
+           "-o", "addopts=", "--continue-on-collection-errors", *files]
     try:
         import pytest_timeout  # noqa: F401
         cmd.append("--timeout=240")
     except ImportError:
         pass  # the stage's own budget still bounds it
     return cmd
+
+
+def _tests(ctx: Context) -> list[str]:
+    return _pytest_gpu(ctx, gpu_test_files())
+
+
+def _new_paths(ctx: Context) -> list[str]:
+    return _pytest_gpu(ctx, [NEW_PATHS])
 
 
 def _default_job(ctx: Context) -> list[str]:
@@ -183,6 +203,10 @@ def _prefetch(ctx: Context) -> list[str]:
 
 STAGES = [  # budgets: what each took on an H200 (2026-11-27), plus a margin
     Stage("tests", 125, _tests),
+    # Not yet run on a GPU; estimated: two fits of the tiny GPT (~10 s), four small Fleet
+    # loops (~10 s), two compiled runs in fresh processes (~50 s), an NCCL rank (~10 s)
+    # and a sampled fit (~10 s), plus pytest's start
+    Stage("new_paths", 110, _new_paths),
     # 139 s before the 4 CUDA input rows; the input paths alone add about 20 s, the
     # guard's stand-ins (8 loops of 1000 MLP steps) about 30 s
     Stage("peers", 225, _peers, "peers_mlp.json"),
@@ -286,7 +310,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tiny sizes, CPU where there is no GPU: proves the plumbing")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds for the whole suite (default: the stages' budgets, at "
-                        "most 575; dry run: 400)")
+                        "most 575; dry run: 460)")
     p.add_argument("--stages", default=",".join(names), help=f"of: {', '.join(names)}")
     p.add_argument("--mfu-args", default="", metavar="FLAGS",
                    help="extra flags for benchmarks/mfu.py, e.g. '--batch 32'")
@@ -300,11 +324,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.stages = [s for s in STAGES if s.name in chosen]
     if args.budget is None:
         needed = sum(s.budget_s for s in args.stages)
-        args.budget = 400.0 if args.dry_run else min(CALL_S, needed)
+        # dry run: 400 s was the six stages' share; new_paths' 110 s keeps theirs
+        args.budget = 460.0 if args.dry_run else min(CALL_S, needed)
         if not args.dry_run and needed > CALL_S:
             print(f"note: these stages' budgets add up to {needed:.0f} s, more than one "
                   f"device call's {CALL_S:.0f} s, so each gets less; run them in two calls "
-                  "(--stages tests,default_job,mfu,prefetch, then --stages peers,monitor)",
+                  "(--stages tests,new_paths,default_job,mfu,prefetch, then "
+                  "--stages peers,monitor)",
                   file=sys.stderr, flush=True)
     return args
 

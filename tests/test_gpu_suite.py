@@ -139,3 +139,25 @@ def test_full_dry_run(tmp_path):
     assert [s["status"] for s in data["stages"]] == ["passed"] * len(suite.STAGES), \
         data["stages"]
     assert len(list(tmp_path.iterdir())) <= 8
+
+
+def test_the_new_paths_stage_runs_its_own_file_and_the_tests_stage_the_others(tmp_path):
+    ctx = suite.Context(tmp_path, tmp_path, dry_run=True)
+    stages = {s.name: s for s in suite.STAGES}
+    new, old = stages["new_paths"].command(ctx), stages["tests"].command(ctx)
+    assert suite.NEW_PATHS == "tests/gpu/test_cuda_new_paths.py" and suite.NEW_PATHS in new
+    assert (REPO / suite.NEW_PATHS).is_file() and "mark.gpu" in (
+        REPO / suite.NEW_PATHS).read_text()
+    assert suite.NEW_PATHS not in old and "tests/gpu/test_cuda_training.py" in old
+    assert ["-m", "gpu"] == new[new.index("-m", 2):new.index("-m", 2) + 2]
+    # The first call of the split the docs give still fits one device call.
+    first = "tests,new_paths,default_job,mfu,prefetch".split(",")
+    assert sum(stages[n].budget_s for n in first) <= suite.CALL_S
+    # Its log is read like the tests stage's.
+    (tmp_path / "new_paths.log").write_text("SKIPPED [9] x: no CUDA\n9 skipped in 3.1s\n")
+    summary = report.summarize("new_paths", ctx, "passed")
+    assert summary["counts"] == {"skipped": 9}
+    assert "This turn's CUDA paths" in report.render_markdown(
+        {"machine": {"summary": "x", "torch": "t", "date_utc": "d"}, "dry_run": True,
+         "stages": [{"name": "new_paths", "status": "passed", "seconds": 3,
+                     "timeout_s": 9, "summary": summary}]})

@@ -14,11 +14,12 @@ from .helpers import Capture, counting_tokens, tiny_gpt
 
 @pytest.fixture
 def fit_cuda(tmp_path):
-    """``fit_cuda(overrides, model=..., data=..., loss_fn=...)`` trains on cuda:0 with the
-    run directory under tmp_path; returns ``(FitResult, Capture)``."""
+    """``fit_cuda(overrides, model=..., data=..., loss_fn=..., callbacks=...)`` trains on
+    cuda:0 with the run directory under tmp_path; returns ``(FitResult, Capture)``."""
 
     def run(overrides: dict[str, Any] | None = None, model: torch.nn.Module | None = None,
-            data: Any = None, loss_fn: Any = None) -> tuple[Any, Capture]:
+            data: Any = None, loss_fn: Any = None,
+            callbacks: list[Any] | None = None) -> tuple[Any, Capture]:
         capture = Capture()
         settings = {"run.device": "cuda", "run.max_steps": 40, "run.eval_every": 0,
                     "run.out_dir": str(tmp_path), "data.batch_size": 16,
@@ -28,7 +29,8 @@ def fit_cuda(tmp_path):
                     **(overrides or {})}
         result = gpufleet.fit(model if model is not None else tiny_gpt(),
                               data if data is not None else counting_tokens(),
-                              loss_fn=loss_fn, overrides=settings, callbacks=[capture])
+                              loss_fn=loss_fn, overrides=settings,
+                              callbacks=[capture, *(callbacks or [])])
         return result, capture
 
     return run
