@@ -74,6 +74,8 @@ _PRIVATE_IN_LINE = re.compile(
 # the test sets the Fabric object's private state (pretends to be launched, puts in a
 # mocked strategy) before its failing line: its premise is Lightning's internals
 _SETS_PRIVATE = re.compile(r"\bfabric\._[a-z]\w*(\.\w+)*\s*=[^=]")
+# the test (or a decorator of it) patches a name inside Lightning
+_PATCHES_LIGHTNING = re.compile(r"patch(\.object)?\(\s*\"lightning\.")
 _REFUSALS = re.compile(r"weights_only=False\): gpufleet reads every file")
 
 
@@ -154,9 +156,9 @@ class ConformancePlugin:
             if line.startswith("First failure (rank"):  # a LaunchError: the rank's own
                 first = f"on a rank: {lines[i + 1].strip()}"
                 break
-        key = _normalise(f"{excinfo.typename}: {first}")
         if first.startswith("Regex pattern did not match") and len(lines) > 2:
             first = f"{first} {lines[2].strip()}"  # the message raised instead
+        key = _normalise(f"{excinfo.typename}: {first}")
         if call.when == "call" and "Timeout" in message and excinfo.typename == "Failed":
             return DIFFERENCE, "Timeout"
         if _REFUSALS.search(message):
@@ -178,7 +180,7 @@ class ConformancePlugin:
             source = inspect.getsource(item.function)  # type: ignore[attr-defined]
         except (OSError, TypeError, AttributeError):
             source = ""
-        if _SETS_PRIVATE.search(source):
+        if _SETS_PRIVATE.search(source) or _PATCHES_LIGHTNING.search(source):
             return INTERNALS, key
         last_frame = str(excinfo.traceback[-1].path) if excinfo.traceback else ""
         if last_frame.endswith("unittest/mock.py"):
