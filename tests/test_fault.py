@@ -554,14 +554,18 @@ class _KillsALoaderWorker(Callback):
     def __init__(self) -> None:
         self.steps: list[int] = []
         self.waited_out = False
+        self.born = time.time()  # the loader's workers start after this
 
     def on_step_end(self, trainer, step):
         self.steps.append(step)
         if step != 3:
             return
-        workers = psutil.Process().children()
+        # Only this fit's workers: a test process may hold other children (earlier
+        # tests' processes on the same test worker).
+        workers = [p for p in psutil.Process().children()
+                   if p.create_time() >= self.born - 1 and p.is_running()]
         assert workers, "the loader has no worker processes"
-        os.kill(workers[0].pid, signal.SIGKILL)
+        os.kill(max(workers, key=lambda p: p.create_time()).pid, signal.SIGKILL)
         deadline = time.monotonic() + 10  # torch's SIGCHLD handler raises in this loop
         while time.monotonic() < deadline:
             time.sleep(0.01)
