@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+from conftest import _env
+
 _SCRIPT = """
 import json, sys, tempfile
 import torch
@@ -34,7 +36,10 @@ def test_the_first_step_with_defaults_imports_no_module_of_gpufleet():
     # Lazily imported modules are compiled and run on the way to the first step, which
     # the user then waits for (tens of ms with this package's size); the import line is
     # where they belong.
+    # A fresh user's process: none of the rank variables (RANK, MASTER_PORT...) an
+    # earlier test of this worker may have left, which would make fit join a group.
     done = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True,
-                          timeout=120, check=True)
+                          timeout=120, env=_env())
+    assert done.returncode == 0, done.stderr[-4000:]
     late = json.loads(done.stdout.strip().splitlines()[-1])
     assert late == [], late

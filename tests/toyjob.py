@@ -394,12 +394,16 @@ def make_model_slow_stage(rank: int = 1, delay: float = 0.003) -> nn.Module:
 class _ReadLog(Dataset):
     """Appends ``<index> <world size>`` for every item read to ``<out>/<pid>.txt`` (the
     world size as this process sees it when it reads: WORLD_SIZE, which an in-process
-    recovery updates), each read taking ``delay`` seconds. ``die_at``: rank 1 kills its
+    recovery updates), each read taking ``delay`` seconds (``alone_delay`` while the world
+    is one rank, when given: a survivor that waits for a node's return does not finish
+    first on a loaded machine). ``die_at``: rank 1 kills its
     launcher (the node's elastic agent) and itself with no cleanup when it is about to
     read its ``die_at``-th item: the loss of its node at a chosen point of the run."""
 
-    def __init__(self, inner: Dataset, out: str, delay: float, die_at: int = 0) -> None:
+    def __init__(self, inner: Dataset, out: str, delay: float, die_at: int = 0,
+                 alone_delay: float | None = None) -> None:
         self.inner, self.out, self.delay, self.die_at = inner, out, delay, die_at
+        self.alone_delay = delay if alone_delay is None else alone_delay
         self.reads = 0
 
     def __len__(self) -> int:
@@ -412,12 +416,14 @@ class _ReadLog(Dataset):
         if self.die_at and self.reads == self.die_at and os.environ.get("RANK") == "1":
             os.kill(os.getppid(), signal.SIGKILL)
             os._exit(1)
-        time.sleep(self.delay)
+        alone = os.environ.get("WORLD_SIZE", "1") == "1"
+        time.sleep(self.alone_delay if alone else self.delay)
         os.makedirs(self.out, exist_ok=True)
         with open(os.path.join(self.out, f"{os.getpid()}.txt"), "a") as f:
             f.write(f"{i} {os.environ.get('WORLD_SIZE', '1')}\n")
         return self.inner[i]
 
 
-def make_data_read_log(out: str, delay: float = 0.0, n: int = 256, die_at: int = 0):
-    return _ReadLog(make_data(n), out, delay, die_at)
+def make_data_read_log(out: str, delay: float = 0.0, n: int = 256, die_at: int = 0,
+                       alone_delay: float | None = None):
+    return _ReadLog(make_data(n), out, delay, die_at, alone_delay)

@@ -144,7 +144,9 @@ def test_a_node_started_again_joins_the_live_rank_with_exact_data_and_no_disk_re
     live rank's shards, joined, are sharded again over both."""
     run, out, steps, n = tmp_path / "runs" / "grow", tmp_path / "reads", 100, 4096
     data = ["--data", "toyjob:make_data_read_log",
-            f"--data.kwargs={{out = '{out}', delay = 0.01, n = {n}}}"]
+            # Alone, node 0 reads slowly (0.8 s a step): on a loaded machine it would
+            # otherwise finish its 100 steps before the restarted node 1 is up to join.
+            f"--data.kwargs={{out = '{out}', delay = 0.01, n = {n}, alone_delay = 0.05}}"]
     args = recovering_args(netbed.addr(0), "runs/grow", data, steps,
                            ("--dist.rdzv_poll_s", "0.1"), strategy)
     nodes = [start(netbed, 0, args, tmp_path)]
