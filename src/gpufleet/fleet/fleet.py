@@ -409,6 +409,7 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
             return
         atexit.unregister(self._at_exit)
         try:
+            self._wait_for_saves(collective)  # a background save finishes first
             self._steps.end(collective)
         finally:
             if collective and self._owns_group:

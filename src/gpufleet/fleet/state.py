@@ -1,19 +1,26 @@
 """``Fleet.save`` and ``Fleet.load``: your state dict of models, optimizers, loaders and
 plain values, written atomically with a checksum and read with ``weights_only=True``.
 
-What goes in a file: each model's own state dict (no ``module.`` prefix), each
-optimizer's and scheduler's state dict, each set-up loader's position, your plain values
-as they are, and every rank's RNG states (so dropout and your own random draws continue
-exactly). Rank 0 writes through :func:`~gpufleet.train.checkpoint.format.write_checkpoint_file`
-(a temporary name, fsync, rename, a ``.sha256`` beside it); every rank reads through
-:func:`~gpufleet.train.checkpoint.format.load_checkpoint` (the checksum checked, nothing in the
-file can run code).
+What goes in: each model's own state dict (no ``module.`` prefix), each optimizer's and
+scheduler's state dict, each set-up loader's position, your plain values as they are
+(one per rank where they differ between ranks: :mod:`~gpufleet.fleet.perrank`), and
+every rank's RNG states (so dropout and your own random draws continue exactly). Where
+every rank holds the whole model (``single``, ``ddp``, ``zero1``: its optimizer state
+gathered on rank 0 first), rank 0 writes one file through
+:func:`~gpufleet.train.checkpoint.format.write_checkpoint_file` (a temporary name,
+fsync, rename, a ``.sha256`` beside it) and every rank reads it through
+:func:`~gpufleet.train.checkpoint.format.load_checkpoint` (the checksum checked,
+nothing in the file can run code). Where the ranks hold shards (``fsdp``, ``hsdp``,
+tensor parallel) the path is a directory of shards (:mod:`~gpufleet.fleet.sharded`).
+With ``checkpoint.async_save`` both are written in the background, as ``fit``'s are.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +30,17 @@ from torch.optim import Optimizer
 
 from gpufleet.core.phases import Phase
 from gpufleet.errors import CheckpointError, ConfigError
+from gpufleet.fleet.perrank import differing, gather_per_rank
 from gpufleet.fleet.run import FleetPart
-from gpufleet.fleet.wrappers import FleetModule
-from gpufleet.launch import barrier, gather_objects
+from gpufleet.fleet.sharded import is_sharded_checkpoint, load_entries, shard_entries, verify
+from gpufleet.fleet.steps import StepTracker
+from gpufleet.fleet.wrappers import FleetModule, unwrap_optimizer
+from gpufleet.launch import barrier, broadcast_object, gather_objects
+from gpufleet.train.checkpoint.async_writer import BackgroundSaves, log_saved
+from gpufleet.train.checkpoint.checkpointer import writers_group
 from gpufleet.train.checkpoint.files import FORMAT_VERSION
 from gpufleet.train.checkpoint.format import load_checkpoint, write_checkpoint_file
+from gpufleet.train.checkpoint.sharded import read_trainer_state, write_sharded
 from gpufleet.train.seed import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -42,31 +55,101 @@ class FleetCheckpoints(FleetPart):
     """``save`` and ``load`` of :class:`~gpufleet.fleet.Fleet` (a part of it), in
     Fabric's call forms."""
 
+    _placed: list[nn.Module]  # every model set up, as placed
+    _steps: StepTracker
+    _saves: BackgroundSaves | None = None  # checkpoint.async_save: the writes under way
+    _writers: Any = None  # their process group (sharded writes), made at the first save
+
     def save(self, path: str | Path, state: dict[str, Any],
              filter: dict[str, Callable[[str, Any], bool]] | None = None) -> Path:
         """Save ``state`` (models, optimizers, schedulers, set-up loaders, plain values)
-        to ``path``: rank 0 writes it atomically with a checksum, with every rank's RNG
-        states and each loader's exact position. ``filter`` (Fabric's): for a state
-        key, a function ``(name, value) -> bool`` choosing the items of its state dict
-        to save (a model's trainable weights only). COLLECTIVE: call it on every rank."""
+        to ``path``, atomically with checksums, with every rank's RNG states, each
+        loader's exact position and, for a plain value that differs between ranks,
+        every rank's own. Rank 0 writes one file; under ``fsdp``, ``hsdp`` or tensor
+        parallel ``path`` is a directory, every rank writing its shards. With
+        ``checkpoint.async_save`` the write goes on in the background (``save``
+        returns once the state is copied to host memory; the next ``save``, ``load``
+        and ``finish`` wait for it, and a failed one is raised at the next ``save`` or
+        ``load``). ``filter`` (Fabric's): for a state key, a function ``(name, value) ->
+        bool`` choosing the items of its state dict to save (a model's trainable weights
+        only). COLLECTIVE: call it on every rank.
+
+        Raises:
+            OSError: the write (or the background write before it) failed; an older
+                checkpoint at ``path`` is untouched.
+        """
         run = self._rank_run()
         with run.phases(Phase.CHECKPOINT):
-            return save_state(path, state, run.strategy, run.env.rank, filter)
+            self._raise_failed_save()
+            background = None
+            if run.cfg.checkpoint.async_save:
+                self._saves = self._saves or BackgroundSaves()
+                if run.strategy.saves_on_every_rank and self._writers is None:
+                    self._writers = writers_group()  # COLLECTIVE, once
+                background = (self._saves, self._writers)
+            with self._no_step_counted():
+                return save_state(path, state, run.strategy, run.env.rank, filter,
+                                  placed=self._placed, background=background)
 
     def load(self, path: str | Path, state: dict[str, Any] | None = None,
              strict: bool = True, *, weights_only: bool | None = None) -> dict[str, Any]:
         """Restore what :meth:`save` wrote into ``state`` (in place: objects load their
-        state dicts, plain values are replaced; this rank's RNG states too). Returns
-        what the file holds beyond ``state``'s keys; without ``state``, all your loop
-        saved (nothing restored), as Fabric returns the whole checkpoint.
+        state dicts, plain values are replaced, a value saved per rank by its own rank;
+        this rank's RNG states too). Returns what the file holds beyond ``state``'s
+        keys; without ``state``, all your loop saved (nothing restored), as Fabric
+        returns the whole checkpoint. A sharded directory loads at another world size
+        (its shards are read as this run splits them); a value saved per rank does not
+        (it is refused, naming the key; ``strict=False`` leaves it as it is).
         ``strict=False``: keys the file lacks and a model's missing or unexpected names
         are skipped, and a warning names them. The file is always read with
         ``weights_only=True`` (nothing in it can run code); ``weights_only=False`` is
-        refused."""
+        refused. COLLECTIVE for a sharded directory, and with ``checkpoint.async_save``.
+
+        Raises:
+            CheckpointError: the checkpoint is missing, damaged (a checksum differs), not
+                a Fleet checkpoint, lacks a key ``state`` names (strict), or does not fit.
+        """
         _refuse_unsafe_load("load", weights_only)
         run = self._rank_run()
-        return load_state(path, state, run.strategy, run.env.rank, run.env.world_size,
-                          strict=strict)
+        self._raise_failed_save()
+        with self._no_step_counted():
+            return load_state(path, state, run.strategy, run.env.rank, run.env.world_size,
+                              strict=strict, placed=self._placed)
+
+    def _raise_failed_save(self) -> None:
+        """Wait for the background write under way; raise its failure on every rank
+        (COLLECTIVE with ``checkpoint.async_save``)."""
+        error = self._wait_for_saves(collective=True)
+        if error is not None:
+            raise OSError(error)
+
+    def _wait_for_saves(self, collective: bool) -> str | None:
+        """Wait for the background write under way (if any); returns the message of a
+        failed one, on every rank when ``collective`` (rank 0's: a single file is
+        written there, and a sharded write's failure is every rank's)."""
+        run = self._rank_run()
+        if not run.cfg.checkpoint.async_save:
+            return None
+        error = self._saves.collect() if self._saves is not None else None
+        if collective:
+            error = broadcast_object(error)  # COLLECTIVE: a few bytes
+        if error is not None:
+            run.result.checkpoint_errors.append(error)
+        return error
+
+    @contextlib.contextmanager
+    def _no_step_counted(self) -> Iterator[None]:
+        """A step torch itself takes on an optimizer in here (DCP creates a fresh
+        optimizer's state with one step at learning rate 0) is not your loop's."""
+        steps = getattr(self, "_steps", None)
+        if steps is None:
+            yield
+            return
+        busy, steps.busy = steps.busy, True
+        try:
+            yield
+        finally:
+            steps.busy = busy
 
     def load_raw(self, path: str | Path, obj: nn.Module | Optimizer, strict: bool = True,
                  *, weights_only: bool | None = None) -> None:
@@ -144,37 +227,25 @@ def _has_state(value: Any) -> bool:
 
 
 def saveable(state: Mapping[str, Any], strategy: Any,
-             filter: Mapping[str, Callable[[str, Any], bool]] | None = None
-             ) -> dict[str, Any]:
+             filter: Mapping[str, Callable[[str, Any], bool]] | None = None,
+             rank: int = 0) -> dict[str, Any]:
     """``state`` with every stateful object replaced by its state dict; for a key of
     ``filter``, only the items of its (dict) value that ``filter[key](name, value)``
-    keeps (Fabric's ``save(filter=)``: a key none of whose items is kept is left out)."""
-    _check_filter(filter, state)
-    reserved = [k for k in state if k in _OWN_KEYS]
-    if reserved:  # the file's own entries: the RNG states and the format number
-        raise ConfigError(f"Fleet.save: the state key {reserved[0]!r} is the file's own "
-                          "(Fleet keeps its format and RNG states there); save that value "
-                          "under another name.")
-    if strategy.saves_on_every_rank:
-        raise ConfigError(
-            f"Fleet.save with parallel.strategy = {strategy.name!r}: each rank holds a "
-            "shard, and Fleet writes one file from rank 0. Use strategy='ddp' (or "
-            "'single') with Fleet.save, or train the sharded model with gpufleet.fit, "
-            "whose checkpoints are sharded.")
+    keeps (Fabric's ``save(filter=)``: a key none of whose items is kept is left out).
+    A zero1 optimizer's state is gathered on rank 0 (COLLECTIVE: every rank calls it;
+    ``rank``: this one), where the file is written."""
+    check_keys(state, filter)
     out: dict[str, Any] = {}
     for key, value in state.items():
-        if key == FLEET_KEY:
-            raise ConfigError(f"state key {FLEET_KEY!r} is Fleet's own; rename yours.")
+        inner = unwrap_optimizer(value)
         if isinstance(value, nn.Module):
             # A FleetModule's is your module's own; a module you placed yourself unwraps.
             out[key] = value.state_dict() if isinstance(value, FleetModule) \
                 else strategy.unwrap(value).state_dict()
-        elif strategy.traits.consolidates_optimizer and isinstance(value, Optimizer):
-            # zero1: each rank holds a shard of the optimizer state
-            raise ConfigError(
-                f"Fleet.save got a sharded optimizer ({type(value).__name__}) under {key!r}; "
-                "Fleet writes one file from rank 0. Use strategy='ddp' with Fleet.save, or "
-                "gpufleet.fit, whose checkpoints gather the shards.")
+        elif callable(getattr(inner, "consolidate_state_dict", None)):
+            # zero1: each rank holds a part of the optimizer state; rank 0 gets it whole
+            inner.consolidate_state_dict(to=0)  # COLLECTIVE: each rank sends its part
+            out[key] = inner.state_dict() if rank == 0 else {}
         elif _has_state(value):  # optimizers, schedulers, Fleet loaders, scalers
             out[key] = value.state_dict()
         else:
@@ -184,6 +255,24 @@ def saveable(state: Mapping[str, Any], strategy: Any,
             if kept:
                 out[key] = kept
     return out
+
+
+def check_keys(state: Mapping[str, Any],
+               filter: Mapping[str, Callable[[str, Any], bool]] | None) -> None:
+    """Refuse the file's own keys in ``state`` and a ``filter`` that does not fit it."""
+    _check_filter(filter, state)
+    reserved = [k for k in state if k in _OWN_KEYS]
+    if reserved:  # the file's own entries: the RNG states and the format number
+        raise ConfigError(f"Fleet.save: the state key {reserved[0]!r} is the file's own "
+                          "(Fleet keeps its format and RNG states there); save that value "
+                          "under another name.")
+
+
+def _plain(state: Mapping[str, Any], content: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of ``content`` that are your plain values in ``state`` (not models,
+    optimizers or objects with a state dict)."""
+    return {k: v for k, v in content.items()
+            if not isinstance(state[k], nn.Module) and not _has_state(state[k])}
 
 
 def _check_filter(filter: Any, state: Mapping[str, Any]) -> None:
@@ -204,23 +293,82 @@ def _check_filter(filter: Any, state: Mapping[str, Any]) -> None:
 
 
 def save_state(path: str | Path, state: Mapping[str, Any], strategy: Any,
-               rank: int, filter: Mapping[str, Any] | None = None) -> Path:
-    """Write ``state`` to ``path`` (COLLECTIVE: every rank calls it; rank 0 writes), its
-    items kept by ``filter`` (see :func:`saveable`).
+               rank: int, filter: Mapping[str, Any] | None = None, *,
+               placed: Sequence[nn.Module] = (),
+               background: tuple[BackgroundSaves, Any] | None = None) -> Path:
+    """Write ``state`` to ``path`` (COLLECTIVE: every rank calls it), its items kept by
+    ``filter`` (see :func:`saveable`): one file from rank 0, or under a sharded strategy
+    a directory of every rank's shards (``placed``: the set-up models, which an
+    optimizer's state is named by). ``background``: the saver and (for a sharded write)
+    its process group, to write in the background as ``fit`` does.
 
     Raises:
         OSError: the write failed; nothing is left under ``path``'s name and an older
-            file there is untouched.
+            checkpoint there is untouched.
     """
+    start = time.perf_counter()
     path = Path(path)
-    content = saveable(state, strategy, filter)
-    rngs = gather_objects(rng_state())  # COLLECTIVE: every rank's RNG states
+    check_keys(state, filter)
+    sharded = strategy.saves_on_every_rank
+    # COLLECTIVE under fsdp and tp (the shards' metadata) and zero1 (its gather)
+    shards = shard_entries(state, strategy, placed, filter) if sharded else {}
+    content = saveable({k: v for k, v in state.items() if k not in shards}, strategy,
+                       filter, rank)
+    plain = _plain(state, content)
+    ranked = differing(plain)  # COLLECTIVE: a digest of each plain value, every rank
+    if ranked:
+        log.info("Fleet.save: %s differ between the ranks; each rank's is saved and goes "
+                 "back to its own rank", ", ".join(map(repr, ranked)))
+    per_rank = gather_per_rank(plain, ranked)  # COLLECTIVE: only those values
+    own = {FLEET_KEY: {"rng": gather_objects(rng_state()),  # COLLECTIVE: every rank's
+                       "per_rank": per_rank}}
+    kept = {k: v for k, v in content.items() if k not in per_rank}
+    if sharded:
+        own[FLEET_KEY].update(state=kept, shards=sorted(shards))
+        return _write_sharded(path, shards, own, background, start, rank)
+    if path.is_dir():
+        raise ConfigError(f"Fleet.save: {path} is a directory (a sharded checkpoint, "
+                          f"saved under fsdp or tp); strategy {strategy.name!r} writes "
+                          "one file. Save to another path.")
+    return _write_file(path, {"format": FORMAT_VERSION, **kept, **own}, background,
+                       start, rank)
+
+
+def _write_sharded(path: Path, shards: dict[str, Any], rest: dict[str, Any],
+                   background: tuple[BackgroundSaves, Any] | None, start: float,
+                   rank: int) -> Path:
+    """Every rank its shards, rank 0 ``rest``, now or in the background."""
+    if path.is_file():
+        raise ConfigError(f"Fleet.save: {path} is a file (saved under a strategy whose "
+                          "ranks hold the whole model); a sharded checkpoint is a "
+                          "directory. Save to another path.")
+    if background is None:
+        write_sharded(path, shards, rest if rank == 0 else None)  # COLLECTIVE
+        if rank == 0:
+            log_saved(path, 0, time.perf_counter() - start, None)
+        return path
+    saves, group = background
+    saves.submit(0, path, (shards, rest if rank == 0 else None),
+                 lambda host: write_sharded(path, host[0], host[1], group), start,
+                 rank == 0)
+    return path
+
+
+def _write_file(path: Path, content: dict[str, Any],
+                background: tuple[BackgroundSaves, Any] | None, start: float,
+                rank: int) -> Path:
+    """Rank 0 writes ``content`` as one file, now or in the background; every rank
+    learns how a write now went."""
     error: OSError | None = None
     if rank == 0:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_checkpoint_file(path, {"format": FORMAT_VERSION, **content,
-                                         FLEET_KEY: {"rng": rngs}})
+            if background is not None:
+                background[0].submit(0, path, content,
+                                     lambda host: write_checkpoint_file(path, host),
+                                     start, True)
+            else:
+                write_checkpoint_file(path, content)
         except OSError as e:
             error = e
     errors = gather_objects(None if error is None else f"{type(error).__name__}: {error}")
@@ -233,36 +381,67 @@ def save_state(path: str | Path, state: Mapping[str, Any], strategy: Any,
 
 
 def load_state(path: str | Path, state: dict[str, Any] | None, strategy: Any,
-               rank: int, world_size: int, strict: bool = True) -> dict[str, Any]:
+               rank: int, world_size: int, strict: bool = True,
+               placed: Sequence[nn.Module] = ()) -> dict[str, Any]:
     """Restore ``path`` into ``state`` in place: objects load their state dicts, plain
-    values are replaced, and this rank's RNG states are restored. Returns what the file
-    holds that ``state`` did not ask for; without ``state`` (None or empty), everything
-    your loop saved in it, and nothing is restored (the RNG states neither).
+    values are replaced (a value saved per rank by this rank's own), and this rank's
+    RNG states are restored. Returns what the file holds that ``state`` did not ask
+    for; without ``state`` (None or empty), everything your loop saved in it (a value
+    saved per rank: this rank's, or at another world size the list of every saved
+    rank's), and nothing is restored (the RNG states neither).
 
     ``strict=False`` (Fabric's): a key of ``state`` the file lacks is left as it is, and
     a model loads its state dict non-strictly (missing and unexpected names skipped); a
-    warning names what was skipped.
+    warning names what was skipped. A sharded directory (``fsdp``, ``tp``) is read
+    by every rank, its shards as this run splits them (COLLECTIVE).
 
     Raises:
-        CheckpointError: the file is missing, damaged, not a Fleet file, or (strict)
-            lacks a key ``state`` names.
+        CheckpointError: the checkpoint is missing, damaged, not a Fleet checkpoint,
+            (strict) lacks a key ``state`` names, or holds a value saved per rank and
+            this run has another world size.
     """
-    saved = load_checkpoint(path)  # checksum, then torch.load(weights_only=True)
-    if FLEET_KEY not in saved:
+    path = Path(path)
+    sharded = is_sharded_checkpoint(path)
+    if sharded:
+        path = verify(path)  # COLLECTIVE: rank 0 checks every file's SHA-256
+        saved = read_trainer_state(path)  # DCP's metadata checked, then weights_only
+        own = saved.get(FLEET_KEY)
+        rest = dict(own["state"]) if isinstance(own, dict) and "state" in own else None
+    else:
+        saved = load_checkpoint(path)  # checksum, then torch.load(weights_only=True)
+        own = saved.get(FLEET_KEY)
+        rest = {k: v for k, v in saved.items() if k not in _OWN_KEYS}
+    if own is None or rest is None:
         raise CheckpointError(f"{path} was not written by Fleet.save (no {FLEET_KEY!r} "
                               "entry). Load a gpufleet train checkpoint with "
                               "gpufleet.load_checkpoint(path, model, optimizer) instead.")
-    rest = {k: v for k, v in saved.items() if k not in _OWN_KEYS}
-    if not state:
+    shards = list(own.get("shards", ()))
+    per_rank = own.get("per_rank", {})
+    same_world = len(own["rng"]) == world_size
+    skipped: list[str] = []
+    for key, values in per_rank.items():  # each rank's own, where it has one
+        if same_world:
+            rest[key] = values[rank]
+        elif state and key in state:
+            if strict:
+                raise CheckpointError(_per_rank_refusal(path, key, len(values), world_size))
+            skipped.append(f"{key!r} (saved per rank by {len(values)} ranks)")
+        else:
+            rest[key] = values
+    if not state:  # (a sharded directory's models and optimizers load into objects)
         return rest
-    missing = [k for k in state if k not in saved]
+    names = set(rest) | set(shards) | set(per_rank)
+    missing = [k for k in state if k not in names]
     if missing and strict:
         raise CheckpointError(f"{path} holds no {', '.join(map(repr, missing))}; it holds "
-                              f"{', '.join(sorted(rest))}. Load with the keys it was saved "
+                              f"{', '.join(sorted(names))}. Load with the keys it was saved "
                               "with, or pass strict=False to leave those as they are.")
-    skipped = [f"{key!r} (not in the file)" for key in missing]
+    skipped += [f"{key!r} (not in the file)" for key in missing]
+    from_shards = [k for k in state if k in shards]
+    if from_shards:  # COLLECTIVE: every rank reads what makes up its shards
+        skipped += load_entries(path, state, from_shards, strategy, placed, strict)
     for key, value in state.items():
-        if key in missing:
+        if key in missing or key in from_shards or key not in rest:
             continue
         if isinstance(value, nn.Module):
             result = value.load_state_dict(rest.pop(key), strict=strict)
@@ -273,13 +452,21 @@ def load_state(path: str | Path, state: dict[str, Any] | None, strategy: Any,
             state[key] = rest.pop(key)
     if skipped:
         log.warning("%s loaded with strict=False; skipped: %s", path, "; ".join(skipped))
-    rngs = saved[FLEET_KEY]["rng"]
-    if len(rngs) == world_size:
+    rngs = own["rng"]
+    if same_world:
         set_rng_state(rngs[rank])
     else:
         log.warning("%s was saved by %d rank(s), this run has %d: random states start "
                     "afresh (the data position resumes exactly)", path, len(rngs), world_size)
-    return rest
+    return {k: v for k, v in rest.items() if k not in state}
+
+
+def _per_rank_refusal(path: Path, key: str, saved: int, world_size: int) -> str:
+    return (f"{path}: {key!r} differed between the {saved} ranks that saved it, and each "
+            f"rank's value was kept for its own rank; this run has {world_size} rank(s), "
+            f"so no rank's value is this rank's. Load at {saved} ranks, pass strict=False "
+            f"to leave {key!r} as it is here (a warning names it), or save one value for "
+            "every rank (the same on each).")
 
 
 def _skipped_names(key: str, result: Any) -> list[str]:

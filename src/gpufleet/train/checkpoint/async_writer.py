@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
@@ -118,3 +119,66 @@ class BackgroundWriter:
             self._thread = None
         error, self._error = self._error, None
         return error
+
+
+class BackgroundSaves:
+    """The background writes of one saver (``fit``'s checkpointer, a ``Fleet``): one in
+    flight at a time, the newest complete one, and the messages of those that failed.
+
+    Example:
+        >>> saves = BackgroundSaves()
+        >>> saves.submit(1, Path("ck"), {}, lambda host: None, time.perf_counter(), False)
+        >>> saves.collect() is None and saves.written == Path("ck")
+        True
+    """
+
+    def __init__(self) -> None:
+        self.writer = BackgroundWriter()
+        self.in_flight: Path | None = None  # the one being written
+        self.written: Path | None = None  # the newest one complete on disk
+        self.errors: list[str] = []  # each failed write's message, oldest first
+
+    def submit(self, step: int, path: Path, content: Any, save: Callable[[Any], Any],
+               start: float, main: bool) -> None:
+        """Wait for the write in flight, copy ``content`` into host memory (what blocks
+        training) and hand ``save(copy)`` to the writer thread; ``start``: when the
+        save began (``time.perf_counter()``); ``main``: this rank logs the write."""
+        self.collect()  # a second save waits for the first
+        host = to_host(content)  # training may change the live tensors from now on
+        blocking = time.perf_counter() - start
+
+        def write() -> None:
+            save(host)
+            if main:
+                log_saved(path, step, time.perf_counter() - start, blocking)
+
+        self.writer.submit(step, write, blocking)
+        self.in_flight = path
+
+    def collect(self) -> str | None:
+        """Wait for the write in flight, if any; returns its failure's message (also
+        logged and kept in :attr:`errors`), or None."""
+        if self.in_flight is None:
+            return None
+        error, path, self.in_flight = self.writer.wait(), self.in_flight, None
+        if error is None:
+            self.written = path
+            return None
+        message = (f"checkpoint {path.name} could not be written in the background: "
+                   f"{error}. Training goes on; the last good checkpoint is "
+                   f"{self.written or 'none'}. Free space in (or fix) the run "
+                   "directory's file system.")
+        log.error("%s", message)
+        self.errors.append(message)
+        return message
+
+
+def log_saved(path: Path, step: int, total_s: float, blocking_s: float | None) -> None:
+    """Log a written checkpoint with how long training was blocked (all of ``total_s``
+    for a synchronous save); the values also ride on the record for tools."""
+    blocking = total_s if blocking_s is None else blocking_s
+    how = "" if blocking_s is None else " in the background"
+    log.info("checkpoint saved: %s (training blocked %.3f s; written%s in %.3f s)", path,
+             blocking, how, total_s,
+             extra={"checkpoint_step": step, "checkpoint_blocking_s": blocking,
+                    "checkpoint_total_s": total_s})

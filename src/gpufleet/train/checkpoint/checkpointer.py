@@ -28,7 +28,7 @@ from gpufleet.fault.snapshot import storage_of
 from gpufleet.launch import DistEnv, broadcast_object, gather_objects
 from gpufleet.train.checkpoint import format as ckpt
 from gpufleet.train.checkpoint import sharded as sharded_ckpt
-from gpufleet.train.checkpoint.async_writer import BackgroundWriter, to_host
+from gpufleet.train.checkpoint.async_writer import BackgroundSaves, log_saved
 from gpufleet.train.checkpoint.keeping import BestCheckpoints
 from gpufleet.train.seed import rng_state, set_rng_state
 
@@ -71,19 +71,17 @@ class Checkpointer:
         # The writer thread exists where files are written: rank 0, or every rank of a
         # sharded run. A sharded write's collectives run over a group of its own (gloo:
         # the shards are in host memory by then), never between the step's collectives.
-        self.writer = (BackgroundWriter() if keeping.async_save and (env.is_main or sharded)
-                       else None)
-        self._group = _writers_group() if keeping.async_save and sharded else None
+        self.saves = (BackgroundSaves() if keeping.async_save and (env.is_main or sharded)
+                      else None)
+        self._group = writers_group() if keeping.async_save and sharded else None
         self.async_save = keeping.async_save
-        self.written: Path | None = None  # the newest checkpoint complete on disk
-        self._in_flight: Path | None = None  # the one being written in the background
-        self._background_errors: list[str] = []
+        self._written: Path | None = None  # the newest checkpoint saved synchronously
 
     def regroup(self) -> None:
         """The process group was made again (in-process recovery): a sharded run's
         background writes get a group over it (COLLECTIVE where they have one)."""
         if self.async_save and self.strategy.saves_on_every_rank:  # as at the start
-            self._group = _writers_group()
+            self._group = writers_group()
 
     def save(self, at: Position, last_good: str | None,
              score: float | None = None) -> tuple[Path | None, str | None]:
@@ -114,8 +112,9 @@ class Checkpointer:
                     keep = self.best.keep()
                 content = (model_state, state) if sharded else {**model_state, **(state or {})}
                 save = self._saver(sharded, at.step, keep)
-                if self.writer is not None:
-                    self._write_in_background(at.step, path, content, save, start)
+                if self.saves is not None:  # a sharded run: on every rank
+                    self.saves.submit(at.step, path, content, save, start,
+                                      self.env.is_main)
                 else:
                     save(content)
             except OSError as e:
@@ -128,11 +127,16 @@ class Checkpointer:
             if self.env.is_main:
                 log.error("%s", error)
             return None, error
-        if self.env.is_main and self.writer is None:
-            _log_saved(path, at.step, time.perf_counter() - start, None)
-        if self.writer is None:
-            self.written = path
+        if self.env.is_main and self.saves is None:
+            log_saved(path, at.step, time.perf_counter() - start, None)
+        if self.saves is None:
+            self._written = path
         return path, None
+
+    @property
+    def written(self) -> Path | None:
+        """The newest checkpoint complete on disk (as this rank knows it)."""
+        return self.saves.written if self.saves is not None else self._written
 
     def _saver(self, sharded: bool, step: int, keep: set[int]) -> Callable[[Any], Any]:
         """How the content of the checkpoint at ``step`` is written: ``(shards, rest)``
@@ -144,43 +148,10 @@ class Checkpointer:
                 self.run_dir, step, s[0], s[1], keep_last, keep, group=group)
         return lambda s: ckpt.save_checkpoint(self.run_dir, step, s, keep_last, keep)
 
-    def _write_in_background(self, step: int, path: Path, state: Any,
-                             save: Callable[[Any], Any], start: float) -> None:
-        """Wait for the write in flight, copy ``state`` into host memory (the part that
-        blocks training) and hand ``save(copy)`` to the writer thread. A sharded run
-        does this on every rank (its shards, and on rank 0 the rest of the state)."""
-        assert self.writer is not None
-        self._collect()  # a second save waits for the first
-        host = to_host(state)  # training may change the live tensors from now on
-        blocking = time.perf_counter() - start
-        main = self.env.is_main
-
-        def write() -> None:
-            save(host)
-            if main:
-                _log_saved(path, step, time.perf_counter() - start, blocking)
-
-        self.writer.submit(step, write, blocking)
-        self._in_flight = path
-
-    def _collect(self) -> None:
-        """Wait for the background write in flight; record it as written or as failed."""
-        if self.writer is None or self._in_flight is None:
-            return
-        error, path, self._in_flight = self.writer.wait(), self._in_flight, None
-        if error is None:
-            self.written = path
-            return
-        message = (f"checkpoint {path.name} could not be written in the background: "
-                   f"{error}. Training goes on; the last good checkpoint is "
-                   f"{self.written or 'none'}. Free space in (or fix) the run "
-                   "directory's file system.")
-        log.error("%s", message)
-        self._background_errors.append(message)
-
     def wait(self) -> None:
         """Wait for the background write in flight, if any (this rank only)."""
-        self._collect()
+        if self.saves is not None:
+            self.saves.collect()
 
     def finish(self, result: Any) -> None:
         """At the end of a run (also after a preemption signal): wait for the background
@@ -188,10 +159,12 @@ class Checkpointer:
         the newest checkpoint complete on disk (COLLECTIVE with ``async_save``)."""
         if not self.async_save:
             return
-        self._collect()
+        failed: list[str] = []
+        if self.saves is not None:
+            self.saves.collect()
+            failed, self.saves.errors = self.saves.errors, []
         # COLLECTIVE: every rank learns rank 0's failed writes and newest checkpoint.
-        errors, written = broadcast_object((self._background_errors, self.written))
-        self._background_errors = []
+        errors, written = broadcast_object((failed, self.written))
         result.checkpoint_errors.extend(errors)
         result.checkpoint = str(written) if written is not None else None
 
@@ -326,21 +299,10 @@ class Checkpointer:
         return 0
 
 
-def _writers_group() -> Any:
+def writers_group() -> Any:
     """A gloo process group of every rank for background sharded writes (None alone)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
     return dist.new_group(backend="gloo")  # COLLECTIVE: every rank, once, in one order
-
-
-def _log_saved(path: Path, step: int, total_s: float, blocking_s: float | None) -> None:
-    """Log a written checkpoint with how long training was blocked (all of ``total_s``
-    for a synchronous save); the values also ride on the record for tools."""
-    blocking = total_s if blocking_s is None else blocking_s
-    how = "" if blocking_s is None else " in the background"
-    log.info("checkpoint saved: %s (training blocked %.3f s; written%s in %.3f s)", path,
-             blocking, how, total_s,
-             extra={"checkpoint_step": step, "checkpoint_blocking_s": blocking,
-                    "checkpoint_total_s": total_s})

@@ -19,7 +19,7 @@ import os
 import pickle
 import shutil
 import warnings
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +67,28 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, shards: dict[str, An
         OSError: on every rank, when any rank's write failed. Nothing is left under the
             checkpoint's name and the older checkpoints are untouched.
     """
+    path = sharded_checkpoint_path(run_dir, step)
+    return write_sharded(path, shards, state, group,
+                         then=lambda: prune(run_dir, keep_last, keep))
+
+
+def write_sharded(path: str | Path, shards: dict[str, Any], state: dict[str, Any] | None,
+                  group: Any = None, then: Callable[[], None] | None = None) -> Path:
+    """Write a sharded checkpoint directory at ``path``: every rank its ``shards``
+    through DCP, rank 0 ``state`` as ``trainer.pt`` and the manifest of every file's
+    SHA-256, all under a temporary name renamed to ``path`` when complete (a directory
+    there before is replaced only then). ``then`` runs on rank 0 after the rename (its
+    errors count as the write's). ``group``: as in :func:`save_sharded_checkpoint`.
+
+    COLLECTIVE: every rank calls it with its own ``shards``.
+
+    Raises:
+        OSError: on every rank, when any rank's write failed. Nothing is left under
+            ``path``'s name but what was there before.
+    """
     dcp = _dcp()
     rank = _rank()
-    path = sharded_checkpoint_path(run_dir, step)
+    path = Path(path)
     staging = path.with_name(f".{path.name}.tmp-sharded")
     error: str | None = None
     if rank == 0:
@@ -97,7 +116,8 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, shards: dict[str, An
         try:
             _finish_sharded(path, staging, state or {}, {k: v for _, d in reports
                                                           for k, v in d.items()})
-            prune(run_dir, keep_last, keep)
+            if then is not None:
+                then()
         except (OSError, RuntimeError) as e:  # torch.save: a failed write is a RuntimeError
             error = str(e)
     error = broadcast_object(error, group=group)  # COLLECTIVE: everyone learns the end
@@ -127,10 +147,29 @@ def _finish_sharded(path: Path, staging: Path, state: dict[str, Any],
         os.fsync(f.fileno())
     os.replace(manifest_tmp, staging / MANIFEST)
     fsync_dir(staging)
-    if path.exists():  # the same step written again (a run restarted before this step)
-        shutil.rmtree(path)
+    # The same name written again (a step after a restart, a loop saving to one path):
+    # the previous directory steps aside, the new one takes the name, then the previous
+    # one goes. A crash in between leaves the previous one complete under old_name.
+    old = previous_name(path)
+    _remove(old)
+    if path.exists():
+        os.replace(path, old)
     os.replace(staging, path)
     fsync_dir(path.parent)
+    _remove(old)
+
+
+def previous_name(path: Path) -> Path:
+    """Where :func:`write_sharded` keeps the checkpoint it replaces at ``path`` until
+    the new one has the name (a reader finds it there after a crash in that moment)."""
+    return path.with_name(f".{path.name}.old-sharded")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def verify_sharded(path: Path) -> None:
@@ -246,7 +285,6 @@ def load_sharded_into(path: str | Path, model: torch.nn.Module,
         RuntimeError: the checkpoint does not fit the model or optimizer, or the
             strategy consolidates its optimizer state.
     """
-    dcp = _dcp()
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     if consolidates_optimizer:  # the strategy's trait (zero1)
@@ -254,20 +292,43 @@ def load_sharded_into(path: str | Path, model: torch.nn.Module,
                            "zero1; resume with one of those strategies")
     # Tensors of the right shapes and shardings for this run, filled in place by DCP
     # (the optimizer's state is created first if it has taken no step yet).
+    msd, osd = get_state_dict(model, optimizer)
+    state = read_shards(path, {"model": msd, "optimizer": osd})
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+
+
+def read_shards(path: str | Path, like: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``like`` (state dicts of this run's shapes and shardings, as
+    ``get_model_state_dict`` and ``get_optimizer_state_dict`` return them) read from the
+    sharded checkpoint at ``path``, resharded to this run's world size; head-split
+    (tensor parallel) tensors are read whole, then split again.
+
+    COLLECTIVE when a process group exists: every rank reads the parts of the saved
+    shards that make up its own.
+
+    Raises:
+        RuntimeError: the checkpoint lacks an entry of ``like`` or does not fit it.
+    """
+    dcp = _dcp()
     from gpufleet.parallel.tensor import restore_strided, without_strided
 
-    msd, osd = get_state_dict(model, optimizer)
-    # Head-split (tensor parallel) tensors are read whole, then split again.
-    state = without_strided({"model": msd, "optimizer": osd})
+    state = without_strided(like)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", ".*single process.*")
             dcp.load(state, checkpoint_id=str(path))
     except dcp.api.CheckpointException as e:  # a BaseException: make it an error
         raise RuntimeError(str(e)) from None
-    state = restore_strided(state, {"model": msd, "optimizer": osd})
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
+    return restore_strided(state, like)
+
+
+def saved_keys(path: str | Path) -> set[str]:
+    """The flattened names DCP's metadata lists for a sharded checkpoint
+    (``"model.0.weight"``, ``"optimizer.state.0.weight.exp_avg"``, ...)."""
+    dcp = _dcp()
+    check_metadata(path)  # DCP reads it with plain pickle
+    return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
 
 def _dcp() -> Any:
