@@ -67,6 +67,8 @@ def fsdp_loop(out: Path, name: str, checkpoint: Path | None = None,
     if checkpoint is not None and checkpoint.exists():
         fleet.load(checkpoint, state)
         batches = iter(loader)  # on from the saved position (after "ahead")
+        if fleet.global_rank == 0:
+            (out / f"{name}-resumed.txt").write_text(str(state["step"]))
     while state["step"] < STEPS:
         x, y = state["ahead"]
         state["ahead"] = next(batches)

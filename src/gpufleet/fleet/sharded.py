@@ -36,6 +36,7 @@ from torch.optim import Optimizer
 from gpufleet.errors import CheckpointError, ConfigError
 from gpufleet.fleet.wrappers import FleetModule, unwrap_optimizer
 from gpufleet.launch import broadcast_object, is_initialized
+from gpufleet.parallel.fsdp import keyed_by_name
 from gpufleet.parallel.tensor import without_strided
 from gpufleet.train.checkpoint import sharded as sharded_ckpt
 
@@ -175,6 +176,27 @@ def load_entries(path: Path, state: dict[str, Any], keys: Iterable[str], strateg
             f"{str(e).splitlines()[0][:500]}. It was written for other models or "
             "optimizers; load it into the ones it was saved from.") from e
     return skipped
+
+
+def load_whole(value: Any, saved: Any, strategy: Any, placed: Iterable[nn.Module],
+               key: str, strict: bool) -> list[str]:
+    """A model's or optimizer's whole state dict (from a file saved where every rank
+    held the whole model: ``single``, ``ddp``) loaded into ``value``, which this run
+    shards (each rank keeps its part); returns what a non-strict load skipped.
+
+    COLLECTIVE under tensor parallel (the split tensors are distributed)."""
+    whole = StateDictOptions(full_state_dict=True, strict=strict)
+    if isinstance(value, nn.Module):
+        result = set_model_state_dict(module_of(value, strategy), saved, options=whole)
+        return [f"{key!r} {kind.replace('_', ' ')} {', '.join(names)}"
+                for kind, names in (("missing_keys", result.missing_keys),
+                                    ("unexpected_keys", result.unexpected_keys)) if names]
+    inner = unwrap_optimizer(value)
+    owner = owner_of(inner, placed, key)
+    if saved.get("state") and all(isinstance(k, int) for k in saved["state"]):
+        saved = keyed_by_name(owner, inner, saved)  # torch.optim's form: by index
+    set_optimizer_state_dict(owner, inner, saved, options=whole)
+    return []
 
 
 def _rank() -> int:

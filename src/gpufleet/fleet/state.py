@@ -32,7 +32,13 @@ from gpufleet.core.phases import Phase
 from gpufleet.errors import CheckpointError, ConfigError
 from gpufleet.fleet.perrank import differing, gather_per_rank
 from gpufleet.fleet.run import FleetPart
-from gpufleet.fleet.sharded import is_sharded_checkpoint, load_entries, shard_entries, verify
+from gpufleet.fleet.sharded import (
+    is_sharded_checkpoint,
+    load_entries,
+    load_whole,
+    shard_entries,
+    verify,
+)
 from gpufleet.fleet.steps import StepTracker
 from gpufleet.fleet.wrappers import FleetModule, unwrap_optimizer
 from gpufleet.launch import barrier, broadcast_object, gather_objects
@@ -443,7 +449,11 @@ def load_state(path: str | Path, state: dict[str, Any] | None, strategy: Any,
     for key, value in state.items():
         if key in missing or key in from_shards or key not in rest:
             continue
-        if isinstance(value, nn.Module):
+        whole_model = isinstance(value, nn.Module) or \
+            isinstance(unwrap_optimizer(value), Optimizer)
+        if strategy.saves_on_every_rank and whole_model:  # a file into a sharded run
+            skipped += load_whole(value, rest.pop(key), strategy, placed, key, strict)
+        elif isinstance(value, nn.Module):
             result = value.load_state_dict(rest.pop(key), strict=strict)
             skipped += _skipped_names(key, result)
         elif _has_state(value):

@@ -152,7 +152,7 @@ class FullyShardedDataParallel(Strategy):
         api = self.api
         osd = state["optimizer"]
         if osd.get("state") and all(isinstance(k, int) for k in osd["state"]):
-            osd = _keyed_by_name(model, optimizer, osd)
+            osd = keyed_by_name(model, optimizer, osd)
         api.set_state_dict(model, optimizer, model_state_dict=state["model"],
                            optim_state_dict=osd,
                            options=api.StateDictOptions(full_state_dict=True))
@@ -293,7 +293,7 @@ class _WithoutAutocast:
         return getattr(self._inner, name)
 
 
-def _keyed_by_name(model: nn.Module, optimizer: torch.optim.Optimizer,
+def keyed_by_name(model: nn.Module, optimizer: torch.optim.Optimizer,
                    osd: dict[str, Any]) -> dict[str, Any]:
     """Turn a ``torch.optim`` state dict keyed by parameter index into one keyed by
     parameter name (the form ``set_state_dict`` loads). Indices follow the optimizer's
