@@ -83,7 +83,7 @@ def test_a_second_write_waits_for_the_first_and_errors_come_back_once():
 def test_background_checkpoints_equal_synchronous_ones_and_pass_their_checksum(
         tmp_path, caplog):
     _, sync = _fit(tmp_path / "sync", {"run.dir": str(tmp_path / "s")})
-    with caplog.at_level(logging.INFO, logger="gpufleet.train.checkpoint.checkpointer"):
+    with caplog.at_level(logging.INFO, logger="gpufleet.train.checkpoint"):
         _, bg = _fit(tmp_path / "bg", {"run.dir": str(tmp_path / "a"),
                                        "checkpoint.async_save": True})
     assert bg.losses == sync.losses  # training itself is unchanged
