@@ -25,6 +25,7 @@ from torch.nn import functional as F
 
 import gpufleet
 from gpufleet.errors import CheckpointError
+from gpufleet.fleet.perrank import digest
 from gpufleet.train.checkpoint.files import MANIFEST, TRAINER_STATE
 from gpufleet.train.checkpoint.sharded import previous_name, read_full_model
 
@@ -91,6 +92,16 @@ def test_zero1_saves_its_optimizer_state_whole_and_loads_it_back(resumed):
             assert torch.equal(seen["second"][name], value), name
     saved = torch.load(resumed / "zero1-ck", weights_only=True)
     assert len(saved["optimizer"]["state"]) == 4  # every parameter's, from both ranks
+
+
+def test_a_values_digest_is_its_content():
+    """What the ranks compare: content, not order of a dict or set, nor object identity."""
+    assert digest({"a": 1, "h": torch.zeros(2)}) == digest({"h": torch.zeros(2), "a": 1})
+    assert digest({"b", "a"}) == digest({"a", "b"})
+    assert digest(torch.tensor([1.0])) != digest(torch.tensor([2.0]))
+    assert digest(torch.zeros(2)) != digest(torch.zeros(2, dtype=torch.float64))
+    assert digest(torch.zeros(4)) != digest(torch.zeros(2, 2))
+    assert digest([1, 2]) != digest((1, 2)) and digest(3) != digest(3.0)
 
 
 def _mlp() -> nn.Module:

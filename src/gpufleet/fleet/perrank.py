@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from gpufleet.core.tree import map_tensors
+from gpufleet.errors import ConfigError
 from gpufleet.launch import gather_objects
 
 
@@ -71,19 +72,21 @@ def _feed(h: Any, value: Any) -> None:
 def differing(values: Mapping[str, Any]) -> list[str]:
     """The keys of ``values`` whose value is not the same on every rank.
 
-    COLLECTIVE: every rank calls it with the same keys (one all-gather of a digest per
-    key); without a process group, none.
+    COLLECTIVE: every rank calls it (one all-gather of a digest per key); without a
+    process group, none.
+
+    Raises:
+        ConfigError: on every rank, when the ranks' keys differ.
     """
     mine = {key: digest(value) for key, value in values.items()}
     every = gather_objects(mine)  # COLLECTIVE: 64 characters a key a rank
-    if len(every) == 1:
-        return []
-    keys = [key for key in mine if len({d.get(key) for d in every}) > 1]
-    extra = sorted({k for d in every for k in d} - set(mine))
-    if extra:
-        raise ValueError(f"Fleet.save: the ranks saved different keys; {extra} is "
-                         "missing on some. Save the same keys on every rank.")
-    return keys
+    keys = {frozenset(d) for d in every}
+    if len(keys) > 1:  # every rank sees it, so every rank raises
+        some = sorted(frozenset.union(*keys) - frozenset.intersection(*keys))
+        raise ConfigError(f"Fleet.save: the ranks saved different keys: "
+                          f"{', '.join(map(repr, some))} only on some. Save the same keys "
+                          "on every rank.")
+    return [key for key in mine if len({d[key] for d in every}) > 1]
 
 
 def gather_per_rank(values: Mapping[str, Any], keys: list[str]) -> dict[str, list[Any]]:
