@@ -41,12 +41,13 @@ from gpufleet.fleet.sharded import (
 )
 from gpufleet.fleet.steps import StepTracker
 from gpufleet.fleet.wrappers import FleetModule, unwrap_optimizer
-from gpufleet.launch import barrier, broadcast_object, gather_objects
-from gpufleet.train.checkpoint.async_writer import BackgroundSaves, log_saved
+from gpufleet.fleet.writes import write_directory, write_file
+from gpufleet.launch import broadcast_object, gather_objects
+from gpufleet.train.checkpoint.async_writer import BackgroundSaves
 from gpufleet.train.checkpoint.checkpointer import writers_group
 from gpufleet.train.checkpoint.files import FORMAT_VERSION
-from gpufleet.train.checkpoint.format import load_checkpoint, write_checkpoint_file
-from gpufleet.train.checkpoint.sharded import read_trainer_state, write_sharded
+from gpufleet.train.checkpoint.format import load_checkpoint
+from gpufleet.train.checkpoint.sharded import read_trainer_state
 from gpufleet.train.seed import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -331,59 +332,13 @@ def save_state(path: str | Path, state: Mapping[str, Any], strategy: Any,
     kept = {k: v for k, v in content.items() if k not in per_rank}
     if sharded:
         own[FLEET_KEY].update(state=kept, shards=sorted(shards))
-        return _write_sharded(path, shards, own, background, start, rank)
+        return write_directory(path, shards, own, background, start, rank)
     if path.is_dir():
         raise ConfigError(f"Fleet.save: {path} is a directory (a sharded checkpoint, "
                           f"saved under fsdp or tp); strategy {strategy.name!r} writes "
                           "one file. Save to another path.")
-    return _write_file(path, {"format": FORMAT_VERSION, **kept, **own}, background,
-                       start, rank)
-
-
-def _write_sharded(path: Path, shards: dict[str, Any], rest: dict[str, Any],
-                   background: tuple[BackgroundSaves, Any] | None, start: float,
-                   rank: int) -> Path:
-    """Every rank its shards, rank 0 ``rest``, now or in the background."""
-    if path.is_file():
-        raise ConfigError(f"Fleet.save: {path} is a file (saved under a strategy whose "
-                          "ranks hold the whole model); a sharded checkpoint is a "
-                          "directory. Save to another path.")
-    if background is None:
-        write_sharded(path, shards, rest if rank == 0 else None)  # COLLECTIVE
-        if rank == 0:
-            log_saved(path, 0, time.perf_counter() - start, None)
-        return path
-    saves, group = background
-    saves.submit(0, path, (shards, rest if rank == 0 else None),
-                 lambda host: write_sharded(path, host[0], host[1], group), start,
-                 rank == 0)
-    return path
-
-
-def _write_file(path: Path, content: dict[str, Any],
-                background: tuple[BackgroundSaves, Any] | None, start: float,
-                rank: int) -> Path:
-    """Rank 0 writes ``content`` as one file, now or in the background; every rank
-    learns how a write now went."""
-    error: OSError | None = None
-    if rank == 0:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if background is not None:
-                background[0].submit(0, path, content,
-                                     lambda host: write_checkpoint_file(path, host),
-                                     start, True)
-            else:
-                write_checkpoint_file(path, content)
-        except OSError as e:
-            error = e
-    errors = gather_objects(None if error is None else f"{type(error).__name__}: {error}")
-    barrier()  # COLLECTIVE: no rank reads the file before it is complete
-    if error is not None:
-        raise error
-    if errors[0] is not None:
-        raise OSError(f"rank 0 could not write {path}: {errors[0]}")
-    return path
+    return write_file(path, {"format": FORMAT_VERSION, **kept, **own}, background,
+                      start, rank)
 
 
 def load_state(path: str | Path, state: dict[str, Any] | None, strategy: Any,
