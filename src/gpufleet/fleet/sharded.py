@@ -63,6 +63,7 @@ def shard_entries(state: Mapping[str, Any], strategy: Any, placed: Iterable[nn.M
     keyed by parameter name), as DCP writes them; ``filter`` as in ``Fleet.save``."""
     out: dict[str, Any] = {}
     for key, value in state.items():
+        entry: dict[str, Any]
         if isinstance(value, nn.Module):
             entry = get_model_state_dict(module_of(value, strategy))
         elif isinstance(unwrap_optimizer(value), Optimizer):
