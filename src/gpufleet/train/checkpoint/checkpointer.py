@@ -76,6 +76,8 @@ class Checkpointer:
         self._group = _writers_group() if keeping.async_save and sharded else None
         self.async_save = keeping.async_save
         self.written: Path | None = None  # the newest checkpoint complete on disk
+        #: the world size the state restored last was written at (None: not recorded)
+        self.restored_world: int | None = None
         self._in_flight: Path | None = None  # the one being written in the background
         self._background_errors: list[str] = []
 
@@ -231,6 +233,7 @@ class Checkpointer:
             ) from e
         at = Position(state["step"], state["epoch"], 0)
         at.consumed = self._restore_position(source, state, at.epoch)
+        self.restored_world = state.get("world_size")
         if self.env.is_main:
             log.info("resumed from %s at step %d", source.removeprefix("checkpoint "),
                      at.step)
