@@ -412,6 +412,12 @@ def test_a_cut_off_node_is_left_behind_in_process_once_its_heartbeat_stops(netbe
     alone = next(r for r in records[seen:] if len(r["rank_phases"]) == 1)
     print(f"\npartition, recovered in process: node 0 trained alone {alone['time'] - cut_at:.1f}"
           f" s after the cut, from the step-{RECOVERED.search(said).group(1)} snapshot")
+    # The receipt names the watchdog: node 1 silent past the heartbeat timeout (5 s).
+    [receipt] = read_receipts(run)
+    check_receipt(receipt, "recovery", int(RECOVERED.search(said).group(1)), (2, 1), said,
+                  float(TOOK.search(said).group(1)))
+    assert receipt.detected_by.startswith("the watchdog: rank(s) 1 stopped answering")
+    assert 5 <= receipt.detection_s < 60, receipt
 
 
 @pytest.mark.slow
@@ -454,3 +460,8 @@ def test_two_losses_in_a_row_each_recovered_with_exact_data(netbed, tmp_path):
              + survivor[2][:16 * (s2 - s1)] + second[2][:16 * (s2 - s1)])
     epoch += survivor[1][:480 - len(epoch)]
     assert sorted(epoch) == list(range(480))
+    # A receipt each, in the order they happened: rank 2 lost, then rank 1.
+    losses = read_receipts(run)
+    assert [(r.step, r.world_from, r.world_to, r.ranks) for r in losses] == \
+        [(s1, 3, 2, [2]), (s2, 2, 1, [1])], losses
+    assert all(sum(r.phases.values()) <= r.total_s for r in losses)

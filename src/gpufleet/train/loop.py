@@ -89,12 +89,12 @@ class Trainer:
         seconds = time.perf_counter() - start
         run.data.start(at.epoch, at.consumed)
         keeper = run.monitors.receipts
-        if keeper is not None and run.env.restart_count > 0 and run.env.is_main and \
-                run.resume_from is not None:  # the agent restarted the ranks: a receipt
+        if keeper is not None and run.env.restart_count > 0 and run.env.is_main:
+            # The agent restarted the ranks: a receipt (written once the steps re-warm).
+            source = Path(run.resume_from) if run.resume_from is not None else None
             keeper.settle(restart_receipt(
-                run, Path(run.resume_from), at.step,
-                run.checkpointer.restored_world or run.env.world_size, began_t, seconds),
-                time.perf_counter())
+                run, source, at.step, run.checkpointer.restored_world or run.env.world_size,
+                began_t, seconds), time.perf_counter())
 
     def _train(self) -> FitResult:
         run, state = self.run, self.run.state

@@ -184,21 +184,27 @@ def replayed(run: Any, step: int, since_t: float) -> tuple[int | None, int]:
         return None, -1
 
 
-def restart_receipt(run: Any, source: Path, step: int, world_from: int, since_t: float,
-                    seconds: float) -> Receipt:
+def restart_receipt(run: Any, source: Path | None, step: int, world_from: int,
+                    since_t: float, seconds: float) -> Receipt:
     """The receipt of a restart by the elastic agent that resumed from checkpoint
-    ``source`` at ``step`` (read in ``seconds``, the read begun at ``since_t``): the
-    steps finished before the restart after the checkpoint's (the step whose data was
-    taken last, less the one under way), the samples they read."""
+    ``source`` at ``step`` (read in ``seconds``, the read begun at ``since_t``; None: no
+    checkpoint, the run began again at step 0): the steps finished before the restart
+    after the checkpoint's (the step whose data was taken last, less the one under way),
+    the samples they read."""
     samples, last = replayed(run, step, since_t)
-    nbytes = source.stat().st_size if source.is_file() else sum(
-        p.stat().st_size for p in source.rglob("*") if p.is_file())
     receipt = Receipt(
         "restart", since_t, step, world_from, run.env.world_size,
         detected_by=f"the elastic agent's restart {run.env.restart_count}",
         phases={"read": seconds}, total_s=seconds, steps_repeated=max(0, last - 1 - step),
-        samples_replayed=samples,
-        checkpoint={"path": str(source.resolve()), "bytes": nbytes, "seconds": seconds})
+        samples_replayed=samples)
+    if source is not None:
+        nbytes = source.stat().st_size if source.is_file() else sum(
+            p.stat().st_size for p in source.rglob("*") if p.is_file())
+        receipt.checkpoint = {"path": str(source.resolve()), "bytes": nbytes,
+                              "seconds": seconds}
+    else:
+        receipt.phases = {}
+        receipt.notes.append("no checkpoint to resume from: trained again from step 0")
     if last < 0:
         receipt.notes.append("no ledger of the steps before the restart")
     return receipt
