@@ -1,10 +1,9 @@
-"""The receipt record: its JSON line and log line, the "far below the link" rule, the
-re-warm timed over the steps after an event, and report.html's row."""
+"""The receipt record: its JSON line and log line, the "far below the link" rule, and
+report.html's row."""
 
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
@@ -19,8 +18,6 @@ from gpufleet.fault.receipt import (
     read_receipts,
 )
 from gpufleet.monitor.report_receipts import receipt_row, receipts_section
-from gpufleet.train.recovery import receipts as keeping
-from gpufleet.train.recovery.receipts import ReceiptKeeper, link_between, transfers_of
 
 MB = 1_000_000
 
@@ -90,18 +87,6 @@ def test_far_below_the_link_is_under_a_quarter_of_what_the_probe_predicts(
         assert "MB/s the link probe measured (under 25%)" in why
 
 
-def test_transfers_are_judged_against_the_probed_pair_one_way():
-    links = {"pairs": [{"nodes": [0, 1], "addr": ["10.0.0.1", "10.0.0.2"],
-                        "mbit_s": 16000.0, "latency_ms": 0.2}]}
-    assert link_between(links, "10.0.0.2", "10.0.0.1") == (1000.0, 0.2)  # 8 Gbit/s a way
-    assert link_between(links, "10.0.0.2", "10.0.0.3") == (None, None)
-    facts = [{"addr": "10.0.0.1", "interface": "eth0", "received": []},
-             {"addr": "10.0.0.2", "interface": "eth1", "received": [(0, 64 * MB, 3.0)]}]
-    [sent] = transfers_of(facts, links)
-    assert (sent.rank, sent.peer, sent.interface, sent.link_mb_s) == (1, 0, "eth1", 1000.0)
-    assert sent.verdict == "far below the link"
-
-
 def test_the_report_row_marks_a_transfer_far_below_its_link(tmp_path):
     far = Transfer(1, 0, 64 * MB, 4.0, "eth1", 1000.0, 0.3).judged()
     row = receipt_row(a_receipt(transfers=[far]))
@@ -114,53 +99,3 @@ def test_the_report_row_marks_a_transfer_far_below_its_link(tmp_path):
     append_receipt(tmp_path, a_receipt(transfers=[far]))
     html = "".join(receipts_section(tmp_path))
     assert html.startswith("<h2>Recoveries and restarts</h2>") and html.count("<tr>") == 2
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_the_re_warm_ends_at_the_first_step_within_one_and_a_half_median(tmp_path,
-                                                                           monkeypatch):
-    clock = Clock()
-    monkeypatch.setattr(keeping.time, "perf_counter", clock)
-    view = SimpleNamespace(env=SimpleNamespace(is_main=True), run_dir=tmp_path)
-    keeper = ReceiptKeeper(view)
-    for step in range(1, 11):  # steps of 0.1 s
-        clock.now += 0.1
-        keeper.on_step_end(view, step)
-    median, last = keeper.begin()
-    assert median == pytest.approx(0.1) and last == clock.now
-    clock.now += 2.0  # the recovery
-    receipt = a_receipt(median_step_s=median, rewarm_s=None, rewarm_steps=None)
-    keeper.settle(receipt, clock.now)
-    for step, seconds in enumerate((0.5, 0.2, 0.14, 0.1), start=8):  # 0.14 <= 1.5 x 0.1
-        clock.now += seconds
-        keeper.on_step_end(view, step)
-        if seconds == 0.14:
-            assert keeper.pending is None  # written at the first full-speed step
-    [written] = read_receipts(tmp_path)
-    assert written.rewarm_steps == 3 and written.rewarm_s == pytest.approx(0.84)
-
-
-def test_a_receipt_still_waiting_at_the_end_is_written_as_it_is(tmp_path, monkeypatch):
-    clock = Clock()
-    monkeypatch.setattr(keeping.time, "perf_counter", clock)
-    view = SimpleNamespace(env=SimpleNamespace(is_main=True), run_dir=tmp_path)
-    keeper = ReceiptKeeper(view)
-    keeper.settle(a_receipt(median_step_s=0.1, rewarm_s=None, rewarm_steps=None), clock.now)
-    clock.now += 1.0
-    keeper.on_step_end(view, 1)  # still slow when the run ends
-    keeper.on_fit_end(view, None)
-    [written] = read_receipts(tmp_path)
-    assert written.rewarm_s is None and "re-warm not reached" in written.line()
-    # Not rank 0: nothing is written.
-    other = ReceiptKeeper(SimpleNamespace(env=SimpleNamespace(is_main=False),
-                                          run_dir=tmp_path))
-    other.settle(a_receipt(), clock.now)
-    other.flush()
-    assert len(read_receipts(tmp_path)) == 1

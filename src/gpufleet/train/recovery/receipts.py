@@ -3,9 +3,9 @@
 timed over the steps after, then one line in ``recoveries.jsonl`` and in the log.
 
 :class:`ReceiptKeeper` is a callback of the run when it can recover in process or was
-restarted by its agent. Per step it stores one clock read in a ring of
-:data:`STEPS_KEPT` slots (the median step before a loss comes from it); after an
-event it times the steps until one runs at full speed, then rank 0 writes the receipt.
+restarted by its agent. Per step it keeps one clock read (the newest
+:data:`STEPS_KEPT`; the median step before a loss comes from them); after an event it
+times the steps until one runs at full speed, then rank 0 writes the receipt.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import logging
 import os
 import statistics
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -40,19 +41,16 @@ class ReceiptKeeper(Callback):
 
     def __init__(self, view: Any) -> None:
         self.view = view
-        self._ends = [0.0] * STEPS_KEPT
-        self._count = 0
+        self._ends: deque[float] = deque(maxlen=STEPS_KEPT)  # the newest steps' ends
         self.pending: Receipt | None = None
         self._went_on = self._prev = 0.0
         self._durations: list[float] = []
 
     # -- per step: one clock read ------------------------------------------------------
     def on_step_end(self, trainer: Any, step: int) -> None:
-        now = time.perf_counter()
-        self._ends[self._count % STEPS_KEPT] = now
-        self._count += 1
+        self._ends.append(time.perf_counter())
         if self.pending is not None:
-            self._rewarm(now)
+            self._rewarm(self._ends[-1])
 
     def on_fit_end(self, trainer: Any, result: Any) -> None:
         self.flush()
@@ -69,11 +67,10 @@ class ReceiptKeeper(Callback):
             self.pending.notes.append("the next event began before a step ran at full "
                                       "speed")
         self.flush()
-        n = min(self._count, STEPS_KEPT)
-        ends = sorted(self._ends[:n]) if self._count >= STEPS_KEPT else self._ends[:n]
+        ends = list(self._ends)
         last = ends[-1] if ends else None
         steps = [b - a for a, b in itertools.pairwise(ends)]
-        self._count = 0
+        self._ends.clear()
         return (statistics.median(steps) if steps else None), last
 
     def settle(self, receipt: Receipt, went_on: float) -> None:
