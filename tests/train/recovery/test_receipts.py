@@ -15,6 +15,7 @@ from gpufleet.train.recovery.receipts import (
     restart_receipt,
     transfers_of,
 )
+from gpufleet.train.recovery.recovery import _gist
 
 MB = 1_000_000
 
@@ -104,3 +105,17 @@ def test_a_restart_receipt_names_its_checkpoint_or_its_absence(tmp_path):
     fresh = restart_receipt(run, None, 0, 2, 10.0, 0.0)
     assert fresh.checkpoint is None and fresh.phases == {}
     assert "no checkpoint to resume from: trained again from step 0" in fresh.line()
+
+
+@pytest.mark.parametrize(("message", "gist"), [
+    ("Got the following error when running the callback: RuntimeError: [/__w/pytorch/"
+     "third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [10.0.0.2]:8901: "
+     "Connection reset by peer. This may indicate a possible application crash",
+     "Connection reset by peer, 10.0.0.2:8901"),
+    ("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.1.2.12]:38031",
+     "Connection closed by peer, 10.1.2.12:38031"),
+    ("Broken pipe", "Broken pipe"),
+    ("something else\nand more", "something else"),
+])
+def test_a_failed_collective_is_named_by_what_the_backend_said_of_the_peer(message, gist):
+    assert _gist(message) == gist

@@ -418,8 +418,8 @@ def _gist(message: str) -> str:
     words = next((w for w in _PEER_LOST[:5] if w in message), "")
     if words:
         found = re.search(r"\[([0-9A-Fa-f.:]+)\]:(\d+)", message)
-        tail = message[message.index(words):].split(".")[0][:60]
-        return tail + (f", {found.group(1)}:{found.group(2)}" if found else "")
+        tail = re.split(r"\.\s|\n|\s\[", message[message.index(words):])[0][:60]
+        return tail.rstrip(". :") + (f", {found.group(1)}:{found.group(2)}" if found else "")
     return message.splitlines()[0][:120] if message else ""
 
 
