@@ -230,6 +230,12 @@ def test_a_node_started_again_joins_the_live_rank_with_exact_data_and_no_disk_re
     assert (sent.peer, sent.rank) == (0, 1) and sent.bytes > 0 and sent.seconds > 0
     assert sent.interface, sent  # the one the bed node's process group talks over
     assert sent.verdict == "not judged" and "MiB" in sent.why, sent
+    # report.html, written at the end, lists both.
+    html = (run / "report.html").read_text()
+    table = html.split("<h2>Recoveries and restarts</h2>")[1].split("</table>")[0]
+    assert table.count("<tr><td>") == 2, table
+    assert f"recovery at step {s1}; rank(s) 1 lost" in table
+    assert f"join at step {s2}; rank(s) 1 joined" in table
 
 
 @pytest.mark.slow

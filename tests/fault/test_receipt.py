@@ -93,6 +93,8 @@ def test_the_report_row_marks_a_transfer_far_below_its_link(tmp_path):
     assert '<td class="far">' in row and "far below the link (16.0 MB/s, 2% of the" in row
     assert "<td>recovery at step 7; rank(s) 2 lost</td><td>3 → 2</td>" in row
     assert "<td>0.30 s (2 step(s))</td><td>1</td><td>32</td>" in row
+    waiting = receipt_row(a_receipt(rewarm_s=None, notes=["the next event began first"]))
+    assert "<td>not reached; the next event began first</td>" in waiting
     plain = receipt_row(a_receipt())
     assert 'class="far"' not in plain and "none (each rank&#x27;s own copy)" in plain
     assert receipts_section(tmp_path) == []  # no receipt: no section

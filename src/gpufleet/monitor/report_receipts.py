@@ -51,7 +51,7 @@ def receipt_row(r: Receipt) -> str:
     if not sent:
         sent.append("none (each rank's own copy)" if r.kind != "restart" else "-")
     rewarm = (f"{r.rewarm_s:.2f} s ({r.rewarm_steps} step(s))" if r.rewarm_s is not None
-              else "not reached")
+              else "not reached") + "".join(f"; {note}" for note in r.notes)
     replayed = "-" if r.samples_replayed is None else f"{r.samples_replayed:,}"
     cells = [event + who, f"{r.world_from} → {r.world_to}", detected, phases or "-",
              f"{r.total_s:.2f} s"]
