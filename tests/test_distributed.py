@@ -11,6 +11,7 @@ import torch
 from conftest import final_params
 from equivalence import assert_same_weights
 from gpufleet.data.audit import audit
+from gpufleet.fault.receipt import read_receipts
 
 TOY = ["--model", "toyjob:make_model", "--data", "toyjob:make_data",
        "--model.loss", "torch.nn.functional:mse_loss", "--max-steps", "12",
@@ -96,6 +97,22 @@ def test_killed_rank_is_restarted_and_the_run_finishes_as_if_nothing_happened(
     assert _losses(killed) == _losses(clean)
     # Rank 0 read into step 7 before the restart; the resume from step 6 voids that.
     assert "resume at step 6" in _audit_passes(killed)
+    # The restart's receipt: the checkpoint read (its bytes and seconds), no step
+    # repeated (rank 1 died reading step 7's batch: step 7 never finished), at most the
+    # batch rank 0 took for step 7 read again, a re-warm over the steps after.
+    [receipt] = read_receipts(killed)
+    assert (receipt.kind, receipt.step, receipt.world_from, receipt.world_to) == \
+        ("restart", 6, 2, 2)
+    assert receipt.detected_by == "the elastic agent's restart 1"
+    assert receipt.checkpoint["path"].endswith("step-0000006.pt")
+    # (the step-6 file is gone by the end, kept files being few; the newest checkpoint
+    # holds the same model and optimizer)
+    newest = sorted((killed / "checkpoints").glob("step-*.pt"))[-1].stat().st_size
+    assert abs(receipt.checkpoint["bytes"] - newest) < 0.05 * newest, (receipt, newest)
+    assert 0 < receipt.checkpoint["seconds"] == receipt.phases["read"] <= receipt.total_s
+    assert receipt.steps_repeated == 0 and receipt.samples_replayed in (0, 16), receipt
+    assert receipt.rewarm_steps is not None and receipt.rewarm_steps >= 1
+    assert receipt.line() in procs[0].stderr
 
 
 def test_resume_latest_continues_steps_and_loss_curve(run_cli, tmp_path):

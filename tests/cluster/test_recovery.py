@@ -15,6 +15,7 @@ import torch
 
 from gpufleet.data.audit import audit
 from gpufleet.data.sampler import ResumableDistributedSampler
+from gpufleet.fault.receipt import PHASES, Receipt, read_receipts
 from gpufleet.train.checkpoint import format as ckpt
 
 from .nodes import TOY, final_weights, start, train_records, wait, wait_for
@@ -22,6 +23,7 @@ from .nodes import TOY, final_weights, start, train_records, wait, wait_for
 pytestmark = pytest.mark.timeout(300)
 
 RECOVERED = re.compile(r"recovered in-process from the step-(\d+) snapshot, world (\d+) -> (\d+)")
+TOOK = re.compile(r"recovered in-process .* in ([0-9.]+) s; no checkpoint read")
 JOINED = re.compile(r"(\d+) new rank\(s\) joined at step (\d+), world (\d+) -> (\d+)")
 
 
@@ -122,6 +124,41 @@ def test_survivor_recovers_in_process_with_exact_data_and_no_disk_read(netbed, t
                                                 for e in report.events), report.lines()
     records = train_records(run)
     assert records[-1]["step"] == 24 and len(records[-1]["rank_phases"]) == 1
+    # Its receipt: rank 1 lost, found by the failed collective, the survivors' agreement
+    # in the store, nothing sent (ddp: its own copy; fsdp: the lost rank's shards are
+    # the partner copy it holds), the steps it had finished past the snapshot's, and
+    # the samples the ledger says were read in them (on both ranks: the survivor's
+    # batches at world 2 past the snapshot's steps, and those the lost rank had
+    # finished reading; one it was reading when killed was never handed out).
+    [receipt] = read_receipts(run)
+    check_receipt(receipt, "recovery", step, (2, 1), said, float(TOOK.search(said).group(1)))
+    assert receipt.ranks == [1] and receipt.detected_by.startswith("a failed collective")
+    assert receipt.detection_s is not None and receipt.detection_s >= 0
+    assert "agree" in receipt.phases and receipt.transfers == []
+    taken = len(together) // 16  # steps whose batch the survivor took at world 2
+    assert taken - step - receipt.steps_repeated in (0, 1), (taken, step, receipt)
+    assert receipt.steps_repeated <= (1 if not sharded else 2)
+    extra = len(lost_reads) - 16 * step
+    survivor_part = 16 * (taken - step)
+    assert survivor_part + 16 * (extra // 16) <= receipt.samples_replayed \
+        <= survivor_part + 16 * -(-extra // 16), (receipt, taken, extra)
+
+
+def check_receipt(receipt: Receipt, kind: str, step: int, worlds: tuple[int, int],
+                  said: str, total_s: float) -> None:
+    """What every receipt holds: its phases, in order and summing to no more than its
+    total (the time the log line gave, to its two decimals), a re-warm measured against
+    the median step before, its one log line."""
+    assert (receipt.kind, receipt.step, (receipt.world_from, receipt.world_to)) == \
+        (kind, step, worlds), receipt
+    assert list(receipt.phases) == [p for p in PHASES if p in receipt.phases]
+    assert {"leave", "regroup", "restore"} <= set(receipt.phases), receipt.phases
+    assert all(s >= 0 for s in receipt.phases.values())
+    assert sum(receipt.phases.values()) <= receipt.total_s + 1e-6, receipt
+    assert abs(receipt.total_s - total_s) <= 0.006, (receipt.total_s, total_s)
+    assert receipt.median_step_s and receipt.median_step_s > 0
+    assert receipt.rewarm_s is not None and receipt.rewarm_steps >= 1, receipt
+    assert receipt.line() in said
 
 
 def phases(got: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
@@ -180,6 +217,25 @@ def test_a_node_started_again_joins_the_live_rank_with_exact_data_and_no_disk_re
     assert sorted(used) == sorted(order[:len(used)])
     records = train_records(run)
     assert records[-1]["step"] == steps and len(records[-1]["rank_phases"]) == 2
+    # Two receipts: the loss, then the join, whose state went from rank 0 to the new
+    # rank 1 over the bed's link (the toy's state is too small to judge against it).
+    # The live rank repeated no step and read no sample again.
+    loss, join = read_receipts(run)
+    assert (loss.kind, loss.step) == ("recovery", s1)
+    check_receipt(join, "join", s2, (1, 2), said, float(
+        re.search(r"joined at step \d+, world 1 -> 2, in ([0-9.]+) s", said).group(1)))
+    assert join.ranks == [1] and join.steps_repeated == 0 and join.samples_replayed == 0
+    assert join.detection_s is not None and join.detection_s >= 0
+    [sent] = join.transfers
+    assert (sent.peer, sent.rank) == (0, 1) and sent.bytes > 0 and sent.seconds > 0
+    assert sent.interface, sent  # the one the bed node's process group talks over
+    assert sent.verdict == "not judged" and "MiB" in sent.why, sent
+    # report.html, written at the end, lists both.
+    html = (run / "report.html").read_text()
+    table = html.split("<h2>Recoveries and restarts</h2>")[1].split("</table>")[0]
+    assert table.count("<tr><td>") == 2, table
+    assert f"recovery at step {s1}; rank(s) 1 lost" in table
+    assert f"join at step {s2}; rank(s) 1 joined" in table
 
 
 @pytest.mark.slow
@@ -362,6 +418,12 @@ def test_a_cut_off_node_is_left_behind_in_process_once_its_heartbeat_stops(netbe
     alone = next(r for r in records[seen:] if len(r["rank_phases"]) == 1)
     print(f"\npartition, recovered in process: node 0 trained alone {alone['time'] - cut_at:.1f}"
           f" s after the cut, from the step-{RECOVERED.search(said).group(1)} snapshot")
+    # The receipt names the watchdog: node 1 silent past the heartbeat timeout (5 s).
+    [receipt] = read_receipts(run)
+    check_receipt(receipt, "recovery", int(RECOVERED.search(said).group(1)), (2, 1), said,
+                  float(TOOK.search(said).group(1)))
+    assert receipt.detected_by.startswith("the watchdog: rank(s) 1 stopped answering")
+    assert 5 <= receipt.detection_s < 60, receipt
 
 
 @pytest.mark.slow
@@ -404,3 +466,8 @@ def test_two_losses_in_a_row_each_recovered_with_exact_data(netbed, tmp_path):
              + survivor[2][:16 * (s2 - s1)] + second[2][:16 * (s2 - s1)])
     epoch += survivor[1][:480 - len(epoch)]
     assert sorted(epoch) == list(range(480))
+    # A receipt each, in the order they happened: rank 2 lost, then rank 1.
+    losses = read_receipts(run)
+    assert [(r.step, r.world_from, r.world_to, r.ranks) for r in losses] == \
+        [(s1, 3, 2, [2]), (s2, 2, 1, [1])], losses
+    assert all(sum(r.phases.values()) <= r.total_s for r in losses)

@@ -185,3 +185,25 @@ def test_a_span_changes_when_a_step_takes_another_amount(tmp_path):
     ledger.close()
     report = audit(tmp_path)
     assert report.ok and report.epochs[0].once == 28, report.lines()
+
+
+def test_the_samples_a_restore_reads_again_are_those_of_the_steps_after_it(tmp_path):
+    """What a receipt reports: the samples the steps after the restored one took, on
+    every rank with a ledger here (a killed rank's from its slot), the lines written
+    after the restore began left out."""
+    import time
+
+    from gpufleet.data.audit import replayed_since
+
+    at = _run(tmp_path, 2, 5, n=64, close=False)  # 2 ranks x 5 steps x 4 samples; no close
+    began = time.time()
+    assert replayed_since(tmp_path, 3, began) == (2 * 2 * 4, 5)  # steps 4 and 5
+    assert replayed_since(tmp_path, 5, began) == (0, 5)
+    # The restore to step 3 goes on at one rank, to step 7; a second restore, to step 2,
+    # reads again what steps 3 (first run) and 3-7 (second) took: steps 4-5 of the first
+    # run already do not count.
+    step3 = {**at, "samples": 3 * 8}
+    time.sleep(0.01)
+    _run(tmp_path, 1, 7, n=64, start_step=3, state=step3)
+    samples, last = replayed_since(tmp_path, 2, time.time())
+    assert last == 7 and samples == 2 * 4 + 4 * 4

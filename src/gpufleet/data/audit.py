@@ -295,6 +295,28 @@ def audit(run_dir: str | Path) -> AuditReport:
     return AuditReport(reports, len(files), [e.describe() for e, _ in events], notes)
 
 
+def replayed_since(run_dir: str | Path, step: int, before_t: float) -> tuple[int, int]:
+    """What the ledgers of ``run_dir`` say the steps after ``step`` consumed before the
+    wall-clock time ``before_t`` (a restore to ``step`` that began then): ``(samples,
+    last step)``, the samples those steps took on every rank whose ledger is here (read
+    again after the restore) and the highest step any rank took data for (-1: none).
+    Restores before ``before_t`` apply, as in :func:`audit`; later lines are left out."""
+    folder = Path(run_dir) / LEDGER_DIR
+    spans: list[Span] = []
+    file_events: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for path in sorted(folder.glob("*.jsonl")):
+        s, e = _read_file(path)
+        spans += [span for span in s if span.t < before_t]
+        file_events[path.name] = [(order, rec) for order, rec in e if rec["t"] < before_t]
+    _apply_restores(spans, _events(file_events))
+    samples, last = 0, -1
+    for span in spans:
+        last = max(last, span.last_step)
+        if min(span.last_step, span.cut) > step:
+            samples += max(0, span.end_at(span.cut) - span.end_at(step))
+    return samples, last
+
+
 def _audit_epoch(epoch: int, spans: list[Span], folder: Path, later: bool) -> EpochReport:
     view = _Epoch(spans[0].segment, folder)
     positions = [_positions(s) for s in spans]

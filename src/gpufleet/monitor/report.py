@@ -30,6 +30,8 @@ from typing import Any
 
 from gpufleet.errors import GpufleetError
 from gpufleet.monitor.diagnose import Finding, findings_for_run
+from gpufleet.monitor.report_receipts import CSS as RECEIPTS_CSS
+from gpufleet.monitor.report_receipts import receipts_section
 from gpufleet.monitor.report_svg import Series, line_chart, stacked_bars
 from gpufleet.monitor.system import read_system
 
@@ -123,12 +125,14 @@ def render_report(run_dir: Path, metrics: list[dict[str, Any]], system: list[dic
             _summary(train, evals, system),
             "<h2>Diagnosis</h2>", _diagnosis(findings),
             "<h2>Training</h2>", *_training(train, evals),
+            *receipts_section(run_dir),
             "<h2>Step time by phase</h2>", *_phases(train),
             "<h2>GPUs</h2>", *_gpus(system),
             "<h2>Host</h2>", *_host(system), _config(run_dir)]
     return ("<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>gpufleet report: {escape(run_dir.name)}</title>"
-            f"<style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+            f"<style>{_CSS}{RECEIPTS_CSS}</style></head><body>\n" + "\n".join(body)
+            + "\n</body></html>\n")
 
 
 def _note(text: str) -> str:

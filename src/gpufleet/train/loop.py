@@ -15,6 +15,8 @@ Example:
 from __future__ import annotations
 
 import logging
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +30,7 @@ from gpufleet.train.engine.result import FitResult
 from gpufleet.train.engine.run import Run
 from gpufleet.train.engine.step import OptimizerStep, abort, finish
 from gpufleet.train.recovery.growing import Regroup
+from gpufleet.train.recovery.receipts import restart_receipt
 from gpufleet.train.scheduling import SchedulerSteps
 
 log = logging.getLogger(__name__)
@@ -79,10 +82,19 @@ class Trainer:
         chose it), with model, optimizer, scheduler, scaler and RNG restored."""
         run = self.run
         at = Position(0, 0, 0)
+        began_t, start = time.time(), time.perf_counter()
         if run.resume_from is not None:
             at = run.checkpointer.load(run.resume_from)
             run.state.step = run.state.saved_step = at.step
+        seconds = time.perf_counter() - start
         run.data.start(at.epoch, at.consumed)
+        keeper = run.monitors.receipts
+        if keeper is not None and run.env.restart_count > 0 and run.env.is_main:
+            # The agent restarted the ranks: a receipt (written once the steps re-warm).
+            source = Path(run.resume_from) if run.resume_from is not None else None
+            keeper.settle(restart_receipt(
+                run, source, at.step, run.checkpointer.restored_world or run.env.world_size,
+                began_t, seconds), time.perf_counter())
 
     def _train(self) -> FitResult:
         run, state = self.run, self.run.state

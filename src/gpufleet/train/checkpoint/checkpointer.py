@@ -76,6 +76,8 @@ class Checkpointer:
         self._group = writers_group() if keeping.async_save and sharded else None
         self.async_save = keeping.async_save
         self._written: Path | None = None  # the newest checkpoint saved synchronously
+        #: the world size the state restored last was written at (None: not recorded)
+        self.restored_world: int | None = None
 
     def regroup(self) -> None:
         """The process group was made again (in-process recovery): a sharded run's
@@ -204,6 +206,7 @@ class Checkpointer:
             ) from e
         at = Position(state["step"], state["epoch"], 0)
         at.consumed = self._restore_position(source, state, at.epoch)
+        self.restored_world = state.get("world_size")
         if self.env.is_main:
             log.info("resumed from %s at step %d", source.removeprefix("checkpoint "),
                      at.step)

@@ -28,6 +28,7 @@ from gpufleet.train.checkpoint.keeping import EarlyStopping
 from gpufleet.train.engine.resilience import snapshots_of
 from gpufleet.train.engine.run import Monitors, Run
 from gpufleet.train.engine.view import RunLike
+from gpufleet.train.recovery.receipts import ReceiptKeeper
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,11 @@ def own_callbacks(run: RunLike) -> list[Callback]:
     # from _run_dir). How fast each node reaches the others, for the advisor.
     links = probe_node_links(env, mon.link_probe and mon.diagnose and mon.phases,
                              run.device)
+    monitors.links = links  # (the receipts judge state transfers against it)
+    recovers = cfg.fault.snapshot_every and cfg.fault.recover_in_process
+    if isinstance(run, Run) and (recovers or env.restart_count > 0):
+        monitors.receipts = ReceiptKeeper(run.view)  # one clock read a step
+        own.append(monitors.receipts)
     if not env.is_main:
         if cfg.fault.snapshot_every and isinstance(run, Run):
             # Rank 0's node lost (stores on etcd): this rank may go on as rank 0, and

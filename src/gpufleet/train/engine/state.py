@@ -5,8 +5,8 @@ hold alike (:class:`~gpufleet.train.engine.run.Run`,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gpufleet.fault.preempt import PreemptionWatch
@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from gpufleet.monitor.arrival import ArrivalTimer
     from gpufleet.monitor.phases import PhaseTimer
     from gpufleet.monitor.system import SystemSampler
+    from gpufleet.train.recovery.receipts import ReceiptKeeper
 
 
 @dataclass
@@ -52,3 +53,8 @@ class Monitors:
     system_sampler: SystemSampler | None = None
     advisor: Advisor | None = None
     snapshots: SnapshotCallback | None = None  # fault.snapshot_every's in-memory copies
+    #: step end times and the receipt of a recovery, join or restart waiting for its
+    #: re-warm (where the run can recover in process or was restarted)
+    receipts: ReceiptKeeper | None = None
+    #: the link probe's result at the start (gpufleet.monitor.links; {} without one)
+    links: dict[str, Any] = field(default_factory=dict)

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gpufleet.core.collectives import gather_objects
+from gpufleet.fault.receipt import Receipt
 from gpufleet.files import atomic_write_text
 from gpufleet.launch import job_store
 from gpufleet.launch.grow import (
@@ -43,6 +45,7 @@ from gpufleet.launch.grow import (
     store_client,
 )
 from gpufleet.train.checkpoint.checkpointer import Position
+from gpufleet.train.recovery.receipts import rank_facts, replayed, transfers_of
 from gpufleet.train.recovery.recovery import THREAD_WAIT_S, Recovery, RecoveryFailed, leave_groups
 from gpufleet.train.recovery.reshard import (
     as_pieces,
@@ -86,6 +89,8 @@ class Growing:
         self._grown: set[str] = set()  # growths this rank took part in
         self._lock = threading.Lock()  # _grown and ready, between the threads
         self._stop = threading.Event()
+        self._ready_at: float | None = None  # perf_counter when a growth's ranks were ready
+        self._facts: list[dict] = []  # every rank's part of the last join's receipt
         ranks_dir = os.environ.get(RANKS_DIR_ENV)
         # This node's agent keeps live ranks when a node joins, and the ranks agree on
         # steps at preemption checks (where they agree to take new ones in).
@@ -115,7 +120,13 @@ class Growing:
         :class:`Regroup`): leave the process group, form the new one with them, and go
         on from rank 0's state. Raises :class:`RecoveryFailed` when that fails (the rank
         then ends and the agent restarts the ranks from the newest checkpoint)."""
-        start, run = time.perf_counter(), self.run
+        start, run, began_t = time.perf_counter(), self.run, time.time()
+        keeper = run.monitors.receipts
+        median_step, _ = keeper.begin() if keeper is not None else (None, None)
+        ready_at, self._ready_at = self._ready_at, None
+        recovery = self.recovery
+        recovery.phases, recovery.received = {}, []
+        clock = recovery._clock()
         growth = self.ready or self._wait_for_order()
         old_world = run.env.world_size
         if growth.live != old_world:  # planned before a loss regrouped these ranks
@@ -126,17 +137,32 @@ class Growing:
             raise RecoveryFailed(f"the snapshot exchange still ran after {THREAD_WAIT_S:g} s")
         run.checkpointer.wait()
         leave_groups(run.device)
+        clock("leave")
         step = self._together(growth, run.env.rank)
+        went_on = time.perf_counter()
         log.warning("rank %d: %d new rank(s) joined at step %d, world %d -> %d, in %.2f s; "
                     "no restart, no checkpoint read", run.env.rank, growth.world - old_world,
-                    step, old_world, growth.world, time.perf_counter() - start,
+                    step, old_world, growth.world, went_on - start,
                     extra={"world_size": growth.world})
+        if keeper is not None and run.env.is_main:
+            facts = self._facts
+            samples, _ = replayed(run, step, began_t)
+            keeper.settle(Receipt(
+                "join", began_t, step, old_world, growth.world, list(growth.new_ranks),
+                "a node asking to join (its ranks ready; the time until the step the "
+                "live ranks agreed on)",
+                None if ready_at is None else start - ready_at, dict(recovery.phases),
+                went_on - start, transfers_of(facts, run.monitors.links),
+                median_step_s=median_step,
+                steps_repeated=max(f["steps"] for f in facts[:growth.live]) - step,
+                samples_replayed=samples), went_on)
 
     def join(self) -> None:
         """This new rank joins the live ones (before its first step): say it is ready,
         wait for them in the new process group, and take rank 0's state."""
         start, joining = time.perf_counter(), self.joining
         assert joining is not None
+        self.recovery.phases, self.recovery.received = {}, []
         store = store_client(joining.growth.store, self.timeout_s)
         store.set(f"{joining.growth.key}/ready/{joining.rank}", "1")
         step = self._together(joining.growth, joining.rank, store)
@@ -186,6 +212,7 @@ class Growing:
             with self._lock:  # not a growth the training thread finished meanwhile
                 if ready and growth.key not in self._grown:
                     self.ready = growth
+                    self._ready_at = time.perf_counter()
 
     def _read_order(self) -> Growth | None:
         try:
@@ -208,6 +235,8 @@ class Growing:
         """Every rank of ``growth``, old and new: one process group, the run rebuilt for
         it, rank 0's state restored. Returns the step it resumes after. COLLECTIVE."""
         run, recovery = self.run, self.recovery
+        clock = recovery._clock()
+        steps_done = run.state.step if rank < growth.live else 0
         store = store if store is not None else store_client(growth.store, self.timeout_s)
         with self._lock:
             self._grown.add(growth.key)
@@ -231,20 +260,28 @@ class Growing:
             world_size=growth.world, timeout=timedelta(seconds=meet_s))
         if meet_s != self.timeout_s and set_timeout is not None:
             set_timeout(timedelta(seconds=self.timeout_s))
+        clock("regroup")
         if recovery.reshards:
             sent = self._live_shards(mine, rank, growth.live)
+            clock("transfer")
             recovery.rebuild(rank, growth.world)
+            clock("regroup")
         else:
             data = None
             if rank == 0:
                 buffer = io.BytesIO()
                 torch.save(mine, buffer)
                 data = buffer.getvalue()
+            clock("transfer")
             recovery.rebuild(rank, growth.world)
-            sent = torch.load(io.BytesIO(broadcast_bytes(data, run.device)),
+            clock("regroup")
+            sent = torch.load(io.BytesIO(broadcast_bytes(data, run.device,
+                                                         received=recovery.received)),
                               weights_only=True, map_location="cpu")  # into the live tensors
+            clock("transfer")
         run.max_steps = sent["max_steps"]
         recovery.restore(sent["state"], "rank 0's live state")
+        clock("restore")
         if run.monitors.preemption is not None:
             run.monitors.preemption.regroup()  # COLLECTIVE where it has a group
         if run.monitors.snapshots is not None:
@@ -256,6 +293,9 @@ class Growing:
             run.monitors.watchdog.prefix = f"{growth.key}/watchdog"
             run.monitors.watchdog.rejoin(rank, growth.world, job_store(), 0)
         self.say_growable()
+        # COLLECTIVE: what each rank saw, for rank 0's receipt (one small gather).
+        self._facts = gather_objects(rank_facts(run, steps_done, recovery.received))
+        clock("regroup")
         return run.state.step
 
     def _live_shards(self, mine: Any, rank: int, live: int) -> Any:
@@ -271,5 +311,6 @@ class Growing:
             chosen = json.dumps([first[p] for p in sorted(first)]).encode()
         owners = json.loads(broadcast_bytes(chosen, self.run.device))
         held = {rank: as_pieces(mine)} if rank in owners else {}
-        states = share_states(held, {owner: owner for owner in owners}, self.run.device)
+        states = share_states(held, {owner: owner for owner in owners}, self.run.device,
+                              self.recovery.received)
         return assemble([states[owner] for owner in owners])

@@ -48,6 +48,7 @@ import gc
 import json
 import logging
 import os
+import re
 import time
 import traceback
 from datetime import timedelta
@@ -57,9 +58,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gpufleet.core.collectives import gather_objects
 from gpufleet.core.tree import map_tensors
 from gpufleet.data.sampler import ResumableDistributedSampler
 from gpufleet.fault.liveness import Verdict
+from gpufleet.fault.receipt import Receipt
 from gpufleet.fault.snapshot_ring import Held, newest_replicated, newest_sharded
 from gpufleet.launch import job_store
 from gpufleet.launch.rendezvous import parse_nnodes
@@ -67,6 +70,7 @@ from gpufleet.parallel.base import Strategy, why_not_in_process
 from gpufleet.parallel.data_parallel import replicate
 from gpufleet.train.recipe import place_scheduler
 from gpufleet.train.recovery.disconnect import cut_connections, cut_old_group
+from gpufleet.train.recovery.receipts import rank_facts, replayed, transfers_of
 from gpufleet.train.recovery.reshard import (
     rebuilt_from_sources,
     shard_position,
@@ -155,6 +159,12 @@ class Recovery:
             run.monitors.watchdog.on_peers_lost = self.peers_silent
         #: this rank's part when a node joins (a gpufleet.train.recovery.growing.Growing), or None
         self.growing: Any = None
+        #: seconds per receipt phase of the recovery under way (fault.receipt.PHASES)
+        self.phases: dict[str, float] = {}
+        #: the transfers this rank received in it: (sender, bytes, seconds)
+        self.received: list[tuple[int, int, float]] = []
+        # The watchdog's last verdict of silent ranks: (perf_counter, ranks, silent s).
+        self._silent: tuple[float, list[int], float] | None = None
 
     def peers_silent(self, verdict: Verdict) -> bool:
         """The watchdog's heartbeats found ranks that stopped answering (a node cut off:
@@ -169,6 +179,8 @@ class Recovery:
         addresses = {(beat or {}).get("addr") or "" for beat in verdict.silent.values()}
         if "" in addresses or ours in addresses:
             return False
+        ages = [float((beat or {}).get("age_s") or 0.0) for beat in verdict.silent.values()]
+        self._silent = (time.perf_counter(), sorted(verdict.silent), max(ages, default=0.0))
         log.warning("rank %d: rank(s) %s stopped answering; cutting the connections to "
                     "%s to go on without them", run.env.rank,
                     ", ".join(map(str, sorted(verdict.silent))), ", ".join(sorted(addresses)))
@@ -185,37 +197,69 @@ class Recovery:
     def recover(self, error: BaseException) -> bool:
         """Go on without the lost ranks, from the newest snapshot all the others hold;
         False (the caller raises ``error``) when this is not a lost peer or recovery
-        failed, with the reason in the log."""
+        failed, with the reason in the log. Rank 0 writes its receipt
+        (:mod:`gpufleet.fault.receipt`) once the steps after it run at full speed."""
         env = self.run.env
         if not is_peer_loss(error):
             return False
-        start = time.perf_counter()
+        start, began_t = time.perf_counter(), time.time()
+        keeper = self.run.monitors.receipts
+        median_step, last_end = keeper.begin() if keeper is not None else (None, None)
+        steps_done = self.run.state.step
+        detected_by, detection_s = self._detection(error, start, last_end)
         log.warning("rank %d: a collective failed (%s: %s); recovering in process from "
                     "the newest in-memory snapshot", env.rank, type(error).__name__,
                     str(error).splitlines()[0][:200])
         # The failed step's frames hold the old DDP wrapper and the batch: let them go.
         traceback.clear_frames(error.__traceback__)
+        self.phases, self.received = {}, []
         try:
             old_world, membership = env.world_size, self._regroup()
+            # COLLECTIVE: what each rank saw, for the receipt (one small gather).
+            facts = gather_objects(rank_facts(self.run, steps_done, self.received))
         except Exception as e:
             log.error("rank %d: in-process recovery failed (%s: %s); this process ends and "
                       "the elastic agent restarts the ranks from the newest checkpoint "
                       "(with --max-restarts)", env.rank, type(e).__name__, e)
             return False
+        went_on = time.perf_counter()
         lost = sorted(set(range(old_world)) - set(membership.ranks))
         log.warning("recovered in-process from the step-%d snapshot, world %d -> %d (rank%s "
                     "%s lost; this rank is now rank %d) in %.2f s; no checkpoint read",
                     membership.step, old_world, len(membership.ranks),
                     "s" if len(lost) > 1 else "", ", ".join(map(str, lost)),
-                    self.run.env.rank, time.perf_counter() - start,
+                    self.run.env.rank, went_on - start,
                     extra={"recovered_step": membership.step, "world_size": len(membership.ranks)})
+        if keeper is not None and self.run.env.is_main:
+            assert membership.step is not None
+            samples, _ = replayed(self.run, membership.step, began_t)
+            keeper.settle(Receipt(
+                "recovery", began_t, membership.step, old_world, len(membership.ranks),
+                lost, detected_by, detection_s, dict(self.phases), went_on - start,
+                transfers_of(facts, self.run.monitors.links), median_step_s=median_step,
+                steps_repeated=max(f["steps"] for f in facts) - membership.step,
+                samples_replayed=samples), went_on)
         return True
+
+    def _detection(self, error: BaseException, now: float, last_end: float | None
+                   ) -> tuple[str, float | None]:
+        """How the loss was detected and how long that took: the watchdog's verdict
+        (the silent ranks' time since their last heartbeat, and since the verdict), or
+        the failed collective (at most the time since this rank's last step ended)."""
+        silent, self._silent = self._silent, None
+        if silent is not None and now - silent[0] < self.timeout_s:
+            at, ranks, quiet_s = silent
+            return (f"the watchdog: rank(s) {', '.join(map(str, ranks))} stopped answering "
+                    f"(no heartbeat for {quiet_s:.1f} s)", quiet_s + now - at)
+        return (f"a failed collective ({type(error).__name__}: {_gist(str(error))})",
+                None if last_end is None else now - last_end)
 
     # -- the steps -------------------------------------------------------------------
     def _regroup(self) -> Membership:
         run = self.run
         snaps = run.monitors.snapshots
         assert snaps is not None, "recovery is built only with snapshots"
+        clock = self._clock()
         own = snaps.snapshotter.own_copy(THREAD_WAIT_S)
         if not snaps.snapshotter.wait(THREAD_WAIT_S):
             raise RecoveryFailed(f"the snapshot exchange still ran after {THREAD_WAIT_S:g} s")
@@ -227,7 +271,9 @@ class Recovery:
         leave_groups(run.device)
         held = snaps.snapshotter.held() if self.reshards else \
             ([] if own is None else [Held(run.env.rank, run.env.rank, own.step)])
+        clock("leave")
         membership = self._agree(held)
+        clock("agree")
         if membership.step is None:
             raise RecoveryFailed("the ranks left hold no in-memory snapshot of one step"
                                  + (" for every shard" if self.reshards else ""))
@@ -240,15 +286,20 @@ class Recovery:
         source = f"the step-{membership.step} in-memory snapshot"
         if self.reshards:  # every shard position's copy joined (old rank and mesh), then
             # the models built again over the new mesh
+            clock("regroup")
             state = whole_from_snapshots(membership.sources, membership.ranks,
                                          snaps.snapshotter, membership.step, run.env.rank,
-                                         run.strategy.dims, run.device)
+                                         run.strategy.dims, run.device, self.received)
+            clock("transfer")
             self.rebuild(new_rank, world)
+            clock("regroup")
             self.restore(state, source + "s of every shard")
         else:
             assert own is not None and own.step == membership.step
             self.rebuild(new_rank, world)
+            clock("regroup")
             self.restore(own.state(), source)
+        clock("restore")
         if run.monitors.preemption is not None:
             run.monitors.preemption.regroup()  # COLLECTIVE where it has a group
         snaps.rejoin(new_rank, world)  # COLLECTIVE: the snapshot ring's new group
@@ -256,7 +307,19 @@ class Recovery:
             run.monitors.watchdog.rejoin(new_rank, world, job_store(), self.generation)
         if self.growing is not None:  # this rank's new place, for a node that joins
             self.growing.say_growable()
+        clock("regroup")
         return membership
+
+    def _clock(self) -> Any:
+        """A function ``clock(phase)`` that adds the time since its last call (or since
+        this one) to ``self.phases[phase]``."""
+        last = [time.perf_counter()]
+
+        def clock(phase: str) -> None:
+            now = time.perf_counter()
+            self.phases[phase] = self.phases.get(phase, 0.0) + now - last[0]
+            last[0] = now
+        return clock
 
     @property
     def _keys(self) -> str:
@@ -346,6 +409,18 @@ class Recovery:
         result = run.result  # the steps after the snapshot are trained again
         result.losses = [(s, v) for s, v in result.losses if s <= at.step]
         result.eval_losses = [(s, v) for s, v in result.eval_losses if s <= at.step]
+
+
+def _gist(message: str) -> str:
+    """What a backend's error says about the lost peer, short: the first words of
+    :data:`_PEER_LOST` it holds and the peer's address (``[10.0.0.2]:8901``), else its
+    first line."""
+    words = next((w for w in _PEER_LOST[:5] if w in message), "")
+    if words:
+        found = re.search(r"\[([0-9A-Fa-f.:]+)\]:(\d+)", message)
+        tail = re.split(r"\.\s|\n|\s\[", message[message.index(words):])[0][:60]
+        return tail.rstrip(". :") + (f", {found.group(1)}:{found.group(2)}" if found else "")
+    return message.splitlines()[0][:120] if message else ""
 
 
 def leave_groups(device: torch.device) -> None:

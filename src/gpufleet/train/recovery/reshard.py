@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import io
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,10 +135,11 @@ def assemble(states: list[Any]) -> Any:
     return first
 
 
-def share_states(held: dict[int, Any], sources: dict[int, int], device: torch.device
-                 ) -> dict[int, Any]:
+def share_states(held: dict[int, Any], sources: dict[int, int], device: torch.device,
+                 received: list[tuple[int, int, float]] | None = None) -> dict[int, Any]:
     """Every rank's copy of the states in ``sources`` (``{owner: new rank holding it}``),
-    from those in ``held`` (``{owner: state}``, this rank's part). COLLECTIVE: one
+    from those in ``held`` (``{owner: state}``, this rank's part); each state this rank
+    receives is added to ``received`` as ``(sender, bytes, seconds)``. COLLECTIVE: one
     broadcast per owner, in owner order, over the new process group."""
     out: dict[int, Any] = {}
     me = dist.get_rank()
@@ -147,38 +149,48 @@ def share_states(held: dict[int, Any], sources: dict[int, int], device: torch.de
             buffer = io.BytesIO()
             torch.save(map_tensors(held[owner], torch.clone), buffer)
             data = buffer.getvalue()
-        got = broadcast_bytes(data, device, src=sources[owner])
+        got = broadcast_bytes(data, device, src=sources[owner], received=received)
         out[owner] = held[owner] if data is not None else \
             torch.load(io.BytesIO(got), weights_only=True, map_location="cpu")
     return out
 
 
 def whole_from_snapshots(sources: dict[int, int], ranks: tuple[int, ...], snapshotter: Any,
-                         step: int, me: int, dims: Any, device: torch.device) -> Any:
+                         step: int, me: int, dims: Any, device: torch.device,
+                         received: list[tuple[int, int, float]] | None = None) -> Any:
     """The whole training state at snapshot ``step``, joined from the shard positions'
     copies: ``sources`` names, per old rank whose copy is used, the old rank holding it
     (its own, or the lost partner's); ``ranks`` the old ranks in their new order; ``me``
-    this rank's old rank; ``dims`` the old mesh's. COLLECTIVE over the new group."""
+    this rank's old rank; ``dims`` the old mesh's; what this rank receives is added to
+    ``received`` (:func:`share_states`). COLLECTIVE over the new group."""
     ours = {copy.owner: copy for copy in (snapshotter.own, snapshotter.partner)
             if copy.step == step}
     held = {owner: ours[owner].state(pieces=True)
             for owner, holder in sources.items() if holder == me}
     where = {owner: ranks.index(holder) for owner, holder in sources.items()}
-    states = share_states(held, where, device)
+    states = share_states(held, where, device, received)
     return assemble([states[owner] for owner in
                      sorted(states, key=lambda r: shard_position(r, dims))])
 
 
-def broadcast_bytes(data: bytes | None, device: torch.device, src: int = 0) -> bytes:
+def broadcast_bytes(data: bytes | None, device: torch.device, src: int = 0,
+                    received: list[tuple[int, int, float]] | None = None) -> bytes:
     """Rank ``src``'s ``data`` on every rank (COLLECTIVE: its length, then its bytes; on
-    the device the backend needs)."""
+    the device the backend needs). A rank that receives them adds ``(src, bytes,
+    seconds)`` to ``received``: the time of the bytes' broadcast alone (the length's
+    broadcast before it is where the ranks meet)."""
     where = device if dist.get_backend() == "nccl" else torch.device("cpu")
     size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64,
                         device=where)
     dist.broadcast(size, src=src)
     buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(where)
               if data is not None else torch.empty(int(size), dtype=torch.uint8, device=where))
+    start = time.perf_counter()
     dist.broadcast(buffer, src=src)
+    if data is None and received is not None and int(size):
+        if where.type == "cuda":  # SYNC: the broadcast's end, for its time (rare: a recovery)
+            torch.cuda.synchronize(where)
+        received.append((src, int(size), time.perf_counter() - start))
     return data if data is not None else buffer.cpu().numpy().tobytes()
 
 
