@@ -12,10 +12,12 @@ from conftest import final_params
 from equivalence import assert_same_weights
 from gpufleet.errors import ConfigError
 from gpufleet.models.gpt import GPT, GPTConfig, lm_loss
+from gpufleet.parallel.dims import ParallelDims
 from gpufleet.parallel.parallelize import distribute
 from gpufleet.parallel.pipeline_split import (
     balanced_split,
     bubble_share,
+    keep_stage,
     plan_stages,
     sequential_units,
     stage_module,
@@ -71,6 +73,36 @@ def test_models_with_their_own_forward_are_refused_with_the_fix():
         sequential_units(nn.Linear(2, 2))
     with pytest.raises(ConfigError, match="at least 3 layers"):
         plan_stages(sequential_units(nn.Sequential(nn.Linear(2, 2), nn.ReLU())), 3, "")
+
+
+def _first_stage_of_the_gpt() -> tuple[list[list[str]], list[tuple[str, str]], bool,
+                                       list[str]]:
+    """Rank 0's stage of a GPT cut in two (a one-rank process group: the cut reads only
+    the rank): the layers of each stage, the ties, whether the loss hook was found, and
+    the stage's state-dict names."""
+    from gpufleet.launch import DistEnv, destroy_process_group, init_process_group
+
+    init_process_group(DistEnv.detect(), "gloo", timeout_s=60)
+    try:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16))
+        split = keep_stage(model, ParallelDims(pp=2), None, "", torch.device("cpu"))
+        return split.layers, split.tied, split.loss is not None, list(split.module.state_dict())
+    finally:
+        destroy_process_group()
+
+
+def test_a_model_with_its_own_stage_hooks_is_cut_by_them():
+    from gpufleet.launch import launch
+
+    layers, tied, has_loss, names = launch(_first_stage_of_the_gpt, nproc=1,
+                                           launcher="spawn")[0]
+    assert layers == [["embed", "blocks.0"], ["blocks.1", "head"]]  # pipeline_units, halved
+    assert tied == [("wte.weight", "lm_head.weight")]  # pipeline_ties
+    assert has_loss  # pipeline_loss
+    # pipeline_stage's module: the first stage's layers under the whole model's names
+    assert "wte.weight" in names and "blocks.0.attn.c_attn.weight" in names
+    assert not any(n.startswith(("blocks.1.", "lm_head", "ln_f")) for n in names)
 
 
 def test_bubble_share():

@@ -137,7 +137,7 @@ class StepTracker:
         # COLLECTIVE with sharding (in the engine's clip)
         norm = self.engine.clip(placed, clip_val, max_norm, norm_type,
                                 record=primary and self.interval is not None)
-        if norm is None:
+        if norm is None or max_norm is None:  # (the engine clips by norm with max_norm only)
             return None
         # The guard skips the step on every rank; fp16's loss scaler skips it and backs off.
         guarded = (primary and run.nonfinite is not None) or run.precision.scales_loss
@@ -252,9 +252,10 @@ class StepTracker:
 
     def _log(self) -> None:
         """The log interval's one all-reduce (COLLECTIVE + SYNC), then the callbacks."""
-        run = self.run
+        run, interval = self.run, self.interval
+        assert interval is not None, "steps end only after _begin() built the interval"
         run.phases.announce(Phase.LOG)
-        metrics = self.interval.close()
+        metrics = interval.close()
         run.result.losses.append((run.state.step, metrics["loss"]))
         run.callbacks.on_log(run.view, run.state.step, metrics)
 

@@ -93,14 +93,15 @@ class Strategy:
 
     name: ClassVar[str] = "base"
     #: True when every rank writes its own shard of a checkpoint (FSDP), False when
-    #: rank 0 writes the whole state.
-    saves_on_every_rank: ClassVar[bool] = False
+    #: rank 0 writes the whole state. A class default, which a strategy may set per
+    #: instance (a pipeline with dp or tp > 1), as it may :attr:`eval_in_lockstep`.
+    saves_on_every_rank: bool = False
     #: True when the strategy talks to other ranks, so a process group must exist.
     needs_process_group: ClassVar[bool] = False
     #: True when every evaluation forward is a collective (FSDP all-gathers the weights
     #: in it): every rank must then run the same number, and the loop repeats a batch,
     #: uncounted, on ranks whose share of the evaluation set is a batch shorter.
-    eval_in_lockstep: ClassVar[bool] = False
+    eval_in_lockstep: bool = False
     #: What the strategy asks of the run (processes, device, backend, mesh degrees);
     #: :func:`gpufleet.parallel.dims.plan_for` reads it.
     traits: ClassVar[StrategyTraits] = StrategyTraits()

@@ -47,7 +47,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -57,6 +57,9 @@ from gpufleet.errors import ConfigError, did_you_mean
 from gpufleet.parallel.base import Strategy
 from gpufleet.parallel.dims import ParallelDims, StrategyTraits
 from gpufleet.parallel.tensor import without_strided
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +130,9 @@ class FullyShardedDataParallel(Strategy):
 
     # -- the step --------------------------------------------------------------------
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        return _gradient_sync_off(model)
+        # fully_shard made the model an FSDPModule in place (it changes the module's
+        # class); the Strategy interface types it as any module.
+        return _gradient_sync_off(cast("FSDPModule", model))
 
     def forward_backward(self, model: nn.Module, batch: Any, loss_fn: Any, precision: Any,
                          loss_scale: float, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -270,7 +275,7 @@ def shard_beside_heads(param: nn.Parameter) -> Any:
 
 
 @contextlib.contextmanager
-def _gradient_sync_off(model: nn.Module) -> Iterator[None]:
+def _gradient_sync_off(model: FSDPModule) -> Iterator[None]:
     """Accumulate unsharded gradients locally; the reduce-scatter waits for the
     micro-step that runs outside this context."""
     model.set_requires_gradient_sync(False)

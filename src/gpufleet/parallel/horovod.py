@@ -150,7 +150,15 @@ class Horovod(Strategy):
     def reduces(self) -> bool:
         return self.hvd.size() > 1
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Any = None
+                   ) -> torch.Tensor:
+        """Reduce ``tensor`` in place over every Horovod rank; ``group`` must be None
+        (Horovod's allreduce knows no ``torch.distributed`` process group)."""
+        if group is not None:
+            raise ConfigError(
+                f"all_reduce(group={group!r}) under parallel.strategy = 'horovod': Horovod "
+                "reduces over every rank and takes no torch.distributed process group. "
+                "Leave group=None, or use --strategy ddp for reductions over a group.")
         if self.reduces():
             ops = {"sum": self.hvd.Sum, "max": self.hvd.Max, "min": self.hvd.Min}
             tensor.copy_(self.hvd.allreduce(tensor, op=ops[op]))  # COLLECTIVE

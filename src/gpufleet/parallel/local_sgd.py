@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpufleet.errors import ConfigError
 from gpufleet.launch import DistEnv
@@ -70,6 +71,7 @@ class LocalSGD(DistributedDataParallel):
             HierarchicalModelAverager,
         )
 
+        assert isinstance(model, DDP), "parallelize wraps local_sgd's model in DDP first"
         cfg, env = self.cfg, DistEnv.detect()
         self._state = _HookState(warmup_steps=cfg.local_sgd.warmup_steps)
         model.register_comm_hook(self._state, _local_after_warmup_hook)
@@ -137,11 +139,15 @@ class _HookState:
         self.step = 0
 
 
-def _local_after_warmup_hook(state, bucket):  # DDP checks the annotations: none here
+# DDP refuses a hook whose `bucket` or return annotation is not the exact object (as text
+# under `from __future__ import annotations` they never are): those two stay bare.
+def _local_after_warmup_hook(state: _HookState, bucket):
     """DDP communication hook: average the gradients like plain DDP during warm-up, and
     afterwards hand back this rank's own gradients without any communication."""
     if state.step < state.warmup_steps:
-        return default_hooks.allreduce_hook(None, bucket)  # COLLECTIVE (warm-up only)
+        # COLLECTIVE (warm-up only). torch annotates the group as a ProcessGroup; its body
+        # takes None as the default (WORLD) group.
+        return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut

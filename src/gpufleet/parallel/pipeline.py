@@ -130,6 +130,7 @@ class PipelineParallel(Strategy):
         """Sum over the two stages of each tie what this step's backward added to the
         tied parameter's gradient (COLLECTIVE over the pair: one all-reduce)."""
         for (param, group), old in zip(self._ties, before, strict=True):
+            assert param.grad is not None, "backward gave each tied parameter a gradient"
             grad = _local(param.grad)
             added = grad - old if old is not None else grad.clone()
             dist.all_reduce(added, group=group)
@@ -277,7 +278,7 @@ class PipelineParallel(Strategy):
                                                 if k != "params"}))
         part = _to_cpu((model.state_dict(), own_state, own_groups))
         full_model: dict[str, Any] = {}
-        full_state: dict[str, Any] = {}
+        full_state: dict[int, Any] = {}  # by the parameter's number in the whole model
         groups: list[dict[str, Any] | None] = [None] * len(self._layout)
         number = {name: i for i, name in enumerate(n for g in self._layout for n in g)}
         for model_part, state_part, group_part in gather_objects(part):  # COLLECTIVE
@@ -350,7 +351,8 @@ class _PipelineForward(nn.Module):
             src = s.global_rank(index)
             meta = broadcast_object((tuple(hidden.shape), hidden.dtype)
                                     if s.rank == index else None, src=src, group=s._group)
-            if s.rank != index:
+            if s.rank != index:  # (rank ``src`` sent its shape and dtype)
+                assert meta is not None
                 hidden = torch.empty(meta[0], dtype=meta[1], device=s.device)
             dist.broadcast(hidden, src=src, group=s._group)
         return s._head(hidden, target)
@@ -394,8 +396,9 @@ def _without_module_tracking() -> Iterator[None]:
     except ImportError:
         yield
         return
-    trackers = [mode.counter.mod_tracker for mode in _get_current_dispatch_mode_stack()
-                if hasattr(getattr(mode, "counter", None), "mod_tracker")]
+    # A FlopCounterMode's dispatch mode holds the counter (torch's private attribute).
+    counters = [getattr(mode, "counter", None) for mode in _get_current_dispatch_mode_stack()]
+    trackers = [c.mod_tracker for c in counters if c is not None and hasattr(c, "mod_tracker")]
     for tracker in trackers:
         tracker.__exit__()
     try:

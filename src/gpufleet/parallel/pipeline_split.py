@@ -23,9 +23,9 @@ Example:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,28 @@ class StageSplit:
     loss: Callable[[Any, Any], torch.Tensor] | None = None
 
 
+class StageHooks(Protocol):
+    """A model that cuts itself into stages (the built-in GPT does), in place of the
+    sequential cut: :func:`keep_stage` calls these hooks when it has ``pipeline_stage``."""
+
+    def pipeline_units(self) -> list[tuple[str, nn.Module]]:
+        """The layers the forward runs, in order, with their qualified names."""
+        ...
+
+    def pipeline_stage(self, units: list[str]) -> nn.Module:
+        """The stage holding the named units (of :meth:`pipeline_units`)."""
+        ...
+
+    def pipeline_ties(self) -> Iterable[tuple[str, str]]:
+        """Pairs of parameter names one weight takes on two stages."""
+        ...
+
+
+def _cuts_itself(model: nn.Module) -> TypeGuard[StageHooks]:
+    """Whether ``model`` has its own ``pipeline_stage`` hook (:class:`StageHooks`)."""
+    return callable(getattr(model, "pipeline_stage", None))
+
+
 def check_pipelinable(precision: Any) -> None:
     """Refuse what a pipeline schedule cannot run: torch without
     ``torch.distributed.pipelining``, or a loss-scaling precision (fp16-mixed)."""
@@ -97,15 +119,15 @@ def keep_stage(model: nn.Module, dims: ParallelDims, mesh: Any, split: str,
     else:
         group, index = None, dist.get_rank()
         pipelines = [list(range(dims.pp))]
-    own = callable(getattr(model, "pipeline_stage", None))
-    units = model.pipeline_units() if own else sequential_units(model)
+    own = model if _cuts_itself(model) else None  # the model's own hooks, or None
+    units = own.pipeline_units() if own is not None else sequential_units(model)
     starts = [*plan_stages(units, dims.pp, split), len(units)]
     first, stop = starts[index], starts[index + 1]
-    stage = (model.pipeline_stage([n for n, _ in units[first:stop]]) if own
+    stage = (own.pipeline_stage([n for n, _ in units[first:stop]]) if own is not None
              else stage_module(model, units, first, stop)).to(device)
     layers = [[n for n, _ in units[a:b]] for a, b in itertools.pairwise(starts)]
     return StageSplit(stage, index, dims.pp, group, pipelines, layers,
-                      list(model.pipeline_ties()) if own else [], stage_loss(model))
+                      list(own.pipeline_ties()) if own is not None else [], stage_loss(model))
 
 
 def stage_loss(model: nn.Module) -> Callable[[Any, Any], torch.Tensor] | None:

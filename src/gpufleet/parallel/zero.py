@@ -19,7 +19,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,9 @@ from gpufleet.config import ParallelConfig
 from gpufleet.parallel.base import OptimizerSpec, Strategy
 from gpufleet.parallel.ddp import DistributedDataParallel
 from gpufleet.parallel.dims import ParallelDims, StrategyTraits
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 
 class ZeroRedundancy(Strategy):
@@ -65,7 +68,7 @@ class ZeroRedundancy(Strategy):
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """COLLECTIVE: every rank must call it. Rank 0 gets the whole optimizer state
         (in ``torch.optim`` form); the other ranks get an empty one."""
-        optimizer.consolidate_state_dict(to=0)  # COLLECTIVE: each rank sends its part
+        _zero(optimizer).consolidate_state_dict(to=0)  # COLLECTIVE: each rank sends its part
         is_main = dist.get_rank() == 0
         return {"model": self.unwrap(model).state_dict(),
                 "optimizer": optimizer.state_dict() if is_main else {}}
@@ -75,10 +78,18 @@ class ZeroRedundancy(Strategy):
         """The model and this rank's part of the optimizer state (its local optimizer's,
         over the parameters this rank updates), with no collective."""
         return {"model": self.unwrap(model).state_dict(),
-                "optimizer": optimizer.optim.state_dict()}
+                "optimizer": _zero(optimizer).optim.state_dict()}
 
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                         state: dict[str, Any]) -> None:
         """Every rank loads the whole state; the optimizer keeps this rank's part."""
         self.unwrap(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+
+
+def _zero(optimizer: torch.optim.Optimizer) -> ZeroRedundancyOptimizer:
+    """The ``ZeroRedundancyOptimizer`` :meth:`ZeroRedundancy.setup_optimizer` built, which
+    the Strategy interface hands back typed as any optimizer. A cast, not an isinstance
+    check: ``torch.distributed.optim`` takes seconds to import, so only setup_optimizer
+    imports it."""
+    return cast("ZeroRedundancyOptimizer", optimizer)

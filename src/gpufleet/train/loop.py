@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch
 
 from gpufleet.core.phases import Phase
 from gpufleet.fault.crash import crash_reported
+from gpufleet.fault.preempt import PreemptionWatch, signal_name
 from gpufleet.train.checkpoint.checkpointer import Position
 from gpufleet.train.checkpoint.keeping import monitored
 from gpufleet.train.engine.interval import LogInterval
@@ -67,6 +69,7 @@ class Trainer:
                     try:
                         return self._train()
                     except Regroup:  # new ranks join after this step (the ranks agreed)
+                        assert growing is not None, "only a growing run raises Regroup"
                         growing.grow()
                     except Exception as error:  # peers lost: go on without them, or raise
                         if run.recovery is None or not run.recovery.recover(error):
@@ -129,7 +132,8 @@ class Trainer:
             run.monitors.phase_timer.restart()
         forward_backward = (self._forward_backward if len(run.parts) == 1
                             else self._forward_backward_parts)
-        self._model_step = run.strategy.forward_backward  # the model's part of a micro-step
+        # The model's part of a micro-step (_counted puts a counting one in its place).
+        self._model_step: Callable[..., torch.Tensor] = run.strategy.forward_backward
         # FLOPs are counted on the second step, not the first: counting slows a step by
         # tens of ms, which would delay the first step's answer (an error, a loss).
         count_after = state.step + 1
@@ -186,7 +190,8 @@ class Trainer:
         run = self.run
         announce, strategy, parts = run.phases.announce, run.strategy, run.parts
         _, precision, scale, mark = self._micro_args
-        accum = run.cfg.optim.grad_accum
+        accum, user_step = run.cfg.optim.grad_accum, run.user_step
+        assert user_step is not None, "a run of several models has your training step"
         step_loss: dict[str, torch.Tensor] = {}
         for micro in range(accum):
             announce(Phase.DATA)
@@ -195,11 +200,11 @@ class Trainer:
             # As with one model: every wrapped model syncs its gradients on the last
             # micro-step only (COLLECTIVE there, with ddp).
             if micro == accum - 1:
-                losses = forward_backward_parts(parts, batch, run.user_step, precision,
+                losses = forward_backward_parts(parts, batch, user_step, precision,
                                                 scale, mark)
             else:
                 with no_sync_all(strategy, parts):
-                    losses = forward_backward_parts(parts, batch, run.user_step,
+                    losses = forward_backward_parts(parts, batch, user_step,
                                                     precision, scale, mark)
             for name, loss in losses.items():
                 step_loss[name] = loss if name not in step_loss else step_loss[name] + loss
@@ -253,7 +258,7 @@ class Trainer:
             if watch.stop_requested:
                 self._stop_on_request()
             else:
-                self._stop_for_preemption()
+                self._stop_for_preemption(watch)
             return True
         if watch is not None and watch.grow_agreed:
             raise Regroup  # a node joins: the live ranks take its ranks in, then go on
@@ -277,12 +282,12 @@ class Trainer:
         if not run.cfg.checkpoint.save_final and run.state.saved_step != run.state.step:
             self.save_checkpoint()  # COLLECTIVE: a stopped run always ends with one
 
-    def _stop_for_preemption(self) -> None:
-        """Checkpoint the step just finished; the run then ends without evaluating."""
-        from gpufleet.fault.preempt import signal_name
-
+    def _stop_for_preemption(self, watch: PreemptionWatch) -> None:
+        """Checkpoint the step just finished; the run then ends without evaluating.
+        ``watch``: the preemption watch that agreed to stop for a signal."""
         run = self.run
-        run.result.preempted = signal_name(run.monitors.preemption.received)
+        assert watch.received is not None, "should_stop agreed on a stop signal"
+        run.result.preempted = signal_name(watch.received)
         if run.env.is_main:
             log.warning("%s received: stopping after step %d with a checkpoint",
                         run.result.preempted, run.state.step)

@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch import nn
@@ -60,6 +61,10 @@ log = logging.getLogger(__name__)
 
 
 _SAID_HOST_PATH = False  # once a process: a recovery starts the guard again
+
+# A step's record for the culprit: the norms a clip or each_norm measured, or on a CPU
+# each gradient's bare sum, one 0-dim tensor per gradient (see _flag_gradients).
+StepNumbers: TypeAlias = "EachNorm | Sequence[torch.Tensor]"
 
 
 def _say_host_path(optimizer: Any, precision: Any) -> None:
@@ -89,13 +94,13 @@ class _Interval:
 
     def __init__(self, device: torch.device, rows: int = 16) -> None:
         self.rows = 0
-        self.norms: list[EachNorm] = []
+        self.norms: list[StepNumbers] = []
         self.losses: list[torch.Tensor] = []
         self._buffer = torch.zeros(rows, device=device)
         self._flags = self._buffer.unbind()  # one view per row, made once
         self._capacity = rows
 
-    def next_flag(self, each: EachNorm, loss: torch.Tensor) -> torch.Tensor:
+    def next_flag(self, each: StepNumbers, loss: torch.Tensor) -> torch.Tensor:
         """The zeroed flag of the next step, whose norms and loss are these."""
         row = self.rows
         if row == self._capacity:  # a longer interval than so far: double
@@ -188,8 +193,9 @@ class NonFiniteGuard:
         stepped (your loop clipped, then ran backward again or dropped the batch): the
         next :meth:`inspect` looks at them anew, in place of the last one."""
         self._verdict = False
-        if self.on_device and self.inspects and self._interval.rows:
-            self._interval.drop_last()
+        interval = self._interval  # set by start() on the device path
+        if self.on_device and self.inspects and interval is not None and interval.rows:
+            interval.drop_last()
 
     def start(self, model: nn.Module, optimizer: Any, device: torch.device) -> None:
         """Choose the path for this run (the device path where ``optimizer`` takes the
@@ -236,8 +242,10 @@ class NonFiniteGuard:
                     measured = each_norm(self._params, step_loss.device)[0]
                 # The global norm, when the clip gave it, is not finite exactly when some
                 # gradient is not: one value to check instead of every norm.
-                checked = [grad_norm if grad_norm is not None else measured.values, step_loss]
-                self._flag_on_device(measured, checked, step_loss, optimizer)
+                if grad_norm is None:  # each_norm's values: one stacked device vector
+                    assert isinstance(measured.values, torch.Tensor)
+                    grad_norm = measured.values
+                self._flag_on_device(measured, [grad_norm, step_loss], step_loss, optimizer)
             return False
         verdict, self._verdict = self._verdict, False  # this step's, from inspect()
         if verdict is False:  # inspect() was not called: nothing was clipped since backward
@@ -278,6 +286,7 @@ class NonFiniteGuard:
         when an element is not, or past float32's range, which squares reach sooner."""
         params = self._params
         grads = [g for p in params if (g := p.grad) is not None]
+        each: StepNumbers
         if self._sharded or len(grads) < len(params):
             each = each_norm_unstacked(params, self._sharded)
             checked = [*each.values, step_loss]
@@ -290,18 +299,20 @@ class NonFiniteGuard:
             checked = [*each, step_loss]
         self._flag_on_device(each, checked, step_loss, optimizer)
 
-    def _flag_on_device(self, each: Any, checked: list[torch.Tensor],
+    def _flag_on_device(self, each: StepNumbers, checked: list[torch.Tensor],
                         step_loss: torch.Tensor, optimizer: Any) -> None:
         """Flag the step (1.0) where a value of ``checked`` (the loss and the gradients'
         numbers) is not finite, agreed over the ranks; the fused optimizer then changes
         nothing. ``each``: the step's record for the culprit. A few operations, no host
         read."""
-        found = self._interval.next_flag(each, step_loss)
+        interval, one = self._interval, self._one
+        assert interval is not None and one is not None, "start() sets the device path up"
+        found = interval.next_flag(each, step_loss)
         # One fused kernel sets ``found`` where a value is not finite (it also multiplies
         # them by one, in place: no change).
         if not self._direct or step_loss.dtype == torch.bfloat16:
             checked = norms_on(checked, found.device)
-        torch._amp_foreach_non_finite_check_and_unscale_(checked, found, self._one)
+        torch._amp_foreach_non_finite_check_and_unscale_(checked, found, one)
         if self._agree is not None:
             self._agree(found, "max")  # COLLECTIVE: every rank, every step; no SYNC
         optimizer.found_inf = found
@@ -310,7 +321,8 @@ class NonFiniteGuard:
         """The interval's agreed flags (1.0: the step was skipped), to fold into the
         log-interval all-reduce (None off the device path); every rank holds the same
         values."""
-        return self._interval.flags() if self.on_device else None
+        interval = self._interval  # set by start() on the device path
+        return interval.flags() if self.on_device and interval is not None else None
 
     def settle(self, flags: list[float], first_step: int, is_main: bool,
                loss_total: float) -> float:
@@ -318,10 +330,12 @@ class NonFiniteGuard:
         (:meth:`pending` as read on the host); report the first skip and stop the run
         after ``max_skips_in_row`` in a row. Returns ``loss_total`` (the loop's sum of
         every step's loss over the ranks) without the skipped steps' losses."""
+        interval = self._interval
+        assert interval is not None, "settle() takes what pending() gave on the device path"
         if not flags or max(flags) < 0.5:  # nothing skipped: the usual interval
             if flags:
                 self.in_row = 0
-            self._interval.clear(False)
+            interval.clear(False)
             return loss_total
         skipped = [v >= 0.5 for v in flags]
         run = longest = self.in_row  # a run of skips goes on across intervals
@@ -331,30 +345,31 @@ class NonFiniteGuard:
         count = sum(skipped)
         self.in_row = longest
         first = skipped.index(True)
-        losses = torch.stack(self._interval.losses).float().tolist()  # SYNC (skips only)
+        losses = torch.stack(interval.losses).float().tolist()  # SYNC (skips only)
         kept = math.fsum(v for v, bad in zip(losses, skipped) if not bad)
         mine = (*self._culprit(first, losses[first]), kept)
         seen = gather_objects(mine)  # COLLECTIVE: intervals with a skip only, all ranks
         loss_total = math.fsum(s[3] for s in seen)
-        self.records.append(record_of(seen, None))
+        self.records.append(record_of([s[:3] for s in seen], None))
         self.skipped += count
         self.interval_skipped += count
         self.report(first_step + first + 1, is_main,
                     f" ({count} in this log interval)" if count > 1 else "")
         self.in_row = run
-        self._interval.clear(True)
+        interval.clear(True)
         return loss_total
 
     def _culprit(self, row: int, loss: float) -> tuple[bool, str | None, int]:
         """This rank's view of step ``row`` of the interval: its loss was not finite,
         the first parameter whose gradient was not, how many were not."""
+        assert self._interval is not None, "only the device path keeps the norms"
         each = self._interval.norms[row]  # a gradient norm or sum: not finite where it is
         if not isinstance(each, EachNorm):  # every parameter's bare value (_flag_gradients)
             each = EachNorm(each, self._params, None)
         params = each.params if each.present is None else [each.params[i] for i in each.present]
         values = each.values
-        if isinstance(values, (list, tuple)):  # unstacked norms (the device path's every step)
-            values = torch.stack(values) if values else torch.zeros(0)
+        if not isinstance(values, torch.Tensor):  # unstacked: the device path's every step
+            values = torch.stack(list(values)) if values else torch.zeros(0)
         bad = [self._names.get(id(p), "?") for p, v in zip(params, values.tolist())
                if not math.isfinite(v)]
         return not math.isfinite(loss), bad[0] if bad else None, len(bad)
