@@ -40,7 +40,7 @@ Example:
     >>> clock = [{"rank": 0, "wall": 0.092, "eval": 0.0, "checkpoint": 0.0}]
     >>> row = rank_accounting(phases, arrival, clock)[0]
     >>> round(row["backward"], 3), round(row["exposed_comm"], 3), round(row["residual"], 3)
-    (0.03, 0.02, 0.0)
+    (0.03, 0.02, 0.001)
 """
 
 from __future__ import annotations
@@ -180,3 +180,30 @@ def describe(row: dict[str, Any], part: str) -> str:
 _LABELS = {"data": "data wait", "backward": "backward compute",
            "exposed_comm": "exposed communication", "late_ranks": "waiting for late ranks",
            "host": "host overhead", "eval_checkpoint": "checkpoint and evaluation"}
+
+
+def run_residual(train: Sequence[dict[str, Any]]) -> tuple[float, float] | None:
+    """How far a run's parts are from its measured steps: ``(mean, worst)``, each the
+    residual share with the largest magnitude over the ranks; ``mean`` over the
+    intervals after the first (which holds the start-up before the first step, no
+    step's time), ``worst`` the worst single one of them. None: no accounting recorded.
+
+    Args:
+        train: the run's ``metrics.jsonl`` train records, in order.
+
+    Example:
+        >>> recs = [{"step": s, "rank_accounting": [{"rank": 0, "step": 0.1,
+        ...          "residual": r, "residual_share": r / 0.1}]}
+        ...         for s, r in ((5, 0.05), (10, 0.001), (15, -0.003))]
+        >>> [round(v, 3) for v in run_residual(recs)]
+        [-0.01, -0.03]
+    """
+    with_acc = [r for r in train if r.get("rank_accounting")]
+    if not with_acc:
+        return None
+    steady = with_acc[1:] or with_acc
+    weights = [max(1, r["step"] - p["step"]) for p, r in zip(with_acc, steady)] \
+        if len(with_acc) > 1 else [1]
+    mean = worst_residual(mean_accounting([r["rank_accounting"] for r in steady], weights))
+    worst = max((worst_residual(r["rank_accounting"]) for r in steady), key=abs)
+    return mean, worst
