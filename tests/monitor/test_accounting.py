@@ -156,7 +156,7 @@ def test_the_report_draws_one_bar_per_rank_with_the_measured_step_and_residual(t
     html = render_report(tmp_path, train, [], [])
     assert "Where each rank" in html and "waiting for late ranks" in html
     assert html.count('class="measured"') == 2  # a tick per rank
-    assert "measured 15.7 ms, residual +0.2 ms (+1.3%)" in html
+    assert "measured 15.7 ms, residual +0.20 ms (+1.3%)" in html
     assert "Host overhead (Python between operators and launches) is not measured" in html
     bars = stacked_bars("t", [("a", {"x": 1.0})], ["x"], "ms", measured=[2.0],
                         notes=["n"])

@@ -321,7 +321,7 @@ def _accounting(train: list[dict]) -> list[str]:
         share = row.get("residual_share", 0.0)
         flag = "" if abs(share) <= TOLERANCE else " (over 5%)"
         notes.append(f"measured {row.get('step', 0.0) * 1000:.4g} ms, residual "
-                     f"{row.get('residual', 0.0) * 1000:+.3g} ms ({share:+.1%}){flag}")
+                     f"{row.get('residual', 0.0) * 1000:+.2f} ms ({share:+.1%}){flag}")
     out = [stacked_bars(f"Where each rank's step went (mean over {len(steady)} log "
                         "interval(s); the black tick is the measured step)", rows, names,
                         "ms", measured=measured, notes=notes)]
