@@ -45,6 +45,8 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import Dataset
 
+from gpufleet.monitor.accounting import TOLERANCE, run_residual
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -500,8 +502,20 @@ def _measure(scn: Scenario, args: list[str], env: dict[str, str], hogs: int,
                        launcher=launcher)
 
 
-def run_scenario(scn: Scenario, out: Path, repeats: int) -> dict[str, Any]:
-    """Diagnose the slow run, apply the fix, measure both; one table row."""
+def residual(run_dir: Path) -> tuple[float, float] | None:
+    """The step accounting's residual of a run: (mean, worst interval), each the worst
+    rank's share of its measured step (:func:`gpufleet.monitor.accounting.run_residual`)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return run_residual([r for r in records if r.get("kind") == "train"])
+
+
+def run_scenario(scn: Scenario, out: Path, repeats: int,
+                 fix_runs: bool = True) -> dict[str, Any]:
+    """Diagnose the slow run, apply the fix, measure both; one table row (``fix_runs``
+    False: the diagnosis and the accounting only)."""
     from gpufleet.monitor.tune import apply_changes, describe_changes, long_enough
 
     row: dict[str, Any] = {"scenario": scn.name, "expected": scn.expected or "(none)"}
@@ -518,6 +532,7 @@ def run_scenario(scn: Scenario, out: Path, repeats: int) -> dict[str, Any]:
     slow = [_measure(scn, given, {}, scn.hogs, out / "slow-0")]
     first = slow[0].findings[0] if slow[0].findings else None
     row["first"] = first.rule if first else "(none)"
+    row["residual"] = residual(out / "slow-0")
     if scn.expected is None:  # a clean run: right when nothing warns (an info may be
         warns = [f for f in slow[0].findings if f.severity == "warn"]  # true of the node)
         row["correct"] = not warns
@@ -526,7 +541,7 @@ def run_scenario(scn: Scenario, out: Path, repeats: int) -> dict[str, Any]:
     row["confident_wrong"] = _confident_wrong(first, row["correct"])
     if first is not None and first.confidence:
         row["first"] += f" ({first.confidence})"
-    if scn.expected is None:
+    if scn.expected is None or not fix_runs:
         return {**row, "fix": "-", "speedup": None, "note": _titles(slow[0])}
     if scn.cause_removed is not None:
         args, env, hogs = scn.cause_removed
@@ -618,6 +633,7 @@ def _slow_link(out: Path, repeats: int, mbit: float = 20.0) -> dict[str, Any]:
         findings = findings_for_run(out / "slow-0")
         first = findings[0] if findings else None
         row: dict[str, Any] = {"first": first.rule if first else "(none)",
+                               "residual": residual(out / "slow-0"),
                                "note": "; ".join(f.title for f in findings)}
         row["correct"] = row["first"] == "communication-bound"
         row["confident_wrong"] = _confident_wrong(first, row["correct"])
@@ -649,12 +665,13 @@ def _two_nodes_clean(out: Path) -> dict[str, Any]:
     with NetBed(2) as bed:
         run_two_nodes(bed, given, out / "clean", {**os.environ, **BASE_ENV})
     findings = findings_for_run(out / "clean")
+    shares = residual(out / "clean")
     first = findings[0] if findings else None
     correct = not any(f.severity == "warn" for f in findings)
     return {"first": (first.rule if first else "(none)") + (
                 f" ({first.confidence})" if first and first.confidence else ""),
             "correct": correct, "confident_wrong": _confident_wrong(first, correct),
-            "fix": "-", "speedup": None,
+            "fix": "-", "speedup": None, "residual": shares,
             "note": "; ".join(f.title for f in findings) or "-"}
 
 
@@ -669,17 +686,26 @@ def _titles(m: Any) -> str:
     return "; ".join(f.title for f in m.findings)
 
 
+def _residual_cell(r: dict[str, Any]) -> str:
+    shares = r.get("residual")
+    if not shares:
+        return "-"
+    mean, worst = shares
+    flag = " OVER 5%" if abs(worst) > TOLERANCE else ""
+    return f"{mean:+.1%} / {worst:+.1%}{flag}"
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     print("| scenario | expected | first finding | correct? | wrong but confident? | "
-          "fix applied | speed-up |")
-    print("|---|---|---|---|---|---|---|")
+          "fix applied | speed-up | accounting residual (mean / worst interval) |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         speed = f"{r['speedup']:.2f}x ({r['before']:.0f} -> {r['after']:.0f} samples/s)" \
             if r.get("speedup") else (r.get("note") or "-")
         correct = {True: "yes", False: "NO"}.get(r["correct"], r["correct"])
         wrong = {True: "YES", False: "no"}.get(r.get("confident_wrong", "-"), "-")
         print(f"| {r['scenario']} | {r['expected']} | {r['first']} | {correct} | {wrong} | "
-              f"{r['fix']} | {speed} |")
+              f"{r['fix']} | {speed} | {_residual_cell(r)} |")
     ran = [r for r in rows if r["correct"] in (True, False)]
     said = [r for r in ran if r["first"] != "(none)"]
     due = [r for r in ran if r["expected"] != "(none)"]
@@ -697,6 +723,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated scenario name parts")
     parser.add_argument("--json", default="", help="also write the rows here")
     parser.add_argument("--out", default="", help="folder for the runs (default: temp)")
+    parser.add_argument("--no-fix", action="store_true",
+                        help="diagnose and account only: no runs with the fix applied")
     args = parser.parse_args(argv)
     from gpufleet.core.machine import machine_summary
 
@@ -712,13 +740,21 @@ def main(argv: list[str] | None = None) -> int:
     for i, scn in enumerate(chosen):
         start = time.perf_counter()
         try:
-            rows.append(run_scenario(scn, out / f"s{i}", repeats))
+            rows.append(run_scenario(scn, out / f"s{i}", repeats, not args.no_fix))
         finally:
             remove_quota_group()  # empty once the throttled rank has ended
         print(f"  {scn.name}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
     print_table(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+    # The step accounting's check: every run's parts within 5% of its measured step.
+    over = [r["scenario"] for r in rows if r.get("residual")
+            and abs(r["residual"][1]) > TOLERANCE]
+    if over:
+        print(f"\naccounting check FAILED (residual over {TOLERANCE:.0%} of the step): "
+              + "; ".join(over))
+        return 1
+    print(f"\naccounting check passed: every residual within {TOLERANCE:.0%} of the step")
     return 0
 
 

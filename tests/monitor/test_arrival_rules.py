@@ -9,6 +9,8 @@ import pytest
 
 from gpufleet.monitor.diagnose import RunFacts, Summary, diagnose
 
+from .accounted import assert_accounted
+
 TOY = ["--model.loss", "torch.nn.functional:mse_loss", "--log.every", "5",
        "--optim.warmup_steps", "2", "--data.num_workers", "0", "--log.progress", "lines",
        "--run.eval_every", "0", "--data", "toyjob:make_data", "--nproc", "2",
@@ -151,6 +153,11 @@ def test_an_fsdp_backward_straggler_is_named_and_the_clean_steps_before_it_are_n
                    ("info", "low") for g in found), found
     assert f.title == "rank 1 is the straggler (backward)", f.message
     assert f.measurements["rank"] == 1 and f.confidence in ("high", "medium")
+    # fsdp's collectives split off forward and backward, the parts within 5% of the
+    # step clock; from step 21 rank 0 waits for rank 1 in them, rank 1 does not.
+    steady = assert_accounted(tmp_path / "runs" / "f", world=2)
+    late = steady[-1]
+    assert late[0]["late_ranks"] > late[1]["late_ranks"] + 0.01, late
 
 
 @pytest.mark.slow
@@ -168,6 +175,7 @@ def test_a_forward_or_backward_straggler_under_fsdp_and_hsdp(run_cli, tmp_path, 
     f = found["straggler"]
     assert f["title"] == f"rank 1 is the straggler ({where})", f["message"]
     assert "they wait for it in the collectives of forward and backward" in f["message"]
+    assert_accounted(tmp_path / "runs" / "s", world=2)
 
 
 @pytest.mark.slow
@@ -184,6 +192,7 @@ def test_a_slow_pipeline_stage_is_named_and_a_clean_pipeline_is_not(run_cli, tmp
         quiet = found.get(rule)
         assert quiet is None or (quiet["severity"], quiet["confidence"]) == \
             ("info", "low"), quiet["message"]
+    assert_accounted(tmp_path / "runs" / "p", world=2)
     if not delay:
         assert "slow-stage" not in found, found["slow-stage"]["message"]
         return

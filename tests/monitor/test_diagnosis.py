@@ -8,6 +8,8 @@ import pytest
 
 from gpufleet.monitor.diagnose import RunFacts, Summary, diagnose, findings_for_run
 
+from .accounted import assert_accounted
+
 TOY = ["--model", "toyjob:make_model", "--model.loss", "torch.nn.functional:mse_loss",
        "--log.every", "5", "--optim.warmup_steps", "2", "--data.num_workers", "0",
        "--log.progress", "lines", "--run.eval_every", "0"]
@@ -29,6 +31,11 @@ def test_a_slow_dataset_is_input_bound_with_a_num_workers_suggestion(run_cli, tm
     assert "raise data.num_workers from 0 to 2" in seen  # capped by this 2-core machine
     finding = _rules(tmp_path / "runs" / "slow")["input-bound"]
     assert finding["fix"].startswith("raise data.num_workers from 0 to")
+    # It cites the part of the step accounting it rests on.
+    assert "Step accounting: data wait" in finding["message"]
+    assert "ms measured step" in finding["message"]
+    cited = finding["measurements"]["accounting"]
+    assert cited["data"] > 0.5 * cited["step"] > 0
     assert "[warn] input-bound:" in proc.stdout  # the summary printed at the end
 
 
@@ -61,6 +68,12 @@ def test_a_rank_with_extra_work_after_forward_is_the_straggler_not_communication
     assert f["title"] == f"rank 1 is the straggler ({where})"
     assert f["measurements"]["rank"] == 1 and f["confidence"] in ("high", "medium")
     assert f["message"].startswith("rank 1 spends")
+    # The step accounting of both ranks: the parts add up to the step clock within 5%
+    # in every interval after the first (start-up), rank 0's wait for rank 1 is its own
+    # part, and the finding cites it.
+    assert_accounted(tmp_path / "runs" / "s", world=2)
+    assert f["measurements"]["accounting"]["rank"] == 0
+    assert "waiting for late ranks" in f["message"]
 
 
 def test_a_tiny_model_and_batch_is_host_bound(run_cli, tmp_path):

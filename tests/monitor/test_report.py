@@ -19,6 +19,8 @@ from gpufleet.monitor.diagnose import Finding
 from gpufleet.monitor.report import ReportError, write_report
 from gpufleet.monitor.report_cli import write_at_end
 
+from .accounted import assert_accounted
+
 FINDING = Finding(rule="input-bound", severity="warn", title="input-bound on rank 0",
                   message="rank 0 waits 41% of each step for data.",
                   fix="raise data.num_workers from 0 to 2.", step=20)
@@ -68,9 +70,12 @@ def test_report_is_self_contained_and_shows_everything(run_dir):
                   "Throughput (all ranks)", "Data-wait share", "Step time per rank",
                   "Rank 0 phases over the run",
                   "node-a: GPU utilisation", "node-b: GPU memory used (of 79.6 GB)",
-                  "Host CPU (share of all cores)"):
+                  "Host CPU (share of all cores)", "Where each rank"):
         assert f'aria-label="{title}' in html, title
-    assert html.count("<svg") == 13
+    assert html.count("<svg") == 14
+    # Evaluation every 20 steps is a part of the accounting, within 5% of the clock.
+    steady = assert_accounted(run_dir, world=1)
+    assert sum(rows[0]["eval_checkpoint"] > 0 for rows in steady) >= 2
     # A CPU run has no MFU (no known peak): no empty MFU line, no MFU in a title.
     assert "MFU" not in html
     assert "input-bound on rank 0" in html and "raise data.num_workers from 0 to 2." in html
@@ -289,5 +294,5 @@ def test_chart_labels_do_not_overlap_in_chromium(run_dir, tmp_path):
     found = re.search(r'<pre id="overlaps">(.*?)</pre>', proc.stdout, re.S)
     assert found, proc.stderr[-2000:]
     result = json.loads(found.group(1).replace("&quot;", '"'))
-    assert result["charts"] == 13
+    assert result["charts"] == 14
     assert result["overlaps"] == []

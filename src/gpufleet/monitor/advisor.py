@@ -19,6 +19,7 @@ import torch
 
 from gpufleet.core.callbacks import Callback
 from gpufleet.core.machine import cores_per_rank, usable_cores
+from gpufleet.monitor.accounting import mean_accounting
 from gpufleet.monitor.arrival import ARRIVAL
 from gpufleet.monitor.diagnose import (
     DIAGNOSIS_FILE,
@@ -65,6 +66,8 @@ class Advisor(Callback):
         self.steps = 0
         self._sums: dict[int, list[float]] = {}
         self._arrival: dict[int, list[float]] = {}  # per rank: ARRIVAL sums x steps
+        self._accounting: list[dict[str, Any]] = []  # per rank: the running mean
+        self._accounting_steps = 0
         self._step_s = 0.0
         self._flop_s = 0.0  # sum of tflops x steps
         self._mem_peak = 0.0
@@ -98,6 +101,12 @@ class Advisor(Callback):
             sums = self._arrival.setdefault(row["rank"], [0.0] * len(ARRIVAL))
             for i, name in enumerate(ARRIVAL):
                 sums[i] += row[name] * steps
+        if metrics.get("rank_accounting"):
+            self._accounting = mean_accounting(
+                [self._accounting, metrics["rank_accounting"]],
+                [self._accounting_steps, steps]) if self._accounting \
+                else [dict(row) for row in metrics["rank_accounting"]]
+            self._accounting_steps += steps
         if "tflops" in metrics:
             self._flop_s += metrics["tflops"] * steps
         self._mem_peak = max(self._mem_peak, metrics.get("mem_peak_gb", 0.0))
@@ -120,7 +129,7 @@ class Advisor(Callback):
         arrival = [{"rank": r, **{name: v / n for name, v in zip(ARRIVAL, sums)}}
                    for r, sums in sorted(self._arrival.items())]
         return Summary(steps=n, step_s=self._step_s / n, rank_phases=rows,
-                       rank_arrival=arrival,
+                       rank_arrival=arrival, rank_accounting=list(self._accounting),
                        tflops=self._flop_s / n or None, mem_peak_gb=self._mem_peak or None,
                        train_s=self._step_s, outside=dict(self._outside),
                        log_callbacks=dict(self._log_callbacks))
@@ -161,6 +170,8 @@ class Advisor(Callback):
         tmp.write_text(json.dumps({
             "findings": [f.to_dict() for f in self.findings],
             "steps_measured": summary.steps if summary else 0,
+            # every rank's parts of its step and the residual (seconds per step)
+            "accounting": summary.rank_accounting if summary else [],
             "facts": vars(self.facts)}, indent=1))
         os.replace(tmp, path)
 

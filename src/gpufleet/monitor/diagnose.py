@@ -12,6 +12,7 @@ import math
 from statistics import median
 from typing import Any
 
+from gpufleet.monitor.accounting import describe
 from gpufleet.monitor.arrival_rules import communication_bound, measured_waits, straggler
 from gpufleet.monitor.findings import (
     DIAGNOSIS_FILE,
@@ -41,7 +42,38 @@ def diagnose(s: Summary, facts: RunFacts, system: dict[str, Any] | None = None,
         # explains: not the link's.
         found = [f for f in found if f.rule != "communication-bound"]
     found.sort(key=lambda f: f.severity != "warn")
-    return found
+    return [cite_accounting(f, s.rank_accounting) for f in found]
+
+
+# The parts of the step accounting each rule rests on (gpufleet.monitor.accounting):
+# a finding about them says how much of the measured step each part took.
+RESTS_ON = {"input-bound": ("data",), "straggler": ("late_ranks",),
+            "slow-stage": ("late_ranks",), "communication-bound": ("exposed_comm",),
+            "host-bound": ("forward", "backward", "optimizer"),
+            "time-outside-steps": ("eval_checkpoint",), "slow-logging": ("other",)}
+
+
+def cite_accounting(f: Finding, accounting: list[dict[str, Any]]) -> Finding:
+    """``f`` with the accounting's parts it rests on (:data:`RESTS_ON`) cited: in its
+    message, and in ``measurements["accounting"]`` (seconds per step, the rank's
+    measured step and residual). The rank read is the finding's own (its ``rank``
+    measurement), else the one where the first part is largest: for a straggler, the
+    rank that waits longest for it."""
+    parts = RESTS_ON.get(f.rule)
+    if not parts or not accounting or f.measurements.get("accounting"):
+        return f
+    own = f.measurements.get("rank") if f.rule not in ("straggler", "slow-stage") else None
+    rows = [r for r in accounting if r.get("rank") == own] or \
+        [max(accounting, key=lambda r: r.get(parts[0]) or 0.0)]
+    row = rows[0]
+    cited = {p: row.get(p) or 0.0 for p in parts}
+    where = f" on rank {row['rank']}" if len(accounting) > 1 else ""
+    text = "; ".join(describe(row, p) for p in parts)
+    message = (f"{f.message} Step accounting{where}: {text} (residual "
+               f"{row.get('residual_share', 0.0):+.1%}).")
+    return dataclasses.replace(f, message=message, measurements={**f.measurements, "accounting": {
+        **cited, "rank": row["rank"], "step": row.get("step", 0.0),
+        "residual": row.get("residual", 0.0)}})
 
 
 def _input_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:

@@ -152,3 +152,6 @@ class Summary:
     # gradient collectives), wait_fwd (s waiting in forward: fsdp, pipeline), chunks
     # (a pipeline stage's micro-batches), stage (its number; -1: not a pipeline)
     rank_arrival: list[dict[str, float]] = field(default_factory=list)
+    # per rank (gpufleet.monitor.accounting): the parts of its step, the measured step
+    # (the log interval's clock) and the residual, seconds per step
+    rank_accounting: list[dict[str, Any]] = field(default_factory=list)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpufleet.monitor.accounting import CLOCK
 from gpufleet.monitor.arrival import ARRIVAL
 from gpufleet.monitor.phases import PHASES
 
@@ -47,6 +48,18 @@ def arrival_metrics(table: list[float], world: int) -> list[dict[str, Any]]:
     """
     n = len(ARRIVAL)
     return [{"rank": r, **dict(zip(ARRIVAL, table[r * n:(r + 1) * n]))} for r in range(world)]
+
+
+def clock_metrics(table: list[float], world: int) -> list[dict[str, Any]]:
+    """Every rank's step clock for the accounting (a flat ``[world, CLOCK]`` table,
+    mean seconds per step: wall time, evaluation, checkpoints).
+
+    Example:
+        >>> clock_metrics([0.1, 0.0, 0.02, 0.11, 0.0, 0.02], 2)[1]["wall"]
+        0.11
+    """
+    n = len(CLOCK)
+    return [{"rank": r, **dict(zip(CLOCK, table[r * n:(r + 1) * n]))} for r in range(world)]
 
 
 def flops_metrics(flops_per_step: float, step_time_s: float,

@@ -53,6 +53,7 @@ class PhaseTimer(Callback):
         #: host seconds and counts of what ran between steps: "eval", "checkpoint"
         self.outside: dict[str, list[float]] = {}
         self._outside_kind: str | None = None
+        self._outside_taken: dict[str, float] = {}  # outside's seconds at the last take
 
     def on_phase(self, trainer: Any, phase: Phase) -> None:
         """A direct call (the loop hands over marks instead): ``phase`` begins now."""
@@ -93,6 +94,13 @@ class PhaseTimer(Callback):
         self._host = [0.0] * len(PHASES)
         self._steps = 0
         return host, steps
+
+    def take_outside(self) -> dict[str, float]:
+        """Host seconds of each kind of :attr:`outside` (eval, checkpoint) since the
+        last call, for the step accounting (:mod:`gpufleet.monitor.accounting`)."""
+        now = {kind: kept[0] for kind, kept in self.outside.items()}
+        taken, self._outside_taken = self._outside_taken, now
+        return {kind: seconds - taken.get(kind, 0.0) for kind, seconds in now.items()}
 
     def device_times(self) -> list[float] | None:
         """Mean CUDA-stream seconds of each phase per sampled step, over the steps

@@ -3,7 +3,9 @@
 Built from what the run directory holds, whatever subset of it exists:
 
 * ``metrics.jsonl``: loss and eval curves, throughput, data-wait share and MFU, the
-  step-time breakdown per rank (``rank_phases``, else rank 0's ``phases``);
+  step accounting per rank (``rank_accounting``: a stacked bar each, with the
+  measured step and the residual), the step-time breakdown per rank (``rank_phases``,
+  else rank 0's ``phases``);
 * ``system.jsonl`` (:mod:`gpufleet.monitor.system`): per-GPU utilisation and memory
   timelines for every host, host CPU and memory;
 * ``diagnosis.json`` (:func:`~gpufleet.monitor.diagnose.findings_for_run`): the findings;
@@ -29,6 +31,7 @@ from statistics import median
 from typing import Any
 
 from gpufleet.errors import GpufleetError
+from gpufleet.monitor.accounting import PARTS, TOLERANCE, mean_accounting
 from gpufleet.monitor.diagnose import Finding, findings_for_run
 from gpufleet.monitor.report_receipts import CSS as RECEIPTS_CSS
 from gpufleet.monitor.report_receipts import receipts_section
@@ -126,6 +129,7 @@ def render_report(run_dir: Path, metrics: list[dict[str, Any]], system: list[dic
             "<h2>Diagnosis</h2>", _diagnosis(findings),
             "<h2>Training</h2>", *_training(train, evals),
             *receipts_section(run_dir),
+            "<h2>Step accounting</h2>", *_accounting(train),
             "<h2>Step time by phase</h2>", *_phases(train),
             "<h2>GPUs</h2>", *_gpus(system),
             "<h2>Host</h2>", *_host(system), _config(run_dir)]
@@ -289,6 +293,50 @@ def _phases(train: list[dict]) -> list[str]:
         out.append(line_chart("Rank 0 phases over the run", [
             Series(p, [(r["step"], r["phases"].get(p, 0.0) * 1000) for r in with_phases])
             for p in PHASES], "optimizer step", "ms per step"))
+    return out
+
+
+# The accounting's parts as the report's legend names them (host overhead is not
+# measured: it stays inside its phase, and is left out of the bars).
+_PART_NAMES = {"data": "data wait", "forward": "forward", "backward": "backward compute",
+               "exposed_comm": "exposed communication", "late_ranks": "waiting for late ranks",
+               "optimizer": "optimizer", "eval_checkpoint": "checkpoint and evaluation",
+               "other": "other"}
+
+
+def _accounting(train: list[dict]) -> list[str]:
+    """One stacked bar per rank: the parts of its step (mean over the intervals after
+    the first), the step clock as a tick across it, and the residual beside it."""
+    with_acc = [r for r in train if r.get("rank_accounting")]
+    if not with_acc:
+        return [_note("No step accounting in metrics.jsonl (monitor.phases = false, or a "
+                      "run from before it was recorded).")]
+    steady = with_acc[1:] or with_acc
+    # Each interval weighs as many steps as it holds.
+    steps = [max(1, r["step"] - p["step"]) for p, r in zip(with_acc, steady)] \
+        if len(with_acc) > 1 else [1]
+    mean = mean_accounting([r["rank_accounting"] for r in steady], steps)
+    names = [_PART_NAMES[p] for p in PARTS if p in _PART_NAMES]
+    rows, measured, notes = [], [], []
+    for row in mean:
+        rows.append((f"rank {row['rank']}", {_PART_NAMES[p]: (row.get(p) or 0.0) * 1000
+                                             for p in _PART_NAMES}))
+        measured.append(row.get("step", 0.0) * 1000)
+        share = row.get("residual_share", 0.0)
+        flag = "" if abs(share) <= TOLERANCE else " (over 5%)"
+        notes.append(f"measured {row.get('step', 0.0) * 1000:.4g} ms, residual "
+                     f"{row.get('residual', 0.0) * 1000:+.2f} ms ({share:+.1%}){flag}")
+    out = [stacked_bars(f"Where each rank's step went (mean over {len(steady)} log "
+                        "interval(s); the black tick is the measured step)", rows, names,
+                        "ms", measured=measured, notes=notes)]
+    unmeasured = [f"rank {r['rank']}" for r in mean if not r.get("comm_measured", True)]
+    text = ("Host overhead (Python between operators and launches) is not measured: it "
+            "stays inside the phase it ran in.")
+    if unmeasured:
+        text += (f" The collectives' time of {', '.join(unmeasured)} was not measured "
+                 "apart (a communication hook of your own, or one process): it stays "
+                 "inside forward and backward.")
+    out.append(_note(text))
     return out
 
 

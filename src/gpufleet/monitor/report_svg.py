@@ -137,7 +137,8 @@ def line_chart(title: str, series: Sequence[Series], x_label: str, y_label: str,
 
 
 def stacked_bars(title: str, rows: Sequence[tuple[str, dict[str, float]]],
-                 parts: Sequence[str], unit: str) -> str:
+                 parts: Sequence[str], unit: str, measured: Sequence[float] = (),
+                 notes: Sequence[str] = ()) -> str:
     """Horizontal bars, one per row, each split into ``parts`` (in that order).
 
     Args:
@@ -145,12 +146,16 @@ def stacked_bars(title: str, rows: Sequence[tuple[str, dict[str, float]]],
         rows: (label, {part: value}); a missing part counts as 0.
         parts: the segment names, in drawing order (they get the palette's colours).
         unit: the values' unit, for the axis and the tooltips (e.g. "ms").
+        measured: per row, a value measured apart from the parts (the step clock),
+            drawn as a black tick across the bar.
+        notes: per row, the text after the bar (default: the parts' total).
     """
     bar_h, gap = 22, 8
     height = TOP + BOTTOM + len(rows) * (bar_h + gap)
     totals = [sum(v.get(p, 0.0) for p in parts) for _, v in rows]
-    xt = nice_ticks(0.0, max(totals) if totals and max(totals) > 0 else 1.0, 8)
-    pw = WIDTH - LEFT - RIGHT - 40
+    longest = max([*totals, *measured], default=0.0)
+    xt = nice_ticks(0.0, longest if longest > 0 else 1.0, 8)
+    pw = WIDTH - LEFT - RIGHT - 40 - (260 if notes else 0)
 
     def sx(x: float) -> float:
         return LEFT + 40 + x / xt[-1] * pw
@@ -177,8 +182,16 @@ def stacked_bars(title: str, rows: Sequence[tuple[str, dict[str, float]]],
                        f'{escape(label)} {escape(part)}: {_fmt(v)} {escape(unit)} '
                        f'({share:.0%})</title></rect>')
             x += v
-        out.append(f'<text class="tick" x="{sx(total) + 4:.1f}" y="{y + bar_h / 2 + 4}">'
-                   f'{_fmt(total)}</text>')
+        end = total
+        if i < len(measured):
+            end = max(total, measured[i])
+            out.append(f'<line class="measured" x1="{sx(measured[i]):.1f}" '
+                       f'x2="{sx(measured[i]):.1f}" y1="{y - 3}" y2="{y + bar_h + 3}" '
+                       f'stroke="#000" stroke-width="2"><title>{escape(label)} measured: '
+                       f'{_fmt(measured[i])} {escape(unit)}</title></line>')
+        note = notes[i] if i < len(notes) else _fmt(total)
+        out.append(f'<text class="tick" x="{sx(end) + 6:.1f}" y="{y + bar_h / 2 + 4}">'
+                   f'{escape(note)}</text>')
     out.append("</svg>")
     out.append(_legend(list(parts)))
     return "\n".join(out)

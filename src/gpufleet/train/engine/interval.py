@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
-from gpufleet.monitor.metrics import arrival_metrics, flops_metrics, phase_metrics
+from gpufleet.monitor.accounting import rank_accounting
+from gpufleet.monitor.arrival import ARRIVAL
+from gpufleet.monitor.metrics import arrival_metrics, clock_metrics, flops_metrics, phase_metrics
 from gpufleet.monitor.phases import PHASES
 from gpufleet.train.engine.view import RunLike
 
@@ -36,6 +38,9 @@ class LogInterval:
         self.grad_norm = torch.zeros((), device=run.device)  # the last step's, on device
         self.first_step = run.state.step  # the step done when the interval began
         self.start = time.perf_counter()
+        # The step clock of the accounting: from one close to the next, evaluation and
+        # checkpoints included (restart_clock leaves it alone).
+        self.opened = self.start
 
     def add(self, loss: torch.Tensor, micro_steps: int) -> None:
         """An optimizer step's summed loss over its ``micro_steps`` micro-batches (one
@@ -51,7 +56,8 @@ class LogInterval:
         """End the interval: reduce across ranks (COLLECTIVE + SYNC), add to the run's
         totals, start the next interval, and return the metrics of the log line."""
         run, state = self.run, self.run.state
-        seconds = time.perf_counter() - self.start
+        now = time.perf_counter()
+        seconds, wall, self.opened = now - self.start, now - self.opened, now
         world, guard, timer = run.env.world_size, run.nonfinite, run.monitors.phase_timer
         samples, tokens = run.data.take_counts()
         # On the device: the loss sum, the last gradient norm, the guard's flags and your
@@ -76,8 +82,13 @@ class LogInterval:
         # Every rank fills its own row of a [world, phases] table (and of the all-reduce
         # arrival table); the sum hands every rank the whole table (the straggler view).
         arrival = run.monitors.arrival
+        clock = None  # the step accounting's clock row (with the phase times)
+        if timer is not None:
+            steps, outside = max(1, state.step - self.first_step), timer.take_outside()
+            clock = [wall / steps, outside.get("eval", 0.0) / steps,
+                     outside.get("checkpoint", 0.0) / steps]
         for row in (timer.take()[0] if timer is not None else None,
-                    arrival.take() if arrival is not None else None):
+                    arrival.take() if arrival is not None else None, clock):
             if row is not None:
                 table = [0.0] * (world * len(row))
                 table[run.env.rank * len(row):(run.env.rank + 1) * len(row)] = row
@@ -133,6 +144,11 @@ class LogInterval:
             rest = rest[world * len(PHASES):]
         if arrival is not None:
             metrics["rank_arrival"] = arrival_metrics(rest, world)
+            rest = rest[world * len(ARRIVAL):]
+        if timer is not None:  # every part of every rank's step, and the residual
+            metrics["rank_accounting"] = rank_accounting(
+                metrics["rank_phases"], metrics.get("rank_arrival"),
+                clock_metrics(rest, world))
         if run.device.type == "cuda":  # the allocator's own counter: no sync
             metrics["mem_peak_gb"] = torch.cuda.max_memory_reserved(run.device) / 2**30
         if state.flops_per_step and seconds > 0:
