@@ -16,13 +16,28 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
 
 from gpufleet.cli import main
 from gpufleet.errors import LaunchError
 from gpufleet.fault.snapshot_ring import Held
 from gpufleet.launch import DistEnv
-from gpufleet.launch.etcd_cluster import ENDPOINTS_ENV, endpoints, member_command, parse_cluster
-from gpufleet.launch.etcd_store import EtcdKV, client, parse_endpoints, ranks_store
+from gpufleet.launch.elastic_setup import fresh_store_per_restart
+from gpufleet.launch.etcd_cluster import (
+    BACKEND,
+    ENDPOINTS_ENV,
+    TORCH_BACKEND,
+    endpoints,
+    member_command,
+    parse_cluster,
+)
+from gpufleet.launch.etcd_store import (
+    EtcdKV,
+    client,
+    parse_endpoints,
+    ranks_store,
+    register_rendezvous,
+)
 from gpufleet.train.recovery.disconnect import store_endpoint
 from gpufleet.train.recovery.recovery import Membership, Recovery, RecoveryFailed
 
@@ -267,3 +282,41 @@ def test_the_ranks_left_agree_without_rank_0(cluster, monkeypatch):
         t.join(30)
     assert told == {1: Membership((1, 2), 6, {1: 1, 2: 2}),
                     2: Membership((1, 2), 6, {1: 1, 2: 2})}
+
+
+def test_a_node_whose_first_round_is_a_later_one_gets_that_round_s_master(cluster):
+    """nnodes 1:2: node a completes round 0 alone, node b comes after (a slow start, or
+    a node started again). In round 1 both agents get the round's master address, the
+    ranks' store's keys: torch's agent keeps a shared store's first address and writes
+    it only in the round it made it, so b would wait for it for the store's timeout."""
+    register_rendezvous()
+    run_id = f"late{time.time_ns()}"
+
+    def handler():
+        return rendezvous_handler_registry.create_handler(RendezvousParameters(
+            TORCH_BACKEND, cluster.endpoint, run_id, 1, 2, local_addr="127.0.0.1",
+            last_call_timeout=1, join_timeout=60, keep_alive_interval=1))
+    late: dict[str, object] = {}
+    with fresh_store_per_restart(BACKEND):  # as the launcher runs the agent
+        a, b = handler(), None
+        try:
+            first = a.next_rendezvous()
+            assert first.world_size == 1
+            b = handler()
+            thread = threading.Thread(target=lambda: late.update(info=b.next_rendezvous()),
+                                      daemon=True)  # (not joined on a failure)
+            thread.start()
+            deadline = time.monotonic() + 30
+            while a.num_nodes_waiting() == 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            second = a.next_rendezvous()  # as a's agent does when a node waits
+            thread.join(20)
+            assert "info" in late, "node b still waits for its round's master address"
+            ours, theirs = second.bootstrap_store_info, late["info"].bootstrap_store_info
+            assert (second.world_size, late["info"].world_size) == (2, 2)
+            assert (ours.master_addr, ours.master_port) == \
+                (theirs.master_addr, theirs.master_port)
+        finally:
+            for h in (a, b):
+                if h is not None:
+                    h.shutdown()
