@@ -56,17 +56,18 @@ def kill_past(netbed, run, nodes, node: int, step: int, world: int) -> tuple[int
 
 
 @pytest.mark.parametrize("netbed", [3], indirect=True)
-@pytest.mark.slow  # failed on an idle fresh clone at this stop: to be fixed, then back
 def test_losing_node_0_is_survived_in_process(netbed, etcd_bed, tmp_path):
     run, out = tmp_path / "runs" / "e", tmp_path / "reads"
     data = ["--data", "toyjob:make_data_read_log",
             f"--data.kwargs={{out = '{out}', delay = 0.004}}"]
-    args = etcd_args(etcd_bed.endpoint, "runs/e", data, steps=24)
+    # 16 steps: node 1 alone (16 samples a step) reads the rest of epoch 0 by then,
+    # whatever step it goes on from.
+    args = etcd_args(etcd_bed.endpoint, "runs/e", data, steps=16)
     nodes = [start(netbed, 0, args, tmp_path), start(netbed, 1, args, tmp_path)]
     _, killed_at = kill_past(netbed, run, nodes, 0, 3, 2)
     # Node 1 trains to the end alone, writing the metrics as the new rank 0 (its
     # launcher then waits a while for node 0's agent: the test does not).
-    wait_for(lambda: (train_records(run) or [{}])[-1].get("step") == 24, 60, nodes[1:])
+    wait_for(lambda: (train_records(run) or [{}])[-1].get("step") == 16, 60, nodes[1:])
     said = nodes[1].output()
     found = RECOVERED.search(said)
     assert found, said[-4000:]
@@ -87,7 +88,7 @@ def test_losing_node_0_is_survived_in_process(netbed, etcd_bed, tmp_path):
         alone[:256 - 32 * step]
     assert sorted(epoch) == list(range(256))
     records = train_records(run)
-    assert records[-1]["step"] == 24 and len(records[-1]["rank_phases"]) == 1
+    assert records[-1]["step"] == 16 and len(records[-1]["rank_phases"]) == 1
     back = next(r["time"] for r in records if len(r["rank_phases"]) == 1)
     print(f"\netcd, node 0 lost: node 1 trained again {back - killed_at:.1f} s after the "
           f"kill, from the step-{step} snapshot ({max(0, both - step)} step(s) repeated)")
