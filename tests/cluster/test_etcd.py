@@ -120,7 +120,9 @@ def test_node_0_lost_then_a_node_joins_the_survivor(netbed, etcd_bed, tmp_path):
     """Node 0 killed: node 1 goes on alone; node 0 started again (its etcd member first,
     from its data folder) joins node 1's live rank in process."""
     run = tmp_path / "runs" / "j"
-    data = ["--data", "toyjob:make_slow_data", "--data.kwargs={delay = 0.01, n = 4096}"]
+    # About 0.5 s a step: node 1 still trains alone when node 0's new rank is up, which
+    # takes 40 s on a loaded machine (its member, its launcher, the round, torch).
+    data = ["--data", "toyjob:make_slow_data", "--data.kwargs={delay = 0.03, n = 4096}"]
     args = etcd_args(etcd_bed.endpoint, "runs/j", data, steps=100,
                      extra=("--dist.rdzv_poll_s", "0.1"))
     nodes = [start(netbed, 0, args, tmp_path), start(netbed, 1, args, tmp_path)]
