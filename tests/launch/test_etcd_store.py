@@ -295,7 +295,7 @@ def test_a_node_whose_first_round_is_a_later_one_gets_that_round_s_master(cluste
     def handler():
         return rendezvous_handler_registry.create_handler(RendezvousParameters(
             TORCH_BACKEND, cluster.endpoint, run_id, 1, 2, local_addr="127.0.0.1",
-            last_call_timeout=1, join_timeout=60, keep_alive_interval=1))
+            last_call_timeout=1, join_timeout=60))
     late: dict[str, object] = {}
     with fresh_store_per_restart(BACKEND):  # as the launcher runs the agent
         a, b = handler(), None
