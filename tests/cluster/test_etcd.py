@@ -56,17 +56,18 @@ def kill_past(netbed, run, nodes, node: int, step: int, world: int) -> tuple[int
 
 
 @pytest.mark.parametrize("netbed", [3], indirect=True)
-@pytest.mark.slow  # failed on an idle fresh clone at this stop: to be fixed, then back
 def test_losing_node_0_is_survived_in_process(netbed, etcd_bed, tmp_path):
     run, out = tmp_path / "runs" / "e", tmp_path / "reads"
     data = ["--data", "toyjob:make_data_read_log",
             f"--data.kwargs={{out = '{out}', delay = 0.004}}"]
-    args = etcd_args(etcd_bed.endpoint, "runs/e", data, steps=24)
+    # 16 steps: node 1 alone (16 samples a step) reads the rest of epoch 0 by then,
+    # whatever step it goes on from.
+    args = etcd_args(etcd_bed.endpoint, "runs/e", data, steps=16)
     nodes = [start(netbed, 0, args, tmp_path), start(netbed, 1, args, tmp_path)]
     _, killed_at = kill_past(netbed, run, nodes, 0, 3, 2)
     # Node 1 trains to the end alone, writing the metrics as the new rank 0 (its
     # launcher then waits a while for node 0's agent: the test does not).
-    wait_for(lambda: (train_records(run) or [{}])[-1].get("step") == 24, 60, nodes[1:])
+    wait_for(lambda: (train_records(run) or [{}])[-1].get("step") == 16, 60, nodes[1:])
     said = nodes[1].output()
     found = RECOVERED.search(said)
     assert found, said[-4000:]
@@ -87,7 +88,7 @@ def test_losing_node_0_is_survived_in_process(netbed, etcd_bed, tmp_path):
         alone[:256 - 32 * step]
     assert sorted(epoch) == list(range(256))
     records = train_records(run)
-    assert records[-1]["step"] == 24 and len(records[-1]["rank_phases"]) == 1
+    assert records[-1]["step"] == 16 and len(records[-1]["rank_phases"]) == 1
     back = next(r["time"] for r in records if len(r["rank_phases"]) == 1)
     print(f"\netcd, node 0 lost: node 1 trained again {back - killed_at:.1f} s after the "
           f"kill, from the step-{step} snapshot ({max(0, both - step)} step(s) repeated)")
@@ -119,8 +120,11 @@ def test_node_0_lost_then_a_node_joins_the_survivor(netbed, etcd_bed, tmp_path):
     """Node 0 killed: node 1 goes on alone; node 0 started again (its etcd member first,
     from its data folder) joins node 1's live rank in process."""
     run = tmp_path / "runs" / "j"
-    data = ["--data", "toyjob:make_slow_data", "--data.kwargs={delay = 0.01, n = 4096}"]
-    args = etcd_args(etcd_bed.endpoint, "runs/j", data, steps=100,
+    # About 0.5 s a step, 160 steps: node 1 still trains alone when node 0's new rank is
+    # up, which takes up to a minute after the loss on a loaded machine (the member, the
+    # launcher and the rank each import torch).
+    data = ["--data", "toyjob:make_slow_data", "--data.kwargs={delay = 0.03, n = 4096}"]
+    args = etcd_args(etcd_bed.endpoint, "runs/j", data, steps=160,
                      extra=("--dist.rdzv_poll_s", "0.1"))
     nodes = [start(netbed, 0, args, tmp_path), start(netbed, 1, args, tmp_path)]
     kill_past(netbed, run, nodes, 0, 3, 2)
@@ -136,7 +140,7 @@ def test_node_0_lost_then_a_node_joins_the_survivor(netbed, etcd_bed, tmp_path):
     assert (joined.group(1), joined.group(3), joined.group(4)) == ("1", "1", "2")
     assert "restarts the ranks" not in said + nodes[2].output()
     records = train_records(run)
-    assert records[-1]["step"] == 100 and len(records[-1]["rank_phases"]) == 2
+    assert records[-1]["step"] == 160 and len(records[-1]["rank_phases"]) == 2
     together = next(r["time"] for r in records
                     if r["time"] > joined_at and len(r["rank_phases"]) == 2)
     print(f"\netcd: node 0 started again trained with node 1 {together - joined_at:.1f} s "

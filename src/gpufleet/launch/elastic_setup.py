@@ -26,16 +26,24 @@ from gpufleet.launch.rendezvous import LaunchPlan
 
 @contextmanager
 def fresh_store_per_restart(rdzv_backend: str) -> Iterator[None]:
-    """Give the ranks of every restart a new TCPStore (unless the user chose otherwise).
+    """Give the ranks of every restart a new TCPStore (unless the user chose otherwise),
+    and, on etcd, every rendezvous round its own master address.
 
     With the c10d rendezvous, torch's agent shares one TCPStore with the ranks and keeps
     it across restarts, so restarted ranks can read the previous attempt's keys (gloo then
     connects to a dead rank's port: "Connection refused"). With
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (read by the agent, in this process) rank 0 of
     each attempt hosts a new store on a port the agent picks.
+
+    On etcd (``--rdzv-backend etcd``) the ranks' store is the cluster's, in keys named by
+    the round's master address (:func:`~gpufleet.launch.etcd_store.ranks_store`); but a
+    shared store makes torch's agent keep the address of the first round it completed,
+    and write it only then: a node whose first round is a later one (one that came after
+    the others completed a round without it, or one started again) waits for it in vain,
+    its store's timeout long. Unshared, rank 0's agent writes a new address every round.
     """
     name = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-    if rdzv_backend != "c10d" or name in os.environ:
+    if rdzv_backend not in ("c10d", ETCD) or name in os.environ:
         yield
         return
     os.environ[name] = "1"

@@ -43,8 +43,10 @@ from gpufleet.launch.netif import split_endpoint
 
 try:
     import etcd
+
+    from gpufleet.launch.etcd_client import FailoverClient
 except ModuleNotFoundError:  # optional: a clear error when the backend is asked for
-    etcd = None
+    etcd = FailoverClient = None
 
 logger = logging.getLogger(__name__)
 # python-etcd logs an error for every request a lost member fails, which the client then
@@ -57,6 +59,10 @@ _INSTALL = "pip install 'gpufleet[etcd]' (python-etcd, the client torch's etcd b
 _RENDEZVOUS_KEYS, _AGENT_KEYS, _RANK_KEYS = "/gpufleet/rdzv", "/gpufleet/agents", "/gpufleet/ranks"
 # Seconds one request to a member may take before the client tries the next member.
 _READ_TIMEOUT_S = 5
+# Seconds a request goes on trying the members before it fails: a new leader's election
+# takes a second or two, even on a loaded machine; no member answering for longer is a
+# lost majority, which the run cannot survive.
+_FAILOVER_S = 30
 # Every store made here, for the life of the process: a store written in Python lives
 # only as long as its Python object, and torch's C++ side (a PrefixStore over it, the
 # process group) holds no Python reference to it.
@@ -80,9 +86,11 @@ def parse_endpoints(text: str) -> list[tuple[str, int]]:
     return found
 
 
-def client(endpoints: str, timeout_s: float = _READ_TIMEOUT_S) -> Any:
+def client(endpoints: str, timeout_s: float = _READ_TIMEOUT_S,
+           failover_s: float = _FAILOVER_S) -> Any:
     """A python-etcd client of the cluster at ``endpoints`` that goes on through another
-    member when the one it uses stops answering.
+    member when the one it uses stops answering (a
+    :class:`~gpufleet.launch.etcd_client.FailoverClient`: threads may share it).
 
     Raises:
         LaunchError: python-etcd is not installed, or no member answers.
@@ -91,24 +99,12 @@ def client(endpoints: str, timeout_s: float = _READ_TIMEOUT_S) -> Any:
         raise LaunchError(f"--rdzv-backend etcd needs the python-etcd client: {_INSTALL}.")
     hosts = tuple(parse_endpoints(endpoints))
     try:
-        # allow_reconnect: on a failed request the client moves to the next member
-        # (the cluster's advertised client addresses, read when it connects).
-        made = etcd.Client(host=hosts, allow_reconnect=True, read_timeout=timeout_s)
+        return FailoverClient(hosts, read_timeout=timeout_s, failover_s=failover_s)
     except etcd.EtcdException as err:
         raise LaunchError(
             f"No etcd member answers at {endpoints} ({err}). Start the cluster first (`gpufleet "
             "etcd --name NAME --cluster NAME1=HOST1,NAME2=HOST2,NAME3=HOST3` on each member's "
             "host, see docs/across-nodes.md), or fix --rdzv-endpoint.") from None
-    # A member that stopped answering: on to the next one at once, rather than after
-    # urllib3's own three tries of the same one (each a warning in the log).
-    urlopen = made.http.urlopen
-
-    def once(method: str, url: str, **kw: Any) -> Any:
-        kw.setdefault("retries", False)
-        return urlopen(method, url, **kw)
-
-    made.http.urlopen = once
-    return made
 
 
 class EtcdKV(EtcdStore):
@@ -128,8 +124,7 @@ class EtcdKV(EtcdStore):
         _KEPT.append(self)
         #: (host, port) of every member: the connections a rank keeps when it cuts off
         #: a lost node (gpufleet.train.recovery.disconnect)
-        self.endpoints = [split_endpoint(u.split("://")[-1]) for u in
-                          [etcd_client.base_uri, *etcd_client._machines_cache]]
+        self.endpoints = [split_endpoint(u.split("://")[-1]) for u in etcd_client.member_urls]
 
     def get(self, key: str | bytes) -> bytes:
         """The value of ``key``, once it is there (at most the store's timeout)."""
