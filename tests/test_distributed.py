@@ -59,6 +59,7 @@ def test_ddp_two_ranks_equals_single_on_the_global_batch(run_cli, tmp_path):
     assert 'strategy = "ddp"' in config and 'backend = "gloo"' in config
 
 
+@pytest.mark.slow  # accumulation over ranks: test_fsdp.py keeps it in the default run
 def test_ddp_with_accumulation_equals_single(run_cli, tmp_path):
     single = _train(run_cli, tmp_path, "single", "--batch-size", "32")
     acc = _train(run_cli, tmp_path, "acc", "--nproc", "2", "--batch-size", "4",
@@ -66,6 +67,7 @@ def test_ddp_with_accumulation_equals_single(run_cli, tmp_path):
     _assert_same_params(single, acc)
 
 
+@pytest.mark.slow  # the spawn launcher: test_launcher.py keeps it in the default run
 def test_spawn_launcher_matches_elastic(run_cli, tmp_path):
     elastic = _train(run_cli, tmp_path, "elastic", "--nproc", "2", "--batch-size", "16")
     spawn = _train(run_cli, tmp_path, "spawn", "--nproc", "2", "--batch-size", "16",
@@ -115,6 +117,7 @@ def test_killed_rank_is_restarted_and_the_run_finishes_as_if_nothing_happened(
     assert receipt.line() in procs[0].stderr
 
 
+@pytest.mark.slow  # multi-rank resume: the other-world-size resume keeps it in the default run
 def test_resume_latest_continues_steps_and_loss_curve(run_cli, tmp_path):
     args = ["--optim.decay", "constant", "--batch-size", "16", "--name", "cont"]
     straight = _train(run_cli, tmp_path, "straight", *args)

@@ -149,12 +149,13 @@ def _train_rows(run_dir):
     return [r for r in map(json.loads, open(run_dir / "metrics.jsonl")) if r["kind"] == "train"]
 
 
+EPOCHS = ("--max-epochs", "2", "--optim.warmup_steps", "2", "--optim.decay", "cosine",
+          "--optim.min_lr_ratio", "0.1")
+
+
 def test_max_epochs_ends_the_run_and_shapes_the_schedule(run_cli, tmp_path):
     _write_mymod(tmp_path)  # 64 samples, batch 8: 8 steps an epoch
-    proc = run_cli("train", *TOY, "--max-epochs", "2", "--run-dir", "runs/epochs",
-                   "--checkpoint.every", "4", "--checkpoint.keep_last", "9",
-                   "--optim.warmup_steps", "2", "--optim.decay", "cosine",
-                   "--optim.min_lr_ratio", "0.1")
+    proc = run_cli("train", *TOY, *EPOCHS, "--run-dir", "runs/epochs")
     rows = _train_rows(tmp_path / "runs/epochs")
     assert rows[-1]["step"] == 16  # without --max-steps, the epochs decide
     assert rows[-1]["lr"] == pytest.approx(1e-4)  # the decay ended at step 16: 0.1 x 1e-3
@@ -163,14 +164,19 @@ def test_max_epochs_ends_the_run_and_shapes_the_schedule(run_cli, tmp_path):
     # Whichever comes first: 5 steps end the run before 2 epochs do.
     run_cli("train", *TOY, "--max-epochs", "2", "--max-steps", "5", "--run-dir", "runs/s")
     assert _train_rows(tmp_path / "runs/s")[-1]["step"] == 5
+
+
+@pytest.mark.slow  # exact resume mid-epoch: test_fault.py keeps a resume in the default run
+def test_a_resume_mid_epoch_ends_where_the_uninterrupted_run_did(run_cli, tmp_path):
+    _write_mymod(tmp_path)
+    run_cli("train", *TOY, *EPOCHS, "--run-dir", "runs/epochs", "--checkpoint.every", "4",
+            "--checkpoint.keep_last", "9")
     # Resuming mid-epoch (step 4 of 8) ends exactly where the uninterrupted run did.
     part = tmp_path / "runs/part/checkpoints"
     part.mkdir(parents=True)
     for f in (tmp_path / "runs/epochs/checkpoints").glob("step-0000004*"):
         shutil.copy(f, part / f.name)
-    run_cli("train", *TOY, "--max-epochs", "2", "--run-dir", "runs/part", "--resume",
-            str(part), "--optim.warmup_steps", "2", "--optim.decay", "cosine",
-            "--optim.min_lr_ratio", "0.1")
+    run_cli("train", *TOY, *EPOCHS, "--run-dir", "runs/part", "--resume", str(part))
     from conftest import final_params
 
     assert (part / "step-0000016.pt").exists()

@@ -3,8 +3,9 @@
 Every fenced ``bash`` block of the README and of ``docs/*.md`` is a command a user may
 copy. Each runs here in a temporary folder unless the line above it says why it cannot
 (``<!-- docs-test: skip (REASON) -->``: GPUs, other nodes, root, an install). A
-``gpufleet train`` command gets ``--max-steps=2`` appended so it finishes quickly while
-every flag it shows is still parsed and used.
+``gpufleet train`` command gets ``--max-steps=2`` and ``--run.eval_batches=2`` appended
+(the default job's final evaluation of 50 batches would take most of a short run's time)
+so it finishes quickly while every flag it shows is still parsed and used.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SKIP = re.compile(r"<!--\s*docs-test:\s*skip\s*\((?P<reason>[^)]+)\)\s*-->")
 FENCE = re.compile(r"^\s*(?P<fence>```+|~~~+)\s*(?P<info>\S*)")
 TRAIN_STEPS = "--max-steps=2"
+EVAL_BATCHES = "--run.eval_batches=2"
 COMMAND_TIMEOUT_S = 240
 
 
@@ -110,7 +112,8 @@ def test_every_page_shows_commands_and_most_run() -> None:
 
 def _with_short_training(command: str) -> str:
     if re.match(r"^(gpufleet|python -m gpufleet) train\b", command) and "--help" not in command:
-        return f"{command} {TRAIN_STEPS}"
+        short = "" if "eval_batches" in command else f" {EVAL_BATCHES}"
+        return f"{command} {TRAIN_STEPS}{short}"
     return command
 
 

@@ -248,6 +248,7 @@ def test_two_fsdp_ranks_hold_each_others_snapshot_as_it_was_at_the_step(tmp_path
         assert set(mine["held"]) == {(rank, last), (other, last)}
 
 
+@pytest.mark.slow  # ddp snapshots: the network bed's ddp recovery keeps them in the default run
 def test_ddp_ranks_keep_their_whole_snapshot_to_themselves(tmp_path, monkeypatch):
     """Every ddp rank holds the whole state, and a survivor restores its own copy: a
     partner's copy would be host memory and network for nothing, so none is sent."""

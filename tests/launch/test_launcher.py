@@ -85,6 +85,7 @@ def test_elastic_passes_arguments_and_returns_per_rank(tmp_path):
     assert launch(workers.zero_first, (str(tmp_path),), nproc=2) == {0: True, 1: True}
 
 
+@pytest.mark.slow  # the agent's restart: test_distributed.py's killed rank keeps it
 def test_elastic_restarts_after_a_rank_dies():
     # Attempt 0: rank 1 exits with code 3. The agent restarts both ranks once.
     assert launch(workers.fail_once, nproc=2, max_restarts=1) == {0: 1, 1: 1}
@@ -115,6 +116,7 @@ def test_elastic_writes_rank_logs_to_log_dir(tmp_path):
     assert "boom from rank 1" in next(logs.rglob("1/error.json")).read_text()
 
 
+@pytest.mark.slow  # a failed rank named: the elastic failure test keeps it in the default run
 def test_spawn_failure_names_rank():
     with pytest.raises(LaunchError, match=r"(?s)Rank 1 .*boom from rank 1.*--launcher elastic"):
         launch(workers.raise_on_rank_one, nproc=2, launcher="spawn")

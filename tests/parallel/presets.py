@@ -32,7 +32,7 @@ SMALL = ["--model.n_layer", "2", "--model.n_head", "2", "--model.n_embd", "32",
          "--model.block_size", "32", "--batch-size", "8", "--max-steps", "4",
          "--optim.warmup_steps", "1", "--log.every", "1", "--run.out_dir", "runs",
          "--monitor.report", "false", "--monitor.system_interval_s", "0",
-         "--data.num_workers", "0"]
+         "--data.num_workers", "0", "--run.eval_batches", "2"]
 CPU = ["--device", "cpu"]
 needs_horovod = pytest.mark.skipif(
     not horovod_available(), reason="Horovod is not installed: scripts/install-horovod.sh")

@@ -203,6 +203,7 @@ def _assert_resumes_elsewhere(run_cli, tmp_path: Path, job: list[str], single: P
     _assert_same(ref, other)
 
 
+@pytest.mark.slow  # hsdp: test_presets.py and the fsdp/hsdp snapshot and recovery tests keep it
 def test_hsdp_2x2_on_four_ranks_equals_single_and_resumes_at_four(run_cli, tmp_path):
     single = _train(run_cli, tmp_path, "single", TOY, "--batch-size", "32")
     # 2 replicas x 2 shards, 8 samples per rank: the single run's 32 per step.
@@ -258,6 +259,7 @@ def test_hsdp_checkpoint_of_four_ranks_resumes_at_two(run_cli, tmp_path):
                               "--resume", _step_dir(hsdp, 4))
 
 
+@pytest.mark.slow  # fsdp x pipeline: test_layouts_by_degree.py keeps an fsdp x tp x pp run
 def test_fsdp_with_pipeline_2x2_equals_single(run_cli, tmp_path):
     single = _train(run_cli, tmp_path, "single", TOY, "--batch-size", "32")
     # 2 stages x 2 shards: each pipeline reads 16 samples a step, two pipelines 32.

@@ -124,6 +124,7 @@ def _same(a, b):
     assert_same_weights(final_params(b), final_params(a))
 
 
+@pytest.mark.slow  # pipeline equals single: test_recipe.py's pipeline case keeps it
 def test_gpipe_and_1f1b_on_two_ranks_equal_single(run_cli, tmp_path):
     """Same global batch (16 samples, 4 micro-batches, 2 accumulation steps, clipping on):
     both schedules end with single's parameters, optimizer state and loss curve."""

@@ -218,7 +218,10 @@ EXTRA = {"pipeline": ["--parallel.pipeline.microbatches", "2"],
          "local_sgd": ["--parallel.local_sgd.warmup_steps", "6"]}
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1", "pipeline",
+# ddp and zero1 equal single in test_distributed.py and test_zero.py; here the slow set.
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp",
+                                      pytest.param("zero1", marks=pytest.mark.slow),
+                                      "pipeline",
                                       pytest.param("local_sgd", marks=pytest.mark.slow)])
 def test_your_optimizer_factory_from_the_config_under_two_ranks_equals_single(
         run_cli, tmp_path, strategy):
