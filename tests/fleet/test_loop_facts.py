@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 import socket
-import tomllib
 
 import pytest
+import tomllib
 import torch
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -52,7 +52,7 @@ def test_the_facts_of_an_own_loop_are_what_it_did(tmp_path):
         if step % 3 == 2:
             model.eval()
             with torch.no_grad():
-                for x, y in val:
+                for x, _ in val:
                     model(x)
             model.train()
     fleet.finish()
