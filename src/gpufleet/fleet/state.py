@@ -355,7 +355,8 @@ def load_state(path: str | Path, state: dict[str, Any] | None, strategy: Any,
     saved (``fleet.step``; a checkpoint from before steps were saved has none).
     Returns what the file holds that ``state`` did not ask for; without ``state`` (None
     or empty), everything your loop saved in it (a value saved per rank: this rank's,
-    or at another world size the list of every saved rank's), and nothing is restored (the RNG states neither).
+    or at another world size the list of every saved rank's), and nothing is restored
+    (the RNG states neither).
 
     ``strict=False`` (Fabric's): a key of ``state`` the file lacks is left as it is, and
     a model loads its state dict non-strictly (missing and unexpected names skipped); a
