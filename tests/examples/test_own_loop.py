@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -100,6 +101,14 @@ def test_a_killed_rank_resumes_to_the_same_weights(twin):
     whole = torch.load(twin / "twin-rank0.pt", weights_only=True)["fleet_weights"]
     for name, value in whole.items():
         assert torch.equal(resumed[name], value), name
+    # The run's record: the agent's max_restarts, the restart, and the steps going on
+    # from the checkpoint's (not from 0 again: no step logged twice).
+    run_dir = twin / "crash-run"
+    assert tomllib.loads((run_dir / "config.toml").read_text())["dist"]["max_restarts"] == 1
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["restarts"] for r in records if r["kind"] == "restart"] == [1]
+    steps = [r["step"] for r in records if r["kind"] == "train"]
+    assert steps == [4, 8, 12], steps  # 2 epochs of 384 / 32 batches / 2 accumulated
 
 
 def test_fabric_collectives_on_two_ranks(twin):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -135,6 +136,9 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
         keys: dict[str, Any] = {**_OWN_LOOP, "log.every": log_every,
                                 **fleet_overrides(accelerator, devices, precision, strategy,
                                                   num_nodes, defaults=config is None)}
+        agent_restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS")
+        if agent_restarts is not None:  # a rank of torch's elastic agent (gpufleet run,
+            keys["dist.max_restarts"] = int(agent_restarts)  # torchrun): as it was given
         if seed is not None:
             keys["run.seed"] = seed
         if run_dir:
@@ -293,7 +297,8 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
 
     @property
     def step(self) -> int:
-        """Optimizer steps done (of the first optimizer set up)."""
+        """Optimizer steps done (of the first optimizer set up); :meth:`load` of a
+        checkpoint :meth:`save` wrote restores it, so a resumed loop counts on."""
         return self._rank_run().state.step
 
     @property

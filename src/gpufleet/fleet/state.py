@@ -96,7 +96,8 @@ class FleetCheckpoints(FleetPart):
                 background = (self._saves, self._writers)
             with self._no_step_counted():
                 return save_state(path, state, run.strategy, run.env.rank, filter,
-                                  placed=self._placed, background=background)
+                                  placed=self._placed, background=background,
+                                  step=run.state.step)
 
     def load(self, path: str | Path, state: dict[str, Any] | None = None,
              strict: bool = True, *, weights_only: bool | None = None) -> dict[str, Any]:
@@ -121,7 +122,8 @@ class FleetCheckpoints(FleetPart):
         self._raise_failed_save()
         with self._no_step_counted():
             return load_state(path, state, run.strategy, run.env.rank, run.env.world_size,
-                              strict=strict, placed=self._placed)
+                              strict=strict, placed=self._placed,
+                              on_step=self._steps.resumed)
 
     def _raise_failed_save(self) -> None:
         """Wait for the background write under way; raise its failure on every rank
@@ -302,12 +304,14 @@ def _check_filter(filter: Any, state: Mapping[str, Any]) -> None:
 def save_state(path: str | Path, state: Mapping[str, Any], strategy: Any,
                rank: int, filter: Mapping[str, Any] | None = None, *,
                placed: Sequence[nn.Module] = (),
-               background: tuple[BackgroundSaves, Any] | None = None) -> Path:
+               background: tuple[BackgroundSaves, Any] | None = None,
+               step: int = 0) -> Path:
     """Write ``state`` to ``path`` (COLLECTIVE: every rank calls it), its items kept by
     ``filter`` (see :func:`saveable`): one file from rank 0, or under a sharded strategy
     a directory of every rank's shards (``placed``: the set-up models, which an
     optimizer's state is named by). ``background``: the saver and (for a sharded write)
-    its process group, to write in the background as ``fit`` does.
+    its process group, to write in the background as ``fit`` does. ``step``: the
+    optimizer steps done (``fleet.step``), which :func:`load_state` restores.
 
     Raises:
         OSError: the write failed; nothing is left under ``path``'s name and an older
@@ -328,7 +332,7 @@ def save_state(path: str | Path, state: Mapping[str, Any], strategy: Any,
                  "back to its own rank", ", ".join(map(repr, ranked)))
     per_rank = gather_per_rank(plain, ranked)  # COLLECTIVE: only those values
     own = {FLEET_KEY: {"rng": gather_objects(rng_state()),  # COLLECTIVE: every rank's
-                       "per_rank": per_rank}}
+                       "per_rank": per_rank, "step": int(step)}}
     kept = {k: v for k, v in content.items() if k not in per_rank}
     if sharded:
         own[FLEET_KEY].update(state=kept, shards=sorted(shards))
@@ -343,13 +347,16 @@ def save_state(path: str | Path, state: Mapping[str, Any], strategy: Any,
 
 def load_state(path: str | Path, state: dict[str, Any] | None, strategy: Any,
                rank: int, world_size: int, strict: bool = True,
-               placed: Sequence[nn.Module] = ()) -> dict[str, Any]:
+               placed: Sequence[nn.Module] = (),
+               on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Restore ``path`` into ``state`` in place: objects load their state dicts, plain
     values are replaced (a value saved per rank by this rank's own), and this rank's
-    RNG states are restored. Returns what the file holds that ``state`` did not ask
-    for; without ``state`` (None or empty), everything your loop saved in it (a value
-    saved per rank: this rank's, or at another world size the list of every saved
-    rank's), and nothing is restored (the RNG states neither).
+    RNG states are restored; ``on_step`` is handed the optimizer steps done when it was
+    saved (``fleet.step``; a checkpoint from before steps were saved has none).
+    Returns what the file holds that ``state`` did not ask for; without ``state`` (None
+    or empty), everything your loop saved in it (a value saved per rank: this rank's,
+    or at another world size the list of every saved rank's), and nothing is restored
+    (the RNG states neither).
 
     ``strict=False`` (Fabric's): a key of ``state`` the file lacks is left as it is, and
     a model loads its state dict non-strictly (missing and unexpected names skipped); a
@@ -417,6 +424,8 @@ def load_state(path: str | Path, state: dict[str, Any] | None, strategy: Any,
             state[key] = rest.pop(key)
     if skipped:
         log.warning("%s loaded with strict=False; skipped: %s", path, "; ".join(skipped))
+    if on_step is not None and "step" in own:
+        on_step(int(own["step"]))
     rngs = own["rng"]
     if same_world:
         set_rng_state(rngs[rank])

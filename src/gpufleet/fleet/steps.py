@@ -21,6 +21,7 @@ import torch
 from gpufleet.config import config_to_dict, write_config
 from gpufleet.core.callbacks import Callback, CallbackList
 from gpufleet.core.phases import Phase, PhaseAnnouncer
+from gpufleet.fleet.observed import LoopObservations
 from gpufleet.fleet.run import FleetRun
 from gpufleet.monitor.jsonl import MetricsFile
 from gpufleet.monitor.sinks import build_sinks
@@ -54,10 +55,14 @@ class StepTracker:
         self._early_logs: list[tuple[int, dict[str, float]]] = []  # before the 1st step
         self.busy = False  # a set-up optimizer steps through the run now
         self.finished = False
+        #: what the loop did (batch size, accumulation, evaluations), for the diagnosis
+        self.observed = LoopObservations(restarts=run.env.restart_count)
 
     # -- phases -------------------------------------------------------------------------
     def phase_announce(self, phase: Phase) -> None:
         """Announce ``phase`` (a stable function to hand to wrappers and loaders)."""
+        if phase == Phase.EVAL:
+            self.observed.eval_forward()
         self.announce(phase)
 
     def on_batch(self) -> None:
@@ -93,7 +98,8 @@ class StepTracker:
                 num_workers=first.num_workers))
             if run.env.is_main:
                 write_config(run.cfg, run.run_dir / "config.toml")
-        run.callbacks = CallbackList(own_callbacks(run) + self._user_callbacks)
+        own = own_callbacks(run)
+        run.callbacks = CallbackList(own + self._user_callbacks)
         if run.monitors.system_sampler is None:  # one the caller added (its own interval)
             from gpufleet.monitor.system import SystemSampler  # psutil, NVML: deferred
 
@@ -104,6 +110,10 @@ class StepTracker:
         self.announce = run.phases.announce
         self.interval = self.engine.interval = LogInterval(run)
         run.callbacks.on_fit_start(run.view)
+        if self.observed.restarts:  # the elastic agent restarted the ranks: on record
+            for metrics in (cb for cb in own if isinstance(cb, MetricsFile)):
+                metrics.write("restart", {"step": run.state.step,
+                                          "restarts": self.observed.restarts})
         for step, values in self._early_logs:
             run.callbacks.on_user_log(run.view, step, values)
         self._early_logs = []
@@ -117,9 +127,37 @@ class StepTracker:
             self._look_again()
         self.run.precision.backward(loss, inputs=inputs, retain_graph=retain_graph,
                                     create_graph=create_graph)
+        self.observed.backward(self._batch_size())
         detached = loss.detach()
         self._step_loss = detached if self._step_loss is None else self._step_loss + detached
         self._micro += 1
+
+    def _batch_size(self) -> int | None:
+        """Samples in the batch a set-up loader handed out last (None: none yet)."""
+        read = [x for x in self.run.data.loaders if x.last_batch is not None]
+        return max(read, key=lambda x: x.reads).last_batch[2] if read else None
+
+    def resumed(self, step: int) -> None:
+        """A checkpoint restored the step count: the steps go on from ``step`` (the
+        log interval under way counts from there)."""
+        self.run.state.step = step
+        self.observed.resumed_at(step)
+        if self.interval is not None:
+            self.interval.first_step = step
+
+    def observe(self) -> None:
+        """Hand what the loop did to the diagnosis's facts (no sync)."""
+        advisor = self.run.monitors.advisor
+        if advisor is None:
+            return
+        facts, seen = advisor.facts, self.observed
+        facts.own_loop = True
+        facts.batch_size = seen.batch_size or facts.batch_size
+        facts.grad_accum = seen.grad_accum
+        facts.eval_every = seen.eval_every
+        facts.evaluations = seen.evaluations
+        facts.steps = self.run.state.step
+        facts.restarts = seen.restarts
 
     def clip(self, placed: torch.nn.Module, optimizer: torch.optim.Optimizer,
              max_norm: float | None, clip_val: float | None, norm_type: float = 2.0,
@@ -198,11 +236,15 @@ class StepTracker:
         take = None if closure is None and run.precision.scales_loss else \
             (lambda: optimizer.step(closure))
         guard, micro = run.nonfinite, self._micro
+        self.observed.step_taken(micro)
         # Your clip_gradients call, if any, ran before: no norm is handed to the guard.
         # The step hooks on your optimizer see this step as the run's own (_stepping).
+        # The step's loss is the sum of what its backward passes were handed (with the
+        # loss divided by the accumulation, the micro-batches' mean): one loss per step.
         with self._stepping():
             skip, out = engine.after_clip(run.model, optimizer, run.precision, guard,
-                                          self._loss_or_zero(), None, micro, take=take)
+                                          self._loss_or_zero(), None, min(micro, 1),
+                                          take=take)
         self._step_done((guard,) if skip else ())
         return out
 
@@ -246,8 +288,9 @@ class StepTracker:
         """That step ended: for the first optimizer, the run's step ends too (without
         the guard: it watches the steps taken through what ``setup`` returned)."""
         if primary:
+            self.observed.step_taken(self._micro)
             if self._micro and self.interval is not None:
-                self.interval.add(self._loss_or_zero(), self._micro)
+                self.interval.add(self._loss_or_zero(), 1)  # one step's loss
             self._step_done()
 
     def _log(self) -> None:
@@ -255,6 +298,7 @@ class StepTracker:
         run, interval = self.run, self.interval
         assert interval is not None, "steps end only after _begin() built the interval"
         run.phases.announce(Phase.LOG)
+        self.observe()
         metrics = interval.close()
         run.result.losses.append((run.state.step, metrics["loss"]))
         run.callbacks.on_log(run.view, run.state.step, metrics)
@@ -285,6 +329,7 @@ class StepTracker:
             if self.interval is not None:
                 if collective and run.state.step % run.cfg.log.every:
                     self._log()  # the steps since the last log line
+                self.observe()
                 finish(run, run.result)  # the totals, on_fit_end, report.html: as fit's
             elif self._early_logs and run.env.is_main:  # logged, never stepped (eval)
                 sinks = CallbackList([MetricsFile(run.run_dir / "metrics.jsonl"),

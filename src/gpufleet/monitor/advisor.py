@@ -86,6 +86,7 @@ class Advisor(Callback):
 
     def on_log(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
         self.intervals += 1
+        self.facts.steps = step
         steps, self._last_step = max(1, step - self._last_step), step
         logged = trainer.log_seconds
         if self.intervals <= self.skip or "rank_phases" not in metrics:
@@ -227,7 +228,7 @@ def run_facts(trainer: Any, links: dict[str, Any] | None = None) -> RunFacts:
         log_every=cfg.log.every, eval_every=cfg.run.eval_every,
         checkpoint_every=cfg.checkpoint.every, checkpoint_async=cfg.checkpoint.async_save,
         async_save_possible=not trainer.strategy.saves_on_every_rank,
-        links=dict(links or {}))
+        links=dict(links or {}), restarts=trainer.env.restart_count)
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         facts.device_name = props.name

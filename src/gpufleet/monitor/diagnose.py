@@ -42,7 +42,10 @@ def diagnose(s: Summary, facts: RunFacts, system: dict[str, Any] | None = None,
         # explains: not the link's.
         found = [f for f in found if f.rule != "communication-bound"]
     found.sort(key=lambda f: f.severity != "warn")
-    return [cite_accounting(f, s.rank_accounting) for f in found]
+    found = [cite_accounting(f, s.rank_accounting) for f in found]
+    if facts.own_loop:
+        found = [in_own_loop_words(f) for f in found]
+    return found
 
 
 # The parts of the step accounting each rule rests on (gpufleet.monitor.accounting):
@@ -74,6 +77,39 @@ def cite_accounting(f: Finding, accounting: list[dict[str, Any]]) -> Finding:
     return dataclasses.replace(f, message=message, measurements={**f.measurements, "accounting": {
         **cited, "rank": row["rank"], "step": row.get("step", 0.0),
         "residual": row.get("residual", 0.0)}})
+
+
+# What fit's keys are in a Fleet loop, which reads none of them: the loop's own lever,
+# named in words (longest first, so "data.batching=tokens" goes before "data.batching").
+_OWN_LOOP_WORDS = (
+    ("data.pin_memory=true", "pin_memory=True in your DataLoader"),
+    ("data.batching=tokens evens out the work per batch",
+     "batches of about equal tokens even out the work per batch"),
+    ("data.num_workers", "your DataLoader's num_workers"),
+    ("data.batch_size", "your DataLoader's batch_size"),
+    ("optim.grad_accum", "the micro-batches your loop accumulates per optimizer step"),
+    ("run.eval_every", "how often your loop evaluates"),
+    ("run.eval_batches", "the batches each of your evaluations reads"),
+    ("checkpoint.every", "how often your loop calls fleet.save"),
+    ("log.every", "Fleet(log_every=...)"),
+    ("precision.mode=bf16-mixed", 'Fleet(precision="bf16-mixed")'),
+    ("perf.compile=true", "torch.compile your model before fleet.setup"),
+    ("perf.tf32=true", "torch.backends.cuda.matmul.allow_tf32 = True in your script"),
+)
+# Keys a Fleet loop does not read: not offered as settings to try there.
+_FIT_ONLY = ("data.", "optim.", "run.", "checkpoint.every", "perf.compile")
+
+
+def in_own_loop_words(finding: Finding) -> Finding:
+    """``finding`` as advice for a Fleet loop: fit's config keys in its message and
+    fix become the loop's own levers in words (a ``Fleet`` argument, your DataLoader's
+    setting, your loop's cadence), and the keys a Fleet loop does not read leave its
+    ``changes``."""
+    message, fix = finding.message, finding.fix
+    for key, words in _OWN_LOOP_WORDS:
+        message, fix = message.replace(key, words), fix.replace(key, words)
+    changes = {k: v for k, v in finding.changes.items() if not k.startswith(_FIT_ONLY)}
+    return dataclasses.replace(finding, message=message, fix=fix, changes=changes)
 
 
 def _input_bound(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:

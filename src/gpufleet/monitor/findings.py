@@ -101,6 +101,14 @@ class RunFacts:
             file, so ``checkpoint.async_save`` can be turned on.
         links: the link probe's result on several nodes
             (:func:`gpufleet.monitor.links.probe_node_links`); empty otherwise.
+        own_loop: a :class:`~gpufleet.fleet.Fleet` loop: ``batch_size``, ``grad_accum``,
+            ``eval_every`` and ``evaluations`` are what the loop was seen doing
+            (:mod:`gpufleet.fleet.observed`), not config keys, and the advice names
+            the loop's own levers instead of ``fit``'s keys.
+        evaluations: evaluations counted (an own loop's; 0 for ``fit``, whose phase
+            timer counts them).
+        steps: optimizer steps done when the facts were last updated.
+        restarts: times the elastic agent restarted the ranks before this run.
     """
 
     device: str = "cpu"
@@ -132,6 +140,10 @@ class RunFacts:
     checkpoint_async: bool = False
     async_save_possible: bool = True
     links: dict[str, Any] = field(default_factory=dict)
+    own_loop: bool = False
+    evaluations: int = 0
+    steps: int = 0
+    restarts: int = 0
 
 
 @dataclass

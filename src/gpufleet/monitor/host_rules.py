@@ -121,10 +121,12 @@ def _time_outside_steps(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
     each = seconds / max(1, count)
     key, attr = _OUTSIDE_KEYS.get(kind, (f"{kind} interval", ""))
     every = getattr(facts, attr, 0) if attr else 0
+    what = "checkpoint writes" if kind == "checkpoint" else "evaluations"
+    if facts.own_loop:
+        return _own_loop_outside(s, facts, kind, what, share)
     # Steps between two of them so that they take 5% of the time: each <= 0.05 (each +
     # every * step).
     wanted = max(2 * every, math.ceil(19 * each / max(s.step_s, 1e-6)))
-    what = "checkpoint writes" if kind == "checkpoint" else "evaluations"
     message = (f"{what} take {each:.2f} s each, {count} so far, every {every} step(s) of "
                f"{ms(s.step_s)}: {share:.0%} of the run's time goes to work between "
                "training steps.")
@@ -139,6 +141,36 @@ def _time_outside_steps(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
                 "writer thread while training goes on")
     return Finding("time-outside-steps", "warn", f"{what} eat the run", message, fix + ".",
                    changes=changes)
+
+
+def _own_loop_outside(s: Summary, facts: RunFacts, kind: str, what: str,
+                      share: float) -> Finding:
+    """:func:`_time_outside_steps` for a Fleet loop: the loop decides when it evaluates
+    and saves, so the count and cadence are what it was seen doing (an evaluation is
+    one run of eval forwards between optimizer steps) and the fix is in words, with no
+    config key (no ``run.eval_every`` or ``checkpoint.every`` is read there)."""
+    seconds, timed = s.outside[kind]
+    count = facts.evaluations if kind == "eval" and facts.evaluations else timed
+    each = seconds / max(1, count)
+    every = facts.eval_every if kind == "eval" else 0
+    if not every and count and facts.steps:  # (saves: steps per save, on average)
+        every = max(1, round(facts.steps / count))
+    wanted = max(2 * every, math.ceil(19 * each / max(s.step_s, 1e-6)))
+    cadence = f"every {every} step(s)" if every else "at intervals not yet seen"
+    message = (f"{what} take {each:.2f} s each, {count} so far, {cadence} of "
+               f"{ms(s.step_s)}: {share:.0%} of the run's time goes to work between "
+               "training steps.")
+    if kind == "eval":
+        fix = (f"evaluate less often in your loop: {cadence} now, every {_nice(wanted)} "
+               "would take about 5% of the time; or evaluate on fewer batches")
+    else:
+        fix = (f"call fleet.save less often in your loop: {cadence} now, every "
+               f"{_nice(wanted)} would take about 5% of the time")
+        if not facts.checkpoint_async and facts.async_save_possible:
+            fix += (", or pass Fleet(overrides={'checkpoint.async_save': True}): the "
+                    "file is then written by a writer thread while training goes on")
+    return Finding("time-outside-steps", "warn", f"{what} eat the run", message, fix + ".",
+                   measurements={"each_s": each, "count": count, "every": every})
 
 
 def _slow_logging(s: Summary, facts: RunFacts, *_: Any) -> Finding | None:
