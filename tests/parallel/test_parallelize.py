@@ -71,6 +71,7 @@ def test_a_tensor_split_that_cuts_attention_heads_fails_before_ranks_start():
     assert "parallel.tp = 2" in str(e.value) and "model.n_head = 6" in str(e.value)
 
 
+@pytest.mark.slow  # 8 ranks: layouts_by_degree's fsdp x tp x pp is the default run's one
 def test_ddp_2_x_tp_4_on_eight_ranks_equals_single(run_cli, tmp_path):
     single = _train(run_cli, tmp_path, "single", "--batch-size", "8")
     # Two replicas read 4 samples each (the single run's 8); four ranks split each layer.
