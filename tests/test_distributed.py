@@ -191,6 +191,7 @@ def test_resume_at_other_world_sizes_reads_every_sample_of_the_epoch_once(run_cl
     assert "resume at step 4 (1 rank(s))" in report and "resume at step 8" in report
 
 
+@pytest.mark.slow  # a comm hook variant of ddp
 def test_ddp_fp16_comm_hook_stays_close_and_bf16_on_gloo_names_the_fix(run_cli, tmp_path):
     """fp16 gradient compression stays close to plain ddp; bf16, which torch implements
     for NCCL only, is refused before any rank starts."""

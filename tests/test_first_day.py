@@ -110,6 +110,7 @@ def test_runs_are_named_after_the_factories_and_their_config_reruns(run_cli, tmp
     assert (first / "checkpoints" / "step-0000004.pt").exists()
 
 
+@pytest.mark.slow  # torchrun: test_distributed.py keeps a run under it
 def test_under_torchrun_the_run_folder_is_timestamped(run_cli, tmp_path):
     _write_mymod(tmp_path)
     run_cli("--standalone", "--nproc-per-node", "2", "-m", "gpufleet", "train", *TOY,

@@ -74,7 +74,8 @@ def test_a_fit_that_starts_two_ranks(tmp_path, call_log):
         assert counts == {"join_process_group": 1, "seed_everything": 1, "setup_logging": 1}
 
 
-@pytest.mark.parametrize("preflight", [True, False])
+# With the preflight (the default) in the slow set: without it is the default run's case.
+@pytest.mark.parametrize("preflight", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_train_on_two_ranks_builds_the_job_once_per_process(tmp_path, call_log, preflight):
     code = main(["train", "--nproc", "2", "--model", "setupcalls:counted_model",
                  "--data", "setupcalls:counted_data", "--model.loss",

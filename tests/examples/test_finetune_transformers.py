@@ -51,6 +51,7 @@ def test_one_rank_gives_the_hand_loop_s_losses_and_weights_and_resumes_exactly(t
         assert torch.equal(a, b), name
 
 
+@pytest.mark.slow  # 2 ranks: the one-rank port keeps it in the default run
 def test_two_ranks_equal_the_hand_loop_on_the_global_batch(tmp_path):
     plain, _ = example.train_plain(STEPS, 16)  # 1 process, batch 16
     _, result = example.train_gpufleet(STEPS, 8, nproc=2, overrides={  # 2 x 8

@@ -284,6 +284,7 @@ def test_the_ranks_left_agree_without_rank_0(cluster, monkeypatch):
                     2: Membership((1, 2), 6, {1: 1, 2: 2})}
 
 
+@pytest.mark.slow  # timed out (60 s) once on an idle fresh clone: cause not found yet
 def test_a_node_whose_first_round_is_a_later_one_gets_that_round_s_master(cluster):
     """nnodes 1:2: node a completes round 0 alone, node b comes after (a slow start, or
     a node started again). In round 1 both agents get the round's master address, the

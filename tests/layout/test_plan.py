@@ -66,6 +66,7 @@ def test_sharding_divides_parameters_gradients_and_optimizer_state():
     assert set(sharded.comm) == {"dp_shard"} and not whole.comm
 
 
+@pytest.mark.slow  # the four-rank planned-memory test keeps plan
 def test_plan_prints_a_128_rank_layout_and_the_nearest_that_fits(run_cli):
     big = ["--nnodes", "16", "--nproc", "8", "--parallel.tp", "8", "--parallel.pp", "2",
            "--model.n_layer", "24", "--model.n_head", "16", "--model.n_embd", "2048",

@@ -38,6 +38,7 @@ def test_local_sgd_with_period_one_equals_ddp(run_cli, tmp_path):
     assert_same_weights(local, ddp, rtol=1e-5)
 
 
+@pytest.mark.slow  # local_sgd: its preset and hierarchy tests keep it
 def test_local_sgd_resumed_at_an_averaging_step_goes_on_as_if_uninterrupted(run_cli,
                                                                            tmp_path):
     # Warm-up 1, period 2: the models are averaged after steps 2, 4, 6 and 8, so at the
