@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from gpufleet.config import load_config
@@ -16,6 +18,17 @@ SRUN_RANK_1 = {"SLURM_JOB_ID": "77", "SLURM_JOB_NAME": "interactive", "SLURM_PRO
                "SLURM_STEP_ID": "3", "SLURM_STEPID": "3", "SLURM_STEP_NUM_TASKS": "2",
                "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
                "SLURM_STEP_NODELIST": "n[1-2]"}
+
+
+@pytest.fixture(autouse=True)
+def _no_other_launcher(monkeypatch):
+    """No rank variables of another launcher (an earlier in-process test of this worker
+    may have left RANK or WORLD_SIZE): they would be read before srun's."""
+    for name in list(os.environ):
+        if name.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                            "GROUP_RANK", "MASTER_", "TORCHELASTIC_", "OMPI_", "PMI_",
+                            "HOROVOD_", "SLURM_")):
+            monkeypatch.delenv(name)
 
 
 def test_config_records_the_nodes_ranks_master_and_launcher_srun_started(monkeypatch):
