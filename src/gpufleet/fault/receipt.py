@@ -199,19 +199,28 @@ class Receipt:
         """The transfers judged far below their link."""
         return [t for t in self.transfers if t.verdict == "far below the link"]
 
+    def event(self) -> str:
+        """What happened where: "recovery at step 7", "restart from step 6"."""
+        return (f"restart from step {self.step}" if self.kind == "restart"
+                else f"{self.kind} at step {self.step}")
+
+    def detection(self) -> str:
+        """How the event was detected and how long that took ("" when not recorded)."""
+        if not self.detected_by:
+            return ""
+        return self.detected_by + (f" after {self.detection_s:.2f} s"
+                                   if self.detection_s is not None else "")
+
     def line(self) -> str:
         """The receipt as one log line."""
-        head = {"recovery": f"recovery at step {self.step}",
-                "join": f"join at step {self.step}",
-                "restart": f"restart from step {self.step}"}[self.kind]
+        head = self.event()
         who = ""
         if self.ranks:
             word = "joined" if self.kind == "join" else "lost"
             who = f"; rank{'s' if len(self.ranks) > 1 else ''} " \
                   f"{', '.join(map(str, self.ranks))} {word}"
-        detected = f"detected by {self.detected_by}" if self.detected_by else ""
-        if self.detection_s is not None:
-            detected += f" after {self.detection_s:.2f} s"
+        detected = f"detected by {self.detection()}" if self.detected_by else \
+            (f" after {self.detection_s:.2f} s" if self.detection_s is not None else "")
         phases = ", ".join(f"{name} {s:.2f} s" for name, s in self.phases.items())
         parts = [f"receipt: {head}, world {self.world_from} -> {self.world_to}{who}"
                  + (f" ({detected})" if detected else ""),

@@ -34,10 +34,9 @@ def receipt_row(r: Receipt) -> str:
     if r.ranks:
         word = "joined" if r.kind == "join" else "lost"
         who = f"; rank(s) {', '.join(map(str, r.ranks))} {word}"
-    event = f"{r.kind} at step {r.step}" if r.kind != "restart" else \
-        f"restart from step {r.step}"
-    detected = r.detected_by + (f" after {r.detection_s:.2f} s"
-                                if r.detection_s is not None else "")
+    event = r.event()
+    detected = r.detection() or (f" after {r.detection_s:.2f} s"
+                                 if r.detection_s is not None else "")
     phases = ", ".join(f"{name} {s:.2f}" for name, s in r.phases.items())
     sent, far = [], bool(r.far_below)
     if r.checkpoint:
