@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # `import toyjob` in this process
@@ -58,3 +59,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind(request):
+    """A test that leaves this process in a default process group fails, naming itself;
+    the group is ended so the next test of the same worker starts clean (a leaked group
+    made later tests fail far from their cause: "default process group twice")."""
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail(f"{request.node.nodeid} left a default process group behind: end it "
+                    "(destroy_process_group, Fleet.finish) before the test returns")
