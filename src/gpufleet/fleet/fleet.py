@@ -51,8 +51,8 @@ from gpufleet.fleet.comm import FleetComm
 from gpufleet.fleet.dtypes import ForwardDtypes
 from gpufleet.fleet.grads import FleetGrads
 from gpufleet.fleet.init import FleetInit
+from gpufleet.fleet.loader import SetUpLoaders
 from gpufleet.fleet.logs import FleetLogs, as_list, as_loggers
-from gpufleet.fleet.run import FleetRun
 from gpufleet.fleet.seeding import seed_everything
 from gpufleet.fleet.setup import FleetSetup
 from gpufleet.fleet.state import FleetCheckpoints
@@ -60,9 +60,8 @@ from gpufleet.fleet.steps import StepTracker
 from gpufleet.launch import DistEnv, destroy_process_group, is_initialized
 from gpufleet.parallel import strategy_class
 from gpufleet.plan import RunPlan, make_plan
-from gpufleet.train.engine.build import plan_run_dir, precision_and_strategy, rank_device
-from gpufleet.train.engine.monitors import build_monitors
-from gpufleet.train.engine.view import RunView
+from gpufleet.train.engine.build import build_own_loop_run
+from gpufleet.train.engine.run import Run
 from gpufleet.train.perf import share_cores
 from gpufleet.train.rank import join_process_group
 from gpufleet.train.seed import seed_everything as seed_all
@@ -151,7 +150,8 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
         self._user_callbacks = as_list(callbacks)
         self._loggers = as_loggers(loggers)
         self._seed = seed
-        self.run: FleetRun | None = None
+        self.run: Run | None = None  # this rank's, once this process is one
+        self._loaders = SetUpLoaders()  # the loaders your loop sets up
         self._placed: list[nn.Module] = []  # every model set up, as placed
         self._dtypes = ForwardDtypes()  # what a set-up model's forward converts
         self._accumulation = Accumulation(gradient_accumulation_steps)
@@ -176,21 +176,16 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
         share_cores(env.local_world_size, env.is_main)
         if self._seed is not None:  # the same seed on every rank, as you asked
             seed_all(self._seed)
-        device = rank_device(cfg, env)
-        precision, strategy = precision_and_strategy(cfg, plan.dims, device)
+        # COLLECTIVE: device, precision, strategy, the run directory (rank 0 chooses and
+        # locks it) and the monitors, by the steps build_run takes for gpufleet's loop
+        self.run = build_own_loop_run(plan, env, self._loaders)
         given = self._init_args["precision"]
-        self._dtypes = ForwardDtypes.for_run(given, precision.autocast_dtype)
-        cfg, _, run_lock = plan_run_dir(cfg, env)  # COLLECTIVE: rank 0 chooses and locks it
-        run_dir = Path(cfg.run.dir)
-        self.plan = plan.with_config(cfg)
-        self.run = FleetRun(cfg=cfg, env=env, device=device, run_dir=run_dir,
-                            precision=precision, strategy=strategy, run_lock=run_lock,
-                            monitors=build_monitors(cfg, env, device, run_dir))
-        self.run.result.run_dir = str(run_dir)
-        self.run.view = RunView(self.run)
+        self._dtypes = ForwardDtypes.for_run(given, self.run.precision.autocast_dtype)
+        self.plan = plan.with_config(self.run.cfg)
         # gpufleet's hooks reach its own Callback objects; call() reaches every one
-        self._steps = StepTracker(self.run, [cb for cb in self._user_callbacks
-                                             if isinstance(cb, Callback)])
+        self._steps = StepTracker(self.run, self._loaders,
+                                  [cb for cb in self._user_callbacks
+                                   if isinstance(cb, Callback)])
         atexit.register(self._at_exit)
 
     def launch(self, fn: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -253,7 +248,7 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
             self.finish()
         return out
 
-    def _rank_run(self) -> FleetRun:
+    def _rank_run(self) -> Run:
         if self.run is None:
             raise ConfigError(
                 f"this Fleet plans {self.plan.nproc} ranks and this process is not one of "
@@ -353,9 +348,9 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
         optimizers' ``step`` and ``zero_grad`` act; the others skip the all-reduce
         (``no_backward_sync``) and make ``step`` and ``zero_grad`` do nothing. See
         :mod:`gpufleet.fleet.accumulate`."""
-        run = self._rank_run()
-        read = [x for x in run.data.loaders if x.last_batch is not None]
-        last = max(read, key=lambda x: x.reads).at_last_batch if read else False
+        self._rank_run()
+        read = self._loaders.read_last()
+        last = read.at_last_batch if read is not None else False
         sync = self._accumulation.begin(last_batch=last)
         with contextlib.ExitStack() as stack:
             if not sync:

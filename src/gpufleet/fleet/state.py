@@ -30,8 +30,8 @@ from torch.optim import Optimizer
 
 from gpufleet.core.phases import Phase
 from gpufleet.errors import CheckpointError, ConfigError
+from gpufleet.fleet.part import FleetPart
 from gpufleet.fleet.perrank import differing, gather_per_rank
-from gpufleet.fleet.run import FleetPart
 from gpufleet.fleet.sharded import (
     is_sharded_checkpoint,
     load_entries,

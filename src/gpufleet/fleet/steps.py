@@ -20,14 +20,15 @@ import torch
 
 from gpufleet.config import config_to_dict, write_config
 from gpufleet.core.callbacks import Callback, CallbackList
-from gpufleet.core.phases import Phase, PhaseAnnouncer
+from gpufleet.core.phases import Phase
+from gpufleet.fleet.loader import SetUpLoaders
 from gpufleet.fleet.observed import LoopObservations
-from gpufleet.fleet.run import FleetRun
 from gpufleet.monitor.jsonl import MetricsFile
 from gpufleet.monitor.sinks import build_sinks
 from gpufleet.procs import forget_process
+from gpufleet.train.engine.build import attach_callbacks
 from gpufleet.train.engine.interval import LogInterval
-from gpufleet.train.engine.monitors import own_callbacks
+from gpufleet.train.engine.run import Run
 from gpufleet.train.engine.step import OptimizerStep, abort, finish
 
 
@@ -36,11 +37,14 @@ class StepTracker:
 
     Args:
         run: this rank's run.
+        loaders: the loaders your loop sets up (the run's data counts).
         callbacks: yours, heard after the run's own.
     """
 
-    def __init__(self, run: FleetRun, callbacks: Sequence[Callback]) -> None:
+    def __init__(self, run: Run, loaders: SetUpLoaders, callbacks: Sequence[Callback]
+                 ) -> None:
         self.run = run
+        self.loaders = loaders
         self._user_callbacks = list(callbacks)
         #: tells the run which phase begins (builds the monitors the first time)
         self.announce: Callable[[Phase], None] = self._first_announce
@@ -91,27 +95,20 @@ class StepTracker:
         """The run's own callbacks (phase timer, watchdog, system sampler, metrics file,
         advisor, as the built-in loop has them), told the loop has started."""
         run = self.run
-        first = run.data.loaders[0].loader if run.data.loaders else None
+        first = self.loaders.loaders[0].loader if self.loaders.loaders else None
         if first is not None:  # the diagnosis reads the batch and worker settings
             run.cfg = dataclasses.replace(run.cfg, data=dataclasses.replace(
                 run.cfg.data, batch_size=first.batch_size or run.cfg.data.batch_size,
                 num_workers=first.num_workers))
             if run.env.is_main:
                 write_config(run.cfg, run.run_dir / "config.toml")
-        own = own_callbacks(run)
-        run.callbacks = CallbackList(own + self._user_callbacks)
-        if run.monitors.system_sampler is None:  # one the caller added (its own interval)
-            from gpufleet.monitor.system import SystemSampler  # psutil, NVML: deferred
-
-            run.monitors.system_sampler = next(
-                (cb for cb in self._user_callbacks if isinstance(cb, SystemSampler)), None)
-        run.phases = PhaseAnnouncer(run.callbacks.phase_listeners, run.view,
-                                    run.callbacks.mark_readers)
+        attach_callbacks(run, self._user_callbacks)  # the run's own, as fit's, then yours
         self.announce = run.phases.announce
         self.interval = self.engine.interval = LogInterval(run)
         run.callbacks.on_fit_start(run.view)
         if self.observed.restarts:  # the elastic agent restarted the ranks: on record
-            for metrics in (cb for cb in own if isinstance(cb, MetricsFile)):
+            for metrics in (cb for cb in run.callbacks.callbacks
+                            if isinstance(cb, MetricsFile)):
                 metrics.write("restart", {"step": run.state.step,
                                           "restarts": self.observed.restarts})
         for step, values in self._early_logs:
@@ -134,8 +131,8 @@ class StepTracker:
 
     def _batch_size(self) -> int | None:
         """Samples in the batch a set-up loader handed out last (None: none yet)."""
-        read = [x for x in self.run.data.loaders if x.last_batch is not None]
-        return max(read, key=lambda x: x.reads).last_batch[2] if read else None
+        read = self.loaders.read_last()
+        return read.last_batch[2] if read is not None and read.last_batch else None
 
     def resumed(self, step: int) -> None:
         """A checkpoint restored the step count: the steps go on from ``step`` (the

@@ -119,14 +119,16 @@ class OptimizerStep:
             self._log_interval().grad_norm = norm
         return norm
 
-    def decide(self, model: nn.Module, optimizer: torch.optim.Optimizer, guard: Any,
+    def decide(self, model: nn.Module | None, optimizer: torch.optim.Optimizer, guard: Any,
                step_loss: torch.Tensor, norm: torch.Tensor | None) -> bool:
-        """Whether every rank skips this step on the host."""
+        """Whether every rank skips this step on the host (a guard watches a model:
+        without one, none)."""
         # Device path with clipping by norm only: the guard's COLLECTIVE happens here, on
         # the norms the clip measured before clipping. Without the device path (fp16,
         # ZeRO, an unfused optimizer): COLLECTIVE + SYNC, all ranks agree on the host to
         # skip a step that is not finite.
-        return guard is not None and guard.should_skip(model, step_loss, norm, optimizer)
+        return guard is not None and model is not None and \
+            guard.should_skip(model, step_loss, norm, optimizer)
 
     def step_or_skip(self, optimizer: torch.optim.Optimizer, precision: Any, skip: bool,
                      step_loss: torch.Tensor | None, count: int,
@@ -160,7 +162,7 @@ class OptimizerStep:
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
             self.schedules.after_step(part)
 
-    def after_clip(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+    def after_clip(self, model: nn.Module | None, optimizer: torch.optim.Optimizer,
                    precision: Any, guard: Any, step_loss: torch.Tensor,
                    norm: torch.Tensor | None, count: int, part: Any = None,
                    take: Callable[[], Any] | None = None) -> tuple[bool, Any]:
@@ -230,7 +232,7 @@ def finish(run: Any, result: FitResult) -> FitResult:
     into the result, and rank 0 writes report.html. The caller closes the run."""
     state = run.state
     result.steps = state.step
-    result.epochs = run.data.epochs_done
+    result.epochs = run.counts.epochs_done
     result.skipped_steps = sum(p.guard.skipped for p in run.parts if p.guard is not None)
     result.train_time_s = state.train_time_s
     if state.train_time_s > 0:
