@@ -53,6 +53,7 @@ from gpufleet.fleet.grads import FleetGrads
 from gpufleet.fleet.init import FleetInit
 from gpufleet.fleet.loader import SetUpLoaders
 from gpufleet.fleet.logs import FleetLogs, as_list, as_loggers
+from gpufleet.fleet.preemption import FleetPreemption
 from gpufleet.fleet.seeding import seed_everything
 from gpufleet.fleet.setup import FleetSetup
 from gpufleet.fleet.state import FleetCheckpoints
@@ -71,12 +72,12 @@ log = logging.getLogger(__name__)
 # What Fleet sets in the config it plans: your loop owns the recipe and the signals.
 _OWN_LOOP = {
     "optim.preset": "none", "optim.clip_norm": 0.0,  # clip_gradients is yours to call
-    "fault.preempt_check_every": 0,  # SIGTERM / Ctrl-C reach your loop as usual
     "fault.snapshot_every": 0,  # gpufleet's own loop takes in-memory snapshots; yours not
 }
 
 
-class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, FleetLogs):
+class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, FleetLogs,
+            FleetPreemption):
     """Run your own training loop on one or many ranks with gpufleet underneath.
 
     Args:
@@ -111,6 +112,11 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
         gradient_accumulation_steps: Accelerate's: micro-batches per optimizer step
             under :meth:`accumulate` (see :mod:`~gpufleet.fleet.accumulate`); above 1,
             :meth:`backward` divides the loss by it.
+        resume: ``"auto"`` (the newest checkpoint of the run directory, or of the
+            newest run of this name, if there is one), ``"latest"`` (it must exist) or
+            a checkpoint's path: :attr:`resume_from`, for your ``fleet.load`` (a
+            preempted run goes on: see :mod:`~gpufleet.fleet.preemption`). None: a
+            fresh start (a run directory holding checkpoints is then refused).
 
     Example:
         >>> fleet = Fleet(accelerator="cpu", devices=1)  # doctest: +SKIP
@@ -125,13 +131,14 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
                  name: str | None = None, log_every: int = 10,
                  overrides: dict[str, Any] | None = None, config: Config | None = None,
                  callbacks: Sequence[Any] = (), loggers: Any = None,
-                 gradient_accumulation_steps: int = 1) -> None:
+                 gradient_accumulation_steps: int = 1, resume: str | None = None) -> None:
         self._init_args = dict(accelerator=accelerator, devices=devices, precision=precision,
                                strategy=strategy, num_nodes=num_nodes, seed=seed,
                                run_dir=run_dir,
                                name=name, log_every=log_every, overrides=overrides,
                                config=config, callbacks=as_list(callbacks), loggers=loggers,
-                               gradient_accumulation_steps=gradient_accumulation_steps)
+                               gradient_accumulation_steps=gradient_accumulation_steps,
+                               resume=resume)
         keys: dict[str, Any] = {**_OWN_LOOP, "log.every": log_every,
                                 **fleet_overrides(accelerator, devices, precision, strategy,
                                                   num_nodes, defaults=config is None)}
@@ -142,6 +149,8 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
             keys["run.seed"] = seed
         if run_dir:
             keys["run.dir"] = str(run_dir)
+        if resume is not None:
+            keys["checkpoint.resume"] = resume
         if name or config is None or not config.run.name:
             keys["run.name"] = name or _script_name()
         keys.update(overrides or {})
@@ -185,7 +194,8 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
         # gpufleet's hooks reach its own Callback objects; call() reaches every one
         self._steps = StepTracker(self.run, self._loaders,
                                   [cb for cb in self._user_callbacks
-                                   if isinstance(cb, Callback)])
+                                   if isinstance(cb, Callback)],
+                                  on_preempted=self._stop_for_preemption)
         atexit.register(self._at_exit)
 
     def launch(self, fn: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -414,6 +424,7 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
         finally:
             if collective and self._owns_group:
                 destroy_process_group()
+        self._pass_on_signal()  # a stop signal no step boundary came to act on
 
 class _UntilConfigured(logging.StreamHandler):
     """Prints gpufleet's lines while the root logger has no handler (the script has not

@@ -202,11 +202,13 @@ class FleetLoader:
 
     def _pass(self, number: int, epoch: int) -> Iterator[Any]:
         """Pass ``number`` of ``epoch``: its batches, counted, then :meth:`_leave`."""
-        batches = self._start_pass()
+        batches: Iterator[Any] | None = None
         on_batch, to_device = self._on_batch, self._to_device
         try:
             while True:
-                on_batch()
+                on_batch()  # the data phase begins (a stop agreed on happens here)
+                if batches is None:  # (after on_batch: the pass's start is data time,
+                    batches = self._start_pass()  # and a stop saves before its draws)
                 batch = next(batches, _END)
                 if batch is _END:
                     self._ended = True

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -31,6 +32,11 @@ from gpufleet.train.engine.interval import LogInterval
 from gpufleet.train.engine.run import Run
 from gpufleet.train.engine.step import OptimizerStep, abort, finish
 
+log = logging.getLogger(__name__)
+
+#: the phases that begin a step: a stop agreed on is carried out at the first of them
+_NEXT_STEP = frozenset({Phase.DATA, Phase.FORWARD, Phase.BACKWARD, Phase.EVAL})
+
 
 class StepTracker:
     """Follows your loop's steps on this rank.
@@ -41,10 +47,12 @@ class StepTracker:
         callbacks: yours, heard after the run's own.
     """
 
-    def __init__(self, run: Run, loaders: SetUpLoaders, callbacks: Sequence[Callback]
-                 ) -> None:
+    def __init__(self, run: Run, loaders: SetUpLoaders, callbacks: Sequence[Callback],
+                 on_preempted: Callable[[], None] | None = None) -> None:
         self.run = run
         self.loaders = loaders
+        #: what stops the run for a signal the ranks agreed on (saves, ends, exits)
+        self._on_preempted = on_preempted
         self._user_callbacks = list(callbacks)
         #: tells the run which phase begins (builds the monitors the first time)
         self.announce: Callable[[Phase], None] = self._first_announce
@@ -253,6 +261,36 @@ class StepTracker:
         self.engine.end(skipped_guards)
         if run.state.step % run.cfg.log.every == 0:
             self._log()
+        self._agree_on_stopping()
+
+    def _agree_on_stopping(self) -> None:
+        """COLLECTIVE every ``fault.preempt_check_every`` steps (one int on the CPU): a
+        stop signal on any rank, or a stop asked for (a callback's request_stop), stops
+        every rank after this same step. A signal's stop is carried out when the loop
+        begins its next step (:meth:`_stop_then_announce`); an asked-for stop is the
+        loop's to act on (``fleet.should_stop``)."""
+        run, watch = self.run, self.run.monitors.preemption
+        if watch is None or not watch.should_stop(run.state.step,
+                                                  bool(run.state.stop_reason)):
+            return
+        if watch.stop_requested:
+            if not run.result.stopped_early and run.env.is_main:
+                log.warning("the ranks agreed to stop after step %d: %s (fleet.should_stop "
+                            "is True)", run.state.step,
+                            run.state.stop_reason or "another rank asked")
+            run.result.stopped_early = run.state.stop_reason or "another rank asked"
+        elif self._on_preempted is not None:
+            self.announce = self._stop_then_announce
+
+    def _stop_then_announce(self, phase: Phase) -> None:
+        """After the step the ranks agreed to stop at: the loop begins its next step
+        (data, a forward, backward, evaluation) with its own bookkeeping of the last
+        one done, so the run stops now (saves, ends, raises SystemExit); other phases
+        (an optimizer's or a checkpoint's of that step) go on as usual."""
+        if phase in _NEXT_STEP and self._on_preempted is not None:
+            self.announce = self.run.phases.announce
+            self._on_preempted()  # raises SystemExit
+        self.run.phases.announce(phase)
 
     def other_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
         """Another optimizer's step (a GAN's second one): unscaled, then stepped; no

@@ -25,6 +25,7 @@ from gpufleet.core.phases import PhaseAnnouncer
 from gpufleet.data.ledger import open_ledger
 from gpufleet.data.loaders import build_eval_loader, build_train_loader
 from gpufleet.errors import ConfigError, GpufleetError
+from gpufleet.fault.preempt import PREEMPT_SIGNALS
 from gpufleet.job import import_object
 from gpufleet.launch import DistEnv, broadcast_object, is_initialized
 from gpufleet.launch.grow import joining
@@ -199,7 +200,9 @@ def build_own_loop_run(plan: RunPlan, env: DistEnv, counts: DataCounts) -> Run:
     cfg, resume_from, run_lock = plan_run_dir(cfg, env)  # COLLECTIVE
     run_dir = Path(cfg.run.dir)
     run = Run(cfg=cfg, env=env, device=device, run_dir=run_dir, precision=precision,
-              strategy=strategy, monitors=build_monitors(cfg, env, device, run_dir),
+              # SIGTERM and SIGUSR1 (Ctrl-C stays your loop's KeyboardInterrupt)
+              strategy=strategy,
+              monitors=build_monitors(cfg, env, device, run_dir, PREEMPT_SIGNALS),
               counts=counts, resume_from=resume_from, run_lock=run_lock,
               # FLOPs are not counted: your loop's forward is not the engine's to wrap
               state=TrainState(flops_per_step=0))

@@ -5,13 +5,14 @@ callbacks that write and diagnose what they measure."""
 from __future__ import annotations
 
 import logging
+import signal
 from pathlib import Path
 
 import torch
 
 from gpufleet.config import Config, config_to_dict
 from gpufleet.core.callbacks import Callback
-from gpufleet.fault.preempt import PreemptionWatch
+from gpufleet.fault.preempt import SIGNALS, PreemptionWatch
 from gpufleet.fault.watchdog import Watchdog
 from gpufleet.launch import DistEnv, is_initialized, job_store
 from gpufleet.launch.netif import node_address
@@ -33,8 +34,10 @@ from gpufleet.train.recovery.receipts import ReceiptKeeper
 log = logging.getLogger(__name__)
 
 
-def build_monitors(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path) -> Monitors:
-    """The phase timer, the stall watchdog and the preemption watch, as configured."""
+def build_monitors(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path,
+                   signals: tuple[signal.Signals, ...] = SIGNALS) -> Monitors:
+    """The phase timer, the stall watchdog and the preemption watch (catching
+    ``signals``), as configured."""
     fault = cfg.fault
     return Monitors(
         phase_timer=PhaseTimer(device, cfg.log.every) if cfg.monitor.phases else None,
@@ -42,7 +45,7 @@ def build_monitors(cfg: Config, env: DistEnv, device: torch.device, run_dir: Pat
         watchdog=(Watchdog(fault, run_dir, env.rank, env.world_size, job_store(),
                            env.restart_count, node=(env.node_rank, node_address(env)))
                   if fault.watchdog else None),
-        preemption=(PreemptionWatch(fault.preempt_check_every, is_initialized())
+        preemption=(PreemptionWatch(fault.preempt_check_every, is_initialized(), signals)
                     if fault.preempt_check_every else None))
 
 
