@@ -144,5 +144,26 @@ def crash(out: Path) -> None:
         torch.save(model.state_dict(), out / "crash-final.pt")
 
 
+def preempt(out: Path) -> None:
+    """The Fleet loop, stopped by SIGTERM to the launcher on its first run: rank 0
+    writes ``OUT/preempt-ready`` after step 3, and from there each step takes 0.3 s more,
+    so that the signal lands mid-run. The same command again resumes (resume="auto")
+    and rank 0 writes the final weights to ``OUT/preempt-final.pt``."""
+    fleet = gpufleet.Fleet(accelerator="cpu", seed=own_loop.SEED, log_every=4,
+                           run_dir=str(out / "term-run"), resume="auto",
+                           overrides={"fault.preempt_check_every": 1})
+    first = fleet.resume_from is None
+
+    def slow_after_3(step: int) -> None:
+        if first and step == 3 and fleet.global_rank == 0:
+            (out / "preempt-ready").touch()
+        if first and step >= 3:
+            time.sleep(0.3)
+
+    model, _ = fleet.launch(own_loop_fleet.train, EPOCHS, BATCH, None, 4, slow_after_3)
+    if fleet.global_rank == 0:
+        torch.save(model.state_dict(), out / "preempt-final.pt")
+
+
 if __name__ == "__main__":
-    {"twin": twin, "crash": crash}[sys.argv[1]](Path(sys.argv[2]))
+    {"twin": twin, "crash": crash, "preempt": preempt}[sys.argv[1]](Path(sys.argv[2]))

@@ -8,8 +8,10 @@ to one rank checkpoints at the same step on both and resumes to them too."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -133,6 +135,35 @@ def test_a_preempted_loop_checkpoints_at_a_step_and_resumes_to_the_same_weights(
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # the stopped run's last interval (steps 5-6), then the resumed run's
     assert [r["step"] for r in records if r["kind"] == "train"] == [4, 6, 8, 12]
+
+
+@pytest.mark.slow  # the default run keeps the promise in the test above (USR1 to one
+# rank, SystemExit(75), a resume in the same processes); this one is the whole round
+def test_sigterm_to_gpufleet_run_exits_75_and_the_same_command_resumes(twin):
+    """SIGTERM to the launcher mid-run: `gpufleet run` exits 75 with one checkpoint in
+    the run directory, and the same command again ends with the uninterrupted weights."""
+    cmd = [sys.executable, "-m", "gpufleet", "run", "--nproc", "2", str(RANKS), "preempt",
+           str(twin)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (twin / "preempt-ready").exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the loop did not get to step 3"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 75, err[-5000:]
+    assert len(list((twin / "term-run" / "checkpoints").glob("step-*.pt"))) == 1
+    _gpufleet_run("preempt", str(twin))
+    resumed = torch.load(twin / "preempt-final.pt", weights_only=True)
+    whole = torch.load(twin / "twin-rank0.pt", weights_only=True)["fleet_weights"]
+    for name, value in whole.items():
+        assert torch.equal(resumed[name], value), name
 
 
 def test_fabric_collectives_on_two_ranks(twin):
