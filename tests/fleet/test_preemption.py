@@ -70,6 +70,25 @@ def test_sigterm_checkpoints_the_registered_state_and_a_new_fleet_resumes(tmp_pa
         assert torch.equal(state["model"].state_dict()[name], value), name
 
 
+def _whole(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+            for k, v in model.state_dict().items()}
+
+
+def test_under_fsdp_the_checkpoint_is_a_directory_of_shards_and_resumes(tmp_path):
+    """One process under fsdp (a process group of one rank): the preemption's
+    checkpoint is a sharded directory, found again by resume="auto"."""
+    want = _whole(_fleet(tmp_path / "straight", strategy="fsdp").launch(_loop, True)["model"])
+    with pytest.raises(SystemExit):
+        _fleet(tmp_path / "run", strategy="fsdp").launch(_loop, True, 3)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-0000004"
+    assert checkpoint.is_dir()
+    again = _fleet(tmp_path / "run", strategy="fsdp")
+    assert again.resume_from == checkpoint
+    got = _whole(again.launch(_loop, True)["model"])
+    assert all(torch.equal(got[k], want[k]) for k in want) and again.step == 8
+
+
 def test_without_a_registered_state_the_last_saved_one_is_checkpointed(tmp_path):
     fleet = _fleet(tmp_path / "run")
     with pytest.raises(SystemExit):
