@@ -56,6 +56,7 @@ from gpufleet.monitor.report_cli import write_at_end
 if TYPE_CHECKING:
     from gpufleet.train.engine.interval import LogInterval
     from gpufleet.train.engine.result import FitResult
+    from gpufleet.train.engine.view import RunLike
     from gpufleet.train.scheduling import SchedulerSteps
 
 
@@ -76,7 +77,7 @@ class OptimizerStep:
         >>> step.end(step.step_parts(run.parts, {"model": loss}, 1))  # doctest: +SKIP
     """
 
-    def __init__(self, run: Any, interval: LogInterval | None,
+    def __init__(self, run: RunLike, interval: LogInterval | None,
                  schedules: SchedulerSteps | None = None, zero_grad: bool = True) -> None:
         self.run = run
         #: where the step's loss and norm go (your loop's is made at its first step)
@@ -225,7 +226,7 @@ class OptimizerStep:
 
 
 # -- the run's end ----------------------------------------------------------------------
-def finish(run: Any, result: FitResult) -> FitResult:
+def finish(run: RunLike, result: FitResult) -> FitResult:
     """The run trained to its end: ``result`` gets its totals (steps, epochs, skipped
     steps, training time, samples and tokens per second), the monitors read the last
     phase marks, the callbacks' ``on_fit_end`` runs (diagnosis.json), their failures go
@@ -247,7 +248,7 @@ def finish(run: Any, result: FitResult) -> FitResult:
     return result
 
 
-def abort(run: Any, error: BaseException) -> None:
+def abort(run: RunLike, error: BaseException) -> None:
     """The run failed with ``error``: the callbacks let go of what they hold
     (``on_exception``); no last log interval, no diagnosis. The caller closes the
     run."""
