@@ -154,6 +154,8 @@ class _Variant(nn.Module):
         self.last = 0.0
         if kind == "optimizer" and self.amount:
             register_optimizer_step_post_hook(functools.partial(_busy, self.amount))
+        if kind == "optimizer-elementwise" and self.amount:
+            register_optimizer_step_post_hook(functools.partial(_elementwise, self.amount))
         if kind == "threads" and self.amount:
             torch.set_num_threads(1)  # this rank alone runs on one thread
 
@@ -175,7 +177,41 @@ class _Variant(nn.Module):
                 gc.collect()
         if self.kind == "item":
             self.last = out.mean().item()  # a user metric read every step (a host sync)
+        if self.kind == "elementwise" and self.amount:
+            _elementwise(self.amount)  # slow operators with no matmul (no FLOPs counted)
+        if self.kind == "elementwise-backward" and self.amount:
+            out = _ElementwiseBackward.apply(out, self.amount)
+        if self.kind == "python" and self.amount:
+            _python(self.amount)  # Python between the operators: host overhead
         return out
+
+
+def _elementwise(n: int, *_: Any) -> None:
+    """``n`` element-wise passes over 1M floats (memory-bound, no FLOPs counted)."""
+    g = torch.ones(1 << 20)
+    for _ in range(n):
+        g = torch.tanh(g)
+
+
+def _python(n: int) -> None:
+    """``n`` x 10,000 steps of a pure Python loop (no operator)."""
+    total = 0
+    for i in range(n * 10_000):
+        total += i
+
+
+class _ElementwiseBackward(torch.autograd.Function):
+    """Identity whose backward does ``n`` element-wise passes (see :func:`_elementwise`)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, n: int) -> torch.Tensor:
+        ctx.n = n
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        _elementwise(ctx.n)
+        return grad, None
 
 
 def _busy(n: int, *_: Any) -> None:
@@ -189,7 +225,10 @@ def make_variant(kind: str, rank: int = 1, amount: int = 1) -> nn.Module:
     """The MLP with ``kind`` of extra cost on rank ``rank``: ``forward`` or ``backward``
     (extra arithmetic there), ``optimizer`` (in the optimizer step), ``gc`` (full
     collections over many live objects), ``threads`` (one torch thread on that rank),
-    ``item`` (a ``.item()`` every step, every rank)."""
+    ``item`` (a ``.item()`` every step, every rank); on every rank: ``elementwise``,
+    ``elementwise-backward``, ``optimizer-elementwise`` (memory-bound work without
+    FLOPs in forward, backward or the optimizer step), ``python`` (a Python loop in
+    forward: host overhead)."""
     return _Variant(kind, rank, amount)
 
 
@@ -423,9 +462,37 @@ def _user_reports(cores: int) -> list[Scenario]:
                                         "--model.kwargs={width = 640, depth = 3}"],
                  write_bps=8 * 2**20, needs=slow_disk_missing()),
         Scenario("clean, 2 ranks", None, two),
+        *_one_part_each(),
         *_sharded_and_pipelined(),
         Scenario("clean, 2 nodes (network bed, links unlimited)", None,
                  launcher="two-nodes-clean", needs=_netbed_missing()),
+    ]
+
+
+def _one_part_each() -> list[Scenario]:
+    """One slowdown in each part of the step accounting on one rank, named by the
+    expected step (``headroom:PART``: the part furthest above what this CPU should do);
+    the other parts have rows above (data: input-bound; late ranks: the stragglers;
+    exposed communication: the slow link; checkpoints: time-outside-steps)."""
+    def every(kind: str, amount: int) -> list[str]:
+        return ["--model=diagnosis_zoo:make_variant",
+                f'--model.kwargs={{kind = "{kind}", rank = 0, amount = {amount}}}']
+    return [
+        Scenario("forward: memory-bound work without FLOPs (30 passes over 4 MiB)",
+                 "headroom:forward", every("elementwise", 30),
+                 cause_removed=(every("elementwise", 0), {}, 0)),
+        Scenario("backward: memory-bound work without FLOPs (30 passes over 4 MiB)",
+                 "headroom:backward", every("elementwise-backward", 30),
+                 cause_removed=(every("elementwise-backward", 0), {}, 0)),
+        Scenario("optimizer step: a post-hook's memory-bound work (30 passes over 4 MiB)",
+                 "headroom:optimizer", every("optimizer-elementwise", 30),
+                 cause_removed=(every("optimizer-elementwise", 0), {}, 0)),
+        Scenario("host overhead: a Python loop in forward (200,000 steps)", "headroom:host",
+                 every("python", 20), cause_removed=(every("python", 0), {}, 0)),
+        Scenario("a rank that swaps", "straggler",
+                 needs="not built: this machine has no swap device, and making one and filling "
+                       "memory until a rank swaps would take memory from the other work "
+                       "sharing it"),
     ]
 
 
@@ -531,7 +598,7 @@ def run_scenario(scn: Scenario, out: Path, repeats: int,
     given = [*BASE, *scn.args]
     slow = [_measure(scn, given, {}, scn.hogs, out / "slow-0")]
     first = slow[0].findings[0] if slow[0].findings else None
-    row["first"] = first.rule if first else "(none)"
+    row["first"] = label(first)
     row["residual"] = residual(out / "slow-0")
     if scn.expected is None:  # a clean run: right when nothing warns (an info may be
         warns = [f for f in slow[0].findings if f.severity == "warn"]  # true of the node)
@@ -673,6 +740,16 @@ def _two_nodes_clean(out: Path) -> dict[str, Any]:
             "correct": correct, "confident_wrong": _confident_wrong(first, correct),
             "fix": "-", "speedup": None, "residual": shares,
             "note": "; ".join(f.title for f in findings) or "-"}
+
+
+def label(finding: Any) -> str:
+    """A first finding as the table compares it: its rule, and for ``headroom`` the
+    part it names (``headroom:forward``)."""
+    if finding is None:
+        return "(none)"
+    if finding.rule == "headroom":
+        return f"headroom:{finding.measurements.get('part')}"
+    return finding.rule
 
 
 def _confident_wrong(first: Any, correct: bool) -> bool:

@@ -62,6 +62,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def _environment_restored():
+    """Each test gets the environment the worker started with: code under test that
+    exports a rank's variables (RANK=1, WORLD_SIZE=2, MASTER_PORT ... for torch) would
+    otherwise make a later in-process run of the same worker believe it is that rank."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
 def _no_process_group_left_behind(request):
     """A test that leaves this process in a default process group fails, naming itself;
     the group is ended so the next test of the same worker starts clean (a leaked group

@@ -84,6 +84,16 @@ def test_a_tiny_model_and_batch_is_host_bound(run_cli, tmp_path):
     assert "of a plain matmul on this CPU" in _rules(tmp_path / "runs" / "tiny")[
         "host-bound"]["message"]
     assert findings_for_run(tmp_path / "runs" / "tiny")[0].rule in ("host-bound",)
+    # The expected step says how far it is from this CPU's measured rates (an info
+    # after the warning), naming the part furthest from it with its figures.
+    recorded = json.loads((tmp_path / "runs" / "tiny" / "diagnosis.json").read_text())
+    f = _rules(tmp_path / "runs" / "tiny")["headroom"]
+    assert f["severity"] == "info" and f["measurements"]["part"] in (
+        "data", "forward", "backward", "optimizer", "host")
+    assert "of this CPU's measured fp32 matmul rate" in f["message"]
+    (got,) = recorded["expected_step"]
+    assert got["host_share"] is not None and got["work"]["ops"]["forward"] > 0
+    assert "<h3>Expected step</h3>" in (tmp_path / "runs" / "tiny" / "report.html").read_text()
 
 
 # -- the rules on measured-looking numbers (the GPU-only ones cannot be built here) ------

@@ -57,7 +57,12 @@ def run_dir(tmp_path_factory):
                    "optim.clip_norm": 1.0})  # the clip measures the gradient norm charted
     run = Path(result.run_dir)
     _system_lines(run / "system.jsonl")
-    (run / "diagnosis.json").write_text(json.dumps({"findings": [FINDING.to_dict()]}))
+    # The run's own diagnosis is kept apart; the report shows a finding of ours, with
+    # the run's measured expected step.
+    real = (run / "diagnosis.json").read_text()
+    (run / "diagnosis.measured.json").write_text(real)
+    (run / "diagnosis.json").write_text(json.dumps({**json.loads(real),
+                                                    "findings": [FINDING.to_dict()]}))
     return run
 
 
@@ -76,6 +81,19 @@ def test_report_is_self_contained_and_shows_everything(run_dir):
     # Evaluation every 20 steps is a part of the accounting, within 5% of the clock.
     steady = assert_accounted(run_dir, world=1)
     assert sum(rows[0]["eval_checkpoint"] > 0 for rows in steady) >= 2
+    # Host overhead is measured on a CPU (the op clock sampled a step before the first
+    # interval ended): a part of its own, the operators of the sample counted.
+    assert all(rows[0]["host"] is not None and rows[0]["ops"]["backward"] > 0
+               for rows in steady)
+    assert "host overhead" in html and "outside any operator" in html
+    # The expected step, against this CPU's measured rates, in diagnosis.json and here.
+    measured = json.loads((run_dir / "diagnosis.measured.json").read_text())
+    (got,) = measured["expected_step"]
+    assert got["peaks"]["matmul_flops"] > 0 and got["peaks"]["dtype"] == "fp32"
+    assert got["work"]["flops"] > 0 and got["work"]["optimizer_bytes"] > 0
+    assert got["parts"]["forward"]["expected"] > 0 and got["compute_share"] > 0
+    assert measured["facts"]["peaks"]["launch_s"] > 0
+    assert "<h3>Expected step</h3>" in html and "GFLOP/s (fp32 matmul)" in html
     # A CPU run has no MFU (no known peak): no empty MFU line, no MFU in a title.
     assert "MFU" not in html
     assert "input-bound on rank 0" in html and "raise data.num_workers from 0 to 2." in html

@@ -20,10 +20,14 @@ hooks measured (:class:`gpufleet.monitor.arrival.ArrivalTimer`):
 - ``late_ranks``: waiting for late ranks: what this rank spent inside the collectives
   beyond that least (a rank that arrived ``x`` ms earlier waits ``x`` ms more).
 - ``optimizer``: unscale, guard, clip, step, zero_grad.
-- ``host``: host overhead (Python between kernels and launches). Not measured: on a CPU
-  the operators run on the calling thread, so Python and arithmetic share one clock,
-  and on CUDA the stream's events see when work ran, not why the stream was idle. It is
-  left inside the phase it happened in and reported as None.
+- ``host``: host overhead: on a CPU, the time of forward, backward and the optimizer
+  step (less their collectives) spent outside any operator: Python between the
+  operators, the dispatcher, hooks. Measured on a sampled step by
+  :class:`gpufleet.monitor.opclock.OpClock` (the time inside operators, per phase),
+  taken from each phase of the interval, so ``forward``, ``backward`` and
+  ``optimizer`` are then the time inside their operators. None where not measured
+  (CUDA: an operator returns once its kernel is queued, so its time is the launch, not
+  the work; torch.compile; before the first sample): there it stays inside its phase.
 - ``eval_checkpoint``: evaluation and checkpoints, per step of the interval they ran in.
 - ``other``: the log line, callbacks and the rest between steps.
 
@@ -31,7 +35,8 @@ hooks measured (:class:`gpufleet.monitor.arrival.ArrivalTimer`):
 zero. It holds what no mark covers (the time before a run's first step, a recovery)
 and any part measured larger than the phase that holds it (a part is never negative:
 the excess shows here). Under pipeline the stage's forward phase holds both directions
-of its micro-batches, so ``forward`` holds its backward compute too.
+of its micro-batches, so ``forward`` holds its backward compute too. Host overhead
+only moves time between parts of one phase: it never changes the residual.
 
 Example:
     >>> phases = [{"rank": 0, "data": 0.01, "forward": 0.02, "backward": 0.05,
@@ -60,7 +65,8 @@ TOLERANCE = 0.05
 
 def rank_accounting(rank_phases: Sequence[dict[str, Any]],
                     rank_arrival: Sequence[dict[str, Any]] | None,
-                    rank_clock: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+                    rank_clock: Sequence[dict[str, Any]],
+                    rank_ops: Sequence[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Every rank's parts of its step, its measured step and the residual (seconds per
     step; see the module docs).
 
@@ -71,12 +77,17 @@ def rank_accounting(rank_phases: Sequence[dict[str, Any]],
             collectives begun in backward, -1 when not measured; ``wait_fwd``: in
             forward), or None when it did not run.
         rank_clock: per rank, :data:`CLOCK`'s values.
+        rank_ops: per rank, the op clock's row (:data:`gpufleet.monitor.opclock.OPS`:
+            seconds per step inside operators in ``ops_forward``, ``ops_backward``,
+            ``ops_optimizer``, -1 when not sampled), or None when it did not run.
 
     Returns:
-        One dict per rank: ``rank``, each of :data:`PARTS` (``host`` is None: not
+        One dict per rank: ``rank``, each of :data:`PARTS` (``host`` None: not
         measured), ``step`` (the step clock), ``residual``, ``residual_share``
-        (residual / step) and ``comm_measured`` (whether the collectives' time was
-        measured apart from the phases holding them).
+        (residual / step), ``comm_measured`` (whether the collectives' time was
+        measured apart from the phases holding them) and ``ops`` (operators per step
+        in forward, backward and the optimizer step, as the sample that measured
+        ``host`` counted them; absent without one).
     """
     comm = [_comm(rank_arrival, r) for r in range(len(rank_phases))]
     measured = [c for c in comm if c is not None]
@@ -99,6 +110,7 @@ def rank_accounting(rank_phases: Sequence[dict[str, Any]],
             "eval_checkpoint": clock.get("eval", 0.0) + clock.get("checkpoint", 0.0),
             "other": phases["other"],
         }
+        _split_host(row, rank_ops[r] if rank_ops and r < len(rank_ops) else None)
         step = float(clock.get("wall", 0.0))
         total = sum(row[p] or 0.0 for p in PARTS)
         row["step"] = step
@@ -107,6 +119,21 @@ def rank_accounting(rank_phases: Sequence[dict[str, Any]],
         row["comm_measured"] = comm[r] is not None
         rows.append(row)
     return rows
+
+
+def _split_host(row: dict[str, Any], ops: dict[str, Any] | None) -> None:
+    """Each compute part of ``row`` down to its time inside operators; what is left of
+    the three is ``host`` (seconds per step). Not measured (no sample): unchanged."""
+    if not ops or ops.get("ops_forward", -1.0) < 0:
+        return
+    host = 0.0
+    for part in ("forward", "backward", "optimizer"):
+        inside = min(row[part], max(0.0, float(ops[f"ops_{part}"])))
+        host += row[part] - inside
+        row[part] = inside
+    row["host"] = host
+    row["ops"] = {part: float(ops.get(f"count_{part}", 0.0))
+                  for part in ("forward", "backward", "optimizer")}
 
 
 def _comm(rank_arrival: Sequence[dict[str, Any]] | None, r: int) -> tuple[float, float] | None:
@@ -132,7 +159,9 @@ def worst_residual(rows: Sequence[dict[str, Any]]) -> float:
 def mean_accounting(records: Sequence[Sequence[dict[str, Any]]],
                     weights: Sequence[float]) -> list[dict[str, Any]]:
     """Per rank, the weighted mean of several intervals' accounting (weights: their
-    steps); the residual share is recomputed from the means.
+    steps); the residual share is recomputed from the means. A part measured in some
+    intervals only (``host`` before the first sample) counts as 0 in the others, whose
+    time stayed in the phases that held it.
 
     Example:
         >>> a = [{"rank": 0, "data": 0.1, "step": 0.2, "residual": 0.01, "host": None}]
@@ -151,10 +180,14 @@ def mean_accounting(records: Sequence[Sequence[dict[str, Any]]],
             for key, value in row.items():
                 if key == "rank":
                     continue
-                if isinstance(value, bool) or value is None:
+                if isinstance(value, bool):
                     acc[key] = value if key not in acc else (acc[key] and value)
+                elif value is None:  # not measured: None unless another interval was
+                    acc.setdefault(key, None)  # (its time then stayed in its phases)
                 elif isinstance(value, (int, float)):
-                    acc[key] = acc.get(key, 0.0) + value * w / total
+                    acc[key] = (acc.get(key) or 0.0) + value * w / total
+                elif isinstance(value, dict):  # counts of one sample: the newest kept
+                    acc[key] = dict(value)
     out = []
     for r in sorted(sums):
         acc = sums[r]

@@ -28,8 +28,10 @@ from gpufleet.monitor.diagnose import (
     Summary,
     diagnose,
 )
+from gpufleet.monitor.expected import expected_step, work_of
 from gpufleet.monitor.host_rules import host_view
 from gpufleet.monitor.kernel import kernel_view
+from gpufleet.monitor.peaks import Peaks, cpu_peaks
 from gpufleet.monitor.phases import PHASES
 
 log = logging.getLogger(__name__)
@@ -87,6 +89,11 @@ class Advisor(Callback):
     def on_log(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
         self.intervals += 1
         self.facts.steps = step
+        if not self.facts.flops_per_step and getattr(trainer, "flops_per_step", 0):
+            self.facts.flops_per_step = float(trainer.flops_per_step)
+        if not self.facts.optimizer_bytes:  # once the optimizer's state exists
+            self.facts.optimizer_bytes = float(optimizer_traffic(
+                getattr(trainer, "optimizer", None)))
         steps, self._last_step = max(1, step - self._last_step), step
         logged = trainer.log_seconds
         if self.intervals <= self.skip or "rank_phases" not in metrics:
@@ -137,6 +144,9 @@ class Advisor(Callback):
 
     def _update(self, step: int) -> None:
         self._last_update = step
+        if self.facts.device == "cpu" and not self.facts.peaks:  # once, about 0.2 s
+            peaks = cpu_peaks(self.facts.precision)
+            self.facts.peaks = {k: v for k, v in vars(peaks).items() if k != "seconds"}
         if self.facts.device == "cpu" and not self.facts.device_flops:
             self.facts.device_flops = cpu_flops()
         summary = self.summary()
@@ -173,6 +183,11 @@ class Advisor(Callback):
             "steps_measured": summary.steps if summary else 0,
             # every rank's parts of its step and the residual (seconds per step)
             "accounting": summary.rank_accounting if summary else [],
+            # each rank's parts against what this machine should do (CPU runs)
+            "expected_step": [expected_step(row, work_of(self.facts, summary),
+                                            Peaks(**self.facts.peaks, seconds=0.0))
+                              for row in summary.rank_accounting]
+            if summary and self.facts.peaks else [],
             "facts": vars(self.facts)}, indent=1))
         os.replace(tmp, path)
 
@@ -183,29 +198,40 @@ class Advisor(Callback):
         self._save(self.summary())
 
 
-_CPU_FLOPS: dict[int, float] = {}  # torch threads -> measured_cpu_flops(), per process
-
-
 def cpu_flops() -> float:
-    """:func:`measured_cpu_flops` with this process's torch threads, measured once per
-    process and thread count."""
-    threads = torch.get_num_threads()
-    if threads not in _CPU_FLOPS:
-        _CPU_FLOPS[threads] = measured_cpu_flops()
-    return _CPU_FLOPS[threads]
+    """FLOP/s of a plain fp32 matmul on this CPU with this process's torch threads
+    (:func:`gpufleet.monitor.peaks.cpu_peaks`: measured once per process and thread
+    count), the host-bound rule's yardstick."""
+    return cpu_peaks("fp32").matmul_flops
 
 
-def measured_cpu_flops(seconds: float = 0.1, n: int = 512) -> float:
-    """FLOP/s of a plain fp32 matmul on this CPU with torch's threads (a yardstick for
-    how much arithmetic a CPU step could do)."""
-    g = torch.Generator().manual_seed(0)  # the global RNG stays as training left it
-    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
-    a @ b  # warm-up
-    runs, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ b
-        runs += 1
-    return 2 * n ** 3 * runs / (time.perf_counter() - start)
+def optimizer_traffic(optimizer: Any) -> int:
+    """Bytes an optimizer's update reads and writes per step on this rank: each
+    trainable parameter, its gradient (the parameter's size: gradients are usually
+    gone, zeroed to None, when this is read) and its state tensors read, the parameter
+    and the state written (a sharded tensor counts its local shard); 0 for what is not
+    a torch optimizer.
+
+    Example:
+        >>> p = torch.nn.Parameter(torch.zeros(1000))
+        >>> opt = torch.optim.SGD([p], lr=0.1)
+        >>> optimizer_traffic(opt)  # read p and its gradient, write p: 3 x 4000 bytes
+        12000
+    """
+    total = 0
+    for group in getattr(optimizer, "param_groups", ()):
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            state = [t for t in optimizer.state.get(p, {}).values()
+                     if isinstance(t, torch.Tensor) and t.ndim > 0]
+            total += 3 * _local_bytes(p) + 2 * sum(_local_bytes(t) for t in state)
+    return total
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
 
 
 def run_facts(trainer: Any, links: dict[str, Any] | None = None) -> RunFacts:

@@ -14,6 +14,7 @@ from typing import Any
 
 from gpufleet.monitor.accounting import describe
 from gpufleet.monitor.arrival_rules import communication_bound, measured_waits, straggler
+from gpufleet.monitor.expected import TINY_OPERATOR, headroom, operator_time
 from gpufleet.monitor.findings import (
     DIAGNOSIS_FILE,
     Finding,
@@ -52,7 +53,7 @@ def diagnose(s: Summary, facts: RunFacts, system: dict[str, Any] | None = None,
 # a finding about them says how much of the measured step each part took.
 RESTS_ON = {"input-bound": ("data",), "straggler": ("late_ranks",),
             "slow-stage": ("late_ranks",), "communication-bound": ("exposed_comm",),
-            "host-bound": ("forward", "backward", "optimizer"),
+            "host-bound": ("forward", "backward", "optimizer", "host"),
             "time-outside-steps": ("eval_checkpoint",), "slow-logging": ("other",)}
 
 
@@ -239,7 +240,7 @@ def _host_bound(s: Summary, facts: RunFacts, system: dict[str, Any] | None = Non
     use = s.tflops * 1e12 * (s.step_s / busy_s) / (facts.device_flops * share)
     # A short step below 15% of the yardstick is overhead-bound; a long one (over 50 ms,
     # where per-operation overhead is a smaller share) must fall below 5%.
-    if use >= (0.15 if busy_s <= 0.05 else 0.05):
+    if use >= (0.15 if busy_s <= 0.05 else 0.05) or _big_operators(s, facts):
         return None
     what = ("its peak" if facts.device_flops_source == "peak"
             else "a plain matmul on this CPU")
@@ -271,6 +272,17 @@ def _host_bound(s: Summary, facts: RunFacts, system: dict[str, Any] | None = Non
                    changes={"data.batch_size": 4 * facts.batch_size}, confidence=confidence,
                    measurements={"use": use, "step_s": s.step_s, "busy_s": busy_s,
                                  "cpu_share": share})
+
+
+def _big_operators(s: Summary, facts: RunFacts) -> bool:
+    """Whether the op clock measured operators that each do real work (a mean time
+    inside of :data:`~gpufleet.monitor.expected.TINY_OPERATOR` launch costs or more):
+    then a low FLOP rate is slow work inside them (element-wise, memory-bound), not
+    overhead between them, and the headroom finding names the part."""
+    if not facts.peaks or not s.rank_accounting:
+        return False
+    each = operator_time(max(s.rank_accounting, key=lambda r: r.get("step") or 0.0))
+    return each is not None and each >= TINY_OPERATOR * facts.peaks["launch_s"]
 
 
 def _cores_measured(system: dict[str, Any] | None) -> bool:
@@ -389,4 +401,5 @@ def _rules() -> tuple[Any, ...]:
     """Every rule, in the order their findings are given (warnings before infos): what
     slows the node from outside the step first, then the step's own limits."""
     return (*HOST_RULES, _input_bound, _straggler, _communication_bound, _host_bound,
-            _slow_link, _memory_headroom, _fp32_on_tensor_cores, _host_syncs, _dp_imbalance)
+            _slow_link, _memory_headroom, _fp32_on_tensor_cores, _host_syncs, _dp_imbalance,
+            headroom)

@@ -109,6 +109,12 @@ class RunFacts:
             timer counts them).
         steps: optimizer steps done when the facts were last updated.
         restarts: times the elastic agent restarted the ranks before this run.
+        flops_per_step: FLOPs of one rank's forward and backward per optimizer step
+            (torch's FLOP counter; 0: not counted).
+        optimizer_bytes: bytes one rank's optimizer update reads and writes per step
+            (parameters, gradients, optimizer state; 0: not known).
+        peaks: this CPU's measured rates (:class:`gpufleet.monitor.peaks.Peaks` as a
+            dict, without its ``seconds``); empty where not measured (a GPU).
     """
 
     device: str = "cpu"
@@ -144,6 +150,9 @@ class RunFacts:
     evaluations: int = 0
     steps: int = 0
     restarts: int = 0
+    flops_per_step: float = 0.0
+    optimizer_bytes: float = 0.0
+    peaks: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

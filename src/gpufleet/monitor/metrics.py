@@ -7,6 +7,7 @@ from typing import Any
 
 from gpufleet.monitor.accounting import CLOCK
 from gpufleet.monitor.arrival import ARRIVAL
+from gpufleet.monitor.opclock import OPS
 from gpufleet.monitor.phases import PHASES
 
 
@@ -60,6 +61,20 @@ def clock_metrics(table: list[float], world: int) -> list[dict[str, Any]]:
     """
     n = len(CLOCK)
     return [{"rank": r, **dict(zip(CLOCK, table[r * n:(r + 1) * n]))} for r in range(world)]
+
+
+def ops_metrics(table: list[float], world: int) -> list[dict[str, Any]]:
+    """Every rank's op clock row for the accounting (a flat ``[world, OPS]`` table:
+    seconds per step inside operators in forward, backward and the optimizer step, -1
+    when not sampled, then the operators counted in each).
+
+    Example:
+        >>> row = [0.01, 0.02, 0.001, 20.0, 36.0, 4.0]
+        >>> ops_metrics([*row, -1.0, -1.0, -1.0, 0.0, 0.0, 0.0], 2)[0]["count_backward"]
+        36.0
+    """
+    n = len(OPS)
+    return [{"rank": r, **dict(zip(OPS, table[r * n:(r + 1) * n]))} for r in range(world)]
 
 
 def flops_metrics(flops_per_step: float, step_time_s: float,

@@ -33,6 +33,8 @@ from typing import Any
 from gpufleet.errors import GpufleetError
 from gpufleet.monitor.accounting import PARTS, TOLERANCE, mean_accounting
 from gpufleet.monitor.diagnose import Finding, findings_for_run
+from gpufleet.monitor.report_expected import CSS as EXPECTED_CSS
+from gpufleet.monitor.report_expected import expected_section
 from gpufleet.monitor.report_receipts import CSS as RECEIPTS_CSS
 from gpufleet.monitor.report_receipts import receipts_section
 from gpufleet.monitor.report_svg import Series, line_chart, stacked_bars
@@ -129,13 +131,13 @@ def render_report(run_dir: Path, metrics: list[dict[str, Any]], system: list[dic
             "<h2>Diagnosis</h2>", _diagnosis(findings),
             "<h2>Training</h2>", *_training(train, evals),
             *receipts_section(run_dir),
-            "<h2>Step accounting</h2>", *_accounting(train),
+            "<h2>Step accounting</h2>", *_accounting(train), *expected_section(run_dir),
             "<h2>Step time by phase</h2>", *_phases(train),
             "<h2>GPUs</h2>", *_gpus(system),
             "<h2>Host</h2>", *_host(system), _config(run_dir)]
     return ("<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>gpufleet report: {escape(run_dir.name)}</title>"
-            f"<style>{_CSS}{RECEIPTS_CSS}</style></head><body>\n" + "\n".join(body)
+            f"<style>{_CSS}{RECEIPTS_CSS}{EXPECTED_CSS}</style></head><body>\n" + "\n".join(body)
             + "\n</body></html>\n")
 
 
@@ -300,8 +302,8 @@ def _phases(train: list[dict]) -> list[str]:
 # measured: it stays inside its phase, and is left out of the bars).
 _PART_NAMES = {"data": "data wait", "forward": "forward", "backward": "backward compute",
                "exposed_comm": "exposed communication", "late_ranks": "waiting for late ranks",
-               "optimizer": "optimizer", "eval_checkpoint": "checkpoint and evaluation",
-               "other": "other"}
+               "optimizer": "optimizer", "host": "host overhead",
+               "eval_checkpoint": "checkpoint and evaluation", "other": "other"}
 
 
 def _accounting(train: list[dict]) -> list[str]:
@@ -330,8 +332,15 @@ def _accounting(train: list[dict]) -> list[str]:
                         "interval(s); the black tick is the measured step)", rows, names,
                         "ms", measured=measured, notes=notes)]
     unmeasured = [f"rank {r['rank']}" for r in mean if not r.get("comm_measured", True)]
-    text = ("Host overhead (Python between operators and launches) is not measured: it "
-            "stays inside the phase it ran in.")
+    if any(r.get("host") is not None for r in mean):
+        text = ("Host overhead: the time of forward, backward and the optimizer step "
+                "spent outside any operator (Python, the dispatcher, hooks), from a "
+                "sampled step's time inside operators; those three parts are then their "
+                "operators' time.")
+    else:
+        text = ("Host overhead (Python between operators and launches) is not measured "
+                "here (CUDA, torch.compile, or no sampled step yet): it stays inside the "
+                "phase it ran in.")
     if unmeasured:
         text += (f" The collectives' time of {', '.join(unmeasured)} was not measured "
                  "apart (a communication hook of your own, or one process): it stays "

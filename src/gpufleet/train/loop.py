@@ -130,6 +130,8 @@ class Trainer:
         elif run.monitors.phase_timer is not None:  # recovered in process: the time
             run.phases.hand_over()  # since the last step's marks is no step's phase
             run.monitors.phase_timer.restart()
+            if run.monitors.op_clock is not None:  # a sample under way is dropped
+                run.monitors.op_clock.drop()
         forward_backward = (self._forward_backward if len(run.parts) == 1
                             else self._forward_backward_parts)
         # The model's part of a micro-step (_counted puts a counting one in its place).

@@ -15,9 +15,15 @@ from typing import Any
 
 import torch
 
-from gpufleet.monitor.accounting import rank_accounting
+from gpufleet.monitor.accounting import CLOCK, rank_accounting
 from gpufleet.monitor.arrival import ARRIVAL
-from gpufleet.monitor.metrics import arrival_metrics, clock_metrics, flops_metrics, phase_metrics
+from gpufleet.monitor.metrics import (
+    arrival_metrics,
+    clock_metrics,
+    flops_metrics,
+    ops_metrics,
+    phase_metrics,
+)
 from gpufleet.monitor.phases import PHASES
 from gpufleet.train.engine.view import RunLike
 
@@ -87,8 +93,11 @@ class LogInterval:
             steps, outside = max(1, state.step - self.first_step), timer.take_outside()
             clock = [wall / steps, outside.get("eval", 0.0) / steps,
                      outside.get("checkpoint", 0.0) / steps]
+        # The op clock's newest sample (CPU): each phase's time inside operators.
+        op_clock = run.monitors.op_clock if timer is not None else None
         for row in (timer.take()[0] if timer is not None else None,
-                    arrival.take() if arrival is not None else None, clock):
+                    arrival.take() if arrival is not None else None, clock,
+                    op_clock.take() if op_clock is not None else None):
             if row is not None:
                 table = [0.0] * (world * len(row))
                 table[run.env.rank * len(row):(run.env.rank + 1) * len(row)] = row
@@ -147,9 +156,10 @@ class LogInterval:
             metrics["rank_arrival"] = arrival_metrics(rest, world)
             rest = rest[world * len(ARRIVAL):]
         if timer is not None:  # every part of every rank's step, and the residual
+            clocks, rest = clock_metrics(rest, world), rest[world * len(CLOCK):]
             metrics["rank_accounting"] = rank_accounting(
-                metrics["rank_phases"], metrics.get("rank_arrival"),
-                clock_metrics(rest, world))
+                metrics["rank_phases"], metrics.get("rank_arrival"), clocks,
+                ops_metrics(rest, world) if op_clock is not None else None)
         if run.device.type == "cuda":  # the allocator's own counter: no sync
             metrics["mem_peak_gb"] = torch.cuda.max_memory_reserved(run.device) / 2**30
         if state.flops_per_step and seconds > 0:

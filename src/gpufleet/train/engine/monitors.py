@@ -20,6 +20,7 @@ from gpufleet.monitor.advisor import Advisor, run_facts
 from gpufleet.monitor.arrival import ArrivalTimer
 from gpufleet.monitor.jsonl import MetricsFile
 from gpufleet.monitor.links import probe_node_links
+from gpufleet.monitor.opclock import OpClock
 from gpufleet.monitor.phases import PhaseTimer
 from gpufleet.monitor.profile import ProfilerCallback
 from gpufleet.monitor.sinks import build_sinks
@@ -42,6 +43,8 @@ def build_monitors(cfg: Config, env: DistEnv, device: torch.device, run_dir: Pat
     return Monitors(
         phase_timer=PhaseTimer(device, cfg.log.every) if cfg.monitor.phases else None,
         arrival=ArrivalTimer() if cfg.monitor.phases else None,
+        # CPU only: on CUDA an operator's host time is its launch, not its work.
+        op_clock=OpClock() if cfg.monitor.phases and device.type == "cpu" else None,
         watchdog=(Watchdog(fault, run_dir, env.rank, env.world_size, job_store(),
                            env.restart_count, node=(env.node_rank, node_address(env)))
                   if fault.watchdog else None),
@@ -56,7 +59,7 @@ def own_callbacks(run: Run) -> list[Callback]:
     cfg, env, mon, monitors = run.cfg, run.env, run.cfg.monitor, run.monitors
     timer = monitors.phase_timer
     own: list[Callback] = [cb for cb in (timer, timer and timer.stream, monitors.arrival,
-                                          monitors.watchdog) if cb]
+                                          monitors.op_clock, monitors.watchdog) if cb]
     # Before the sinks: the snapshots add to the metrics they write. A run keeps them
     # where it has the checkpointer's state functions to capture its state with.
     monitors.snapshots = snapshots_of(run) if cfg.fault.snapshot_every else None

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from gpufleet.fault.watchdog import Watchdog
     from gpufleet.monitor.advisor import Advisor
     from gpufleet.monitor.arrival import ArrivalTimer
+    from gpufleet.monitor.opclock import OpClock
     from gpufleet.monitor.phases import PhaseTimer
     from gpufleet.monitor.system import SystemSampler
     from gpufleet.train.recovery.receipts import ReceiptKeeper
@@ -47,6 +48,8 @@ class Monitors:
 
     phase_timer: PhaseTimer | None = None
     arrival: ArrivalTimer | None = None  # each rank's wait for the others, GC pauses
+    #: on a CPU, a sampled step's time inside operators (the accounting's host overhead)
+    op_clock: OpClock | None = None
     watchdog: Watchdog | None = None
     preemption: PreemptionWatch | None = None
     system_sampler: SystemSampler | None = None
