@@ -15,6 +15,9 @@ that resume at the exact sample.
     torchrun --nproc-per-node 2 examples/own_loop_fleet.py         # the same, torchrun
     gpufleet run examples/own_loop_fleet.py --nproc 2 --max-restarts 1 -- \\
         --checkpoint runs/own-loop.pt                              # survives a crash
+
+SIGTERM (or SLURM's SIGUSR1) stops every rank after the same step with a checkpoint in
+the run directory and exit status 75; the same command again goes on from it.
 """
 
 from __future__ import annotations
@@ -46,8 +49,11 @@ def train(fleet: gpufleet.Fleet, epochs: int = 3, batch_size: int = 16,
                                                 shuffle=True))
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler,
              "loader": loader, "epoch": 0, "step": 0}
-    if checkpoint and Path(checkpoint).exists():
-        fleet.load(checkpoint, state)
+    fleet.register_state(state)  # what a preemption (SIGTERM, SLURM's USR1) saves
+    # Your own checkpoint, else the one a preemption left (Fleet(resume="auto")).
+    resume = checkpoint if checkpoint and Path(checkpoint).exists() else fleet.resume_from
+    if resume is not None:
+        fleet.load(resume, state)
         fleet.print(f"resumed at step {state['step']} (epoch {state['epoch']})")
     losses: list[torch.Tensor] = []
     step_loss = torch.zeros((), device=fleet.device)
@@ -83,7 +89,10 @@ def main() -> None:
     p.add_argument("--checkpoint", default=None, help="save and resume here")
     p.add_argument("--run-dir", default=None, help="where the run's files go")
     args = p.parse_args()
-    fleet = gpufleet.Fleet(accelerator="cpu", seed=SEED, run_dir=args.run_dir, log_every=4)
+    # resume="auto": a run preempted (exit status 75) goes on from its checkpoint when
+    # the same command runs again (the newest run of this name, or --run-dir's).
+    fleet = gpufleet.Fleet(accelerator="cpu", seed=SEED, run_dir=args.run_dir, log_every=4,
+                           resume="auto")
     _, losses = fleet.launch(train, args.epochs, args.batch_size, args.checkpoint)
     fleet.print(f"{len(losses)} steps run here, final loss {losses[-1]:.4f}")
 

@@ -77,6 +77,36 @@ def _collectives(out: Path) -> dict:
     return seen
 
 
+def _preempted(out: Path) -> dict:
+    """The Fleet loop (checking for stop signals every step), where rank 1 alone gets
+    SIGUSR1 after step 5: both ranks stop after step 6 with a checkpoint of the state
+    the loop registered and raise SystemExit(75); a Fleet made again with
+    resume="auto" (as the same command run again makes it) goes on from there."""
+    def fleet() -> gpufleet.Fleet:
+        return gpufleet.Fleet(accelerator="cpu", seed=own_loop.SEED, log_every=4,
+                              run_dir=str(out / "preempt-run"), resume="auto",
+                              overrides={"fault.preempt_check_every": 1})
+
+    first = fleet()
+
+    def usr1_to_rank_1(step: int) -> None:
+        if step == 5 and first.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)  # rank 0 learns of it from the flag
+
+    code = None
+    try:
+        first.launch(own_loop_fleet.train, EPOCHS, BATCH, None, 4, usr1_to_rank_1)
+    except SystemExit as stop:
+        code = stop.code
+    again = fleet()
+    resumed_from = again.resume_from
+    model, _ = again.launch(own_loop_fleet.train, EPOCHS, BATCH)
+    return {"code": code, "stopped_at": first.step, "resumed_from": str(resumed_from),
+            "checkpoint": first.run.result.checkpoint if first.run else None,
+            "preempted": first.run.result.preempted if first.run else None,
+            "steps": again.step, "weights": model.state_dict()}
+
+
 def twin(out: Path) -> None:
     plain_model, plain = own_loop.train(EPOCHS, BATCH)  # joins the process group
     fleet = gpufleet.Fleet(accelerator="cpu", seed=own_loop.SEED,
@@ -88,10 +118,11 @@ def twin(out: Path) -> None:
                              run_dir=str(out / "fsdp-run"), log_every=4)
     _, fsdp = sharded.launch(own_loop_fleet.train, EPOCHS, BATCH)
     comm = _collectives(out)
+    preempted = _preempted(out)
     rank = int(os.environ["RANK"])
     torch.save({"plain": plain, "fleet": ours, "plain_weights": plain_model.state_dict(),
                 "fleet_weights": model.state_dict(), "nan": nan, "fsdp": fsdp,
-                "comm": comm},
+                "comm": comm, "preempted": preempted},
                out / f"twin-rank{rank}.pt")
     # The plain loop made the process group: leave it, as its script does. Left to the
     # interpreter's exit, torch's gloo group now and then aborts the process there.
@@ -113,5 +144,26 @@ def crash(out: Path) -> None:
         torch.save(model.state_dict(), out / "crash-final.pt")
 
 
+def preempt(out: Path) -> None:
+    """The Fleet loop, stopped by SIGTERM to the launcher on its first run: rank 0
+    writes ``OUT/preempt-ready`` after step 3, and from there each step takes 0.3 s more,
+    so that the signal lands mid-run. The same command again resumes (resume="auto")
+    and rank 0 writes the final weights to ``OUT/preempt-final.pt``."""
+    fleet = gpufleet.Fleet(accelerator="cpu", seed=own_loop.SEED, log_every=4,
+                           run_dir=str(out / "term-run"), resume="auto",
+                           overrides={"fault.preempt_check_every": 1})
+    first = fleet.resume_from is None
+
+    def slow_after_3(step: int) -> None:
+        if first and step == 3 and fleet.global_rank == 0:
+            (out / "preempt-ready").touch()
+        if first and step >= 3:
+            time.sleep(0.3)
+
+    model, _ = fleet.launch(own_loop_fleet.train, EPOCHS, BATCH, None, 4, slow_after_3)
+    if fleet.global_rank == 0:
+        torch.save(model.state_dict(), out / "preempt-final.pt")
+
+
 if __name__ == "__main__":
-    {"twin": twin, "crash": crash}[sys.argv[1]](Path(sys.argv[2]))
+    {"twin": twin, "crash": crash, "preempt": preempt}[sys.argv[1]](Path(sys.argv[2]))

@@ -1,14 +1,17 @@
 """The own-loop port: a loop written for plain PyTorch (examples/own_loop.py) and the
 same loop on Fleet (examples/own_loop_fleet.py) train the same losses and weights on 1
 and 2 ranks; on 2 ranks under ``gpufleet run`` the Fleet loop leaves diagnosis.json and
-report.html, skips a non-finite step on every rank naming the culprit, and after a rank
-is killed and the ranks restarted resumes to bit-identical weights."""
+report.html, skips a non-finite step on every rank naming the culprit, after a rank is
+killed and the ranks restarted resumes to bit-identical weights, and after a stop signal
+to one rank checkpoints at the same step on both and resumes to them too."""
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -109,6 +112,58 @@ def test_a_killed_rank_resumes_to_the_same_weights(twin):
     assert [r["restarts"] for r in records if r["kind"] == "restart"] == [1]
     steps = [r["step"] for r in records if r["kind"] == "train"]
     assert steps == [4, 8, 12], steps  # 2 epochs of 384 / 32 batches / 2 accumulated
+
+
+def test_a_preempted_loop_checkpoints_at_a_step_and_resumes_to_the_same_weights(twin):
+    """SIGUSR1 to rank 1 alone after step 5: both ranks agree at step 6, save the
+    registered state in the run directory when the loop begins its next step (the end
+    of epoch 0, before the loop's per-epoch scheduler step), and leave with exit status
+    75; a Fleet made again with resume="auto" loads it and ends with the weights of the
+    uninterrupted run."""
+    run_dir = twin / "preempt-run"
+    checkpoint = run_dir / "checkpoints" / "step-0000006.pt"
+    whole = torch.load(twin / "twin-rank0.pt", weights_only=True)["fleet_weights"]
+    for rank in (0, 1):
+        seen = torch.load(twin / f"twin-rank{rank}.pt", weights_only=True)["preempted"]
+        assert (seen["code"], seen["preempted"], seen["stopped_at"]) == (75, "SIGUSR1", 6)
+        assert seen["checkpoint"] == seen["resumed_from"] == str(checkpoint)
+        assert seen["steps"] == 12
+        for name, value in whole.items():
+            assert torch.equal(seen["weights"][name], value), (rank, name)
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == [
+        checkpoint.name, checkpoint.name + ".sha256"]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # the stopped run's last interval (steps 5-6), then the resumed run's
+    assert [r["step"] for r in records if r["kind"] == "train"] == [4, 6, 8, 12]
+
+
+@pytest.mark.slow  # the default run keeps the promise in the test above (USR1 to one
+# rank, SystemExit(75), a resume in the same processes); this one is the whole round
+def test_sigterm_to_gpufleet_run_exits_75_and_the_same_command_resumes(twin):
+    """SIGTERM to the launcher mid-run: `gpufleet run` exits 75 with one checkpoint in
+    the run directory, and the same command again ends with the uninterrupted weights."""
+    cmd = [sys.executable, "-m", "gpufleet", "run", "--nproc", "2", str(RANKS), "preempt",
+           str(twin)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (twin / "preempt-ready").exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the loop did not get to step 3"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 75, err[-5000:]
+    assert len(list((twin / "term-run" / "checkpoints").glob("step-*.pt"))) == 1
+    _gpufleet_run("preempt", str(twin))
+    resumed = torch.load(twin / "preempt-final.pt", weights_only=True)
+    whole = torch.load(twin / "twin-rank0.pt", weights_only=True)["fleet_weights"]
+    for name, value in whole.items():
+        assert torch.equal(resumed[name], value), name
 
 
 def test_fabric_collectives_on_two_ranks(twin):

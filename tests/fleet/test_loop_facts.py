@@ -145,3 +145,34 @@ def test_a_rank_restarted_by_the_agent_records_its_restarts(tmp_path, monkeypatc
     assert [(r["step"], r["restarts"]) for r in _records(run_dir, "restart")] == [(0, 1)]
     facts = json.loads((run_dir / "diagnosis.json").read_text())["facts"]
     assert facts["restarts"] == 1
+
+
+def test_an_own_loop_counts_its_tokens_and_logs_its_schedulers_rate(tmp_path):
+    """Batches of token ids (8 x 16): the run counts every token the loop took, as
+    fit's does (tokens per second in the log line and the result), and the log line's
+    learning rate is the one the loop's own scheduler set."""
+    run_dir = tmp_path / "run"
+    fleet = gpufleet.Fleet(accelerator="cpu", run_dir=str(run_dir), log_every=2)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Embedding(32, 4), torch.nn.Flatten(),
+                              torch.nn.Linear(64, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    model, optimizer, scheduler = fleet.setup(
+        net, opt, scheduler=torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 32, (64, 16), generator=g)
+    loader = fleet.setup_dataloaders(DataLoader(TensorDataset(ids, torch.randn(64, 1)),
+                                                batch_size=8))
+    for x, y in loader:  # 8 steps
+        fleet.backward(F.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    fleet.finish()
+    assert (fleet.run.state.samples, fleet.run.state.tokens) == (64, 64 * 16)
+    assert fleet.run.result.tokens_per_s > 0
+    train = _records(run_dir, "train")
+    assert [r["step"] for r in train] == [2, 4, 6, 8]
+    assert all(r["tokens_per_s"] > 0 for r in train)
+    # logged at the end of the step, before that step's scheduler.step()
+    assert [r["lr"] for r in train] == [0.1 * 0.5 ** (s - 1) for s in (2, 4, 6, 8)]

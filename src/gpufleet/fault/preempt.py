@@ -32,6 +32,8 @@ from gpufleet.core.ring import RING
 log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# Your own loop (gpufleet.Fleet) leaves Ctrl-C to your loop (KeyboardInterrupt as usual).
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 REQUEUE_EXIT = 75  # sysexits.h EX_TEMPFAIL: a temporary failure, run the job again
 INTERRUPT_EXIT = 130  # 128 + SIGINT, what shells report for Ctrl-C
 # For torch's elastic agent (read when it starts the ranks): the signals it turns into
@@ -56,6 +58,7 @@ class PreemptionWatch:
         check_every: steps between the ranks' agreements (each is one small CPU
             all-reduce when several ranks run).
         distributed: whether a process group joins several ranks.
+        signals: the signals caught (the built-in loop's: SIGTERM, SIGUSR1, SIGINT).
 
     Example:
         >>> watch = PreemptionWatch(check_every=1, distributed=False)
@@ -64,7 +67,8 @@ class PreemptionWatch:
         >>> watch.close()
     """
 
-    def __init__(self, check_every: int, distributed: bool) -> None:
+    def __init__(self, check_every: int, distributed: bool,
+                 signals: tuple[signal.Signals, ...] = SIGNALS) -> None:
         self.check_every = check_every
         self.received: int | None = None  # the first stop signal this rank got
         self.stop_requested = False  # the last agreement was a requested stop
@@ -79,8 +83,9 @@ class PreemptionWatch:
             if "gloo" not in str(dist.get_backend()):
                 self._group = dist.new_group(backend="gloo")
         self._previous: dict[int, Any] = {}
+        self._closed = False
         if threading.current_thread() is threading.main_thread():
-            for sig in SIGNALS:
+            for sig in signals:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
         else:
             log.warning("training runs outside the main thread: SIGTERM/SIGUSR1 cannot be "
@@ -99,8 +104,21 @@ class PreemptionWatch:
             self._group = dist.new_group(backend="gloo")
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self.received is None:  # a signal handler: set a flag, nothing more
+        if self._closed:  # a watch closed out of order left this handler in place
+            self._pass_on(signum, frame)
+        elif self.received is None:  # a signal handler: set a flag, nothing more
             self.received = signum
+
+    def _pass_on(self, signum: int, frame: FrameType | None) -> None:
+        """The signal as the handler before this watch would have taken it (two runs of
+        one process whose watches were not closed in the reverse order of their
+        making: the later one put this closed watch's handler back)."""
+        previous = self._previous.get(signum, signal.SIG_DFL)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:  # the default action (end the process)
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
 
     def should_stop(self, step: int, requested: bool = False, grow: bool = False) -> bool:
         """Whether every rank stops after ``step`` (the same answer on all ranks): a
@@ -134,7 +152,13 @@ class PreemptionWatch:
         return bool(signum) or asked
 
     def close(self) -> None:
-        """Put back the handlers that were there before."""
+        """Put back the handlers that were there before (where this watch's is still
+        the one in place; a closed watch's handler passes a signal on to them)."""
+        if self._closed:
+            return
+        self._closed = True
+        if threading.current_thread() is not threading.main_thread():
+            return
         for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-        self._previous.clear()
+            if signal.getsignal(sig) == self._on_signal:
+                signal.signal(sig, previous)

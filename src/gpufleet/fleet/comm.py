@@ -22,8 +22,9 @@ import torch.distributed as dist
 from gpufleet.core.ring import RING, call_site
 from gpufleet.core.tree import to_device
 from gpufleet.errors import ConfigError, unknown_choice
-from gpufleet.fleet.run import FleetPart, FleetRun
+from gpufleet.fleet.part import FleetPart
 from gpufleet.launch import barrier, job_store
+from gpufleet.train.engine.run import Run
 
 _REDUCE = ("mean", "sum", "max", "min")
 # rank_zero_first: each use's number, and how often the others look whether rank 0 is
@@ -97,8 +98,7 @@ class FleetComm(FleetPart):
         dimension is gathered as it is (one value per rank). COLLECTIVE."""
         run = self._rank_run()
         if loader is None:
-            loaders = [x for x in run.data.loaders if x.last_batch is not None]
-            loader = max(loaders, key=lambda x: x.reads) if loaders else None
+            loader = self._loaders.read_last()
         world = run.env.world_size if run.strategy.reduces() else 1
         real = [None if loader is None else loader.real_items(r) for r in range(world)]
 
@@ -225,7 +225,7 @@ def _op_name(op: Any) -> str:
     return name
 
 
-def _reduce(value: Any, run: FleetRun, group: Any, op: str, size: int) -> Any:
+def _reduce(value: Any, run: Run, group: Any, op: str, size: int) -> Any:
     """One tensor or number reduced over the ranks (of ``group``, when given)."""
     number = not isinstance(value, torch.Tensor)
     tensor = torch.tensor(float(value), device=run.device) if number \
@@ -240,7 +240,7 @@ def _reduce(value: Any, run: FleetRun, group: Any, op: str, size: int) -> Any:
     return float(tensor) if number else tensor
 
 
-def _gather(value: Any, run: FleetRun, sync_grads: bool, group: Any) -> torch.Tensor:
+def _gather(value: Any, run: Run, sync_grads: bool, group: Any) -> torch.Tensor:
     """One tensor or number from every rank (of ``group``), stacked in rank order."""
     tensor = value.to(run.device) if isinstance(value, torch.Tensor) \
         else torch.tensor(value, device=run.device)

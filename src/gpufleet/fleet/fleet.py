@@ -51,8 +51,9 @@ from gpufleet.fleet.comm import FleetComm
 from gpufleet.fleet.dtypes import ForwardDtypes
 from gpufleet.fleet.grads import FleetGrads
 from gpufleet.fleet.init import FleetInit
+from gpufleet.fleet.loader import SetUpLoaders
 from gpufleet.fleet.logs import FleetLogs, as_list, as_loggers
-from gpufleet.fleet.run import FleetRun
+from gpufleet.fleet.preemption import FleetPreemption
 from gpufleet.fleet.seeding import seed_everything
 from gpufleet.fleet.setup import FleetSetup
 from gpufleet.fleet.state import FleetCheckpoints
@@ -60,9 +61,8 @@ from gpufleet.fleet.steps import StepTracker
 from gpufleet.launch import DistEnv, destroy_process_group, is_initialized
 from gpufleet.parallel import strategy_class
 from gpufleet.plan import RunPlan, make_plan
-from gpufleet.train.engine.build import plan_run_dir, precision_and_strategy, rank_device
-from gpufleet.train.engine.monitors import build_monitors
-from gpufleet.train.engine.view import RunView
+from gpufleet.train.engine.build import build_own_loop_run
+from gpufleet.train.engine.run import Run
 from gpufleet.train.perf import share_cores
 from gpufleet.train.rank import join_process_group
 from gpufleet.train.seed import seed_everything as seed_all
@@ -72,12 +72,12 @@ log = logging.getLogger(__name__)
 # What Fleet sets in the config it plans: your loop owns the recipe and the signals.
 _OWN_LOOP = {
     "optim.preset": "none", "optim.clip_norm": 0.0,  # clip_gradients is yours to call
-    "fault.preempt_check_every": 0,  # SIGTERM / Ctrl-C reach your loop as usual
     "fault.snapshot_every": 0,  # gpufleet's own loop takes in-memory snapshots; yours not
 }
 
 
-class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, FleetLogs):
+class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, FleetLogs,
+            FleetPreemption):
     """Run your own training loop on one or many ranks with gpufleet underneath.
 
     Args:
@@ -112,6 +112,11 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
         gradient_accumulation_steps: Accelerate's: micro-batches per optimizer step
             under :meth:`accumulate` (see :mod:`~gpufleet.fleet.accumulate`); above 1,
             :meth:`backward` divides the loss by it.
+        resume: ``"auto"`` (the newest checkpoint of the run directory, or of the
+            newest run of this name, if there is one), ``"latest"`` (it must exist) or
+            a checkpoint's path: :attr:`resume_from`, for your ``fleet.load`` (a
+            preempted run goes on: see :mod:`~gpufleet.fleet.preemption`). None: a
+            fresh start (a run directory holding checkpoints is then refused).
 
     Example:
         >>> fleet = Fleet(accelerator="cpu", devices=1)  # doctest: +SKIP
@@ -126,13 +131,14 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
                  name: str | None = None, log_every: int = 10,
                  overrides: dict[str, Any] | None = None, config: Config | None = None,
                  callbacks: Sequence[Any] = (), loggers: Any = None,
-                 gradient_accumulation_steps: int = 1) -> None:
+                 gradient_accumulation_steps: int = 1, resume: str | None = None) -> None:
         self._init_args = dict(accelerator=accelerator, devices=devices, precision=precision,
                                strategy=strategy, num_nodes=num_nodes, seed=seed,
                                run_dir=run_dir,
                                name=name, log_every=log_every, overrides=overrides,
                                config=config, callbacks=as_list(callbacks), loggers=loggers,
-                               gradient_accumulation_steps=gradient_accumulation_steps)
+                               gradient_accumulation_steps=gradient_accumulation_steps,
+                               resume=resume)
         keys: dict[str, Any] = {**_OWN_LOOP, "log.every": log_every,
                                 **fleet_overrides(accelerator, devices, precision, strategy,
                                                   num_nodes, defaults=config is None)}
@@ -143,6 +149,8 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
             keys["run.seed"] = seed
         if run_dir:
             keys["run.dir"] = str(run_dir)
+        if resume is not None:
+            keys["checkpoint.resume"] = resume
         if name or config is None or not config.run.name:
             keys["run.name"] = name or _script_name()
         keys.update(overrides or {})
@@ -151,7 +159,8 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
         self._user_callbacks = as_list(callbacks)
         self._loggers = as_loggers(loggers)
         self._seed = seed
-        self.run: FleetRun | None = None
+        self.run: Run | None = None  # this rank's, once this process is one
+        self._loaders = SetUpLoaders()  # the loaders your loop sets up
         self._placed: list[nn.Module] = []  # every model set up, as placed
         self._dtypes = ForwardDtypes()  # what a set-up model's forward converts
         self._accumulation = Accumulation(gradient_accumulation_steps)
@@ -176,21 +185,17 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
         share_cores(env.local_world_size, env.is_main)
         if self._seed is not None:  # the same seed on every rank, as you asked
             seed_all(self._seed)
-        device = rank_device(cfg, env)
-        precision, strategy = precision_and_strategy(cfg, plan.dims, device)
+        # COLLECTIVE: device, precision, strategy, the run directory (rank 0 chooses and
+        # locks it) and the monitors, by the steps build_run takes for gpufleet's loop
+        self.run = build_own_loop_run(plan, env, self._loaders)
         given = self._init_args["precision"]
-        self._dtypes = ForwardDtypes.for_run(given, precision.autocast_dtype)
-        cfg, _, run_lock = plan_run_dir(cfg, env)  # COLLECTIVE: rank 0 chooses and locks it
-        run_dir = Path(cfg.run.dir)
-        self.plan = plan.with_config(cfg)
-        self.run = FleetRun(cfg=cfg, env=env, device=device, run_dir=run_dir,
-                            precision=precision, strategy=strategy, run_lock=run_lock,
-                            monitors=build_monitors(cfg, env, device, run_dir))
-        self.run.result.run_dir = str(run_dir)
-        self.run.view = RunView(self.run)
+        self._dtypes = ForwardDtypes.for_run(given, self.run.precision.autocast_dtype)
+        self.plan = plan.with_config(self.run.cfg)
         # gpufleet's hooks reach its own Callback objects; call() reaches every one
-        self._steps = StepTracker(self.run, [cb for cb in self._user_callbacks
-                                             if isinstance(cb, Callback)])
+        self._steps = StepTracker(self.run, self._loaders,
+                                  [cb for cb in self._user_callbacks
+                                   if isinstance(cb, Callback)],
+                                  on_preempted=self._stop_for_preemption)
         atexit.register(self._at_exit)
 
     def launch(self, fn: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -253,7 +258,7 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
             self.finish()
         return out
 
-    def _rank_run(self) -> FleetRun:
+    def _rank_run(self) -> Run:
         if self.run is None:
             raise ConfigError(
                 f"this Fleet plans {self.plan.nproc} ranks and this process is not one of "
@@ -353,9 +358,9 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
         optimizers' ``step`` and ``zero_grad`` act; the others skip the all-reduce
         (``no_backward_sync``) and make ``step`` and ``zero_grad`` do nothing. See
         :mod:`gpufleet.fleet.accumulate`."""
-        run = self._rank_run()
-        read = [x for x in run.data.loaders if x.last_batch is not None]
-        last = max(read, key=lambda x: x.reads).at_last_batch if read else False
+        self._rank_run()
+        read = self._loaders.read_last()
+        last = read.at_last_batch if read is not None else False
         sync = self._accumulation.begin(last_batch=last)
         with contextlib.ExitStack() as stack:
             if not sync:
@@ -419,6 +424,7 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
         finally:
             if collective and self._owns_group:
                 destroy_process_group()
+        self._pass_on_signal()  # a stop signal no step boundary came to act on
 
 class _UntilConfigured(logging.StreamHandler):
     """Prints gpufleet's lines while the root logger has no handler (the script has not

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from gpufleet.errors import ConfigError
-from gpufleet.fleet.run import FleetPart
+from gpufleet.fleet.part import FleetPart
 from gpufleet.fleet.steps import StepTracker
 from gpufleet.fleet.wrappers import FleetModule, unwrap_optimizer
 

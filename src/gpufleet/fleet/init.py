@@ -26,7 +26,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from gpufleet.fleet.dtypes import ForwardDtypes
-from gpufleet.fleet.run import FleetPart
+from gpufleet.fleet.part import FleetPart
 
 
 class FleetInit(FleetPart):

@@ -25,7 +25,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from gpufleet.core.tree import batch_size_of
+from gpufleet.core.tree import batch_size_of, tokens_of
 from gpufleet.data.loaders import ForkSafeLoader
 from gpufleet.data.sampler import ResumableDistributedSampler
 from gpufleet.errors import ConfigError
@@ -128,7 +128,8 @@ class FleetLoader:
 
     Attributes:
         consumed: batches' samples this rank has taken in the current epoch.
-        samples: samples taken since the run last counted them (throughput).
+        samples / tokens: samples, and tokens (integer ids of shape [batch, time]),
+            taken since the run last counted them (throughput).
     """
 
     def __init__(self, loader: DataLoader, sampler: ResumableDistributedSampler | None,
@@ -137,7 +138,7 @@ class FleetLoader:
         self.loader, self.sampler = loader, sampler
         self._on_batch, self._to_device = on_batch, to_device
         self.consumed = 0
-        self.samples = 0
+        self.samples = self.tokens = 0
         self._ended = False  # the last pass was read to its end (StopIteration)
         self._resumed_mid_pass = False  # loaded a position inside an epoch
         self._passes = 0  # passes begun (numbers them)
@@ -201,11 +202,13 @@ class FleetLoader:
 
     def _pass(self, number: int, epoch: int) -> Iterator[Any]:
         """Pass ``number`` of ``epoch``: its batches, counted, then :meth:`_leave`."""
-        batches = self._start_pass()
+        batches: Iterator[Any] | None = None
         on_batch, to_device = self._on_batch, self._to_device
         try:
             while True:
-                on_batch()
+                on_batch()  # the data phase begins (a stop agreed on happens here)
+                if batches is None:  # (after on_batch: the pass's start is data time,
+                    batches = self._start_pass()  # and a stop saves before its draws)
                 batch = next(batches, _END)
                 if batch is _END:
                     self._ended = True
@@ -216,6 +219,7 @@ class FleetLoader:
                 self.reads = next(_READS)
                 self.consumed += n
                 self.samples += n
+                self.tokens += tokens_of(batch) or 0  # (shapes on the host: no sync)
                 yield batch if to_device is None else to_device(batch)
         finally:  # read to its end, or left (GeneratorExit)
             self._leave(number, epoch)
@@ -281,10 +285,10 @@ class FleetLoader:
         real = len(range(rank, left, sampler.world_size))  # this rank's real positions
         return max(0, min(start + n, real) - start)
 
-    def take_samples(self) -> int:
-        """Samples taken since the last call."""
-        n, self.samples = self.samples, 0
-        return n
+    def take_counts(self) -> tuple[int, int]:
+        """Samples and tokens taken since the last call."""
+        counts, self.samples, self.tokens = (self.samples, self.tokens), 0, 0
+        return counts
 
     def state_dict(self) -> dict[str, Any]:
         """The position to resume from (see ``ResumableDistributedSampler.state_dict``)."""
@@ -317,6 +321,50 @@ class FleetLoader:
         self._ended = False
         self._live = None  # a pass under way no longer decides where the next begins
         self.consumed = 0  # the resumed pass's items begin after the saved position
+
+
+class SetUpLoaders:
+    """The loaders your loop set up, as the run reads its training data (a
+    :class:`~gpufleet.train.engine.view.DataCounts`: the log line's epoch and
+    throughput, the view's epoch and pinning).
+
+    Attributes:
+        loaders: every :class:`FleetLoader` set up, the first being the training one.
+        pin_memory: some loader pins its batches.
+        data_copies: ranks that read each sample (the strategy's data shards: pipeline
+            stages read the same data).
+    """
+
+    def __init__(self) -> None:
+        self.loaders: list[FleetLoader] = []
+        self.pin_memory = False
+        self.data_copies = 1
+
+    def add(self, loader: FleetLoader, data_copies: int) -> None:
+        """``loader`` was set up; each of its samples is read by ``data_copies`` ranks."""
+        self.loaders.append(loader)
+        self.pin_memory = self.pin_memory or bool(loader.loader.pin_memory)
+        self.data_copies = data_copies
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the first loader is reading."""
+        return self.loaders[0].epoch if self.loaders else 0
+
+    @property
+    def epochs_done(self) -> float:
+        """The epochs the first loader has begun (your loop's passes)."""
+        return float(self.epoch)
+
+    def take_counts(self) -> tuple[int, int]:
+        """Training samples and tokens taken from every loader since the last call."""
+        taken = [loader.take_counts() for loader in self.loaders]
+        return sum(n for n, _ in taken), sum(t for _, t in taken)
+
+    def read_last(self) -> FleetLoader | None:
+        """The loader that handed out the newest batch (None before any)."""
+        read = [x for x in self.loaders if x.last_batch is not None]
+        return max(read, key=lambda x: x.reads) if read else None
 
 
 _END = object()

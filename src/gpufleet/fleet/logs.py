@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from gpufleet.errors import ConfigError
-from gpufleet.fleet.run import FleetPart
+from gpufleet.fleet.part import FleetPart
 
 log = logging.getLogger(__name__)
 

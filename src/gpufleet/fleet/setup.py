@@ -25,10 +25,11 @@ from gpufleet.errors import ConfigError
 from gpufleet.fleet.accumulate import Accumulation
 from gpufleet.fleet.dtypes import ForwardDtypes
 from gpufleet.fleet.loader import FleetLoader, shard_loader
-from gpufleet.fleet.run import FleetPart
+from gpufleet.fleet.part import FleetPart
 from gpufleet.fleet.seeding import add_worker_seeding, chosen_seed, seeds_workers
 from gpufleet.fleet.steps import StepTracker
 from gpufleet.fleet.wrappers import FleetModule, FleetOptimizer, watch_direct_steps
+from gpufleet.train.engine.run import ModelPart
 from gpufleet.train.guard.nonfinite import NonFiniteGuard
 from gpufleet.train.recipe import place_scheduler, spec_from_optimizer
 
@@ -104,6 +105,10 @@ class FleetSetup(FleetPart):
         if scheduled is not None:
             if built[scheduled] is not optimizers[scheduled]:
                 scheduler = place_scheduler(scheduler, built[scheduled])
+            if built[scheduled] is run.optimizer:  # the primary's: the run's scheduler
+                run.scheduler = scheduler
+                for part in run.parts:
+                    part.scheduler = scheduler
             return (wrapped, *wrappers, scheduler)
         return wrapped if not wrappers else (wrapped, *wrappers)
 
@@ -174,10 +179,13 @@ class FleetSetup(FleetPart):
                 if placed is not None:
                     run.model = placed
                 run.optimizer = opt
-                run.scheduler.optimizer = opt
                 if run.cfg.fault.skip_nonfinite and run.model is not None:
                     run.nonfinite = NonFiniteGuard(run.cfg.fault, run.strategy,
                                                    run.precision)
+                if run.model is not None:  # the run's part: what its step and guard read
+                    run.parts = [ModelPart(
+                        "model", run.model, opt, None, run.precision, run.nonfinite,
+                        [p for p in run.model.parameters() if p.requires_grad])]
             step = steps.primary_step if primary else steps.other_step
             out.append(FleetOptimizer(opt, self._with_callbacks(step),
                                       steps.on_zero_grad if primary else None,
@@ -255,8 +263,7 @@ class FleetSetup(FleetPart):
                 device = run.device
                 mover = lambda batch, d=device: to_device(batch, d, non_blocking=True)  # noqa: E731
             fleet_loader = FleetLoader(loader, sampler, self._steps.on_batch, mover)
-            run.data.loaders.append(fleet_loader)
-            run.data.pin_memory = run.data.pin_memory or bool(loader.pin_memory)
+            self._loaders.add(fleet_loader, data_copies=run.env.world_size // shards)
             out.append(fleet_loader)
         return out[0] if len(out) == 1 else tuple(out)
 

@@ -30,8 +30,8 @@ from torch.optim import Optimizer
 
 from gpufleet.core.phases import Phase
 from gpufleet.errors import CheckpointError, ConfigError
+from gpufleet.fleet.part import FleetPart
 from gpufleet.fleet.perrank import differing, gather_per_rank
-from gpufleet.fleet.run import FleetPart
 from gpufleet.fleet.sharded import (
     is_sharded_checkpoint,
     load_entries,
@@ -66,6 +66,7 @@ class FleetCheckpoints(FleetPart):
     _steps: StepTracker
     _saves: BackgroundSaves | None = None  # checkpoint.async_save: the writes under way
     _writers: Any = None  # their process group (sharded writes), made at the first save
+    _last_saved: dict[str, Any] | None = None  # the state handed to the last save
 
     def save(self, path: str | Path, state: dict[str, Any],
              filter: dict[str, Callable[[str, Any], bool]] | None = None) -> Path:
@@ -86,6 +87,7 @@ class FleetCheckpoints(FleetPart):
                 checkpoint at ``path`` is untouched.
         """
         run = self._rank_run()
+        self._last_saved = state  # what a preemption saves, where none is registered
         with run.phases(Phase.CHECKPOINT):
             self._raise_failed_save()
             background = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -20,15 +21,21 @@ import torch
 
 from gpufleet.config import config_to_dict, write_config
 from gpufleet.core.callbacks import Callback, CallbackList
-from gpufleet.core.phases import Phase, PhaseAnnouncer
+from gpufleet.core.phases import Phase
+from gpufleet.fleet.loader import SetUpLoaders
 from gpufleet.fleet.observed import LoopObservations
-from gpufleet.fleet.run import FleetRun
 from gpufleet.monitor.jsonl import MetricsFile
 from gpufleet.monitor.sinks import build_sinks
 from gpufleet.procs import forget_process
+from gpufleet.train.engine.build import attach_callbacks
 from gpufleet.train.engine.interval import LogInterval
-from gpufleet.train.engine.monitors import own_callbacks
+from gpufleet.train.engine.run import Run
 from gpufleet.train.engine.step import OptimizerStep, abort, finish
+
+log = logging.getLogger(__name__)
+
+#: the phases that begin a step: a stop agreed on is carried out at the first of them
+_NEXT_STEP = frozenset({Phase.DATA, Phase.FORWARD, Phase.BACKWARD, Phase.EVAL})
 
 
 class StepTracker:
@@ -36,11 +43,16 @@ class StepTracker:
 
     Args:
         run: this rank's run.
+        loaders: the loaders your loop sets up (the run's data counts).
         callbacks: yours, heard after the run's own.
     """
 
-    def __init__(self, run: FleetRun, callbacks: Sequence[Callback]) -> None:
+    def __init__(self, run: Run, loaders: SetUpLoaders, callbacks: Sequence[Callback],
+                 on_preempted: Callable[[], None] | None = None) -> None:
         self.run = run
+        self.loaders = loaders
+        #: what stops the run for a signal the ranks agreed on (saves, ends, exits)
+        self._on_preempted = on_preempted
         self._user_callbacks = list(callbacks)
         #: tells the run which phase begins (builds the monitors the first time)
         self.announce: Callable[[Phase], None] = self._first_announce
@@ -91,27 +103,20 @@ class StepTracker:
         """The run's own callbacks (phase timer, watchdog, system sampler, metrics file,
         advisor, as the built-in loop has them), told the loop has started."""
         run = self.run
-        first = run.data.loaders[0].loader if run.data.loaders else None
+        first = self.loaders.loaders[0].loader if self.loaders.loaders else None
         if first is not None:  # the diagnosis reads the batch and worker settings
             run.cfg = dataclasses.replace(run.cfg, data=dataclasses.replace(
                 run.cfg.data, batch_size=first.batch_size or run.cfg.data.batch_size,
                 num_workers=first.num_workers))
             if run.env.is_main:
                 write_config(run.cfg, run.run_dir / "config.toml")
-        own = own_callbacks(run)
-        run.callbacks = CallbackList(own + self._user_callbacks)
-        if run.monitors.system_sampler is None:  # one the caller added (its own interval)
-            from gpufleet.monitor.system import SystemSampler  # psutil, NVML: deferred
-
-            run.monitors.system_sampler = next(
-                (cb for cb in self._user_callbacks if isinstance(cb, SystemSampler)), None)
-        run.phases = PhaseAnnouncer(run.callbacks.phase_listeners, run.view,
-                                    run.callbacks.mark_readers)
+        attach_callbacks(run, self._user_callbacks)  # the run's own, as fit's, then yours
         self.announce = run.phases.announce
         self.interval = self.engine.interval = LogInterval(run)
         run.callbacks.on_fit_start(run.view)
         if self.observed.restarts:  # the elastic agent restarted the ranks: on record
-            for metrics in (cb for cb in own if isinstance(cb, MetricsFile)):
+            for metrics in (cb for cb in run.callbacks.callbacks
+                            if isinstance(cb, MetricsFile)):
                 metrics.write("restart", {"step": run.state.step,
                                           "restarts": self.observed.restarts})
         for step, values in self._early_logs:
@@ -134,8 +139,8 @@ class StepTracker:
 
     def _batch_size(self) -> int | None:
         """Samples in the batch a set-up loader handed out last (None: none yet)."""
-        read = [x for x in self.run.data.loaders if x.last_batch is not None]
-        return max(read, key=lambda x: x.reads).last_batch[2] if read else None
+        read = self.loaders.read_last()
+        return read.last_batch[2] if read is not None and read.last_batch else None
 
     def resumed(self, step: int) -> None:
         """A checkpoint restored the step count: the steps go on from ``step`` (the
@@ -256,6 +261,36 @@ class StepTracker:
         self.engine.end(skipped_guards)
         if run.state.step % run.cfg.log.every == 0:
             self._log()
+        self._agree_on_stopping()
+
+    def _agree_on_stopping(self) -> None:
+        """COLLECTIVE every ``fault.preempt_check_every`` steps (one int on the CPU): a
+        stop signal on any rank, or a stop asked for (a callback's request_stop), stops
+        every rank after this same step. A signal's stop is carried out when the loop
+        begins its next step (:meth:`_stop_then_announce`); an asked-for stop is the
+        loop's to act on (``fleet.should_stop``)."""
+        run, watch = self.run, self.run.monitors.preemption
+        if watch is None or not watch.should_stop(run.state.step,
+                                                  bool(run.state.stop_reason)):
+            return
+        if watch.stop_requested:
+            if not run.result.stopped_early and run.env.is_main:
+                log.warning("the ranks agreed to stop after step %d: %s (fleet.should_stop "
+                            "is True)", run.state.step,
+                            run.state.stop_reason or "another rank asked")
+            run.result.stopped_early = run.state.stop_reason or "another rank asked"
+        elif self._on_preempted is not None:
+            self.announce = self._stop_then_announce
+
+    def _stop_then_announce(self, phase: Phase) -> None:
+        """After the step the ranks agreed to stop at: the loop begins its next step
+        (data, a forward, backward, evaluation) with its own bookkeeping of the last
+        one done, so the run stops now (saves, ends, raises SystemExit); other phases
+        (an optimizer's or a checkpoint's of that step) go on as usual."""
+        if phase in _NEXT_STEP and self._on_preempted is not None:
+            self.announce = self.run.phases.announce
+            self._on_preempted()  # raises SystemExit
+        self.run.phases.announce(phase)
 
     def other_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
         """Another optimizer's step (a GAN's second one): unscaled, then stepped; no

@@ -87,16 +87,16 @@ class Trainer:
         at = Position(0, 0, 0)
         began_t, start = time.time(), time.perf_counter()
         if run.resume_from is not None:
-            at = run.checkpointer.load(run.resume_from)
+            at = run.saver.load(run.resume_from)
             run.state.step = run.state.saved_step = at.step
         seconds = time.perf_counter() - start
-        run.data.start(at.epoch, at.consumed)
+        run.stream.start(at.epoch, at.consumed)
         keeper = run.monitors.receipts
         if keeper is not None and run.env.restart_count > 0 and run.env.is_main:
             # The agent restarted the ranks: a receipt (written once the steps re-warm).
             source = Path(run.resume_from) if run.resume_from is not None else None
             keeper.settle(restart_receipt(
-                run, source, at.step, run.checkpointer.restored_world or run.env.world_size,
+                run, source, at.step, run.saver.restored_world or run.env.world_size,
                 began_t, seconds), time.perf_counter())
 
     def _train(self) -> FitResult:
@@ -113,7 +113,7 @@ class Trainer:
         # Nothing runs between steps before this step (log, eval, checkpoint, the
         # preemption check): one comparison per step instead of each interval's test.
         next_due = self._next_due(state.step)
-        self._next_epoch_save = self._epoch_save_after(run.data.epochs_done)
+        self._next_epoch_save = self._epoch_save_after(run.stream.epochs_done)
         self._schedules = SchedulerSteps(run)
         # The optimizer step both loops share; this loop steps the schedulers and zeroes
         # the gradients itself (an own loop calls them).
@@ -164,12 +164,12 @@ class Trainer:
     def _forward_backward(self) -> torch.Tensor:
         """``grad_accum`` micro-steps; returns their losses summed (a device tensor)."""
         run = self.run
-        announce, model, strategy = run.phases.announce, run.model, run.strategy
-        args, accum = self._micro_args, run.cfg.optim.grad_accum
+        announce, model, strategy = run.phases.announce, run.parts[0].model, run.strategy
+        args, accum, data = self._micro_args, run.cfg.optim.grad_accum, run.stream
         step_loss: Any = None
         for micro in range(accum):
             announce(Phase.DATA)
-            batch = run.data.next()
+            batch = data.next()
             announce(Phase.FORWARD)  # backward is announced by the strategy (`mark`)
             # Gradients are all-reduced on the last micro-step only (DDP no_sync); the
             # loss is scaled by 1/accum so the sum is one big batch's mean.
@@ -192,12 +192,12 @@ class Trainer:
         run = self.run
         announce, strategy, parts = run.phases.announce, run.strategy, run.parts
         _, precision, scale, mark = self._micro_args
-        accum, user_step = run.cfg.optim.grad_accum, run.user_step
+        accum, user_step, data = run.cfg.optim.grad_accum, run.user_step, run.stream
         assert user_step is not None, "a run of several models has your training step"
         step_loss: dict[str, torch.Tensor] = {}
         for micro in range(accum):
             announce(Phase.DATA)
-            batch = run.data.next()
+            batch = data.next()
             announce(Phase.FORWARD)
             # As with one model: every wrapped model syncs its gradients on the last
             # micro-step only (COLLECTIVE there, with ddp).
@@ -220,7 +220,7 @@ class Trainer:
                  watch.check_every if watch is not None else 0)
         due = [step - step % n + n for n in every if n] + [self.run.max_steps]
         if cfg.checkpoint.every_epochs:  # where the epoch being read ends
-            due.append(step + self.run.data.steps_to_epoch_end(cfg.optim.grad_accum))
+            due.append(step + self.run.stream.steps_to_epoch_end(cfg.optim.grad_accum))
         return min(due)
 
     def _between_steps(self) -> bool:
@@ -243,12 +243,12 @@ class Trainer:
             with phase(Phase.CHECKPOINT):
                 self.save_checkpoint()
             self.interval.restart_clock()
-        if cfg.checkpoint.every_epochs and run.data.epochs_done >= self._next_epoch_save:
+        if cfg.checkpoint.every_epochs and run.stream.epochs_done >= self._next_epoch_save:
             if run.state.saved_step != step:  # not written just above
                 with phase(Phase.CHECKPOINT):
                     self.save_checkpoint()
                 self.interval.restart_clock()
-            self._next_epoch_save = self._epoch_save_after(run.data.epochs_done)
+            self._next_epoch_save = self._epoch_save_after(run.stream.epochs_done)
         # COLLECTIVE (two ints on the CPU, every fault.preempt_check_every steps): a
         # SIGTERM/SIGUSR1/SIGINT, or a stop request (early stopping, a callback), on any
         # rank stops every rank after this same step.
@@ -358,8 +358,8 @@ class Trainer:
         """Save the full training state (COLLECTIVE). A failed write is recorded in the
         result and training goes on."""
         run, state = self.run, self.run.state
-        path, error = run.checkpointer.save(
-            Position(state.step, run.data.epoch, run.data.consumed), run.result.checkpoint,
+        path, error = run.saver.save(
+            Position(state.step, run.stream.epoch, run.stream.consumed), run.result.checkpoint,
             score=self._score)
         if error is not None:
             run.result.checkpoint_errors.append(error)
@@ -382,5 +382,5 @@ class Trainer:
                 self.save_checkpoint()
         # COLLECTIVE with checkpoint.async_save: the background write ends before the run
         # does (also after a preemption signal); a failed one is reported in the result.
-        run.checkpointer.finish(result)
+        run.saver.finish(result)
         return finish(run, result)  # the totals, on_fit_end, report.html: as Fleet's

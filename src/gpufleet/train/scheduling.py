@@ -63,7 +63,7 @@ class SchedulerSteps:
         if self._epochs is None:
             scheduler.step()
             return
-        done = int(self.run.data.epochs_done)
+        done = int(self.run.counts.epochs_done)
         while self._epochs[part.name] < done:
             scheduler.step()
             self._epochs[part.name] += 1

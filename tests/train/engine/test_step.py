@@ -124,7 +124,7 @@ def _run(log: _Log, guard=None, parts=None):
         model=model, parts=parts or [part], strategy=_Strategy(log),
         state=SimpleNamespace(step=0, train_time_s=2.0, samples=64, tokens=640),
         env=SimpleNamespace(is_main=True), phases=phases, callbacks=callbacks, view=None,
-        data=SimpleNamespace(epochs_done=1.5),
+        counts=SimpleNamespace(epochs_done=1.5),
         cfg=SimpleNamespace(monitor=SimpleNamespace(report=False)))
 
 

@@ -96,8 +96,8 @@ def plan_run(cfg: Config, restart_count: int = 0) -> tuple[Config, Path | None]:
         raise ConfigError(
             f"run.dir = {run_dir!r} already holds checkpoints of an earlier run "
             f"(newest: {existing[-1].name}). Continue it with --resume "
-            "latest, or start a new run with another --run-dir (or none, for a fresh "
-            "timestamped one)."
+            "latest (your own loop: Fleet(resume=\"latest\")), or start a new run with "
+            "another --run-dir (or none, for a fresh timestamped one)."
         )
     if not run_dir:
         run_dir = str((resume_from and run_dir_of(resume_from))

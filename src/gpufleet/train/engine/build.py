@@ -25,6 +25,7 @@ from gpufleet.core.phases import PhaseAnnouncer
 from gpufleet.data.ledger import open_ledger
 from gpufleet.data.loaders import build_eval_loader, build_train_loader
 from gpufleet.errors import ConfigError, GpufleetError
+from gpufleet.fault.preempt import PREEMPT_SIGNALS
 from gpufleet.job import import_object
 from gpufleet.launch import DistEnv, broadcast_object, is_initialized
 from gpufleet.launch.grow import joining
@@ -49,7 +50,7 @@ from gpufleet.train.engine.resilience import recovery_of
 from gpufleet.train.engine.run import ModelPart, Run, TrainState
 from gpufleet.train.engine.steps import UserStep, models_and_step, per_model
 from gpufleet.train.engine.stream import TrainStream
-from gpufleet.train.engine.view import RunView
+from gpufleet.train.engine.view import DataCounts, RunView
 from gpufleet.train.evalmetrics import EvalMetric, build_metrics
 from gpufleet.train.guard.nonfinite import NonFiniteGuard
 from gpufleet.train.optim import (
@@ -164,7 +165,7 @@ def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module]
     run = Run(
         cfg=cfg, env=env, device=device, run_dir=run_dir, precision=precision,
         strategy=strategy, model=model, optimizer=optimizer, scheduler=scheduler,
-        loss_fn=loss, data=data, evaluator=evaluator,
+        loss_fn=loss, data=data, counts=data, evaluator=evaluator,
         checkpointer=Checkpointer(run_dir, env, cfg, model, optimizer, scheduler, strategy,
                                   precision, data.sampler, parts),
         nonfinite=nonfinite, max_steps=max_steps,
@@ -178,14 +179,48 @@ def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module]
     if data.data_copies == 1:  # (pipeline stages read the same samples: not kept there)
         data.ledger = open_ledger(run_dir, run.state, data.sampler, env.restart_count)
     run.view = RunView(run)  # what callbacks get: read-only, reads live values
+    attach_callbacks(run, callbacks)
+    run.recovery = recovery_of(run, join, plan.backend)
+    return run
+
+
+def build_own_loop_run(plan: RunPlan, env: DistEnv, counts: DataCounts) -> Run:
+    """The :class:`~gpufleet.train.engine.run.Run` of your own loop on this rank
+    (:class:`~gpufleet.Fleet`; COLLECTIVE: every rank calls it, in the process group
+    already): device and backend flags, precision and strategy, the run directory
+    (rank 0 chooses and locks it) and the monitors, made by the very steps of
+    :func:`build_run`. Your loop brings the rest: ``Fleet.setup`` places the model and
+    fills in the model, optimizer and parts, ``counts`` are the loaders it sets up, and
+    its first step attaches the callbacks (:func:`attach_callbacks`). What only the
+    built-in loop has (its data stream, evaluator, checkpointer, training step) stays
+    None. Nothing is seeded here: your loop's random state is its own."""
+    cfg = plan.cfg
+    device = rank_device(cfg, env)
+    precision, strategy = precision_and_strategy(cfg, plan.dims, device)
+    cfg, resume_from, run_lock = plan_run_dir(cfg, env)  # COLLECTIVE
+    run_dir = Path(cfg.run.dir)
+    run = Run(cfg=cfg, env=env, device=device, run_dir=run_dir, precision=precision,
+              # SIGTERM and SIGUSR1 (Ctrl-C stays your loop's KeyboardInterrupt)
+              strategy=strategy,
+              monitors=build_monitors(cfg, env, device, run_dir, PREEMPT_SIGNALS),
+              counts=counts, resume_from=resume_from, run_lock=run_lock,
+              # FLOPs are not counted: your loop's forward is not the engine's to wrap
+              state=TrainState(flops_per_step=0))
+    run.result.run_dir = str(run_dir)
+    run.view = RunView(run)
+    return run
+
+
+def attach_callbacks(run: Run, callbacks: Sequence[Callback]) -> None:
+    """The run's own callbacks (:func:`~gpufleet.train.engine.monitors.own_callbacks`),
+    then ``callbacks``, and the phase announcer that tells them a phase begins; for both
+    loops (your loop's at its first step, when its loaders are known)."""
     run.callbacks = CallbackList(own_callbacks(run) + list(callbacks))
     if run.monitors.system_sampler is None:  # one the caller added (its own interval)
         run.monitors.system_sampler = next(
             (cb for cb in callbacks if isinstance(cb, SystemSampler)), None)
     run.phases = PhaseAnnouncer(run.callbacks.phase_listeners, run.view,
                                 run.callbacks.mark_readers)
-    run.recovery = recovery_of(run, join, plan.backend)
-    return run
 
 
 def rank_device(cfg: Config, env: DistEnv) -> torch.device:

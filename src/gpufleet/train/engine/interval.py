@@ -65,7 +65,7 @@ class LogInterval:
         now = time.perf_counter()
         seconds, wall, self.opened = now - self.start, now - self.opened, now
         world, guard, timer = run.env.world_size, run.nonfinite, run.monitors.phase_timer
-        samples, tokens = run.data.take_counts()
+        samples, tokens = run.counts.take_counts()
         # On the device: the loss sum, the last gradient norm, the guard's flags and your
         # step's values; on the host: the counts and this rank's phase times.
         # The losses as one float32 vector (a copy; bf16 and fp16 losses convert exactly),
@@ -124,15 +124,16 @@ class LogInterval:
         named, rest = rest[:2 * len(keys)], rest[2 * len(keys):]
         samples, tokens, *rest = rest
         # Pipeline stages read the same samples: count each once.
-        samples, tokens = samples / run.data.data_copies, tokens / run.data.data_copies
+        copies = run.counts.data_copies
+        samples, tokens = samples / copies, tokens / copies
         state.train_time_s += seconds
         state.samples += samples
         state.tokens += tokens
         # Skipped steps add no loss; an interval of skipped steps only has none.
         loss = loss_total / (micro_steps * world) if micro_steps else float("nan")
         metrics: dict[str, Any] = {
-            "step": state.step, "epoch": run.data.epoch, "loss": loss,
-            "lr": run.scheduler.get_last_lr()[0],
+            "step": state.step, "epoch": run.counts.epoch, "loss": loss,
+            "lr": learning_rate(run.optimizer),
             "samples_per_s": samples / seconds if seconds > 0 else 0.0,
             "step_time_s": seconds / max(1, state.step - self.first_step),
         }
@@ -169,3 +170,10 @@ class LogInterval:
         self.first_step = state.step
         self.restart_clock()
         return metrics
+
+
+def learning_rate(optimizer: torch.optim.Optimizer | None) -> float:
+    """The learning rate the optimizer's first parameter group steps with now (what a
+    scheduler's ``get_last_lr()[0]`` reports after its step; 0.0 without an
+    optimizer)."""
+    return 0.0 if optimizer is None else float(optimizer.param_groups[0]["lr"])

@@ -5,13 +5,14 @@ callbacks that write and diagnose what they measure."""
 from __future__ import annotations
 
 import logging
+import signal
 from pathlib import Path
 
 import torch
 
 from gpufleet.config import Config, config_to_dict
 from gpufleet.core.callbacks import Callback
-from gpufleet.fault.preempt import PreemptionWatch
+from gpufleet.fault.preempt import SIGNALS, PreemptionWatch
 from gpufleet.fault.watchdog import Watchdog
 from gpufleet.launch import DistEnv, is_initialized, job_store
 from gpufleet.launch.netif import node_address
@@ -27,15 +28,17 @@ from gpufleet.monitor.syncprobe import SyncProbe
 from gpufleet.monitor.system import SystemSampler
 from gpufleet.train.checkpoint.keeping import EarlyStopping
 from gpufleet.train.engine.resilience import snapshots_of
-from gpufleet.train.engine.run import Monitors, Run
-from gpufleet.train.engine.view import RunLike
+from gpufleet.train.engine.run import Run
+from gpufleet.train.engine.state import Monitors
 from gpufleet.train.recovery.receipts import ReceiptKeeper
 
 log = logging.getLogger(__name__)
 
 
-def build_monitors(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path) -> Monitors:
-    """The phase timer, the stall watchdog and the preemption watch, as configured."""
+def build_monitors(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path,
+                   signals: tuple[signal.Signals, ...] = SIGNALS) -> Monitors:
+    """The phase timer, the stall watchdog and the preemption watch (catching
+    ``signals``), as configured."""
     fault = cfg.fault
     return Monitors(
         phase_timer=PhaseTimer(device, cfg.log.every) if cfg.monitor.phases else None,
@@ -45,11 +48,11 @@ def build_monitors(cfg: Config, env: DistEnv, device: torch.device, run_dir: Pat
         watchdog=(Watchdog(fault, run_dir, env.rank, env.world_size, job_store(),
                            env.restart_count, node=(env.node_rank, node_address(env)))
                   if fault.watchdog else None),
-        preemption=(PreemptionWatch(fault.preempt_check_every, is_initialized())
+        preemption=(PreemptionWatch(fault.preempt_check_every, is_initialized(), signals)
                     if fault.preempt_check_every else None))
 
 
-def own_callbacks(run: RunLike) -> list[Callback]:
+def own_callbacks(run: Run) -> list[Callback]:
     """The run's own callbacks, in the order they hear each hook: phase timing first
     (its clock reads bracket the others' work least), the file sinks before the advisor
     that reads what they were given. Fills in the monitors built here."""
@@ -57,9 +60,11 @@ def own_callbacks(run: RunLike) -> list[Callback]:
     timer = monitors.phase_timer
     own: list[Callback] = [cb for cb in (timer, timer and timer.stream, monitors.arrival,
                                           monitors.op_clock, monitors.watchdog) if cb]
-    if cfg.fault.snapshot_every and isinstance(run, Run):  # before the sinks: it adds
-        monitors.snapshots = snapshots = snapshots_of(run)   # to the metrics they write
-        own.append(snapshots)
+    # Before the sinks: the snapshots add to the metrics they write. A run keeps them
+    # where it has the checkpointer's state functions to capture its state with.
+    monitors.snapshots = snapshots_of(run) if cfg.fault.snapshot_every else None
+    if monitors.snapshots is not None:
+        own.append(monitors.snapshots)
     elif cfg.fault.snapshot_every and env.is_main:
         log.warning("fault.snapshot_every = %d applies to gpufleet's own loop (gpufleet "
                     "train, gpufleet.fit); this loop takes no snapshots",
@@ -78,11 +83,11 @@ def own_callbacks(run: RunLike) -> list[Callback]:
                              run.device)
     monitors.links = links  # (the receipts judge state transfers against it)
     recovers = cfg.fault.snapshot_every and cfg.fault.recover_in_process
-    if isinstance(run, Run) and (recovers or env.restart_count > 0):
+    if recovers or env.restart_count > 0:
         monitors.receipts = ReceiptKeeper(run.view)  # one clock read a step
         own.append(monitors.receipts)
     if not env.is_main:
-        if cfg.fault.snapshot_every and isinstance(run, Run):
+        if monitors.snapshots is not None:
             # Rank 0's node lost (stores on etcd): this rank may go on as rank 0, and
             # then writes the metrics (the sinks and the advisor stay with the first).
             own.append(MetricsFile(run.run_dir / "metrics.jsonl", main_only=True))

@@ -32,7 +32,7 @@ def recovery_of(run: Run, join: Any, backend: str) -> Any:
     from gpufleet.train.recovery.growing import Growing
     from gpufleet.train.recovery.recovery import Recovery, not_replicated
 
-    reason = not_replicated(run.strategy, run.data.sampler, rebuilt_from_sources(run.parts),
+    reason = not_replicated(run.strategy, run.stream.sampler, rebuilt_from_sources(run.parts),
                             run.cfg.dist.nnodes)
     if join is not None:
         if reason:  # the live ranks' agent offered; they cannot have built a Recovery
@@ -49,12 +49,17 @@ def recovery_of(run: Run, join: Any, backend: str) -> Any:
     return recovery
 
 
-def snapshots_of(run: Run) -> SnapshotCallback:
+def snapshots_of(run: Run) -> SnapshotCallback | None:
     """In-memory snapshots of this rank's state (``fault.snapshot_every``), captured
-    with the checkpointer's own state functions."""
+    with the checkpointer's own state functions; None where the run has none (your
+    own loop's, which saves through ``Fleet.save``)."""
+    saver, stream = run.checkpointer, run.data
+    if saver is None or stream is None:
+        return None
+
     def capture() -> tuple[dict[str, Any], set[int]]:
-        at = Position(run.state.step, run.data.epoch, run.data.consumed)
-        return run.checkpointer.rank_state(at), run.checkpointer.optimizer_storages()
+        at = Position(run.state.step, stream.epoch, stream.consumed)
+        return saver.rank_state(at), saver.optimizer_storages()
 
     env, dims, traits = run.env, run.strategy.dims, run.strategy.traits
     whole = (traits.data_parallel == "replicate" and dims.world_size == dims.dp_replicate

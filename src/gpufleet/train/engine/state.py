@@ -1,7 +1,6 @@
 """What a run changes as it goes (:class:`TrainState`) and what watches it
-(:class:`Monitors`): the parts of a run that gpufleet's loop and :class:`~gpufleet.Fleet`
-hold alike (:class:`~gpufleet.train.engine.run.Run`,
-:class:`~gpufleet.fleet.run.FleetRun`)."""
+(:class:`Monitors`): parts of the :class:`~gpufleet.train.engine.run.Run` that
+gpufleet's loop and :class:`~gpufleet.Fleet` hold alike."""
 
 from __future__ import annotations
 

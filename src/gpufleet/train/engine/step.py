@@ -56,6 +56,7 @@ from gpufleet.monitor.report_cli import write_at_end
 if TYPE_CHECKING:
     from gpufleet.train.engine.interval import LogInterval
     from gpufleet.train.engine.result import FitResult
+    from gpufleet.train.engine.view import RunLike
     from gpufleet.train.scheduling import SchedulerSteps
 
 
@@ -76,7 +77,7 @@ class OptimizerStep:
         >>> step.end(step.step_parts(run.parts, {"model": loss}, 1))  # doctest: +SKIP
     """
 
-    def __init__(self, run: Any, interval: LogInterval | None,
+    def __init__(self, run: RunLike, interval: LogInterval | None,
                  schedules: SchedulerSteps | None = None, zero_grad: bool = True) -> None:
         self.run = run
         #: where the step's loss and norm go (your loop's is made at its first step)
@@ -119,14 +120,16 @@ class OptimizerStep:
             self._log_interval().grad_norm = norm
         return norm
 
-    def decide(self, model: nn.Module, optimizer: torch.optim.Optimizer, guard: Any,
+    def decide(self, model: nn.Module | None, optimizer: torch.optim.Optimizer, guard: Any,
                step_loss: torch.Tensor, norm: torch.Tensor | None) -> bool:
-        """Whether every rank skips this step on the host."""
+        """Whether every rank skips this step on the host (a guard watches a model:
+        without one, none)."""
         # Device path with clipping by norm only: the guard's COLLECTIVE happens here, on
         # the norms the clip measured before clipping. Without the device path (fp16,
         # ZeRO, an unfused optimizer): COLLECTIVE + SYNC, all ranks agree on the host to
         # skip a step that is not finite.
-        return guard is not None and guard.should_skip(model, step_loss, norm, optimizer)
+        return guard is not None and model is not None and \
+            guard.should_skip(model, step_loss, norm, optimizer)
 
     def step_or_skip(self, optimizer: torch.optim.Optimizer, precision: Any, skip: bool,
                      step_loss: torch.Tensor | None, count: int,
@@ -160,7 +163,7 @@ class OptimizerStep:
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
             self.schedules.after_step(part)
 
-    def after_clip(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+    def after_clip(self, model: nn.Module | None, optimizer: torch.optim.Optimizer,
                    precision: Any, guard: Any, step_loss: torch.Tensor,
                    norm: torch.Tensor | None, count: int, part: Any = None,
                    take: Callable[[], Any] | None = None) -> tuple[bool, Any]:
@@ -223,14 +226,14 @@ class OptimizerStep:
 
 
 # -- the run's end ----------------------------------------------------------------------
-def finish(run: Any, result: FitResult) -> FitResult:
+def finish(run: RunLike, result: FitResult) -> FitResult:
     """The run trained to its end: ``result`` gets its totals (steps, epochs, skipped
     steps, training time, samples and tokens per second), the monitors read the last
     phase marks, the callbacks' ``on_fit_end`` runs (diagnosis.json), their failures go
     into the result, and rank 0 writes report.html. The caller closes the run."""
     state = run.state
     result.steps = state.step
-    result.epochs = run.data.epochs_done
+    result.epochs = run.counts.epochs_done
     result.skipped_steps = sum(p.guard.skipped for p in run.parts if p.guard is not None)
     result.train_time_s = state.train_time_s
     if state.train_time_s > 0:
@@ -245,7 +248,7 @@ def finish(run: Any, result: FitResult) -> FitResult:
     return result
 
 
-def abort(run: Any, error: BaseException) -> None:
+def abort(run: RunLike, error: BaseException) -> None:
     """The run failed with ``error``: the callbacks let go of what they hold
     (``on_exception``); no last log interval, no diagnosis. The caller closes the
     run."""

@@ -5,11 +5,13 @@ Every :class:`~gpufleet.core.callbacks.Callback` hook gets a :class:`RunView` as
 first argument. It reads the run's current values (``view.step`` is always the step
 done so far) and refuses assignment, so a callback cannot change the run by accident.
 
-The view, the run's own callbacks (:func:`~gpufleet.train.engine.monitors.own_callbacks`)
-and the log interval (:class:`~gpufleet.train.engine.interval.LogInterval`) serve
-gpufleet's loop (:class:`~gpufleet.train.engine.run.Run`) and your own loop through
-:class:`~gpufleet.Fleet` (:class:`~gpufleet.fleet.run.FleetRun`) alike: the Protocols
-here declare what they read, and both run objects provide it.
+The view, the run's own callbacks (:func:`~gpufleet.train.engine.monitors.own_callbacks`),
+the log interval (:class:`~gpufleet.train.engine.interval.LogInterval`) and the run's
+end (:mod:`gpufleet.train.engine.step`) serve gpufleet's loop and your own loop through
+:class:`~gpufleet.Fleet` alike, both on one :class:`~gpufleet.train.engine.run.Run`: the
+Protocols here declare what they read of it (:class:`RunLike`), and the parts that
+differ between the loops are declared by what they give (:class:`DataCounts`: the
+built-in loop's stream, or the loaders your loop set up).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from torch import nn
 
 if TYPE_CHECKING:
     from gpufleet.config import Config
@@ -32,7 +35,9 @@ if TYPE_CHECKING:
     from gpufleet.train.guard.nonfinite import NonFiniteGuard
 
 class DataCounts(Protocol):
-    """The data position and the sample counts of a run's training data."""
+    """The data position and the sample and token counts of a run's training data:
+    :class:`~gpufleet.train.engine.stream.TrainStream` in the built-in loop,
+    :class:`~gpufleet.fleet.loader.SetUpLoaders` in your loop under Fleet."""
 
     @property
     def epoch(self) -> int:
@@ -56,14 +61,6 @@ class DataCounts(Protocol):
 
     def take_counts(self) -> tuple[int, int]:
         """Training samples and tokens taken since the last call."""
-        ...
-
-
-class LearningRates(Protocol):
-    """What the log line reads of the scheduler: the current learning rates."""
-
-    def get_last_lr(self) -> list[float]:
-        """The learning rate of each parameter group."""
         ...
 
 
@@ -118,22 +115,23 @@ class RunLike(Protocol):
         ...
 
     @property
-    def model(self) -> Any:
+    def model(self) -> nn.Module | None:
         """The (primary) model as the strategy placed it (None before it is set up)."""
         ...
 
     @property
-    def optimizer(self) -> Any:
-        """The (primary) optimizer (None before it is set up)."""
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The (primary) optimizer (None before it is set up); the log line reads its
+        learning rate."""
         ...
 
     @property
-    def scheduler(self) -> LearningRates:
-        """The learning rates, as the log line reads them."""
+    def scheduler(self) -> Any:
+        """The (primary) LR scheduler, None where there is none (the view's)."""
         ...
 
     @property
-    def data(self) -> DataCounts:
+    def counts(self) -> DataCounts:
         """The data position and counts."""
         ...
 
@@ -197,11 +195,11 @@ class RunLike(Protocol):
         ...
 
 
-# What a view reads, as paths into the run (gpufleet.train.engine.run.Run).
+# What a view reads, as paths into the run (a RunLike).
 _FIELDS = {
     "step": "state.step", "flops_per_step": "state.flops_per_step",
-    "epoch": "data.epoch", "epochs_done": "data.epochs_done",
-    "pin_memory": "data.pin_memory", "system_sampler": "monitors.system_sampler",
+    "epoch": "counts.epoch", "epochs_done": "counts.epochs_done",
+    "pin_memory": "counts.pin_memory", "system_sampler": "monitors.system_sampler",
     **{name: name for name in ("max_steps", "cfg", "env", "run_dir", "device", "result",
                                "model", "optimizer", "scheduler", "strategy",
                                "precision")},
@@ -244,9 +242,9 @@ class RunView:
         run_dir: Path
         device: torch.device
         result: FitResult
-        model: Any
-        optimizer: Any
-        scheduler: LearningRates
+        model: nn.Module | None
+        optimizer: torch.optim.Optimizer | None
+        scheduler: Any
         strategy: Any
         precision: Any
 

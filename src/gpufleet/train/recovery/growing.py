@@ -135,7 +135,7 @@ class Growing:
         snaps = run.monitors.snapshots
         if snaps is not None and not snaps.snapshotter.wait(THREAD_WAIT_S):
             raise RecoveryFailed(f"the snapshot exchange still ran after {THREAD_WAIT_S:g} s")
-        run.checkpointer.wait()
+        run.saver.wait()
         leave_groups(run.device)
         clock("leave")
         step = self._together(growth, run.env.rank)
@@ -247,8 +247,8 @@ class Growing:
         # (fsdp, hsdp): each live rank's shards, joined into the whole state below.
         mine = None
         if rank < growth.live:
-            at = Position(run.state.step, run.data.epoch, run.data.consumed)
-            mine = {"state": run.checkpointer.rank_state(at), "max_steps": run.max_steps}
+            at = Position(run.state.step, run.stream.epoch, run.stream.consumed)
+            mine = {"state": run.saver.rank_state(at), "max_steps": run.max_steps}
         # The live ranks come last, to new ranks that said they are ready: they wait for
         # the group only GROW_MEET_S (a new rank that died since fails the join then,
         # not after dist.timeout), and the group's collectives get dist.timeout after.

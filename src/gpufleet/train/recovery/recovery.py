@@ -263,7 +263,7 @@ class Recovery:
         own = snaps.snapshotter.own_copy(THREAD_WAIT_S)
         if not snaps.snapshotter.wait(THREAD_WAIT_S):
             raise RecoveryFailed(f"the snapshot exchange still ran after {THREAD_WAIT_S:g} s")
-        run.checkpointer.wait()  # a checkpoint written in the background ends first
+        run.saver.wait()  # a checkpoint written in the background ends first
         # A survivor still blocked on this rank in the failed collective (one not next
         # to the lost rank in the ring) fails at once, as if this rank had gone too, and
         # reports here instead of waiting for its heartbeat timeout.
@@ -369,7 +369,7 @@ class Recovery:
         run = self.run
         env = dataclasses.replace(run.env, rank=rank, world_size=world)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
-        run.env = run.checkpointer.env = env
+        run.env = run.saver.env = env
         run.strategy.regroup(world, run.env.local_world_size)  # (hsdp: a node's ranks)
         for part in run.parts:  # COLLECTIVE: DDP checks and broadcasts the parameters
             if self.reshards:  # a fresh module sharded over the new mesh, a new optimizer
@@ -379,16 +379,16 @@ class Recovery:
             else:
                 part.model = _rewrap(part.model, run.strategy, run.device)
         first = run.parts[0]
-        run.model = run.checkpointer.model = first.model
-        run.optimizer = run.checkpointer.optimizer = first.optimizer
-        run.scheduler = run.checkpointer.scheduler = first.scheduler
-        run.checkpointer.regroup()  # COLLECTIVE where sharded writes have a group
+        run.model = run.saver.model = first.model
+        run.optimizer = run.saver.optimizer = first.optimizer
+        run.scheduler = run.saver.scheduler = first.scheduler
+        run.saver.regroup()  # COLLECTIVE where sharded writes have a group
         if run.evaluator is not None:
             run.evaluator.model = run.model
         if run.monitors.arrival is not None:
             run.monitors.arrival.watch(run.model)
         shard, shards = run.strategy.data_shard(rank, world)
-        run.data.reshard(rank, shard, shards, world // shards)
+        run.stream.reshard(rank, shard, shards, world // shards)
         if run.evaluator is not None:
             sampler = getattr(run.evaluator.loader, "sampler", None)
             if isinstance(sampler, ResumableDistributedSampler):
@@ -401,11 +401,11 @@ class Recovery:
         for part in run.parts:  # the failed step's gradients
             part.optimizer.zero_grad()
         state = map_tensors(held, lambda t: t.clone())
-        at = run.checkpointer.restore(state, source)
+        at = run.saver.restore(state, source)
         # As a run resumed at another world size: this rank's seed, as build_run sets it.
         seed_everything(run.cfg.run.seed + run.env.rank)
         run.state.step = at.step
-        run.data.start(at.epoch, at.consumed)
+        run.stream.start(at.epoch, at.consumed)
         result = run.result  # the steps after the snapshot are trained again
         result.losses = [(s, v) for s, v in result.losses if s <= at.step]
         result.eval_losses = [(s, v) for s, v in result.eval_losses if s <= at.step]
