@@ -35,6 +35,14 @@ class TrainingStopped(GpufleetError, RuntimeError):
     """Training cannot go on (e.g. the loss stayed non-finite for too many steps)."""
 
 
+#: The exit status of a run stopped to be run again (SIGTERM, SLURM's SIGUSR1): sysexits.h
+#: EX_TEMPFAIL, a temporary failure. Here, not in :mod:`gpufleet.fault.preempt`, so that
+#: the command line and ``gpufleet sbatch`` read it without importing torch.
+REQUEUE_EXIT = 75
+#: The exit status of a run stopped by Ctrl-C: 128 + SIGINT, what shells report.
+INTERRUPT_EXIT = 130
+
+
 class RunStopped(GpufleetError):
     """A run stopped early on a signal (preemption, Ctrl-C); ``exit_code`` is the status
     the process should end with (see :mod:`gpufleet.fault.preempt`), ``signal`` the
