@@ -151,6 +151,13 @@ class FleetLoader:
     def __len__(self) -> int:
         return len(self.loader)
 
+    def __getattr__(self, name: str) -> Any:
+        """The wrapped DataLoader's other attributes (``num_workers``,
+        ``worker_init_fn``, ``collate_fn``...), readable here as on Fabric's loader."""
+        if name.startswith("_") or "loader" not in vars(self):  # (unpickling, copying)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(self.loader, name)
+
     @property
     def dataset(self) -> Any:
         return self.loader.dataset

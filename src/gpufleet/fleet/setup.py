@@ -43,6 +43,7 @@ class FleetSetup(FleetPart):
     _steps: StepTracker
     _dtypes: ForwardDtypes  # what a set-up model's forward converts
     call: Callable[..., None]  # your callbacks' hooks (FleetLogs.call)
+    strategy: Any  # Fabric's fabric.strategy (gpufleet.fleet.strategy.FleetStrategy)
     _accumulation: Accumulation  # Fleet(gradient_accumulation_steps=)
 
     def setup(self, module: nn.Module, *optimizers: torch.optim.Optimizer,
@@ -140,7 +141,7 @@ class FleetSetup(FleetPart):
         """
         run = self._rank_run()
         if not optimizers:
-            raise ValueError("setup_optimizers needs at least one optimizer: "
+            raise ValueError("`setup_optimizers` requires at least one optimizer as input: "
                              "fleet.setup_optimizers(optimizer).")
         _check_not_set_up(None, optimizers, "setup_optimizers")
         wrappers = []
@@ -193,8 +194,7 @@ class FleetSetup(FleetPart):
             if not self._accumulation.sync:  # accumulate(): not this micro-batch
                 return None
             out = step(optimizer, closure)
-            self.call("on_after_optimizer_step", strategy=self._rank_run().strategy,
-                      optimizer=optimizer)
+            self.call("on_after_optimizer_step", strategy=self.strategy, optimizer=optimizer)
             return out
         return stepped
 
@@ -223,14 +223,16 @@ class FleetSetup(FleetPart):
         """
         run = self._rank_run()
         if not loaders:
-            raise ValueError("setup_dataloaders needs at least one DataLoader: "
+            raise ValueError("`setup_dataloaders` requires at least one dataloader as input: "
                              "fleet.setup_dataloaders(loader).")
         if any(isinstance(loader, FleetLoader) for loader in loaders):
-            raise ValueError("setup_dataloaders: a loader given was set up already (it is "
-                             "what setup_dataloaders returned); pass each loader once.")
+            raise ValueError("A dataloader should be passed only once to the "
+                             "`setup_dataloaders` method: one given is what "
+                             "setup_dataloaders returned already; use it as it is.")
         wrong = next((x for x in loaders if not isinstance(x, DataLoader)), None)
         if wrong is not None:
-            raise TypeError(f"setup_dataloaders got a {type(wrong).__name__}; give "
+            raise TypeError("Only PyTorch DataLoader are currently supported in "
+                            f"`setup_dataloaders` (got a {type(wrong).__name__}): give "
                             "torch.utils.data.DataLoader objects.")
         shard, shards = run.strategy.data_shard(run.env.rank, run.env.world_size)
         # Fleet(seed=), else the seed seed_everything chose (as Fabric's sampler), else
@@ -262,14 +264,14 @@ class FleetSetup(FleetPart):
 
 
 def _check_not_set_up(module: Any, optimizers: tuple, call: str) -> None:
-    """Fabric's misuse errors: a model or optimizer handed to setup a second time."""
+    """Fabric's misuse errors, in its words (a Fabric loop's tests match them): a model
+    or optimizer handed to ``call`` a second time."""
     if isinstance(module, FleetModule):
-        raise ValueError(f"{call}: this model was set up already (it is what setup "
-                         "returned); pass each model to setup once, and use the one it "
-                         "returned.")
+        raise ValueError(f"A model should be passed only once to the `{call}` method: this "
+                         f"one is what {call} returned already; use it as it is.")
     if any(isinstance(opt, FleetOptimizer) for opt in optimizers):
-        raise ValueError(f"{call}: an optimizer given was set up already (it is what "
-                         "setup returned); pass each optimizer to setup once.")
+        raise ValueError(f"An optimizer should be passed only once to the `{call}` method: "
+                         f"one given is what {call} returned already; use it as it is.")
 
 
 def _scheduled_index(scheduler: Any, optimizers: tuple) -> int | None:
