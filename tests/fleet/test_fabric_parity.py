@@ -387,6 +387,7 @@ _MISUSE_PHRASES = {
     "log of several values": "it cannot be converted to a scalar",
     "launch(fn without arguments)": "needs to take at least one argument",
     "launch(not a function)": "needs to be a callable",
+    "launch(None)": "needs to be a callable",
 }
 
 
@@ -407,6 +408,7 @@ def _misuse_messages(f):
         "log of several values": lambda: f.log("log", torch.tensor([3, 4])),
         "launch(fn without arguments)": lambda: f.launch(lambda: None),
         "launch(not a function)": lambda: f.launch(3),
+        "launch(None)": lambda: f.launch(None),  # (what a call in its place returned)
     }
     out = {}
     for name, attempt in tries.items():
@@ -522,6 +524,8 @@ def test_strategy_gives_the_facts_and_collectives_a_loop_reads(tmp_path):
     assert facts(single)[:2] == (torch.device("cpu"), True) and single.strategy.name == "single"
     with pytest.raises(AttributeError, match=r"fleet\.strategy has no .launcher.*root_device"):
         single.strategy.launcher  # noqa: B018 (the read is the test)
+    with pytest.raises(AttributeError, match="read-only"):
+        single.strategy.load_checkpoint = None  # the strategy is decided once
     single.finish()
 
 

@@ -37,6 +37,8 @@ from gpufleet.plan import RunPlan
 #: Fabric's strategies that start their processes from ``launch(fn)`` (its
 #: multiprocessing launcher): ``launch()`` without a function is refused under them.
 SPAWNING_STRATEGIES = ("ddp_spawn", "ddp_fork", "ddp_notebook")
+#: ``launch()``'s function left out (a ``None`` given is not a function: a TypeError).
+NO_FUNCTION: Any = object()
 #: What Lightning's CLI (``fabric run``) sets in the processes it starts.
 CLI_VAR = "LT_CLI_USED"
 
@@ -63,7 +65,7 @@ class FleetLaunch(FleetPart):
     #: function the ranks import, which builds the rank's own Fleet)
     _rank_entry: Callable[..., Any]
 
-    def launch(self, fn: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> Any:
+    def launch(self, fn: Any = NO_FUNCTION, *args: Any, **kwargs: Any) -> Any:
         """Run ``fn(fleet, *args, **kwargs)`` on every rank and return rank 0's result.
 
         When this process is a rank already (one device, torchrun, ``gpufleet run``),
@@ -78,12 +80,12 @@ class FleetLaunch(FleetPart):
         Raises:
             RuntimeError: the script was started by Lightning's CLI (``fabric run``),
                 which started the ranks already (as Fabric).
-            TypeError: ``fn`` is not callable or takes no argument (the Fleet is
-                passed to it), or no ``fn`` under ``ddp_spawn``, ``ddp_fork`` or
-                ``ddp_notebook`` (as Fabric).
+            TypeError: ``fn`` is not callable (``None`` too: leave it out) or takes no
+                argument (the Fleet is passed to it), or no ``fn`` under
+                ``ddp_spawn``, ``ddp_fork`` or ``ddp_notebook`` (as Fabric).
         """
         self._check_launch(fn)
-        if fn is None:
+        if fn is NO_FUNCTION:
             if self._fleet_run is None:  # not a rank yet: the script runs again on each rank
                 self._rerun_script()
             return None
@@ -100,7 +102,7 @@ class FleetLaunch(FleetPart):
                 "processes have already been created. Calling  `.launch()` again is not "
                 "allowed: call your function directly, fn(fleet), or start the script "
                 "with `gpufleet run script.py --nproc N` and keep launch.")
-        if fn is None:
+        if fn is NO_FUNCTION:
             asked = self._init_args.get("strategy")
             if asked in SPAWNING_STRATEGIES:
                 raise TypeError(

@@ -14,7 +14,8 @@ those :class:`FleetStrategy` gives, as the same calls on the Fleet itself:
   ``reduce_boolean_decision`` (COLLECTIVE, each as the Fleet's).
 
 Anything else (``launcher``, ``precision``, ``checkpoint_io``, Lightning's private
-names) is an ``AttributeError`` that lists what is there.
+names) is an ``AttributeError`` that lists what is there. The object is read-only: the
+strategy is decided once, by ``Fleet(strategy=...)``.
 
 Example:
     >>> fleet = Fleet(accelerator="cpu")  # doctest: +SKIP
@@ -68,7 +69,12 @@ class FleetStrategy:
     """
 
     def __init__(self, fleet: RankFacts) -> None:
-        self._fleet = fleet
+        object.__setattr__(self, "_fleet", fleet)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"fleet.strategy is read-only (setting {name!r}): it shows the run's facts and "
+            "collectives; the run's strategy is decided once, by Fleet(strategy=...).")
 
     # -- facts ------------------------------------------------------------------------
     @property
