@@ -45,6 +45,15 @@ def collectives(fleet, out):
     loader = fleet.setup_dataloaders(torch.utils.data.DataLoader(ids, batch_size=4))
     seen["for_metrics"] = torch.cat([fleet.gather_for_metrics(x) for (x,) in loader]).tolist()
     seen["plain"] = torch.cat([fleet.all_gather(x).flatten(0, 1) for (x,) in loader]).tolist()
+    # Accelerate's order: whole batches dealt in turn (compared with Accelerate's own
+    # prepare_data_loader by the test), and gather_for_metrics dropping its padding
+    torch.manual_seed(7)  # a script seeded alike on every rank
+    dealt = fleet.setup_dataloaders(
+        torch.utils.data.DataLoader(list(range(35)), batch_size=4, shuffle=True),
+        order="accelerate")
+    seen["accelerate_order"] = [[b.tolist() for b in dealt] for _ in range(2)]
+    seen["accelerate_metrics"] = torch.cat([fleet.gather_for_metrics(b)
+                                            for b in dealt]).tolist()
     strategy = fleet.strategy  # Fabric's fabric.strategy, as a loop reads it
     seen["strategy"] = [str(strategy.root_device), strategy.world_size, strategy.global_rank,
                         strategy.reduce_boolean_decision(rank == 1, all=False),

@@ -430,6 +430,14 @@ def test_group_and_named_barrier_on_two_ranks(tmp_path):
     assert (tmp_path / "result.txt").read_text() == "0"  # a subclass's run(): rank 0's
     for rank, seen in enumerate(ranks):  # fleet.strategy: the facts, any / all ranks
         assert seen["strategy"] == ["cpu", 2, rank, True, False, True]
+    accelerate = pytest.importorskip("accelerate")
+    for rank, seen in enumerate(ranks):  # order="accelerate": what prepare deals rank r
+        torch.manual_seed(7)
+        theirs = accelerate.data_loader.prepare_data_loader(
+            DataLoader(list(range(35)), batch_size=4, shuffle=True), num_processes=2,
+            process_index=rank, put_on_device=False)
+        assert seen["accelerate_order"] == [[b.tolist() for b in theirs] for _ in range(2)]
+        assert sorted(seen["accelerate_metrics"]) == list(range(35))
     for seen in ranks:  # Accelerate's gather_for_metrics: the padding duplicate dropped
         assert sorted(seen["for_metrics"]) == list(range(35))
         assert len(seen["plain"]) == 36
