@@ -431,12 +431,20 @@ def test_group_and_named_barrier_on_two_ranks(tmp_path):
     for rank, seen in enumerate(ranks):  # fleet.strategy: the facts, any / all ranks
         assert seen["strategy"] == ["cpu", 2, rank, True, False, True]
     accelerate = pytest.importorskip("accelerate")
+    dealt = []  # the third epoch's batches of each rank, as Accelerate deals them
     for rank, seen in enumerate(ranks):  # order="accelerate": what prepare deals rank r
         torch.manual_seed(7)
         theirs = accelerate.data_loader.prepare_data_loader(
             DataLoader(list(range(35)), batch_size=4, shuffle=True), num_processes=2,
             process_index=rank, put_on_device=False)
-        assert seen["accelerate_order"] == [[b.tolist() for b in theirs] for _ in range(2)]
+        epochs = [[b.tolist() for b in theirs] for _ in range(3)]
+        assert seen["accelerate_order"] == epochs[:2]
+        dealt.append(epochs[2])
+    # Accelerate's gather_for_metrics of the third epoch: each round's batches in rank
+    # order, the completed last round's repeats cut off (35 values, each sample once)
+    gathered = [i for k in range(len(dealt[0])) for rank in (0, 1) for i in dealt[rank][k]]
+    for seen in ranks:
+        assert seen["accelerate_metrics"] == gathered[:35]
         assert sorted(seen["accelerate_metrics"]) == list(range(35))
     for seen in ranks:  # Accelerate's gather_for_metrics: the padding duplicate dropped
         assert sorted(seen["for_metrics"]) == list(range(35))
