@@ -308,9 +308,10 @@ def test_save_keeps_what_filter_chooses(tmp_path):
     assert list(saved["model"]) == ["0.bias", "2.bias"] and saved["epoch"] == 3
     fleet.save(path, {"model": model, "epoch": 3}, filter={"model": lambda *_: False})
     assert fleet.load(path) == {"epoch": 3}  # nothing kept: the key is left out, as Fabric
-    with pytest.raises(ConfigError, match="'optimizer', not keys of the state"):
+    with pytest.raises(ConfigError, match=r"keys \{'optimizer'\} are not present in the "
+                                          "state keys"):
         fleet.save(path, {"model": model}, filter={"optimizer": lambda *_: True})
-    with pytest.raises(ConfigError, match="give a function"):
+    with pytest.raises(TypeError, match="give a function"):  # (TypeError: as Fabric's)
         fleet.save(path, {"model": model}, filter={"model": True})
     fleet.finish()
 

@@ -388,11 +388,17 @@ _MISUSE_PHRASES = {
     "launch(fn without arguments)": "needs to take at least one argument",
     "launch(not a function)": "needs to be a callable",
     "launch(None)": "needs to be a callable",
+    "no_backward_sync(a model not set up)": "You need to set up the model first",
+    "save(filter=not a dict)": "should be a dict",
+    "save(filter={key: not a function})": "callable, given 'foo",
+    "save(filter={unknown key})": "keys {'asd'} are not present in the state keys",
+    "setup before launch (2 devices)": "you must call `.launch()`",
 }
 
 
-def _misuse_messages(f):
-    """Each misuse's (exception type, message), run on ``f``."""
+def _misuse_messages(f, unlaunched):
+    """Each misuse's (exception type, message), run on ``f`` (and on ``unlaunched``, one
+    of 2 devices whose ranks were not started)."""
     net = _net()
     model, wrapped = f.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
     loader = f.setup_dataloaders(torch.utils.data.DataLoader(range(4)))
@@ -409,6 +415,14 @@ def _misuse_messages(f):
         "launch(fn without arguments)": lambda: f.launch(lambda: None),
         "launch(not a function)": lambda: f.launch(3),
         "launch(None)": lambda: f.launch(None),  # (what a call in its place returned)
+        "no_backward_sync(a model not set up)":
+            lambda: f.no_backward_sync(torch.nn.Linear(2, 2)).__enter__(),
+        "save(filter=not a dict)": lambda: f.save("x.pt", {"a": 1}, filter="foo"),
+        "save(filter={key: not a function})":
+            lambda: f.save("x.pt", {"a": 1}, filter={"a": "foo"}),
+        "save(filter={unknown key})":
+            lambda: f.save("x.pt", {"a": 1}, filter={"asd": lambda *_: True}),
+        "setup before launch (2 devices)": lambda: unlaunched.setup(_net()),
     }
     out = {}
     for name, attempt in tries.items():
@@ -418,17 +432,21 @@ def _misuse_messages(f):
     return out
 
 
-def test_misuse_errors_say_what_fabrics_say(tmp_path):
+def test_misuse_errors_say_what_fabrics_say(tmp_path, monkeypatch):
     """Fabric's misuse errors, of its types, hold the words its own tests match (a
     Fabric loop's tests of its error handling keep passing); ours go on to name the
     fix."""
+    monkeypatch.chdir(tmp_path)  # (where a save that was not refused would write)
     fleet = _fleet(tmp_path, loggers=[])
-    ours = _misuse_messages(fleet)
-    theirs = _misuse_messages(_fabric(loggers=[]))
+    ours = _misuse_messages(fleet, gpufleet.Fleet(accelerator="cpu", devices=2,
+                                                  run_dir=str(tmp_path / "two")))
+    theirs = _misuse_messages(_fabric(loggers=[]), fabric_module.Fabric(
+        accelerator="cpu", devices=2, strategy="ddp"))
     for name, phrase in _MISUSE_PHRASES.items():
         assert phrase in theirs[name][1], name  # the phrase is Fabric's own
-        assert ours[name][0] is theirs[name][0], (name, ours[name])
+        assert issubclass(ours[name][0], theirs[name][0]), (name, ours[name])
         assert phrase in ours[name][1], (name, ours[name][1])
+    assert not (tmp_path / "x.pt").exists()  # every refused save wrote nothing
     fleet.finish()
 
 
@@ -585,7 +603,8 @@ def test_16_mixed_on_cpu_is_bf16_mixed_as_fabric_decides(tmp_path):
 
 def test_a_set_up_loader_shows_the_loaders_own_attributes(tmp_path, monkeypatch):
     """``fabric_loader.worker_init_fn`` (set by seed_everything), ``num_workers``...:
-    Fabric's loader shows the DataLoader's attributes; Fleet's did not have them."""
+    Fabric's loader shows the DataLoader's attributes, and ``device`` (where its batches
+    go; None with move_to_device=False); Fleet's did not have them."""
     monkeypatch.setenv("PL_GLOBAL_SEED", "0")  # (restored after the test)
     monkeypatch.setenv("PL_SEED_WORKERS", "0")
     gpufleet.Fleet.seed_everything(3, verbose=False)  # workers=True, Fabric's default
@@ -595,6 +614,10 @@ def test_a_set_up_loader_shows_the_loaders_own_attributes(tmp_path, monkeypatch)
     assert ours.worker_init_fn.keywords == {"rank": 0}  # our per-rank worker seeding
     assert callable(theirs.worker_init_fn)
     assert ours.num_workers == theirs.num_workers == 0
+    assert ours.device == theirs.device == torch.device("cpu")  # where batches are for
+    kept = [f.setup_dataloaders(torch.utils.data.DataLoader(range(4)), move_to_device=False)
+            for f in (fleet, _fabric())]
+    assert kept[0].device is None and kept[1].device is None
     with pytest.raises(AttributeError, match="no attribute '_private'"):
         ours._private  # noqa: B018 (the read is the test)
     fleet.finish()

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gpufleet.errors import ConfigError
+from gpufleet.errors import NotLaunchedError
 from gpufleet.fault.crash import crash_reported
 from gpufleet.fleet.run import FleetPart, FleetRun
 from gpufleet.fleet.steps import StepTracker
@@ -190,11 +190,12 @@ class FleetLaunch(FleetPart):
         return out
 
     def _rank_run(self) -> FleetRun:
-        if self._fleet_run is None:
-            raise ConfigError(
+        if self._fleet_run is None:  # ("you must call `.launch()`": Fabric's words)
+            raise NotLaunchedError(
                 f"this Fleet plans {self.plan.nproc} ranks and this process is not one of "
-                "them yet. Put your loop in a function and call fleet.launch(fn), or start "
-                "the script with `gpufleet run script.py --nproc N` or torchrun.")
+                "them yet: you must call `.launch()` first. Put your loop in a function "
+                "and call fleet.launch(fn), or start the script with `gpufleet run "
+                "script.py --nproc N` or torchrun.")
         return self._fleet_run
 
 

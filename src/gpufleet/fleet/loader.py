@@ -132,6 +132,7 @@ class FleetLoader:
             (then there is no position to save).
         on_batch: called before each batch is fetched (the data phase begins).
         to_device: moves a batch to the run's device (None: leave it).
+        device: the device the batches are for (None: not moved there).
 
     Attributes:
         consumed: batches' samples this rank has taken in the current epoch.
@@ -139,9 +140,12 @@ class FleetLoader:
     """
 
     def __init__(self, loader: DataLoader, sampler: ResumableDistributedSampler | None,
-                 on_batch: Callable[[], None], to_device: Callable[[Any], Any] | None = None
-                 ) -> None:
+                 on_batch: Callable[[], None], to_device: Callable[[Any], Any] | None = None,
+                 device: torch.device | None = None) -> None:
         self.loader, self.sampler = loader, sampler
+        #: the device the batches are for (None: setup_dataloaders(move_to_device=False)),
+        #: as Fabric's loader's ``device``
+        self.device = device
         self._on_batch, self._to_device = on_batch, to_device
         self.consumed = 0
         self.samples = 0

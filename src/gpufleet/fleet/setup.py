@@ -271,7 +271,8 @@ class FleetSetup(FleetPart):
             if move_to_device and run.device.type != "cpu":
                 device = run.device
                 mover = lambda batch, d=device: to_device(batch, d, non_blocking=True)  # noqa: E731
-            fleet_loader = FleetLoader(loader, sampler, self._steps.on_batch, mover)
+            fleet_loader = FleetLoader(loader, sampler, self._steps.on_batch, mover,
+                                       device=run.device if move_to_device else None)
             run.data.loaders.append(fleet_loader)
             run.data.pin_memory = run.data.pin_memory or bool(loader.pin_memory)
             out.append(fleet_loader)
