@@ -23,6 +23,11 @@ class BatchError(ConfigError, TypeError):
     code, found on the first batch, not a fault of the run."""
 
 
+class NotLaunchedError(ConfigError, RuntimeError):
+    """A ``Fleet`` planned for several ranks used in a process that is not one of them
+    yet (a ``RuntimeError`` too, as Lightning Fabric raises it): launch the ranks first."""
+
+
 class LaunchError(GpufleetError, RuntimeError):
     """The processes of a run could not be started or did not finish."""
 
