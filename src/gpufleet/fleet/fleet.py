@@ -49,11 +49,12 @@ from gpufleet.fleet.accumulate import Accumulation
 from gpufleet.fleet.args import fleet_overrides
 from gpufleet.fleet.comm import FleetComm
 from gpufleet.fleet.dtypes import ForwardDtypes
-from gpufleet.fleet.grads import FleetGrads
+from gpufleet.fleet.grads import FleetGrads, check_backward_inputs
 from gpufleet.fleet.init import FleetInit
 from gpufleet.fleet.loader import SetUpLoaders
 from gpufleet.fleet.logs import FleetLogs, as_list, as_loggers
 from gpufleet.fleet.preemption import FleetPreemption
+from gpufleet.fleet.schedule import FleetSchedule
 from gpufleet.fleet.seeding import seed_everything
 from gpufleet.fleet.setup import FleetSetup
 from gpufleet.fleet.state import FleetCheckpoints
@@ -77,7 +78,7 @@ _OWN_LOOP = {
 
 
 class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, FleetLogs,
-            FleetPreemption):
+            FleetPreemption, FleetSchedule):
     """Run your own training loop on one or many ranks with gpufleet underneath.
 
     Args:
@@ -344,6 +345,8 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
         line and the non-finite guard. ``model`` is taken as Fabric takes it, and not
         needed."""
         self._rank_run()
+        if inputs is not None:
+            check_backward_inputs(inputs)
         every = self._accumulation.every
         if every > 1:  # as Accelerate's backward: the mean over the micro-batches
             loss = loss / every

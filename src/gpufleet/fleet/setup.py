@@ -94,9 +94,11 @@ class FleetSetup(FleetPart):
         self._placed.append(placed)
         if run.model is None:  # the run's model until an optimizer names its own
             run.model = placed
+        # A pipeline stage: evaluation forwards run every stage in turn (COLLECTIVE)
+        whole = run.strategy.eval_model(placed) if run.strategy.traits.pipelined else None
         wrapped = FleetModule(placed, run.strategy.unwrap(placed),
                               self._steps.phase_announce, run.precision,
-                              device=run.device, dtypes=self._dtypes)
+                              device=run.device, dtypes=self._dtypes, whole=whole)
         built = [self._adopt(placed, opt, spec, scheduled_here=i == scheduled)
                  for i, (opt, spec) in enumerate(zip(optimizers, specs, strict=True))]
         wrappers = self._take_optimizers(placed, built)

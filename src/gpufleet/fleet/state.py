@@ -39,6 +39,7 @@ from gpufleet.fleet.sharded import (
     shard_entries,
     verify,
 )
+from gpufleet.fleet.stages import holds_stages, load_stage_entries, stage_entries
 from gpufleet.fleet.steps import StepTracker
 from gpufleet.fleet.wrappers import FleetModule, unwrap_optimizer
 from gpufleet.fleet.writes import write_directory, write_file
@@ -325,8 +326,12 @@ def save_state(path: str | Path, state: Mapping[str, Any], strategy: Any,
     sharded = strategy.saves_on_every_rank
     # COLLECTIVE under fsdp and tp (the shards' metadata) and zero1 (its gather)
     shards = shard_entries(state, strategy, placed, filter) if sharded else {}
-    content = saveable({k: v for k, v in state.items() if k not in shards}, strategy,
-                       filter, rank)
+    # COLLECTIVE under pipeline: every stage's state gathered into the whole model's
+    stages = stage_entries(state, strategy) if holds_stages(strategy) else {}
+    content = saveable({k: v for k, v in state.items() if k not in shards and k not in stages},
+                       strategy, filter, rank)
+    content.update(saveable(stages, strategy, filter and
+                            {k: f for k, f in filter.items() if k in stages}, rank))
     plain = _plain(state, content)
     ranked = differing(plain)  # COLLECTIVE: a digest of each plain value, every rank
     if ranked:
@@ -410,6 +415,9 @@ def load_state(path: str | Path, state: dict[str, Any] | None, strategy: Any,
     from_shards = [k for k in state if k in shards]
     if from_shards:  # COLLECTIVE: every rank reads what makes up its shards
         skipped += load_entries(path, state, from_shards, strategy, placed, strict)
+    if holds_stages(strategy):  # this rank's stage of the whole model's state
+        for key in load_stage_entries(state, rest, strategy):
+            rest.pop(key)
     for key, value in state.items():
         if key in missing or key in from_shards or key not in rest:
             continue
