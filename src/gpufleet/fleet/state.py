@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 
 from gpufleet.core.phases import Phase
 from gpufleet.errors import CheckpointError, ConfigError
+from gpufleet.fleet.loader import FleetLoader
 from gpufleet.fleet.part import FleetPart
 from gpufleet.fleet.perrank import differing, gather_per_rank
 from gpufleet.fleet.sharded import (
@@ -281,10 +282,13 @@ def check_keys(state: Mapping[str, Any],
 
 
 def _plain(state: Mapping[str, Any], content: Mapping[str, Any]) -> dict[str, Any]:
-    """The entries of ``content`` that are your plain values in ``state`` (not models,
-    optimizers or objects with a state dict)."""
+    """The entries of ``content`` compared between the ranks: your plain values in
+    ``state`` (not models, optimizers or objects with a state dict), and the set-up
+    loaders' positions (the same on ranks in step; a loader of your own that keeps its
+    state, or a rank that read ahead, differs, and is then kept per rank)."""
     return {k: v for k, v in content.items()
-            if not isinstance(state[k], nn.Module) and not _has_state(state[k])}
+            if isinstance(state[k], FleetLoader)
+            or (not isinstance(state[k], nn.Module) and not _has_state(state[k]))}
 
 
 def _check_filter(filter: Any, state: Mapping[str, Any]) -> None:
