@@ -89,7 +89,9 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
             ``"bf16-mixed"``, ``"16-mixed"``/``"fp16-mixed"``, or ``"auto"`` (your
             loop's own recipe: fp32 too; TF32 is left as torch or your script set it).
         strategy: ``"auto"`` (the default: ddp on several ranks, single on one),
-            ``"single"``, ``"ddp"``, ``"fsdp"``, and gpufleet's other strategy names.
+            ``"single"``, ``"ddp"``, ``"fsdp"``, and gpufleet's other strategy names
+            (``"pipeline"``: train through :meth:`forward_backward`;
+            ``"model_parallel"``: with ``parallel.device_map`` in ``overrides``).
             With ``config``, an ``accelerator``, ``precision`` or ``strategy`` left out
             keeps the config's own.
         num_nodes: nodes (the ranks of each are started there).
