@@ -3,7 +3,8 @@
 ``twin OUT``: the plain PyTorch loop, then the same loop on Fleet (saving a checkpoint
 every 4 steps), then a short Fleet loop whose rank 1 loss turns NaN at step 2, then the Fleet loop
 with strategy fsdp, then Fabric's collectives (all_gather, broadcast, rank_zero_first,
-log); each rank writes what it saw to ``OUT/twin-rank<R>.pt``.
+log), then the own loops at scale of scale_loops.py (pipeline, model_parallel, a GAN
+under fsdp, a stream); each rank writes what it saw to ``OUT/twin-rank<R>.pt``.
 ``crash OUT``: the Fleet loop again; on the first attempt rank 1 kills itself (SIGKILL)
 during step 7, after the checkpoint of step 4; the elastic agent restarts both ranks,
 which resume from it. Rank 0 writes the final weights to ``OUT/crash-final.pt``.
@@ -24,6 +25,7 @@ sys.path.insert(0, str(EXAMPLES))
 
 import own_loop  # noqa: E402
 import own_loop_fleet  # noqa: E402
+import scale_loops  # noqa: E402  (beside this script)
 
 import gpufleet  # noqa: E402
 
@@ -120,9 +122,10 @@ def twin(out: Path) -> None:
     comm = _collectives(out)
     preempted = _preempted(out)
     rank = int(os.environ["RANK"])
+    scale = scale_loops.everything(out, rank)
     torch.save({"plain": plain, "fleet": ours, "plain_weights": plain_model.state_dict(),
                 "fleet_weights": model.state_dict(), "nan": nan, "fsdp": fsdp,
-                "comm": comm, "preempted": preempted},
+                "comm": comm, "preempted": preempted, "scale": scale},
                out / f"twin-rank{rank}.pt")
     # The plain loop made the process group: leave it, as its script does. Left to the
     # interpreter's exit, torch's gloo group now and then aborts the process there.

@@ -180,3 +180,91 @@ def test_fabric_collectives_on_two_ranks(twin):
     logged = [json.loads(line) for line in
               (twin / "comm-run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["rank_seen"] for r in logged if r["kind"] == "user"] == [0.0]
+
+
+# -- the own loop at scale (tests/examples/scale_loops.py, inside the twin launch) ------
+# fp32 (machine epsilon 1.2e-7): where the distributed loop's gradients are the single
+# process's sums regrouped (4 micro-batches of 2, or 2 ranks of 4, against one batch of
+# 8), each gradient element's rounding differs by a few eps of its size; over 4 steps of
+# lr <= 0.1 that stays within 20 eps relative plus 1e-6 absolute (a weight near 0).
+RTOL, ATOL = 20 * 1.2e-7, 1e-6
+
+
+def _scale(twin: Path, rank: int) -> dict:
+    return torch.load(twin / f"twin-rank{rank}.pt", weights_only=True)["scale"]
+
+
+def test_a_pipeline_of_your_loop_trains_as_one_process_under_both_schedules(twin):
+    """fleet.forward_backward runs the strategy's schedule (2 stages x 4 micro-batches)
+    on the stage each rank holds, returns the loss on every rank, and the optimizer's
+    step and clip go through the engine: the stages' weights are the single process's;
+    an evaluation forward gives every rank the whole model's output; a training
+    forward of one stage is refused, naming forward_backward."""
+    stages = [_scale(twin, rank)["pipeline"] for rank in (0, 1)]
+    assert sorted(stages[0]["gpipe"]["stage"]) == ["0.bias", "0.weight"]
+    assert sorted(stages[1]["gpipe"]["stage"]) == ["2.bias", "2.weight", "4.bias", "4.weight"]
+    for seen in stages:
+        for schedule in ("gpipe", "1f1b"):
+            run = seen[schedule]
+            for name, value in run["stage"].items():
+                torch.testing.assert_close(value, seen["reference"][name], rtol=RTOL,
+                                           atol=ATOL, msg=f"{schedule} {name}")
+            assert run["losses"] == pytest.approx(seen["reference_losses"], rel=RTOL)
+            torch.testing.assert_close(run["output"], seen["reference_output"],
+                                       rtol=RTOL, atol=ATOL)
+            assert "fleet.forward_backward" in run["refused"]
+
+
+def test_a_pipeline_checkpoint_is_the_whole_model_and_resumes_each_stage(twin):
+    """fleet.save under pipeline writes the whole model and optimizer (as one process
+    lays them out); a loop of other weights loads its stage's share and takes the same
+    last 2 steps as the uninterrupted loop, bit for bit."""
+    for rank in (0, 1):
+        seen = _scale(twin, rank)["pipeline"]
+        assert seen["resumed_step"] == 2
+        for name, value in seen["uninterrupted"].items():
+            assert torch.equal(seen["resumed"][name], value), (rank, name)
+            torch.testing.assert_close(value, seen["adamw_reference"][name], rtol=RTOL,
+                                       atol=ATOL)
+    saved = torch.load(twin / "pp.ck", weights_only=True)
+    assert sorted(saved["model"]) == ["0.bias", "0.weight", "2.bias", "2.weight",
+                                      "4.bias", "4.weight"]
+    assert len(saved["optimizer"]["state"]) == 6  # every parameter's, from both stages
+    assert saved["step"] == 2
+
+
+def test_model_parallel_takes_the_plain_calls_on_two_ranks(twin):
+    """A device map's modules, replicated over 2 ranks of half the batch: the plain
+    forward, backward and step train the single process's weights."""
+    for rank in (0, 1):
+        seen = _scale(twin, rank)["model_parallel"]
+        for name, value in seen["reference"].items():
+            torch.testing.assert_close(seen["weights"][name], value, rtol=RTOL, atol=ATOL,
+                                       msg=name)
+
+
+def test_a_gan_of_two_sharded_models_trains_as_the_plain_loop(twin):
+    """Generator and discriminator, each its own Adam, both under fsdp on 2 ranks of 8:
+    the plain loop's weights on 16. backward(inputs=) of sharded parameters is refused
+    (it would train nothing), naming the DCGAN order that works."""
+    for rank in (0, 1):
+        seen = _scale(twin, rank)["gan"]
+        for model in ("generator", "discriminator"):
+            for name, value in seen["reference"][model].items():
+                torch.testing.assert_close(seen[model][name], value, rtol=1e-5, atol=1e-6,
+                                           msg=f"{model}.{name}")
+        assert "DCGAN order" in seen["refused"]
+
+
+def test_a_stream_is_shared_out_over_ranks_and_workers_and_resumes_exactly(twin):
+    """An IterableDataset of 50 items, batches of 4, 2 ranks x 2 workers, 2 epochs:
+    every item of an epoch read by one rank once (the last 2, short of a batch for each
+    rank, left out); a loop stopped after 7 batches (mid epoch 1) and resumed through
+    fleet.save/load reads exactly what the uninterrupted one read."""
+    seen = [_scale(twin, rank)["stream"] for rank in (0, 1)]
+    items = sorted(x for s in seen for batch in s["whole"] for x in batch)
+    assert items == [1000.0 * e + i for e in (0, 1) for i in range(48)]
+    assert seen[0]["whole"][:2] == [[0.0, 1.0, 2.0, 3.0], [8.0, 9.0, 10.0, 11.0]]
+    for s in seen:
+        assert s["stopped"] and len(s["first"]) == 7
+        assert s["resumed"] == s["whole"]

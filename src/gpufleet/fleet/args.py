@@ -28,7 +28,8 @@ PRECISIONS = {
 }
 STRATEGIES = {"auto": "auto", "single": "single", "single_device": "single", "ddp": "ddp",
               "fsdp": "fsdp", "hsdp": "hsdp", "zero1": "zero1", "dp": "dp",
-              "local_sgd": "local_sgd",
+              "local_sgd": "local_sgd", "pipeline": "pipeline",
+              "model_parallel": "model_parallel",
               # Fabric's ways of starting ddp's ranks: the same DDP and the same numbers;
               # Fleet starts the ranks with torch's elastic agent (see Fleet.launch)
               "ddp_spawn": "ddp", "ddp_fork": "ddp", "ddp_notebook": "ddp"}

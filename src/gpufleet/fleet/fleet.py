@@ -49,12 +49,13 @@ from gpufleet.fleet.accumulate import Accumulation
 from gpufleet.fleet.args import FABRIC_FP16, fleet_overrides
 from gpufleet.fleet.comm import FleetComm
 from gpufleet.fleet.dtypes import ForwardDtypes
-from gpufleet.fleet.grads import FleetGrads
+from gpufleet.fleet.grads import FleetGrads, check_backward_inputs
 from gpufleet.fleet.init import FleetInit
 from gpufleet.fleet.launching import FleetLaunch
 from gpufleet.fleet.loader import SetUpLoaders
 from gpufleet.fleet.logs import FleetLogs, as_list, as_loggers
 from gpufleet.fleet.preemption import FleetPreemption
+from gpufleet.fleet.schedule import FleetSchedule
 from gpufleet.fleet.seeding import seed_everything
 from gpufleet.fleet.setup import FleetSetup
 from gpufleet.fleet.state import FleetCheckpoints
@@ -92,7 +93,7 @@ def rank_main(init_args: dict[str, Any], fn: Callable[..., Any] | None, args: tu
 
 
 class Fleet(FleetLaunch, FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints,
-            FleetLogs, FleetPreemption):
+            FleetLogs, FleetPreemption, FleetSchedule):
     """Run your own training loop on one or many ranks with gpufleet underneath.
 
     Args:
@@ -103,7 +104,9 @@ class Fleet(FleetLaunch, FleetSetup, FleetInit, FleetComm, FleetGrads, FleetChec
             ``"bf16-mixed"``, ``"16-mixed"``/``"fp16-mixed"``, or ``"auto"`` (your
             loop's own recipe: fp32 too; TF32 is left as torch or your script set it).
         strategy: ``"auto"`` (the default: ddp on several ranks, single on one),
-            ``"single"``, ``"ddp"``, ``"fsdp"``, and gpufleet's other strategy names.
+            ``"single"``, ``"ddp"``, ``"fsdp"``, and gpufleet's other strategy names
+            (``"pipeline"``: train through :meth:`forward_backward`;
+            ``"model_parallel"``: with ``parallel.device_map`` in ``overrides``).
             With ``config``, an ``accelerator``, ``precision`` or ``strategy`` left out
             keeps the config's own.
         num_nodes: nodes (the ranks of each are started there).
@@ -318,6 +321,8 @@ class Fleet(FleetLaunch, FleetSetup, FleetInit, FleetComm, FleetGrads, FleetChec
         line and the non-finite guard. ``model`` is taken as Fabric takes it, and not
         needed."""
         self._rank_run()
+        if inputs is not None:
+            check_backward_inputs(inputs)
         every = self._accumulation.every
         if every > 1:  # as Accelerate's backward: the mean over the micro-batches
             loss = loss / every

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -70,3 +71,26 @@ class FleetGrads(FleetPart):
         placed = module.placed if isinstance(module, FleetModule) else module
         return self._steps.clip(placed, unwrap_optimizer(optimizer), max_norm, clip_val,
                                 norm_type=order, error_if_nonfinite=error_if_nonfinite)
+
+
+def check_backward_inputs(inputs: Any) -> None:
+    """Refuse ``backward(inputs=...)`` naming parameters that FSDP2 shards (``fsdp``,
+    ``hsdp``, tensor parallel: DTensor parameters). Their forward runs on gathered
+    copies, so a backward asked for the gradients of the sharded parameters themselves
+    reaches none of them: that model would silently not train.
+
+    Raises:
+        ConfigError: naming the fix (a GAN: step the discriminator before the
+            generator's loss, as pytorch/examples' DCGAN does).
+    """
+    tensors = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+    if any(hasattr(t, "placements") for t in tensors):
+        raise ConfigError(
+            "backward(inputs=...) names parameters sharded by FSDP2 (a DTensor: fsdp, "
+            "hsdp or tensor parallel). The forward ran on gathered copies of them, so "
+            "this backward would give these parameters no gradient and the model would "
+            "not train. Leave inputs out; to keep one model's loss from another's "
+            "gradients (a GAN's generator loss through the discriminator), step that "
+            "model first and zero its gradients before its next backward (pytorch/"
+            "examples' DCGAN order: the discriminator's backward and step, then the "
+            "generator's), or train these models under ddp.")

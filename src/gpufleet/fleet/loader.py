@@ -312,7 +312,11 @@ class FleetLoader:
         return counts
 
     def state_dict(self) -> dict[str, Any]:
-        """The position to resume from (see ``ResumableDistributedSampler.state_dict``)."""
+        """The position to resume from (see ``ResumableDistributedSampler.state_dict``);
+        for a loader left as it was that keeps its own state (torchdata's
+        ``StatefulDataLoader``), that loader's ``state_dict()``."""
+        if self.sampler is None and _keeps_state(self.loader):
+            return {"loader": self.loader.state_dict()}  # type: ignore[attr-defined]
         if self.sampler is None:
             raise ConfigError("this loader was set up with use_distributed_sampler=False: "
                               "gpufleet does not know its position. Save your own sampler's "
@@ -330,6 +334,9 @@ class FleetLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue, at the next ``iter()``, right after the saved position."""
+        if self.sampler is None and _keeps_state(self.loader) and "loader" in state:
+            self.loader.load_state_dict(state["loader"])  # type: ignore[attr-defined]
+            return
         if self.sampler is None:
             raise ConfigError("this loader was set up with use_distributed_sampler=False "
                               "and has no position to load.")
@@ -342,6 +349,12 @@ class FleetLoader:
         self._ended = False
         self._live = None  # a pass under way no longer decides where the next begins
         self.consumed = 0  # the resumed pass's items begin after the saved position
+
+
+def _keeps_state(loader: Any) -> bool:
+    """Whether ``loader`` keeps its own position (``state_dict``/``load_state_dict``)."""
+    return callable(getattr(loader, "state_dict", None)) and \
+        callable(getattr(loader, "load_state_dict", None))
 
 
 class SetUpLoaders:

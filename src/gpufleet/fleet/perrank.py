@@ -6,9 +6,10 @@ rank), but also a batch read ahead, an LSTM's hidden state, a rank's own counter
 rank its own). At save every rank hashes each of its plain values and the ranks compare
 the hashes (one all-gather of a short string per value); a value whose hashes differ is
 gathered from every rank and saved as one per rank, and at load each rank takes its own.
-Models, optimizers and objects with a ``state_dict`` (schedulers, set-up loaders) are
-not compared: the strategy keeps models and optimizers in step, and a loader's position
-is global.
+Models, optimizers and objects with a ``state_dict`` (schedulers) are not compared:
+the strategy keeps models and optimizers in step. A set-up loader's position is
+compared: it is global, the same on ranks in step, but a rank that read ahead, or a
+loader of your own that keeps its own state, holds its own.
 
 At another world size a per-rank value has no rank to go to: ``load`` refuses it,
 naming the key (``strict=False`` leaves the value as it is, and a warning names it).

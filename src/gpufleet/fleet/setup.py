@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from gpufleet.core.tree import to_device
 from gpufleet.errors import ConfigError, unknown_choice
@@ -29,6 +29,7 @@ from gpufleet.fleet.order import ORDERS, AccelerateOrder, accelerate_generator_s
 from gpufleet.fleet.part import FleetPart
 from gpufleet.fleet.seeding import add_worker_seeding, chosen_seed, seeds_workers
 from gpufleet.fleet.steps import StepTracker
+from gpufleet.fleet.stream import FleetStreamLoader, shard_stream
 from gpufleet.fleet.wrappers import FleetModule, FleetOptimizer, watch_direct_steps
 from gpufleet.train.engine.run import ModelPart
 from gpufleet.train.guard.nonfinite import NonFiniteGuard
@@ -97,9 +98,11 @@ class FleetSetup(FleetPart):
         self._placed.append(placed)
         if run.model is None:  # the run's model until an optimizer names its own
             run.model = placed
+        # A pipeline stage: evaluation forwards run every stage in turn (COLLECTIVE)
+        whole = run.strategy.eval_model(placed) if run.strategy.traits.pipelined else None
         wrapped = FleetModule(placed, run.strategy.unwrap(placed),
                               self._steps.phase_announce, run.precision,
-                              device=run.device, dtypes=self._dtypes)
+                              device=run.device, dtypes=self._dtypes, whole=whole)
         built = [self._adopt(placed, opt, spec, scheduled_here=i == scheduled)
                  for i, (opt, spec) in enumerate(zip(optimizers, specs, strict=True))]
         wrappers = self._take_optimizers(placed, built)
@@ -219,10 +222,17 @@ class FleetSetup(FleetPart):
         (weighted, a subset) keeps its draws, sharded over the ranks as Fabric shards
         them.
 
+        A loader over an ``IterableDataset`` (a stream) on several ranks is shared out:
+        each rank, and each of its workers, reads its own batches of the stream, every
+        item once, and :meth:`save` records the position (see
+        :mod:`~gpufleet.fleet.stream`; the stream must give every process the same
+        items, not split itself by worker or rank).
+
         In a job of one process, a loader that cannot be rebuilt so (an
         ``IterableDataset``, a dataset or sampler without ``len()``, a batch sampler of
         its own) is left as it is, as Fabric leaves every loader on one device: it
-        iterates as before, and has no position for :meth:`save`.
+        iterates as before, and :meth:`save` keeps the loader's own ``state_dict``
+        where it has one (torchdata's ``StatefulDataLoader``), else no position.
 
         ``order="accelerate"``: on several ranks, Accelerate's order instead (whole
         batches of one order dealt to the ranks in turn, the last round completed from
@@ -261,8 +271,13 @@ class FleetSetup(FleetPart):
         seed = run.cfg.run.seed if self._seed is not None else chosen_seed(run.cfg.run.seed)
         out = []
         for loader in loaders:
-            sampler = None
-            if use_distributed_sampler:
+            sampler: Any = None
+            wrap = FleetLoader
+            if use_distributed_sampler and _streams(loader, shards, run.env.world_size):
+                # each rank (and worker) its own chunks of the stream: fleet/stream.py
+                loader, sampler = shard_stream(loader, rank=shard, world_size=shards)
+                wrap = FleetStreamLoader
+            elif use_distributed_sampler:
                 dealt = self._accelerate_order(loader, shards) \
                     if order == "accelerate" and shards > 1 else None
                 try:
@@ -279,8 +294,8 @@ class FleetSetup(FleetPart):
             if move_to_device and run.device.type != "cpu":
                 device = run.device
                 mover = lambda batch, d=device: to_device(batch, d, non_blocking=True)  # noqa: E731
-            fleet_loader = FleetLoader(loader, sampler, self._steps.on_batch, mover,
-                                       device=run.device if move_to_device else None)
+            fleet_loader = wrap(loader, sampler, self._steps.on_batch, mover,
+                                device=run.device if move_to_device else None)
             self._loaders.add(fleet_loader, data_copies=run.env.world_size // shards)
             out.append(fleet_loader)
         return out[0] if len(out) == 1 else tuple(out)
@@ -303,6 +318,12 @@ class FleetSetup(FleetPart):
             state = torch.tensor(self.broadcast(drawn, 0), dtype=torch.uint8)  # COLLECTIVE
         return AccelerateOrder(theirs, batch_size=loader.batch_size, world_size=shards,
                                drop_last=loader.drop_last, generator_state=state)
+
+
+def _streams(loader: DataLoader, shards: int, world_size: int) -> bool:
+    """Whether ``loader`` reads a stream that Fleet shares out over the ranks (on one
+    process a stream is left as Fabric leaves it: as it is)."""
+    return isinstance(loader.dataset, IterableDataset) and (shards > 1 or world_size > 1)
 
 
 def _check_not_set_up(module: Any, optimizers: tuple, call: str) -> None:

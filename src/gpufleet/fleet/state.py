@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 
 from gpufleet.core.phases import Phase
 from gpufleet.errors import CheckpointError, ConfigError
+from gpufleet.fleet.loader import FleetLoader
 from gpufleet.fleet.part import FleetPart
 from gpufleet.fleet.perrank import differing, gather_per_rank
 from gpufleet.fleet.sharded import (
@@ -39,6 +40,7 @@ from gpufleet.fleet.sharded import (
     shard_entries,
     verify,
 )
+from gpufleet.fleet.stages import holds_stages, load_stage_entries, stage_entries
 from gpufleet.fleet.steps import StepTracker
 from gpufleet.fleet.wrappers import FleetModule, unwrap_optimizer
 from gpufleet.fleet.writes import write_directory, write_file
@@ -280,10 +282,13 @@ def check_keys(state: Mapping[str, Any],
 
 
 def _plain(state: Mapping[str, Any], content: Mapping[str, Any]) -> dict[str, Any]:
-    """The entries of ``content`` that are your plain values in ``state`` (not models,
-    optimizers or objects with a state dict)."""
+    """The entries of ``content`` compared between the ranks: your plain values in
+    ``state`` (not models, optimizers or objects with a state dict), and the set-up
+    loaders' positions (the same on ranks in step; a loader of your own that keeps its
+    state, or a rank that read ahead, differs, and is then kept per rank)."""
     return {k: v for k, v in content.items()
-            if not isinstance(state[k], nn.Module) and not _has_state(state[k])}
+            if isinstance(state[k], FleetLoader)
+            or (not isinstance(state[k], nn.Module) and not _has_state(state[k]))}
 
 
 def _check_filter(filter: Any, state: Mapping[str, Any]) -> None:
@@ -327,8 +332,12 @@ def save_state(path: str | Path, state: Mapping[str, Any], strategy: Any,
     sharded = strategy.saves_on_every_rank
     # COLLECTIVE under fsdp and tp (the shards' metadata) and zero1 (its gather)
     shards = shard_entries(state, strategy, placed, filter) if sharded else {}
-    content = saveable({k: v for k, v in state.items() if k not in shards}, strategy,
-                       filter, rank)
+    # COLLECTIVE under pipeline: every stage's state gathered into the whole model's
+    stages = stage_entries(state, strategy) if holds_stages(strategy) else {}
+    content = saveable({k: v for k, v in state.items() if k not in shards and k not in stages},
+                       strategy, filter, rank)
+    content.update(saveable(stages, strategy, filter and
+                            {k: f for k, f in filter.items() if k in stages}, rank))
     plain = _plain(state, content)
     ranked = differing(plain)  # COLLECTIVE: a digest of each plain value, every rank
     if ranked:
@@ -412,6 +421,9 @@ def load_state(path: str | Path, state: dict[str, Any] | None, strategy: Any,
     from_shards = [k for k in state if k in shards]
     if from_shards:  # COLLECTIVE: every rank reads what makes up its shards
         skipped += load_entries(path, state, from_shards, strategy, placed, strict)
+    if holds_stages(strategy):  # this rank's stage of the whole model's state
+        for key in load_stage_entries(state, rest, strategy):
+            rest.pop(key)
     for key, value in state.items():
         if key in missing or key in from_shards or key not in rest:
             continue

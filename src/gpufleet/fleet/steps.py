@@ -27,6 +27,7 @@ from gpufleet.fleet.observed import LoopObservations
 from gpufleet.monitor.jsonl import MetricsFile
 from gpufleet.monitor.sinks import build_sinks
 from gpufleet.procs import forget_process
+from gpufleet.train.engine.batches import LossFn
 from gpufleet.train.engine.build import attach_callbacks
 from gpufleet.train.engine.interval import LogInterval
 from gpufleet.train.engine.run import Run
@@ -132,8 +133,32 @@ class StepTracker:
             self._look_again()
         self.run.precision.backward(loss, inputs=inputs, retain_graph=retain_graph,
                                     create_graph=create_graph)
+        self._count_backward(loss.detach())
+
+    def forward_backward(self, model: torch.nn.Module, batch: Any, loss_fn: LossFn,
+                         loss_scale: float) -> torch.Tensor:
+        """One micro-batch through the strategy's own forward and backward (under
+        ``pipeline`` its schedule over this rank's stage; elsewhere a forward and the
+        precision's backward), as the built-in loop's micro-step runs it. Returns the
+        detached loss, unscaled (the same on every rank of a pipeline); the step keeps
+        it times ``loss_scale``, as :meth:`backward` keeps what it is handed."""
+        run = self.run
+        self.announce(Phase.FORWARD)
+        if self._inspected:
+            self._look_again()
+        # COLLECTIVE under pipeline: the schedule's sends and receives, then the last
+        # stage's loss broadcast to every rank (one scalar).
+        loss = run.strategy.forward_backward(model, batch, loss_fn, run.precision,
+                                             loss_scale, self._backward_mark)
+        self._count_backward(loss * loss_scale if loss_scale != 1.0 else loss)
+        return loss
+
+    def _backward_mark(self) -> None:
+        self.announce(Phase.BACKWARD)
+
+    def _count_backward(self, detached: torch.Tensor) -> None:
+        """A backward pass was taken with ``detached`` as its loss."""
         self.observed.backward(self._batch_size())
-        detached = loss.detach()
         self._step_loss = detached if self._step_loss is None else self._step_loss + detached
         self._micro += 1
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from gpufleet.core.phases import Phase
+from gpufleet.errors import ConfigError
 from gpufleet.fleet.dtypes import ForwardDtypes
 
 
@@ -37,12 +38,17 @@ class FleetModule(nn.Module):
         device: this rank's device (``.device``, as Fabric's wrapper has it).
         dtypes: what the forward converts (inputs, outputs, the true precisions'
             default dtype), as Fabric's precision plugins.
+        whole: what an evaluation forward runs where ``placed`` is one stage of a
+            pipeline (the stages one after another, every rank getting the output);
+            a training forward is then refused: the strategy's schedule runs it
+            (``fleet.forward_backward``). None: ``placed`` runs every forward.
     """
 
     def __init__(self, placed: nn.Module, original: nn.Module,
                  announce: Callable[[Phase], None], precision: Any,
                  device: torch.device | None = None,
-                 dtypes: ForwardDtypes | None = None) -> None:
+                 dtypes: ForwardDtypes | None = None,
+                 whole: nn.Module | None = None) -> None:
         super().__init__()
         self.placed = placed
         # Read on every forward: plain attributes (a submodule's lookup goes through
@@ -53,16 +59,31 @@ class FleetModule(nn.Module):
         object.__setattr__(self, "_precision", precision)
         object.__setattr__(self, "_device", device)
         object.__setattr__(self, "_dtypes", dtypes or ForwardDtypes())
+        object.__setattr__(self, "_whole", whole)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._announce(Phase.FORWARD if self.training else Phase.EVAL)
+        placed = self._placed if self._whole is None else self._whole_forward()
         dtypes = self._dtypes
         args, kwargs = dtypes.convert_input((args, kwargs))
         if self._precision.autocast_dtype is None and dtypes.true is None:  # fp32
-            return self._placed(*args, **kwargs)
+            return placed(*args, **kwargs)
         with self._precision.autocast(), dtypes.default_dtype():
-            out = self._placed(*args, **kwargs)
+            out = placed(*args, **kwargs)
         return dtypes.convert_output(out)
+
+    def _whole_forward(self) -> nn.Module:
+        """The pipeline's evaluation forward (COLLECTIVE: every stage's output in
+        turn); a training forward is refused."""
+        if self.training:
+            raise ConfigError(
+                "this model is one stage of a pipeline (parallel.strategy = 'pipeline'): "
+                "a training forward runs as the strategy's schedule of micro-batches over "
+                "every stage, which a forward of this rank's stage cannot do. Use loss = "
+                "fleet.forward_backward(model, (inputs, target), loss_fn) in place of the "
+                "forward and fleet.backward, or call model.eval() for an evaluation "
+                "forward (every rank gets the output).")
+        return self._whole
 
     @property
     def module(self) -> nn.Module:

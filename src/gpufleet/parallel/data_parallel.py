@@ -56,13 +56,16 @@ def data_parallel_kind(traits: StrategyTraits, dims: ParallelDims, pipelined: bo
 
 
 def replicate(model: nn.Module, cfg: ParallelConfig, device: torch.device) -> DDP:
-    """``model`` (already on ``device``) wrapped in torch's ``DistributedDataParallel``
-    with the ``[parallel.ddp]`` bucket, graph and communication-hook options.
+    """``model`` (already on ``device``, or on several devices by a device map)
+    wrapped in torch's ``DistributedDataParallel`` with the ``[parallel.ddp]`` bucket,
+    graph and communication-hook options.
     COLLECTIVE: DDP broadcasts rank 0's parameters and buffers."""
+    devices = {p.device for p in model.parameters()}
     ddp = DDP(
         model,
-        # None on CPU: the module stays where it is, gloo reduces host tensors.
-        device_ids=[device.index] if device.type == "cuda" else None,
+        # None on CPU (the module stays where it is, gloo reduces host tensors) and for
+        # a module over several devices (torch's DDP then leaves the placement as it is).
+        device_ids=[device.index] if device.type == "cuda" and len(devices) <= 1 else None,
         bucket_cap_mb=cfg.ddp.bucket_cap_mb,
         static_graph=cfg.ddp.static_graph,
         gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view,

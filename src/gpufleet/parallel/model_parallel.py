@@ -7,7 +7,8 @@ name stay on the run's device (``cuda:0``, or the CPU). A longer prefix wins ove
 shorter one. A forward pre-hook on each mapped module moves its tensor inputs to its
 device, and a hook on the whole model brings the output back to the run's device,
 where the batch and the loss live. Only one device computes at a time (no pipelining);
-the ``pipeline`` strategy overlaps the devices with micro-batches.
+the ``pipeline`` strategy overlaps the devices with micro-batches. On several ranks
+each rank places its replica so and torch's DDP keeps the replicas in step.
 
 Example:
     >>> from torch import nn
@@ -18,11 +19,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpufleet.core.tree import map_tensors
 from gpufleet.errors import ConfigError, did_you_mean
@@ -39,6 +42,14 @@ class ModelParallel(Strategy):
 
     name = "model_parallel"
     traits = StrategyTraits(device_map=True)
+
+    # On several ranks the placed model is replicated by torch's DDP (parallelize's
+    # data parallel step, after the device map): its prefix and its gradient sync.
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, DDP) else model
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        return model.no_sync() if isinstance(model, DDP) else contextlib.nullcontext()
 
     def describe(self) -> dict[str, Any]:
         """The device map, for the run's report."""

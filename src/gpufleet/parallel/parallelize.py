@@ -11,8 +11,11 @@ the module the loop calls. The order is fixed, and each step runs only when the 
     3. memory format and    perf.channels_last, perf.compile (in place: the state-dict
        compilation          names stay), by blocks or whole (compile_scope)
     4. the pipeline split   pp > 1 (or a pipelined preset): this rank keeps its stage
-                            (pipeline_split.keep_stage); steps 5 and 6 then apply to it
-    5. data parallel        data_parallel.data_parallel_kind decides, by the degrees and
+                            (pipeline_split.keep_stage); steps 5 to 7 then apply to it
+    5. device map           a device_map preset (model_parallel): modules placed by
+                            parallel.device_map, before data parallelism, so that DDP
+                            replicates the placed model (its names and hooks as yours)
+    6. data parallel        data_parallel.data_parallel_kind decides, by the degrees and
                             the preset's traits.data_parallel (which holds at degree 1):
                             FSDP2 when dp_shard > 1 or the preset shards (HSDP with
                             dp_replicate > 1 too), and for replicas of a tensor parallel
@@ -20,8 +23,6 @@ the module the loop calls. The order is fixed, and each step runs only when the 
                             all-reduces gradients as DDP does); torch's DDP for other
                             replicas (dp_replicate > 1 or a replicating preset);
                             nn.DataParallel for a one-process threads preset
-    6. device map           a device_map preset (model_parallel): modules placed by
-                            parallel.device_map
     7. the strategy's hook  Strategy.attach(model, stage): step-time machinery that
                             must hold the final module (the pipeline schedule,
                             local_sgd's communication hook and averager)
@@ -106,8 +107,8 @@ def compile_scope(perf: PerfConfig, strategy: Strategy) -> str:
 
 
 def distribute(model: nn.Module, strategy: Strategy) -> nn.Module:
-    """Steps 4 to 7 (see the module doc): the pipeline split, data parallelism, the
-    device map and the strategy's :meth:`~Strategy.attach`, with the strategy's
+    """Steps 4 to 7 (see the module doc): the pipeline split, the device map, data
+    parallelism and the strategy's :meth:`~Strategy.attach`, with the strategy's
     ``[parallel]`` options. Returns the module the loop calls. COLLECTIVE when the run
     has several ranks.
 
@@ -128,6 +129,8 @@ def distribute(model: nn.Module, strategy: Strategy) -> nn.Module:
         model = stage.module
     else:
         model = model.to(device)
+    if traits.device_map:  # before data parallel: DDP replicates the placed modules
+        model = place_by_device_map(model, cfg.device_map, device)
     kind = data_parallel_kind(traits, dims, pipelined=stage is not None)
     # (Without a process group, a rank that joins live ones: sharded or replicated over
     # their mesh when it does.)
@@ -142,8 +145,6 @@ def distribute(model: nn.Module, strategy: Strategy) -> nn.Module:
         model = replicate(model, cfg, device)
     elif kind == "threads":
         model = replicate_in_threads(model, getattr(strategy.precision, "autocast_dtype", None))
-    if traits.device_map:
-        model = place_by_device_map(model, cfg.device_map, device)
     strategy.attach(model, stage)
     return model
 

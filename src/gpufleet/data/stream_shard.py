@@ -1,0 +1,147 @@
+"""An ``IterableDataset`` read by several ranks and workers, each a disjoint share, with
+a position to resume from: :class:`StreamShard`.
+
+A stream has no indices to deal out, so every reader (each rank's each loader worker)
+reads the stream from its start and keeps its own items of it: the stream is cut into
+rows of one chunk of ``unit`` items (a batch) for each rank; rank ``k`` keeps the
+``k``-th chunk of every row, and of ``W`` workers on a rank, worker ``w`` reads the
+``w``-th row of every ``W``. The ``j``-th batch rank ``k``'s loader hands out (its
+workers take turns) is then chunk ``k`` of row ``j``, whatever the number of workers:
+every item is read by one rank once, and the ranks together read the stream in its
+order, as a sampler of ``world_size`` ranks deals a dataset out.
+
+* **Evenness**: on several ranks a last row too short for every rank's chunk is
+  left out (every rank must hand out as many batches, or a collective of the training
+  step would wait forever); the items left out are logged, never dropped silently. On
+  one rank the last chunk may be short (a last partial batch, as the loader's own).
+* **Position**: the items of the epoch every rank has read before a batch, so
+  :meth:`state_dict` is the same on every rank of a loop in step, and a resumed pass
+  (at any number of workers, or of ranks) starts after it.
+* **Epochs**: a pass read to its end ends the epoch; the source's own ``set_epoch``, if
+  it has one (a shuffling stream's), is told each epoch before it is read.
+* **Cost**: each reader reads the whole stream (and the items before a resumed
+  position again), keeping one chunk in ``ranks x workers``; a stream must give every reader
+  the same items in the same order (one that splits itself by ``get_worker_info()`` or
+  by rank would leave items out: read it without this shard).
+
+Example:
+    >>> class Count(IterableDataset):
+    ...     def __iter__(self):
+    ...         return iter(range(10))
+    >>> [list(StreamShard(Count(), unit=2, rank=r, world_size=2)) for r in (0, 1)]
+    [[0, 1, 4, 5], [2, 3, 6, 7]]
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils.data import IterableDataset, get_worker_info
+
+log = logging.getLogger(__name__)
+
+
+class StreamShard(IterableDataset):
+    """``source`` read as this rank's share (see the module doc).
+
+    Args:
+        source: the stream (an ``IterableDataset``), the same in every process.
+        unit: items per chunk: the loader's batch size (1 when the stream yields
+            batches itself).
+        rank / world_size: this rank's share of ``world_size``.
+
+    Attributes:
+        epoch: the epoch the next pass reads.
+        skip: items of that epoch every rank read before (a resumed position).
+    """
+
+    def __init__(self, source: IterableDataset, *, unit: int, rank: int,
+                 world_size: int) -> None:
+        if unit < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"StreamShard(unit={unit}, rank={rank}, world_size="
+                             f"{world_size}): give unit >= 1 and 0 <= rank < world_size.")
+        self.source, self.unit = source, unit
+        self.rank, self.world_size = rank, world_size
+        self.epoch = 0
+        self.skip = 0
+        self.drop_last = world_size > 1  # a short last round is left out
+
+    @property
+    def position(self) -> int:
+        """Items of this rank's share read before a pass starts (a pass always starts
+        at its epoch's position: the state's ``skip`` counts what came before)."""
+        return 0
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        set_epoch = getattr(self.source, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(self.epoch)
+        return self._read(worker, workers, announce=worker == 0 and self.rank == 0)
+
+    def _read(self, worker: int, workers: int, announce: bool) -> Iterator[Any]:
+        """Worker ``worker`` of ``workers`` on this rank: this rank's chunk of every
+        ``workers``-th row after ``skip`` (a row: one chunk for each rank)."""
+        items = iter(self.source)
+        if self.skip:  # the position: what every rank read before
+            next(itertools.islice(items, self.skip - 1, None), None)
+        row_items = self.world_size * self.unit
+        first, stop = self.rank * self.unit, (self.rank + 1) * self.unit
+        for row in itertools.count():
+            mine, seen = [], 0
+            for seen, item in enumerate(itertools.islice(items, row_items), 1):
+                if row % workers == worker and first <= seen - 1 < stop:
+                    mine.append(item)
+            if seen < row_items and self.drop_last:
+                if seen and announce:
+                    log.warning(
+                        "stream: the last %d item(s) of epoch %d are left out: fewer than "
+                        "a batch of %d for each of %d ranks, and every rank must read as "
+                        "many batches", seen, self.epoch, self.unit, self.world_size)
+                return
+            yield from mine
+            if seen < row_items:
+                return
+
+    # -- the position (what a checkpoint keeps) --------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """The next pass reads ``epoch`` from its start."""
+        self.epoch, self.skip = epoch, 0
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, int]:
+        """The position after ``consumed`` items of this rank's share of the epoch
+        (None: the start of :attr:`epoch`), as the items of the stream every rank
+        read: ``{"epoch", "samples", "unit", "world_size"}``.
+
+        Example:
+            >>> StreamShard(None, unit=4, rank=1, world_size=2).state_dict(consumed=8)
+            {'epoch': 0, 'samples': 16, 'unit': 4, 'world_size': 2}
+        """
+        consumed = consumed or 0
+        chunks, rest = divmod(consumed, self.unit)  # rest: a short last chunk (1 rank)
+        samples = self.skip + chunks * self.unit * self.world_size + rest
+        return {"epoch": self.epoch, "samples": samples, "unit": self.unit,
+                "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The next pass starts after ``state``'s position (saved at any number of
+        ranks or workers).
+
+        Raises:
+            ValueError: the state was saved with another batch size (its chunks would
+                not fall on this one's), or is not a stream's position.
+        """
+        if not {"epoch", "samples", "unit"} <= set(state):
+            raise ValueError(f"a stream's position has epoch, samples and unit; this state "
+                             f"has {sorted(state)} (a map-style loader's?). Load the "
+                             "checkpoint of this loop into the same loaders.")
+        if state["unit"] != self.unit:
+            raise ValueError(
+                f"the stream's position was saved with batches of {state['unit']}, and "
+                f"this loader's batch size is {self.unit}: the chunks each rank reads would "
+                "not line up. Resume with the same batch size.")
+        self.epoch, self.skip = int(state["epoch"]), int(state["samples"])
