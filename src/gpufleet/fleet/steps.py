@@ -21,7 +21,7 @@ import torch
 
 from gpufleet.config import config_to_dict, write_config
 from gpufleet.core.callbacks import Callback, CallbackList
-from gpufleet.core.phases import Phase
+from gpufleet.core.phases import NEXT_STEP, Phase
 from gpufleet.fleet.loader import SetUpLoaders
 from gpufleet.fleet.observed import LoopObservations
 from gpufleet.monitor.jsonl import MetricsFile
@@ -34,8 +34,6 @@ from gpufleet.train.engine.step import OptimizerStep, abort, finish
 
 log = logging.getLogger(__name__)
 
-#: the phases that begin a step: a stop agreed on is carried out at the first of them
-_NEXT_STEP = frozenset({Phase.DATA, Phase.FORWARD, Phase.BACKWARD, Phase.EVAL})
 
 
 class StepTracker:
@@ -287,7 +285,7 @@ class StepTracker:
         (data, a forward, backward, evaluation) with its own bookkeeping of the last
         one done, so the run stops now (saves, ends, raises SystemExit); other phases
         (an optimizer's or a checkpoint's of that step) go on as usual."""
-        if phase in _NEXT_STEP and self._on_preempted is not None:
+        if phase in NEXT_STEP and self._on_preempted is not None:
             self.announce = self.run.phases.announce
             self._on_preempted()  # raises SystemExit
         self.run.phases.announce(phase)
