@@ -54,10 +54,12 @@ from gpufleet.fleet.init import FleetInit
 from gpufleet.fleet.loader import SetUpLoaders
 from gpufleet.fleet.logs import FleetLogs, as_list, as_loggers
 from gpufleet.fleet.preemption import FleetPreemption
+from gpufleet.fleet.recovery import FleetRecovery, RecoveryGuard
 from gpufleet.fleet.seeding import seed_everything
 from gpufleet.fleet.setup import FleetSetup
 from gpufleet.fleet.state import FleetCheckpoints
 from gpufleet.fleet.steps import StepTracker
+from gpufleet.fleet.wrappers import FleetModule
 from gpufleet.launch import DistEnv, destroy_process_group, is_initialized
 from gpufleet.parallel import strategy_class
 from gpufleet.plan import RunPlan, make_plan
@@ -77,7 +79,7 @@ _OWN_LOOP = {
 
 
 class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, FleetLogs,
-            FleetPreemption):
+            FleetPreemption, FleetRecovery):
     """Run your own training loop on one or many ranks with gpufleet underneath.
 
     Args:
@@ -162,6 +164,7 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
         self.run: Run | None = None  # this rank's, once this process is one
         self._loaders = SetUpLoaders()  # the loaders your loop sets up
         self._placed: list[nn.Module] = []  # every model set up, as placed
+        self._modules: list[FleetModule] = []  # and as your loop holds it
         self._dtypes = ForwardDtypes()  # what a set-up model's forward converts
         self._accumulation = Accumulation(gradient_accumulation_steps)
         if self.plan.launcher in ("none", "external"):  # this process is a rank
@@ -196,6 +199,9 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
                                   [cb for cb in self._user_callbacks
                                    if isinstance(cb, Callback)],
                                   on_preempted=self._stop_for_preemption)
+        # Every call that runs a collective runs in it: a lost node met there is
+        # recovered in process (with snapshots of a registered state)
+        self._guard = self._steps.guard = RecoveryGuard(self.run, self._steps.went_on)
         atexit.register(self._at_exit)
 
     def launch(self, fn: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -347,8 +353,9 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
         every = self._accumulation.every
         if every > 1:  # as Accelerate's backward: the mean over the micro-batches
             loss = loss / every
-        self._steps.backward(loss, retain_graph=retain_graph, inputs=inputs,
-                             create_graph=create_graph)
+        with self._guard:  # COLLECTIVE (ddp: the gradients' all-reduce)
+            self._steps.backward(loss, retain_graph=retain_graph, inputs=inputs,
+                                 create_graph=create_graph)
 
     @contextlib.contextmanager
     def accumulate(self, *models: nn.Module) -> Iterator[None]:

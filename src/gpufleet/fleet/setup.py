@@ -40,6 +40,7 @@ class FleetSetup(FleetPart):
     """The ``setup`` methods of :class:`~gpufleet.fleet.Fleet` (a part of it)."""
 
     _placed: list[nn.Module]  # every model set up, as placed
+    _modules: list[FleetModule]  # every model set up, as your loop holds it
     _seed: int | None  # Fleet(seed=)
     _steps: StepTracker
     _dtypes: ForwardDtypes  # what a set-up model's forward converts
@@ -96,7 +97,8 @@ class FleetSetup(FleetPart):
             run.model = placed
         wrapped = FleetModule(placed, run.strategy.unwrap(placed),
                               self._steps.phase_announce, run.precision,
-                              device=run.device, dtypes=self._dtypes)
+                              device=run.device, dtypes=self._dtypes, guard=self._guard)
+        self._modules.append(wrapped)  # (placed again after a lost node: recovery.py)
         built = [self._adopt(placed, opt, spec, scheduled_here=i == scheduled)
                  for i, (opt, spec) in enumerate(zip(optimizers, specs, strict=True))]
         wrappers = self._take_optimizers(placed, built)

@@ -391,7 +391,7 @@ class Recovery:
                 part.scheduler = place_scheduler(part.scheduler, part.optimizer)
                 part.params = [p for p in part.model.parameters() if p.requires_grad]
             else:
-                part.model = _rewrap(part.model, run.strategy, run.device)
+                part.model = rewrap(part.model, run.strategy, run.device)
         first = run.parts[0]
         run.model, run.optimizer = first.model, first.optimizer
         run.scheduler = first.scheduler
@@ -440,7 +440,7 @@ def leave_groups(device: torch.device) -> None:
     gc.collect()
 
 
-def _rewrap(model: Any, strategy: Strategy, device: torch.device) -> Any:
+def rewrap(model: Any, strategy: Strategy, device: torch.device) -> Any:
     """A DDP module made again over the new default group (its old reducer's hooks
     removed); a new rank's module, built without a group, wrapped for the first time."""
     if not isinstance(model, DDP):
