@@ -72,7 +72,8 @@ def test_a_fleet_loop_goes_on_in_process_after_a_lost_node(netbed, tmp_path):
     assert final["scheduler"]["last_epoch"] == seen["step"]
     expected = _trained_alone(load_checkpoint(tmp_path / "runs" / "start.pt")["model"], step)
     for name, tensor in expected.items():
-        torch.testing.assert_close(final["model"][name], tensor, rtol=1e-4, atol=1e-6)
+        # (3e-8 apart when measured: DDP's average rounds differently)
+        torch.testing.assert_close(final["model"][name], tensor, rtol=1e-5, atol=1e-6)
     # Its receipt: rank 1 lost, no step the survivor finished trained again.
     [receipt] = read_receipts(run)
     assert (receipt.kind, receipt.step, receipt.ranks) == ("recovery", step, [1])
