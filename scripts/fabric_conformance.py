@@ -15,7 +15,9 @@ Each failing test gets one cause:
   ``_launched``, ``_connector``, a keyword starting with ``_``, Lightning's private
   wrapper classes), the test's failing line reads or sets such a name, or a mock the test
   put into Lightning expected Lightning's internal calls.
-- "deliberate refusal": gpufleet refuses on purpose (``load(weights_only=False)``).
+- "deliberate refusal": gpufleet refuses on purpose (``load(weights_only=False)``,
+  ``strategy="xla"``, a part of Lightning's Strategy object ``fleet.strategy`` does not
+  give: its launcher, its precision plugin).
 - "difference": everything else, grouped by the exception's type and first line.
 
 Tests that never built a ``Fleet`` are counted apart (they test Lightning's own parts).
@@ -38,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from gpufleet.fleet.strategy import OFFERED
 
 # Test files whose tests build a Fabric object and run on CPU (the rest test Lightning's
 # strategies, accelerators and plugins on their own, or need GPUs, TPUs or DeepSpeed).
@@ -66,17 +70,20 @@ _PRIVATE_NAMES = re.compile(
 # a private attribute or keyword named in an AttributeError or TypeError message
 _PRIVATE_IN_MESSAGE = re.compile(r"(attribute|argument) '_[A-Za-z]\w*'")
 # the test reads or sets a private name of the Fabric object, reaches into Lightning's
-# Strategy object (``fabric.strategy``, which Fleet has not got), or patches inside
-# Lightning
+# Strategy object beyond what ``fleet.strategy`` gives (its facts and collectives:
+# gpufleet.fleet.strategy.OFFERED), or patches inside Lightning
+_STRATEGY_BEYOND = r"\bfabric\.strategy\b(?!\.(" + "|".join(OFFERED) + r")\b)"
 _PRIVATE_IN_LINE = re.compile(
-    r"\bfabric\.strategy\b|\b(fabric|Fabric|self|model|optimizer|fabric_model|fabric_optimizer|wrapped\w*)"
-    r"\._[a-z]\w*|" + _PRIVATE_NAMES.pattern + r"|patch(\.object)?\(\s*\"lightning\.")
+    _STRATEGY_BEYOND + r"|\b(fabric|Fabric|self|model|optimizer|fabric_model|fabric_optimizer"
+    r"|wrapped\w*)\._[a-z]\w*|" + _PRIVATE_NAMES.pattern
+    + r"|patch(\.object)?\(\s*\"lightning\.")
 # the test sets the Fabric object's private state (pretends to be launched, puts in a
 # mocked strategy) before its failing line: its premise is Lightning's internals
 _SETS_PRIVATE = re.compile(r"\bfabric\._[a-z]\w*(\.\w+)*\s*=[^=]")
 # the test (or a decorator of it) patches a name inside Lightning
 _PATCHES_LIGHTNING = re.compile(r"patch(\.object)?\(\s*\"lightning\.")
-_REFUSALS = re.compile(r"weights_only=False\): gpufleet reads every file")
+_REFUSALS = re.compile(r"weights_only=False\): gpufleet reads every file"
+                       r"|gpufleet has no XLA strategy|fleet\.strategy has no '")
 
 
 def _normalise(line: str) -> str:

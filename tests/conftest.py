@@ -50,8 +50,32 @@ def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(ckpts[-1], map_location="cpu", weights_only=True)["model"]
 
 
+# The files that take longest (a minute or more of a worker on the project's 2-core
+# machine: many ranks started, or mypy's first read of torch), run first. The test
+# workers take whole files in collection order (`--dist loadfile`, without xdist's
+# reordering by test count, which put these few-test files last), so a long file
+# started near the end would leave the other worker idle until it ends.
+LONGEST_FIRST = (
+    "test_types.py", "parallel/test_presets.py", "cluster/test_recovery.py",
+    "test_distributed.py", "test_preemption.py", "parallel/test_layouts_by_degree.py",
+    "test_first_day.py", "docs/test_site.py", "test_cli.py", "launch/test_launcher.py",
+    "examples/test_own_loop.py", "cluster/test_node_loss.py", "test_received_files.py",
+    "cluster/test_multinode.py", "train/test_recipe.py", "parallel/test_horovod.py",
+    "cluster/test_slow_link.py", "examples/test_fabric_port.py",
+    "examples/test_finetune_transformers.py", "test_fault_distributed.py",
+    "fleet/test_sharded_save.py", "cluster/test_bad_input.py", "parallel/test_zero.py",
+)
+
+
+def _file_rank(item) -> int:
+    path = Path(str(item.path)).relative_to(TESTS).as_posix()
+    return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` skip, saying why, where torch sees no CUDA device."""
+    """The longest files first (:data:`LONGEST_FIRST`); tests marked ``gpu`` skip,
+    saying why, where torch sees no CUDA device."""
+    items.sort(key=_file_rank)  # stable: each file's tests keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False "

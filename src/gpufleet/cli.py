@@ -13,9 +13,14 @@ from typing import Any
 
 from gpufleet.config import Config, help_rows, load_config, parse_override
 from gpufleet.config.flags import SHORTCUTS
-from gpufleet.entry import run_training, stopped_message
-from gpufleet.errors import ConfigError, GpufleetError, LaunchError, RunStopped, unknown_choice
-from gpufleet.fault.preempt import INTERRUPT_EXIT, exit_status
+from gpufleet.errors import (
+    INTERRUPT_EXIT,
+    ConfigError,
+    GpufleetError,
+    LaunchError,
+    RunStopped,
+    unknown_choice,
+)
 from gpufleet.launch import ssh
 
 # Subcommands other than `train`: name -> module. Each module has
@@ -156,6 +161,11 @@ def parse_train_config(args: argparse.Namespace, rest: Sequence[str]) -> Config:
 
 def _cmd_train(args: argparse.Namespace, rest: Sequence[str]) -> int:
     cfg = parse_train_config(args, rest)
+    # Deferred: the training stack imports torch (seconds); the parser, --help and a
+    # mistake in the flags or the config are answered before it.
+    from gpufleet.entry import run_training, stopped_message
+    from gpufleet.fault.preempt import exit_status
+
     result = run_training(cfg)
     if result is not None:
         _print_summary(result)

@@ -23,6 +23,11 @@ class BatchError(ConfigError, TypeError):
     code, found on the first batch, not a fault of the run."""
 
 
+class NotLaunchedError(ConfigError, RuntimeError):
+    """A ``Fleet`` planned for several ranks used in a process that is not one of them
+    yet (a ``RuntimeError`` too, as Lightning Fabric raises it): launch the ranks first."""
+
+
 class LaunchError(GpufleetError, RuntimeError):
     """The processes of a run could not be started or did not finish."""
 
@@ -33,6 +38,14 @@ class CheckpointError(GpufleetError, RuntimeError):
 
 class TrainingStopped(GpufleetError, RuntimeError):
     """Training cannot go on (e.g. the loss stayed non-finite for too many steps)."""
+
+
+#: The exit status of a run stopped to be run again (SIGTERM, SLURM's SIGUSR1): sysexits.h
+#: EX_TEMPFAIL, a temporary failure. Here, not in :mod:`gpufleet.fault.preempt`, so that
+#: the command line and ``gpufleet sbatch`` read it without importing torch.
+REQUEUE_EXIT = 75
+#: The exit status of a run stopped by Ctrl-C: 128 + SIGINT, what shells report.
+INTERRUPT_EXIT = 130
 
 
 class RunStopped(GpufleetError):

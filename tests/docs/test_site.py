@@ -5,7 +5,10 @@ copy. Each runs here in a temporary folder unless the line above it says why it 
 (``<!-- docs-test: skip (REASON) -->``: GPUs, other nodes, root, an install). A
 ``gpufleet train`` command gets ``--max-steps=2`` and ``--run.eval_batches=2`` appended
 (the default job's final evaluation of 50 batches would take most of a short run's time)
-so it finishes quickly while every flag it shows is still parsed and used.
+so it finishes quickly while every flag it shows is still parsed and used. A block
+whose first commands are those an earlier block began with, in an empty folder as well,
+starts from the folder those commands left (copied) instead of running them again:
+several pages show a run and then a command on it (`report`, `cleanup`, `--config`).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -27,6 +31,9 @@ FENCE = re.compile(r"^\s*(?P<fence>```+|~~~+)\s*(?P<info>\S*)")
 TRAIN_STEPS = "--max-steps=2"
 EVAL_BATCHES = "--run.eval_batches=2"
 COMMAND_TIMEOUT_S = 240
+#: The folder each run sequence of commands left, by the commands (this test process's
+#: blocks: one file, one worker).
+_LEFT: dict[tuple[str, ...], Path] = {}
 
 
 @dataclass(frozen=True)
@@ -122,13 +129,31 @@ def _with_short_training(command: str) -> str:
 def test_docs_command_runs(block: Block, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p)}
-    for command in block.commands:
+    work = tmp_path / "work"
+    done_before = _restore_longest_run(block.commands, work)
+    for i, command in enumerate(block.commands[done_before:], start=done_before):
         shown = _with_short_training(command)
-        done = subprocess.run(["bash", "-o", "pipefail", "-c", shown], cwd=tmp_path, env=env,
+        done = subprocess.run(["bash", "-o", "pipefail", "-c", shown], cwd=work, env=env,
                               capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
         assert done.returncode == 0, (
             f"{block.id}: `{shown}` exited {done.returncode}\n"
             f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}")
+        if i < len(block.commands) - 1:  # a later block may begin with these commands
+            kept = tmp_path / f"after-{i}"
+            shutil.copytree(work, kept, symlinks=True)
+            _LEFT.setdefault(block.commands[:i + 1], kept)
+
+
+def _restore_longest_run(commands: tuple[str, ...], work: Path) -> int:
+    """Fill ``work`` with what the longest run of ``commands``' first commands left in an
+    earlier block (an empty folder, else); returns how many commands that covers."""
+    for n in range(len(commands) - 1, 0, -1):
+        left = _LEFT.get(commands[:n])
+        if left is not None and left.is_dir():
+            shutil.copytree(left, work, symlinks=True)
+            return n
+    work.mkdir()
+    return 0
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None

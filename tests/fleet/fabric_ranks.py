@@ -1,6 +1,8 @@
 """Fabric's collective call forms on the 2 ranks a Fleet starts (run by
 tests/fleet/test_fabric_calls.py): ``group=`` on all_reduce and all_gather, a named
-barrier. Each rank writes what it saw to ``OUT/rank-R.pt``."""
+barrier, ``fleet.strategy``; the ranks are those a subclass's own ``run()`` starts. Each
+rank writes what it saw to ``OUT/rank-R.pt``, the parent rank 0's result to
+``OUT/result.txt``."""
 
 import sys
 from pathlib import Path
@@ -43,11 +45,35 @@ def collectives(fleet, out):
     loader = fleet.setup_dataloaders(torch.utils.data.DataLoader(ids, batch_size=4))
     seen["for_metrics"] = torch.cat([fleet.gather_for_metrics(x) for (x,) in loader]).tolist()
     seen["plain"] = torch.cat([fleet.all_gather(x).flatten(0, 1) for (x,) in loader]).tolist()
+    # Accelerate's order: whole batches dealt in turn (compared with Accelerate's own
+    # prepare_data_loader by the test), and gather_for_metrics dropping its padding
+    torch.manual_seed(7)  # a script seeded alike on every rank
+    dealt = fleet.setup_dataloaders(
+        torch.utils.data.DataLoader(list(range(35)), batch_size=4, shuffle=True),
+        order="accelerate")
+    seen["accelerate_order"] = [[b.tolist() for b in dealt] for _ in range(2)]
+    seen["accelerate_metrics"] = torch.cat([fleet.gather_for_metrics(b)
+                                            for b in dealt]).tolist()
+    strategy = fleet.strategy  # Fabric's fabric.strategy, as a loop reads it
+    seen["strategy"] = [str(strategy.root_device), strategy.world_size, strategy.global_rank,
+                        strategy.reduce_boolean_decision(rank == 1, all=False),
+                        strategy.reduce_boolean_decision(rank == 1),
+                        strategy.reduce_boolean_decision(True)]
+    strategy.barrier()
     fleet.barrier(name="after-groups")
     seen["ring"] = [entry["op"] for entry in RING.snapshot()["entries"]]
     torch.save(seen, Path(out) / f"rank-{rank}.pt")
 
 
+class RankChecks(gpufleet.Fleet):
+    """Fabric's older form: a subclass whose ``run()`` is the loop, launched by calling
+    it (on each of the ranks it starts; rank 0's result comes back)."""
+
+    def run(self, out):
+        collectives(self, out)
+        return self.global_rank
+
+
 if __name__ == "__main__":
-    fleet = gpufleet.Fleet(accelerator="cpu", devices=2, run_dir=sys.argv[1] + "/run")
-    fleet.launch(collectives, sys.argv[1])
+    fleet = RankChecks(accelerator="cpu", devices=2, run_dir=sys.argv[1] + "/run")
+    Path(sys.argv[1], "result.txt").write_text(str(fleet.run(sys.argv[1])))

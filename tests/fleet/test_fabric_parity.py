@@ -11,8 +11,20 @@ import torch
 from torch.nn import functional as F
 
 import gpufleet
+from gpufleet.errors import ConfigError
 
 fabric_module = pytest.importorskip("lightning.fabric")
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Fabric's launch sets MASTER_ADDR, MASTER_PORT and the rank variables in this
+    process's environment and leaves them: later tests (Accelerate's state, which then
+    starts a process group of its own) would take them for a job's."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def _fabric(**kwargs):
@@ -157,7 +169,8 @@ def test_precision_converts_model_inputs_and_outputs_as_fabric(tmp_path, precisi
 
 def test_callbacks_hear_the_hooks_fabric_calls(tmp_path):
     """Fabric itself calls on_after_setup (from setup, not setup_module) and
-    on_after_optimizer_step (after each step of a set-up optimizer)."""
+    on_after_optimizer_step (after each step of a set-up optimizer, with a strategy a
+    callback reads the device and collectives of)."""
     def run(f, heard):
         net = _net()
         model, opt = f.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
@@ -176,15 +189,16 @@ def test_callbacks_hear_the_hooks_fabric_calls(tmp_path):
             self.heard.append(("setup", type(module.module).__name__))
 
         def on_after_optimizer_step(self, strategy, optimizer):
-            self.heard.append(("step", type(optimizer).__name__))
+            self.heard.append(("step", type(optimizer).__name__, str(strategy.root_device),
+                               strategy.reduce_boolean_decision(True)))
 
     ours, theirs = Hooks(), Hooks()
     fleet = _fleet(tmp_path, callbacks=[ours])
     run(fleet, ours.heard)
     run(fabric_module.Fabric(accelerator="cpu", devices=1, callbacks=[theirs]),
         theirs.heard)
-    assert ours.heard == theirs.heard == [("setup", "Sequential"), ("step", "SGD"),
-                                          ("step", "SGD")]
+    assert ours.heard == theirs.heard == [("setup", "Sequential"), ("step", "SGD", "cpu", True),
+                                          ("step", "SGD", "cpu", True)]
     fleet.finish()
 
 
@@ -272,7 +286,6 @@ def test_changing_the_import_line_ports_a_fabric_script(tmp_path, monkeypatch):
 
 
 def _one_process_loop(f):
-    f.launch()
     net = _net()
     model, opt = f.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
     for i in range(2):
@@ -291,13 +304,13 @@ def test_ddp_in_one_process_runs_as_fabric_runs_it(tmp_path, strategy):
     import torch.distributed as dist
 
     fleet = _fleet(tmp_path, strategy=strategy)
-    ours = _one_process_loop(fleet)
-    fleet.finish()
+    ours = fleet.launch(_one_process_loop)  # (ddp_spawn and ddp_fork take launch(fn))
     assert not dist.is_initialized()  # the group Fleet made is left at the end
     # Fabric's ddp_spawn and ddp_fork start their processes from launch(fn): in one
     # process they are its ddp
     fabric = _fabric(strategy="ddp" if strategy in ("ddp_spawn", "ddp_fork") else strategy)
     try:
+        fabric.launch()
         theirs = _one_process_loop(fabric)
     finally:
         if dist.is_initialized():
@@ -357,3 +370,254 @@ def test_a_fleet_leaves_the_scripts_logging_basicconfig_working(tmp_path):
     assert "gpufleet.fleet| after" in lines  # gpufleet's own lines, once, the script's way
     assert sum("after" in line for line in lines) == 1
     assert any(line.endswith("before the script configures logging") for line in lines)
+
+
+# The phrases Lightning's own Fabric tests match in each misuse error (and warning).
+_MISUSE_PHRASES = {
+    "setup twice": "A model should be passed only once to the `setup` method",
+    "optimizer twice": "An optimizer should be passed only once to the `setup` method",
+    "setup_module twice": "A model should be passed only once to the `setup_module` method",
+    "setup_optimizers twice":
+        "An optimizer should be passed only once to the `setup_optimizers` method",
+    "setup_optimizers()": "`setup_optimizers` requires at least one optimizer as input",
+    "setup_dataloaders()": "`setup_dataloaders` requires at least one dataloader as input",
+    "loader twice":
+        "A dataloader should be passed only once to the `setup_dataloaders` method",
+    "not a loader": "Only PyTorch DataLoader are currently supported in `setup_dataloaders`",
+    "log of several values": "it cannot be converted to a scalar",
+    "launch(fn without arguments)": "needs to take at least one argument",
+    "launch(not a function)": "needs to be a callable",
+    "launch(None)": "needs to be a callable",
+    "no_backward_sync(a model not set up)": "You need to set up the model first",
+    "save(filter=not a dict)": "should be a dict",
+    "save(filter={key: not a function})": "callable, given 'foo",
+    "save(filter={unknown key})": "keys {'asd'} are not present in the state keys",
+    "setup before launch (2 devices)": "you must call `.launch()`",
+}
+
+
+def _misuse_messages(f, unlaunched):
+    """Each misuse's (exception type, message), run on ``f`` (and on ``unlaunched``, one
+    of 2 devices whose ranks were not started)."""
+    net = _net()
+    model, wrapped = f.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = f.setup_dataloaders(torch.utils.data.DataLoader(range(4)))
+    tries = {
+        "setup twice": lambda: f.setup(model),
+        "optimizer twice": lambda: f.setup(_net(), wrapped),
+        "setup_module twice": lambda: f.setup_module(model),
+        "setup_optimizers twice": lambda: f.setup_optimizers(wrapped),
+        "setup_optimizers()": lambda: f.setup_optimizers(),
+        "setup_dataloaders()": lambda: f.setup_dataloaders(),
+        "loader twice": lambda: f.setup_dataloaders(loader),
+        "not a loader": lambda: f.setup_dataloaders(range(2)),
+        "log of several values": lambda: f.log("log", torch.tensor([3, 4])),
+        "launch(fn without arguments)": lambda: f.launch(lambda: None),
+        "launch(not a function)": lambda: f.launch(3),
+        "launch(None)": lambda: f.launch(None),  # (what a call in its place returned)
+        "no_backward_sync(a model not set up)":
+            lambda: f.no_backward_sync(torch.nn.Linear(2, 2)).__enter__(),
+        "save(filter=not a dict)": lambda: f.save("x.pt", {"a": 1}, filter="foo"),
+        "save(filter={key: not a function})":
+            lambda: f.save("x.pt", {"a": 1}, filter={"a": "foo"}),
+        "save(filter={unknown key})":
+            lambda: f.save("x.pt", {"a": 1}, filter={"asd": lambda *_: True}),
+        "setup before launch (2 devices)": lambda: unlaunched.setup(_net()),
+    }
+    out = {}
+    for name, attempt in tries.items():
+        with pytest.raises(Exception) as caught:  # its type is compared below
+            attempt()
+        out[name] = (caught.type, str(caught.value))
+    return out
+
+
+def test_misuse_errors_say_what_fabrics_say(tmp_path, monkeypatch):
+    """Fabric's misuse errors, of its types, hold the words its own tests match (a
+    Fabric loop's tests of its error handling keep passing); ours go on to name the
+    fix."""
+    monkeypatch.chdir(tmp_path)  # (where a save that was not refused would write)
+    fleet = _fleet(tmp_path, loggers=[])
+    ours = _misuse_messages(fleet, gpufleet.Fleet(accelerator="cpu", devices=2,
+                                                  run_dir=str(tmp_path / "two")))
+    theirs = _misuse_messages(_fabric(loggers=[]), fabric_module.Fabric(
+        accelerator="cpu", devices=2, strategy="ddp"))
+    for name, phrase in _MISUSE_PHRASES.items():
+        assert phrase in theirs[name][1], name  # the phrase is Fabric's own
+        assert issubclass(ours[name][0], theirs[name][0]), (name, ours[name])
+        assert phrase in ours[name][1], (name, ours[name][1])
+    assert not (tmp_path / "x.pt").exists()  # every refused save wrote nothing
+    fleet.finish()
+
+
+def test_call_warns_of_a_callback_attribute_that_is_not_a_method(tmp_path):
+    class Holder:
+        not_a_method = 1
+
+    for f in (_fleet(tmp_path, callbacks=[Holder()]), _fabric(callbacks=[Holder()])):
+        with pytest.warns(UserWarning, match="Skipping the callback `Holder.not_a_method`"):
+            f.call("not_a_method")
+        if isinstance(f, gpufleet.Fleet):
+            f.finish()
+
+
+def test_launch_under_lightnings_cli_is_refused_as_fabric_refuses_it(tmp_path, monkeypatch):
+    """``fabric run`` (LT_CLI_USED=1) started the processes: launch() and a subclass's own
+    run() are refused, in Fabric's words; ``launch()`` under a strategy that spawns
+    its processes needs a function."""
+    class WithRun(gpufleet.Fleet):
+        def run(self):
+            pass
+
+    class FabricWithRun(fabric_module.Fabric):
+        def run(self):
+            pass
+
+    monkeypatch.setenv("LT_CLI_USED", "1")
+    fleet = _fleet(tmp_path)
+    for f in (fleet, _fabric()):
+        with pytest.raises(RuntimeError, match=r"Calling  `\.launch\(\)` again is not allowed"):
+            f.launch()
+    fleet.finish()
+    for cls, kwargs in ((WithRun, {"run_dir": str(tmp_path / "sub")}), (FabricWithRun, {})):
+        with pytest.raises(TypeError, match=r"Overriding `Fabric\.run\(\)` and launching "
+                                            "from the CLI is not allowed"):
+            cls(accelerator="cpu", devices=1, **kwargs)
+    monkeypatch.delenv("LT_CLI_USED")
+    spawning = _fleet(tmp_path, "spawn", strategy="ddp_spawn")
+    try:
+        for f in (spawning, fabric_module.Fabric(accelerator="cpu", strategy="ddp_spawn")):
+            with pytest.raises(TypeError, match=r"launch\(\)` needs to be called with a "
+                                                "function"):
+                f.launch()
+    finally:
+        spawning.finish()  # (it made a process group of one rank)
+
+
+def test_a_subclass_with_its_own_run_is_launched_by_calling_it(tmp_path):
+    """Fabric's older form: ``class Train(Fabric): def run(self, ...)``; calling
+    ``run(...)`` runs it (on every rank) with the arguments given and returns rank 0's
+    result. On Fleet it was "'FleetRun' object is not callable"; the run ends after it."""
+    def subclass(base):
+        class Train(base):
+            def run(self, *args, **kwargs):
+                self.got = (args, kwargs, self.world_size)
+                return "result"
+        return Train
+
+    ours = subclass(gpufleet.Fleet)(accelerator="cpu", devices=1, run_dir=str(tmp_path / "r"))
+    theirs = subclass(fabric_module.Fabric)(accelerator="cpu", devices=1)
+    assert ours.run(1, 2, three=3) == theirs.run(1, 2, three=3) == "result"
+    assert ours.got == theirs.got == ((1, 2), {"three": 3}, 1)
+    assert ours.result.run_dir == str(tmp_path / "r")
+    with pytest.raises(ConfigError, match=r"after fleet\.finish"):
+        ours.log("x", 1)  # run() ended the run, as launch(fn) does
+
+
+def test_strategy_gives_the_facts_and_collectives_a_loop_reads(tmp_path):
+    """``fabric.strategy.root_device``, ``.barrier()``, ``.reduce_boolean_decision``:
+    what loops and Lightning's SpikeDetection read; the rest of Lightning's Strategy
+    object is refused, naming what there is."""
+    def facts(f):
+        s = f.strategy
+        s.barrier()
+        return (s.root_device, s.is_global_zero, s.world_size, s.global_rank,
+                s.local_rank, s.reduce_boolean_decision(True),
+                s.reduce_boolean_decision(False, all=False),
+                s.all_reduce(torch.tensor(2.0), reduce_op="sum").item(),
+                s.broadcast({"a": 1}))
+
+    fleet = _fleet(tmp_path, strategy="ddp")  # (a process group of one rank, as Fabric's)
+    fabric = _fabric(strategy="ddp")
+    try:
+        fabric.launch()
+        assert facts(fleet) == facts(fabric)
+    finally:
+        fleet.finish()
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    single = _fleet(tmp_path, "single")
+    assert facts(single)[:2] == (torch.device("cpu"), True) and single.strategy.name == "single"
+    with pytest.raises(AttributeError, match=r"fleet\.strategy has no .launcher.*root_device"):
+        single.strategy.launcher  # noqa: B018 (the read is the test)
+    with pytest.raises(AttributeError, match="read-only"):
+        single.strategy.load_checkpoint = None  # the strategy is decided once
+    single.finish()
+
+
+def test_64_true_leaves_complex_buffers_as_fabric_does(tmp_path):
+    """Fabric converts a model to ``64-true`` with ``module.double()``: a complex buffer
+    built under ``init_module`` stays complex128 (one built outside stays complex64);
+    ``module.to(float64)`` dropped its imaginary part."""
+    class WithComplex(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 2)
+            self.register_buffer("c", torch.complex(torch.rand(3), torch.rand(3)))
+
+    def dtypes(f):
+        with f.init_module():
+            inside = WithComplex()
+        outside = WithComplex()
+        return [(m.layer.weight.dtype, m.c.dtype) for m in (f.setup(inside),
+                                                           f.setup(outside))]
+
+    fleet = _fleet(tmp_path, precision="64-true")
+    ours = dtypes(fleet)
+    assert ours == dtypes(_fabric(precision="64-true"))
+    assert ours == [(torch.float64, torch.complex128), (torch.float64, torch.complex64)]
+    fleet.finish()
+
+
+def test_16_mixed_on_cpu_is_bf16_mixed_as_fabric_decides(tmp_path):
+    """Fabric turns ``precision="16-mixed"`` on a CPU into bf16-mixed, with a warning:
+    the forward gets bfloat16 inputs and runs under CPU autocast to bfloat16."""
+    def forward_dtypes(f):
+        seen = []
+
+        class Seen(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layer = torch.nn.Linear(4, 2)
+
+            def forward(self, x):
+                out = self.layer(x)
+                seen.append((x.dtype, torch.is_autocast_cpu_enabled(), out.dtype))
+                return out
+
+        out = f.setup(Seen())(torch.ones(2, 4))
+        return seen, out.dtype
+
+    with pytest.warns(UserWarning, match="bf16-mixed"):
+        fleet = _fleet(tmp_path, precision="16-mixed")
+    with pytest.warns(UserWarning, match="bf16-mixed"):
+        fabric = _fabric(precision="16-mixed")
+    ours = forward_dtypes(fleet)
+    assert ours == forward_dtypes(fabric)
+    assert ours == ([(torch.bfloat16, True, torch.bfloat16)], torch.float32)
+    assert fleet.plan.precision == "bf16-mixed"
+    fleet.finish()
+
+
+def test_a_set_up_loader_shows_the_loaders_own_attributes(tmp_path, monkeypatch):
+    """``fabric_loader.worker_init_fn`` (set by seed_everything), ``num_workers``...:
+    Fabric's loader shows the DataLoader's attributes, and ``device`` (where its batches
+    go; None with move_to_device=False); Fleet's did not have them."""
+    monkeypatch.setenv("PL_GLOBAL_SEED", "0")  # (restored after the test)
+    monkeypatch.setenv("PL_SEED_WORKERS", "0")
+    gpufleet.Fleet.seed_everything(3, verbose=False)  # workers=True, Fabric's default
+    fleet = _fleet(tmp_path)
+    ours = fleet.setup_dataloaders(torch.utils.data.DataLoader(range(4), num_workers=0))
+    theirs = _fabric().setup_dataloaders(torch.utils.data.DataLoader(range(4)))
+    assert ours.worker_init_fn.keywords == {"rank": 0}  # our per-rank worker seeding
+    assert callable(theirs.worker_init_fn)
+    assert ours.num_workers == theirs.num_workers == 0
+    assert ours.device == theirs.device == torch.device("cpu")  # where batches are for
+    kept = [f.setup_dataloaders(torch.utils.data.DataLoader(range(4)), move_to_device=False)
+            for f in (fleet, _fabric())]
+    assert kept[0].device is None and kept[1].device is None
+    with pytest.raises(AttributeError, match="no attribute '_private'"):
+        ours._private  # noqa: B018 (the read is the test)
+    fleet.finish()

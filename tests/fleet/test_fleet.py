@@ -35,7 +35,13 @@ def test_fabric_arguments_map_onto_the_config():
     assert fleet_overrides("gpu", 4, "bf16-mixed", "fsdp", num_nodes=2) == {
         "run.device": "cuda", "dist.nproc": 4, "precision.mode": "bf16-mixed",
         "parallel.strategy": "fsdp", "dist.nnodes": "2"}
-    assert fleet_overrides(precision="16-mixed")["precision.mode"] == "fp16-mixed"
+    assert fleet_overrides(precision="16-mixed", cuda=True)["precision.mode"] == "fp16-mixed"
+    # Fabric's 16-mixed on a CPU is bf16-mixed, as Fabric decides; gpufleet's name keeps fp16
+    assert fleet_overrides(precision="16-mixed")["precision.mode"] == "bf16-mixed"
+    assert fleet_overrides("cpu", precision=16, cuda=True)["precision.mode"] == "bf16-mixed"
+    assert fleet_overrides("cpu", precision="fp16-mixed")["precision.mode"] == "fp16-mixed"
+    with pytest.raises(ConfigError, match="gpufleet has no XLA strategy"):
+        fleet_overrides(strategy="xla")
     with pytest.raises(ConfigError, match="Did you mean 'ddp'"):
         fleet_overrides(strategy="ddq")
     with pytest.raises(ConfigError, match="devices = 0"):
@@ -322,7 +328,7 @@ def test_float32_outputs_reach_into_every_container_without_changing_the_models(
 
 
 @pytest.mark.parametrize(("fused", "precision"), [
-    (True, "32-true"), (False, "32-true"), (False, "16-mixed")],
+    (True, "32-true"), (False, "32-true"), (False, "fp16-mixed")],
     ids=["device path", "host path", "fp16 loss scaler"])
 def test_the_guard_judges_the_gradients_the_optimizer_steps_on(tmp_path, fused, precision):
     """A loop that clips and then does not step (it drops that batch), or runs backward
@@ -425,7 +431,7 @@ def test_a_loop_that_only_evaluates_keeps_what_it_logged(tmp_path):
 def test_a_gan_loop_clips_both_optimizers_under_fp16(tmp_path):
     """Two optimizers, each clipped, then stepped: each is unscaled once between its
     steps, whatever the order of the calls."""
-    fleet = gpufleet.Fleet(accelerator="cpu", precision="16-mixed",
+    fleet = gpufleet.Fleet(accelerator="cpu", precision="fp16-mixed",  # (fp16 on a CPU)
                            run_dir=str(tmp_path / "run"))
     gen, disc = _net(), torch.nn.Linear(1, 1)
     gen, opt_g = fleet.setup(gen, torch.optim.SGD(gen.parameters(), lr=0.1))

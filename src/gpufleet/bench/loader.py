@@ -56,12 +56,15 @@ def add_parser(benches: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``gpufleet bench loader`` with parsed ``args``; prints the report."""
+    workers = parse_workers(args.workers) if args.workers is not None else default_workers()
+    pin_options(args.pin, cuda=False)  # an unknown --pin is named before torch loads
+    # Deferred: torch and the data stack take seconds to import; the flags' mistakes
+    # above are answered without them.
     import torch
     from rich.console import Console
 
     from gpufleet.data.tuner import recommend, tune_loader, usable_pin_options
 
-    workers = parse_workers(args.workers) if args.workers is not None else default_workers()
     pins, notes = usable_pin_options(pin_options(args.pin, torch.cuda.is_available()))
     if not pins:
         raise ConfigError(f"--pin {args.pin}: pinned memory needs CUDA, and there is none "

@@ -175,6 +175,9 @@ class ResumableDistributedSampler(EpochPasses, Sampler[int]):
         (as a DataLoader iterates its sampler at a pass's first batch); kept, so a
         resumed epoch reuses it."""
         if epoch not in self._orders:
+            set_epoch = getattr(self.source, "set_epoch", None)
+            if callable(set_epoch):  # a source whose order is the epoch's (as
+                set_epoch(epoch)  # DistributedSampler's is) is told which one
             order = [int(i) for i in self.source]  # type: ignore[union-attr]
             if len(order) != self.dataset_len:
                 raise ValueError(f"the sampler yielded {len(order)} indices in an epoch, "

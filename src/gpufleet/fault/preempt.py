@@ -28,14 +28,13 @@ from typing import Any
 import torch
 
 from gpufleet.core.ring import RING
+from gpufleet.errors import INTERRUPT_EXIT, REQUEUE_EXIT
 
 log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # Your own loop (gpufleet.Fleet) leaves Ctrl-C to your loop (KeyboardInterrupt as usual).
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-REQUEUE_EXIT = 75  # sysexits.h EX_TEMPFAIL: a temporary failure, run the job again
-INTERRUPT_EXIT = 130  # 128 + SIGINT, what shells report for Ctrl-C
 # For torch's elastic agent (read when it starts the ranks): the signals it turns into
 # a shutdown that forwards the signal to every rank.
 AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"

@@ -51,6 +51,7 @@ from gpufleet.config import FaultConfig
 from gpufleet.core.callbacks import Callback
 from gpufleet.core.phases import Phase, PhaseMarks
 from gpufleet.core.ring import RING
+from gpufleet.core.threads import ServiceThread
 from gpufleet.fault import flight_recorder, forensics, signal_stacks
 from gpufleet.fault.fatal import FatalDump
 from gpufleet.fault.liveness import Liveness, Verdict, side_channel
@@ -127,8 +128,8 @@ class Watchdog(Callback):
         self.step = trainer.step
         RING.view = trainer  # each collective notes the step and phase under way
         self._activity, self._activity_start = "step", time.perf_counter()
-        self._thread = threading.Thread(target=self._run, name="gpufleet-watchdog",
-                                        daemon=True)
+        self._thread = ServiceThread(target=self._run, name="gpufleet-watchdog",
+                                     stop=self._stop.set)
         self._thread.start()
         if self.liveness is not None:
             self.signal_stacks.start()  # a peer asks for them if this rank goes silent

@@ -34,6 +34,17 @@ STRATEGIES = {"auto": "auto", "single": "single", "single_device": "single", "dd
               "ddp_spawn": "ddp", "ddp_fork": "ddp", "ddp_notebook": "ddp"}
 
 
+#: Fabric's names of fp16 mixed precision, which it makes bf16-mixed on a CPU.
+FABRIC_FP16 = ("16-mixed", "16")
+
+#: Fabric's names gpufleet refuses on purpose, and why (the error says it).
+_XLA = ("runs on TPUs through torch_xla, and gpufleet has no XLA strategy: its "
+        "strategies place the model with torch.distributed (gloo, NCCL). On CPUs and "
+        "CUDA GPUs use strategy='ddp' (or 'fsdp'); gpufleet does not run on TPUs.")
+REFUSED = {("strategy", "xla"): _XLA, ("strategy", "xla_fsdp"): _XLA,
+           ("accelerator", "tpu"): _XLA}
+
+
 #: What an argument left out means when no config is given: Fabric's defaults (fp32
 #: above all: a loop moved from Fabric computes the same numbers).
 FABRIC_DEFAULTS = {"accelerator": "auto", "precision": "32-true", "strategy": "auto"}
@@ -41,10 +52,16 @@ FABRIC_DEFAULTS = {"accelerator": "auto", "precision": "32-true", "strategy": "a
 
 def fleet_overrides(accelerator: str | None = None, devices: int | str = "auto",
                     precision: str | int | None = None, strategy: str | None = None,
-                    num_nodes: int = 1, *, defaults: bool = True) -> dict[str, Any]:
+                    num_nodes: int = 1, *, defaults: bool = True,
+                    cuda: bool = False) -> dict[str, Any]:
     """The config overrides for Fabric-style arguments (see the module doc). An argument
     left out (None) takes :data:`FABRIC_DEFAULTS`, or with ``defaults=False`` (a config
     was given) sets nothing, so the config's own value stays.
+
+    Fabric's ``"16-mixed"`` (``16``) on a CPU (``accelerator="cpu"``, or ``"auto"``
+    without ``cuda`` GPUs) is bf16-mixed, as Fabric decides it (its fp16 autocast is
+    CUDA's; :class:`~gpufleet.fleet.Fleet` warns). gpufleet's own ``"fp16-mixed"``
+    keeps fp16, as gpufleet's loop does on a CPU.
 
     Raises:
         ConfigError: a value with no gpufleet meaning, naming the valid ones.
@@ -62,6 +79,10 @@ def fleet_overrides(accelerator: str | None = None, devices: int | str = "auto",
         out["dist.nproc"] = devices
     if given["precision"] is not None:
         out["precision.mode"] = _mapped("precision", given["precision"], PRECISIONS)
+        device = out.get("run.device")
+        on_cpu = device == "cpu" or (device == "auto" and not cuda)
+        if str(given["precision"]) in FABRIC_FP16 and on_cpu:
+            out["precision.mode"] = "bf16-mixed"
     if given["strategy"] is not None:
         out["parallel.strategy"] = _mapped("strategy", given["strategy"], STRATEGIES)
         if out["parallel.strategy"] == "dp" and out.get("run.device") == "cpu":
@@ -73,7 +94,10 @@ def fleet_overrides(accelerator: str | None = None, devices: int | str = "auto",
 
 def _mapped(name: str, value: Any, table: dict[str, str]) -> str:
     """The config value ``table`` gives for an argument, or the error naming the valid
-    ones."""
+    ones (or why gpufleet refuses a name of Fabric's)."""
+    why = REFUSED.get((name, str(value)))
+    if why is not None:
+        raise ConfigError(f"{name}={value!r} {why}")
     if str(value) not in table:
         raise ConfigError(unknown_choice(name, str(value), table))
     return table[str(value)]

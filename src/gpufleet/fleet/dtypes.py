@@ -63,8 +63,15 @@ class ForwardDtypes:
         return cls()
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """The model in the true precision's dtype (in place, as ``module.to`` is)."""
-        return module.to(dtype=self.true) if self.true is not None else module
+        """The model in the true precision's dtype (in place), as Fabric converts it:
+        ``64-true`` with ``module.double()``, which leaves complex tensors as they are
+        (complex128 when built under ``init_module``); the half precisions with
+        ``module.to(dtype)``, which casts complex ones too."""
+        if self.true is None:
+            return module
+        if self.true == torch.float64:
+            return module.double()
+        return module.to(dtype=self.true)
 
     def convert_input(self, data: Any) -> Any:
         if self.inputs is None:

@@ -31,9 +31,10 @@ import contextlib
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -44,13 +45,13 @@ from gpufleet.core.callbacks import Callback
 from gpufleet.core.phases import Phase, PhaseScope
 from gpufleet.core.tree import to_device
 from gpufleet.errors import ConfigError, unknown_choice
-from gpufleet.fault.crash import crash_reported
 from gpufleet.fleet.accumulate import Accumulation
-from gpufleet.fleet.args import fleet_overrides
+from gpufleet.fleet.args import FABRIC_FP16, fleet_overrides
 from gpufleet.fleet.comm import FleetComm
 from gpufleet.fleet.dtypes import ForwardDtypes
 from gpufleet.fleet.grads import FleetGrads
 from gpufleet.fleet.init import FleetInit
+from gpufleet.fleet.launching import FleetLaunch
 from gpufleet.fleet.loader import SetUpLoaders
 from gpufleet.fleet.logs import FleetLogs, as_list, as_loggers
 from gpufleet.fleet.preemption import FleetPreemption
@@ -59,11 +60,14 @@ from gpufleet.fleet.seeding import seed_everything
 from gpufleet.fleet.setup import FleetSetup
 from gpufleet.fleet.state import FleetCheckpoints
 from gpufleet.fleet.steps import StepTracker
+from gpufleet.fleet.strategy import FleetStrategy
 from gpufleet.fleet.wrappers import FleetModule
 from gpufleet.launch import DistEnv, destroy_process_group, is_initialized
 from gpufleet.parallel import strategy_class
 from gpufleet.plan import RunPlan, make_plan
+from gpufleet.resolve import Machine
 from gpufleet.train.engine.build import build_own_loop_run
+from gpufleet.train.engine.result import FitResult
 from gpufleet.train.engine.run import Run
 from gpufleet.train.perf import share_cores
 from gpufleet.train.rank import join_process_group
@@ -78,8 +82,19 @@ _OWN_LOOP = {
 }
 
 
-class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, FleetLogs,
-            FleetPreemption, FleetRecovery):
+def rank_main(init_args: dict[str, Any], fn: Callable[..., Any] | None, args: tuple,
+              kwargs: dict[str, Any] | None = None, cls: type[Fleet] | None = None) -> Any:
+    """What each started rank runs: its own Fleet (of ``cls``, a subclass, when given),
+    then ``fn(fleet, *args)``, or without ``fn`` the subclass's own ``run(*args)``."""
+    fleet = (cls or Fleet)(**init_args)
+    if fn is None:
+        own_run = cast(Callable[..., Any], fleet.run)  # the subclass's run(), launched
+        return own_run(*args, **(kwargs or {}))
+    return fleet._run_here(fn, args, kwargs)
+
+
+class Fleet(FleetLaunch, FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints,
+            FleetLogs, FleetPreemption, FleetRecovery):
     """Run your own training loop on one or many ranks with gpufleet underneath.
 
     Args:
@@ -126,6 +141,8 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
         >>> loader = fleet.setup_dataloaders(loader)  # doctest: +SKIP
     """
 
+    _rank_entry = staticmethod(rank_main)
+
     def __init__(self, accelerator: str | None = None, devices: int | str = "auto",
                  precision: str | int | None = None, strategy: str | None = None,
                  num_nodes: int = 1,
@@ -134,6 +151,7 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
                  overrides: dict[str, Any] | None = None, config: Config | None = None,
                  callbacks: Sequence[Any] = (), loggers: Any = None,
                  gradient_accumulation_steps: int = 1, resume: str | None = None) -> None:
+        self._own_run()  # a subclass's own run(): launched when called, as Fabric's
         self._init_args = dict(accelerator=accelerator, devices=devices, precision=precision,
                                strategy=strategy, num_nodes=num_nodes, seed=seed,
                                run_dir=run_dir,
@@ -141,9 +159,17 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
                                config=config, callbacks=as_list(callbacks), loggers=loggers,
                                gradient_accumulation_steps=gradient_accumulation_steps,
                                resume=resume)
+        machine = Machine.detect()
         keys: dict[str, Any] = {**_OWN_LOOP, "log.every": log_every,
                                 **fleet_overrides(accelerator, devices, precision, strategy,
-                                                  num_nodes, defaults=config is None)}
+                                                  num_nodes, defaults=config is None,
+                                                  cuda=machine.cuda)}
+        if str(precision) in FABRIC_FP16 and keys["precision.mode"] == "bf16-mixed" and \
+                DistEnv.detect().rank == 0:  # (on the first rank only, as Fabric says it)
+            warnings.warn(
+                f"Fleet(precision={precision!r}) on a CPU: fp16 mixed precision is CUDA's, "
+                "so this run uses 'bf16-mixed' instead, as Lightning Fabric does. Ask for "
+                "precision='bf16-mixed' to say so, or '32-true'.", UserWarning, stacklevel=2)
         agent_restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS")
         if agent_restarts is not None:  # a rank of torch's elastic agent (gpufleet run,
             keys["dist.max_restarts"] = int(agent_restarts)  # torchrun): as it was given
@@ -157,12 +183,14 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
             keys["run.name"] = name or _script_name()
         keys.update(overrides or {})
         cfg = load_config(overrides=keys, base=config)
-        self.plan: RunPlan = make_plan(cfg, own_loop=True)  # the one resolve of this run
+        self.plan: RunPlan = make_plan(cfg, own_loop=True,  # the one resolve of this run
+                                       machine=machine)
         self._user_callbacks = as_list(callbacks)
         self._loggers = as_loggers(loggers)
         self._seed = seed
-        self.run: Run | None = None  # this rank's, once this process is one
+        self._fleet_run: Run | None = None  # this rank's run (``run``, once a rank)
         self._loaders = SetUpLoaders()  # the loaders your loop sets up
+        self._strategy_view = FleetStrategy(self)
         self._placed: list[nn.Module] = []  # every model set up, as placed
         self._modules: list[FleetModule] = []  # and as your loop holds it
         self._dtypes = ForwardDtypes()  # what a set-up model's forward converts
@@ -190,107 +218,53 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
             seed_all(self._seed)
         # COLLECTIVE: device, precision, strategy, the run directory (rank 0 chooses and
         # locks it) and the monitors, by the steps build_run takes for gpufleet's loop
-        self.run = build_own_loop_run(plan, env, self._loaders)
+        run = self._fleet_run = build_own_loop_run(plan, env, self._loaders)
         given = self._init_args["precision"]
-        self._dtypes = ForwardDtypes.for_run(given, self.run.precision.autocast_dtype)
-        self.plan = plan.with_config(self.run.cfg)
+        self._dtypes = ForwardDtypes.for_run(given, run.precision.autocast_dtype)
+        self.plan = plan.with_config(run.cfg)
         # gpufleet's hooks reach its own Callback objects; call() reaches every one
-        self._steps = StepTracker(self.run, self._loaders,
+        self._steps = StepTracker(run, self._loaders,
                                   [cb for cb in self._user_callbacks
                                    if isinstance(cb, Callback)],
                                   on_preempted=self._stop_for_preemption)
         # Every call that runs a collective runs in it: a lost node met there is
         # recovered in process (with snapshots of a registered state)
-        self._guard = self._steps.guard = RecoveryGuard(self.run, self._steps.went_on)
+        self._guard = self._steps.guard = RecoveryGuard(run, self._steps.went_on)
         atexit.register(self._at_exit)
-
-    def launch(self, fn: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> Any:
-        """Run ``fn(fleet, *args, **kwargs)`` on every rank and return rank 0's result.
-
-        When this process is a rank already (one device, torchrun, ``gpufleet run``),
-        ``fn`` runs here. Otherwise the ranks are started now with torch's elastic agent
-        (as ``gpufleet train --nproc N`` starts them): ``fn`` must then be a module-level
-        function and ``args`` and ``kwargs`` picklable. The run ends (:meth:`finish`) when ``fn``
-        returns; an error leaves a crash report in the run directory. Without ``fn``
-        (Fabric's ``launch()``): on a rank, nothing to do; in a process that is not a
-        rank yet, the script runs again as each rank (``python SCRIPT ARGS``, as
-        ``gpufleet run`` starts it), and this process exits when they end.
-        """
-        if fn is None:
-            if self.run is None:  # not a rank yet: the script runs again on each rank
-                self._rerun_script()
-            return None
-        if self.run is not None:
-            return self._run_here(fn, args, kwargs)
-        return self._start_ranks(_rank_main, (self._init_args, fn, args, kwargs)).get(0)
-
-    def _rerun_script(self) -> None:
-        """Fabric's ``launch()`` outside a rank: this script runs again as each of the
-        planned ranks (``python SCRIPT ARGS``, started by torch's elastic agent as
-        ``gpufleet run`` starts them); this process waits for them and then exits
-        with their status, instead of running the rest of the script itself."""
-        script = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else None
-        main = sys.modules.get("__main__")
-        if script is None or not script.is_file() or getattr(main, "__spec__", None):
-            # (``python -m module``: start the ranks with gpufleet run or torchrun)
-            self._rank_run()  # no script to run again: the error says how to start ranks
-        self._start_ranks(sys.executable, (str(script), *sys.argv[1:]), "elastic")
-        raise SystemExit(0)  # every rank ended well (a failure raised LaunchError)
-
-    def _start_ranks(self, entry: Any, args: tuple, launcher: str | None = None
-                     ) -> dict[int, Any]:
-        """Start the planned ranks (with the plan's launcher, or ``launcher``), each
-        running ``entry`` (a function, or a command for torch's elastic agent)."""
-        plan, ranks = self.plan, self.plan.cfg.dist
-        from gpufleet.launch.launcher import launch  # the agent: only where ranks start
-
-        return launch(
-            entry, args, nproc=plan.nproc,
-            launcher=launcher or plan.launcher, nnodes=plan.nnodes, node_rank=plan.node_rank,
-            master_addr=ranks.master_addr, master_port=ranks.master_port,
-            rdzv_endpoint=ranks.rdzv_endpoint, rdzv_backend=ranks.rdzv_backend,
-            rdzv_id=ranks.rdzv_id or plan.name, max_restarts=ranks.max_restarts,
-            rdzv_timeout=ranks.rdzv_timeout)
-
-    def _run_here(self, fn: Callable[..., Any], args: tuple, kwargs: dict | None = None
-                  ) -> Any:
-        with crash_reported(self._rank_run().view):
-            try:
-                out = fn(self, *args, **(kwargs or {}))
-            except BaseException as error:  # what the run holds is let go of here
-                atexit.unregister(self._at_exit)
-                self._steps.abort(error)
-                raise
-            self.finish()
-        return out
-
-    def _rank_run(self) -> Run:
-        if self.run is None:
-            raise ConfigError(
-                f"this Fleet plans {self.plan.nproc} ranks and this process is not one of "
-                "them yet. Put your loop in a function and call fleet.launch(fn), or start "
-                "the script with `gpufleet run script.py --nproc N` or torchrun.")
-        return self.run
 
     # -- facts ------------------------------------------------------------------------
     @property
     def global_rank(self) -> int:
         """This rank's index in the job (0 before the ranks are started)."""
-        return self.run.env.rank if self.run is not None else 0
+        return self._fleet_run.env.rank if self._fleet_run is not None else 0
 
     @property
     def local_rank(self) -> int:
-        return self.run.env.local_rank if self.run is not None else 0
+        return self._fleet_run.env.local_rank if self._fleet_run is not None else 0
 
     @property
     def node_rank(self) -> int:
         """This node's index (0 before the ranks are started)."""
-        return self.run.env.node_rank if self.run is not None else 0
+        return self._fleet_run.env.node_rank if self._fleet_run is not None else 0
 
     @property
     def world_size(self) -> int:
         """Ranks in the job."""
-        return self.run.env.world_size if self.run is not None else self.plan.world_size
+        run = self._fleet_run
+        return run.env.world_size if run is not None else self.plan.world_size
+
+    @property
+    def strategy(self) -> FleetStrategy:
+        """Fabric's ``fabric.strategy`` as far as a loop reads it: this rank's facts
+        (``root_device``, ``world_size``...) and the collectives (``barrier``,
+        ``reduce_boolean_decision``...), not Lightning's Strategy object (see
+        :mod:`gpufleet.fleet.strategy`)."""
+        return self._strategy_view
+
+    @property
+    def result(self) -> FitResult:
+        """The run's totals (``fleet.run.result``), filled in by :meth:`finish`."""
+        return self._rank_run().result
 
     @property
     def is_global_zero(self) -> bool:
@@ -422,7 +396,7 @@ class Fleet(FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints, Flee
             self._end(collective=False)
 
     def _end(self, collective: bool) -> None:
-        if self.run is None or self._steps.finished:
+        if self._fleet_run is None or self._steps.finished:
             return
         atexit.unregister(self._at_exit)
         try:
@@ -463,10 +437,3 @@ def _script_name() -> str:
     """The running script's name (``train`` for ``train.py``), or ``fleet``."""
     script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else ""
     return script if script and script not in ("-c", "__main__") else "fleet"
-
-
-def _rank_main(init_args: dict[str, Any], fn: Callable[..., Any], args: tuple,
-               kwargs: dict[str, Any] | None = None) -> Any:
-    """What each started rank runs: its own Fleet, then ``fn(fleet, *args)``."""
-    fleet = Fleet(**init_args)
-    return fleet._run_here(fn, args, kwargs)

@@ -35,9 +35,10 @@ class FleetGrads(FleetPart):
         """Backward passes inside do not synchronise gradients across ranks (ddp's
         ``no_sync``): for gradient accumulation, all but the last micro-batch."""
         if not isinstance(module, FleetModule):  # as Fabric's
-            raise TypeError(f"no_backward_sync got a {type(module).__name__} that was not "
-                            "set up: pass the model fleet.setup returned "
-                            "(model = fleet.setup(model, ...)).")
+            raise TypeError("You need to set up the model first before you can call "
+                            f"`fleet.no_backward_sync()` (it got a {type(module).__name__} "
+                            "that was not set up): pass the model fleet.setup returned, "
+                            "model = fleet.setup(model, ...).")
         with self._rank_run().strategy.no_sync(module.placed) if enabled \
                 else contextlib.nullcontext():
             yield

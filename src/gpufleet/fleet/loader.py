@@ -29,6 +29,7 @@ from gpufleet.core.tree import batch_size_of, tokens_of
 from gpufleet.data.loaders import ForkSafeLoader
 from gpufleet.data.sampler import ResumableDistributedSampler
 from gpufleet.errors import ConfigError
+from gpufleet.fleet.order import AccelerateOrder
 
 # DataLoader arguments carried over to the rebuilt loader as they were.
 _KEPT = ("batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout",
@@ -36,7 +37,8 @@ _KEPT = ("batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "
          "persistent_workers", "pin_memory_device")
 
 
-def shard_loader(loader: DataLoader, *, rank: int, world_size: int, seed: int
+def shard_loader(loader: DataLoader, *, rank: int, world_size: int, seed: int,
+                 order: Sampler | None = None
                  ) -> tuple[DataLoader, ResumableDistributedSampler]:
     """``loader`` rebuilt to read this rank's shard through a resumable sampler.
 
@@ -49,7 +51,9 @@ def shard_loader(loader: DataLoader, *, rank: int, world_size: int, seed: int
     and ``drop_last``: the order it gives when your loop sets its epoch every epoch,
     without sharding it twice. Any other
     sampler (weighted, a subset, yours) keeps its own draws each epoch, sharded over
-    the ranks as Fabric's ``DistributedSamplerWrapper`` shards them.
+    the ranks as Fabric's ``DistributedSamplerWrapper`` shards them. ``order`` (an
+    :class:`~gpufleet.fleet.order.AccelerateOrder`) is each epoch's order instead, every
+    ``world_size``-th item of it this rank's.
 
     Raises:
         ConfigError: the loader cannot be sharded this way (an iterable dataset, a
@@ -74,7 +78,10 @@ def shard_loader(loader: DataLoader, *, rank: int, world_size: int, seed: int
         raise ConfigError("setup_dataloaders got a DataLoader with a batch_sampler of its "
                           "own; give batch_size= instead, or pass "
                           "use_distributed_sampler=False and shard it yourself.")
-    sampler = _resumable(loader, rank, world_size, seed)
+    sampler = _resumable(loader, rank, world_size, seed) if order is None else \
+        ResumableDistributedSampler(len(cast("Sized", order)), rank=rank,
+                                    world_size=world_size, shuffle=False, seed=seed,
+                                    source=order)
     kwargs = {k: getattr(loader, k) for k in _KEPT if hasattr(loader, k)}
     if not kwargs.get("num_workers"):  # torch refuses these without workers
         kwargs.pop("prefetch_factor", None)
@@ -125,6 +132,7 @@ class FleetLoader:
             (then there is no position to save).
         on_batch: called before each batch is fetched (the data phase begins).
         to_device: moves a batch to the run's device (None: leave it).
+        device: the device the batches are for (None: not moved there).
 
     Attributes:
         consumed: batches' samples this rank has taken in the current epoch.
@@ -133,9 +141,12 @@ class FleetLoader:
     """
 
     def __init__(self, loader: DataLoader, sampler: ResumableDistributedSampler | None,
-                 on_batch: Callable[[], None], to_device: Callable[[Any], Any] | None = None
-                 ) -> None:
+                 on_batch: Callable[[], None], to_device: Callable[[Any], Any] | None = None,
+                 device: torch.device | None = None) -> None:
         self.loader, self.sampler = loader, sampler
+        #: the device the batches are for (None: setup_dataloaders(move_to_device=False)),
+        #: as Fabric's loader's ``device``
+        self.device = device
         self._on_batch, self._to_device = on_batch, to_device
         self.consumed = 0
         self.samples = self.tokens = 0
@@ -151,6 +162,13 @@ class FleetLoader:
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        """The wrapped DataLoader's other attributes (``num_workers``,
+        ``worker_init_fn``, ``collate_fn``...), readable here as on Fabric's loader."""
+        if name.startswith("_") or "loader" not in vars(self):  # (unpickling, copying)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(self.loader, name)
 
     @property
     def dataset(self) -> Any:
@@ -281,8 +299,11 @@ class FleetLoader:
         epoch, start, n = self.last_batch
         if sampler.drop_last:
             return n
-        left = sampler.dataset_len - sampler._skipped(epoch)  # the epoch's samples to read
-        real = len(range(rank, left, sampler.world_size))  # this rank's real positions
+        skipped = sampler._skipped(epoch)  # the epoch's samples an earlier run read
+        if isinstance(sampler.source, AccelerateOrder):  # its padding: each rank's last
+            real = sampler.source.real_items(epoch, rank) - skipped // sampler.world_size
+        else:  # the padding: the positions past the epoch's samples
+            real = len(range(rank, sampler.dataset_len - skipped, sampler.world_size))
         return max(0, min(start + n, real) - start)
 
     def take_counts(self) -> tuple[int, int]:

@@ -10,8 +10,8 @@ so a Fabric loop's loggers keep receiving what they did.
 from __future__ import annotations
 
 import inspect
-import logging
 import numbers
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,8 +19,6 @@ import torch
 
 from gpufleet.errors import ConfigError
 from gpufleet.fleet.part import FleetPart
-
-log = logging.getLogger(__name__)
 
 
 def as_list(value: Any) -> list[Any]:
@@ -88,7 +86,13 @@ class FleetLogs(FleetPart):
             return
         given, values = {}, {}
         for key, value in metrics.items():
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1:  # Fabric's words: a loop's tests match them
+                    raise ValueError(
+                        f"log_dict: the metric {key!r} holds {value.numel()} values "
+                        f"(shape {tuple(value.shape)}), so it cannot be converted to a "
+                        "scalar. Log one number: reduce it first (value.mean()), or log "
+                        "each element under its own name.")
                 value = value.item()
             if not isinstance(value, numbers.Real):  # numpy's scalars and bools too
                 raise ConfigError(f"log_dict: {key!r} is {type(value).__name__}: log "
@@ -108,9 +112,11 @@ class FleetLogs(FleetPart):
             method = getattr(callback, hook_name, None)
             if method is None:
                 continue
-            if not callable(method):
-                log.warning("callback %s has an attribute %r that is not a method: not "
-                            "called", type(callback).__name__, hook_name)
+            if not callable(method):  # Fabric's warning (a UserWarning), in its words
+                warnings.warn(f"Skipping the callback `{type(callback).__name__}."
+                              f"{hook_name}` because it is not callable: fleet.call calls "
+                              "methods only; rename the attribute, or make it a method.",
+                              UserWarning, stacklevel=2)
                 continue
             method(*args, **_accepted(method, kwargs))
 

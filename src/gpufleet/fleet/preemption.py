@@ -52,7 +52,7 @@ class FleetPreemption(FleetPart):
     """``register_state``, ``resume_from`` and ``should_stop`` of
     :class:`~gpufleet.fleet.Fleet` (a part of it), and its stop on a signal."""
 
-    run: Run | None  # this rank's (Fleet's)
+    _fleet_run: Run | None  # this rank's (Fleet's)
     _registered: dict[str, Any] | None = None  # what a preemption checkpoint saves
     _last_saved: dict[str, Any] | None = None  # the last dict fleet.save was handed
 
@@ -101,7 +101,7 @@ class FleetPreemption(FleetPart):
         ended, or never stepped, before the next check): now that the run has ended and
         its handlers are put back, the process takes it as it would have without the
         run (the default for SIGTERM and SIGUSR1: the process ends)."""
-        run = self.run
+        run = self._fleet_run
         watch = run.monitors.preemption if run is not None else None
         if watch is None or watch.received is None or run is None or run.result.preempted:
             return

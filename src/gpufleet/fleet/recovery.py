@@ -208,7 +208,7 @@ class FleetRecovery(FleetPart):
     """What :class:`~gpufleet.fleet.Fleet` keeps to survive a lost node (a part of it):
     the registered state as the snapshots take it, the guard of its calls."""
 
-    run: Run | None  # this rank's (Fleet's)
+    _fleet_run: Run | None  # this rank's (Fleet's)
     _placed: list[nn.Module]  # every model set up, as placed
     _modules: list[FleetModule]  # every model set up, as your loop holds it
     _steps: StepTracker
@@ -219,7 +219,7 @@ class FleetRecovery(FleetPart):
     def _keep_in_memory(self, state: dict[str, Any]) -> None:
         """The registered ``state`` is what the snapshots take (``fault.snapshot_every``
         on), where it can be put back; said where it cannot."""
-        run = self.run
+        run = self._fleet_run
         if run is None or not run.cfg.fault.snapshot_every:
             return
         loop = FleetLoopState(run, state, self._loaders, self._modules, self._placed,

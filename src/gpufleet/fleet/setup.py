@@ -18,13 +18,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 from gpufleet.core.tree import to_device
-from gpufleet.errors import ConfigError
+from gpufleet.errors import ConfigError, unknown_choice
 from gpufleet.fleet.accumulate import Accumulation
 from gpufleet.fleet.dtypes import ForwardDtypes
 from gpufleet.fleet.loader import FleetLoader, shard_loader
+from gpufleet.fleet.order import ORDERS, AccelerateOrder, accelerate_generator_state
 from gpufleet.fleet.part import FleetPart
 from gpufleet.fleet.seeding import add_worker_seeding, chosen_seed, seeds_workers
 from gpufleet.fleet.steps import StepTracker
@@ -45,6 +46,8 @@ class FleetSetup(FleetPart):
     _steps: StepTracker
     _dtypes: ForwardDtypes  # what a set-up model's forward converts
     call: Callable[..., None]  # your callbacks' hooks (FleetLogs.call)
+    strategy: Any  # Fabric's fabric.strategy (gpufleet.fleet.strategy.FleetStrategy)
+    broadcast: Callable[..., Any]  # rank 0's object on every rank (FleetComm.broadcast)
     _accumulation: Accumulation  # Fleet(gradient_accumulation_steps=)
 
     def setup(self, module: nn.Module, *optimizers: torch.optim.Optimizer,
@@ -147,7 +150,7 @@ class FleetSetup(FleetPart):
         """
         run = self._rank_run()
         if not optimizers:
-            raise ValueError("setup_optimizers needs at least one optimizer: "
+            raise ValueError("`setup_optimizers` requires at least one optimizer as input: "
                              "fleet.setup_optimizers(optimizer).")
         _check_not_set_up(None, optimizers, "setup_optimizers")
         wrappers = []
@@ -203,13 +206,12 @@ class FleetSetup(FleetPart):
             if not self._accumulation.sync:  # accumulate(): not this micro-batch
                 return None
             out = step(optimizer, closure)
-            self.call("on_after_optimizer_step", strategy=self._rank_run().strategy,
-                      optimizer=optimizer)
+            self.call("on_after_optimizer_step", strategy=self.strategy, optimizer=optimizer)
             return out
         return stepped
 
     def setup_dataloaders(self, *loaders: Any, use_distributed_sampler: bool = True,
-                          move_to_device: bool = True) -> Any:
+                          move_to_device: bool = True, order: str = "distributed") -> Any:
         """Each loader sharded over the ranks with a resumable sampler (its position is
         saved by :meth:`save`), its batches moved to this rank's device.
 
@@ -224,23 +226,36 @@ class FleetSetup(FleetPart):
         its own) is left as it is, as Fabric leaves every loader on one device: it
         iterates as before, and has no position for :meth:`save`.
 
+        ``order="accelerate"``: on several ranks, Accelerate's order instead (whole
+        batches of one order dealt to the ranks in turn, the last round completed from
+        the epoch's first samples; :mod:`gpufleet.fleet.order`): each rank reads the
+        samples ``accelerator.prepare`` gives it, for a loader that shuffles or reads
+        in order. A shuffling loader's generator is seeded here from torch's random
+        state, as Accelerate's ``prepare`` seeds it, and rank 0's is used on every
+        rank (COLLECTIVE). In one process both orders are the loader's own.
+
         Returns:
             One :class:`~gpufleet.fleet.loader.FleetLoader`, or a tuple of them.
 
         Raises:
-            ValueError: no loader given, or one set up already; TypeError: not a
-                ``DataLoader`` (as Fabric's).
+            ValueError: no loader given, or one set up already, or an unknown
+                ``order``, or ``order="accelerate"`` with a sampler of your own;
+                TypeError: not a ``DataLoader`` (as Fabric's).
         """
         run = self._rank_run()
+        if order not in ORDERS:
+            raise ConfigError(unknown_choice("setup_dataloaders(order=...)", order, ORDERS))
         if not loaders:
-            raise ValueError("setup_dataloaders needs at least one DataLoader: "
+            raise ValueError("`setup_dataloaders` requires at least one dataloader as input: "
                              "fleet.setup_dataloaders(loader).")
         if any(isinstance(loader, FleetLoader) for loader in loaders):
-            raise ValueError("setup_dataloaders: a loader given was set up already (it is "
-                             "what setup_dataloaders returned); pass each loader once.")
+            raise ValueError("A dataloader should be passed only once to the "
+                             "`setup_dataloaders` method: one given is what "
+                             "setup_dataloaders returned already; use it as it is.")
         wrong = next((x for x in loaders if not isinstance(x, DataLoader)), None)
         if wrong is not None:
-            raise TypeError(f"setup_dataloaders got a {type(wrong).__name__}; give "
+            raise TypeError("Only PyTorch DataLoader are currently supported in "
+                            f"`setup_dataloaders` (got a {type(wrong).__name__}): give "
                             "torch.utils.data.DataLoader objects.")
         shard, shards = run.strategy.data_shard(run.env.rank, run.env.world_size)
         # Fleet(seed=), else the seed seed_everything chose (as Fabric's sampler), else
@@ -250,9 +265,11 @@ class FleetSetup(FleetPart):
         for loader in loaders:
             sampler = None
             if use_distributed_sampler:
+                dealt = self._accelerate_order(loader, shards) \
+                    if order == "accelerate" and shards > 1 else None
                 try:
                     loader, sampler = shard_loader(loader, rank=shard, world_size=shards,
-                                                   seed=seed)
+                                                   seed=seed, order=dealt)
                 except ConfigError:
                     if shards > 1 or run.env.world_size > 1:
                         raise
@@ -264,21 +281,41 @@ class FleetSetup(FleetPart):
             if move_to_device and run.device.type != "cpu":
                 device = run.device
                 mover = lambda batch, d=device: to_device(batch, d, non_blocking=True)  # noqa: E731
-            fleet_loader = FleetLoader(loader, sampler, self._steps.on_batch, mover)
+            fleet_loader = FleetLoader(loader, sampler, self._steps.on_batch, mover,
+                                       device=run.device if move_to_device else None)
             self._loaders.add(fleet_loader, data_copies=run.env.world_size // shards)
             out.append(fleet_loader)
         return out[0] if len(out) == 1 else tuple(out)
 
 
+    def _accelerate_order(self, loader: Any, shards: int) -> AccelerateOrder:
+        """Accelerate's order of ``loader`` over ``shards`` ranks, its generator seeded
+        as ``prepare`` seeds it and taken from rank 0 (COLLECTIVE where it shuffles)."""
+        theirs = getattr(loader, "sampler", None)
+        if not isinstance(theirs, (RandomSampler, SequentialSampler)) or \
+                getattr(loader, "batch_size", None) is None:
+            raise ConfigError(
+                f"setup_dataloaders(order='accelerate') takes a loader that shuffles "
+                f"(shuffle=True) or reads in order, with a batch_size; this one has a "
+                f"{type(theirs).__name__}. Use order='distributed' (the default), or "
+                "use_distributed_sampler=False and shard it yourself.")
+        state = None
+        if isinstance(theirs, RandomSampler):
+            drawn = accelerate_generator_state(theirs).tolist()
+            state = torch.tensor(self.broadcast(drawn, 0), dtype=torch.uint8)  # COLLECTIVE
+        return AccelerateOrder(theirs, batch_size=loader.batch_size, world_size=shards,
+                               drop_last=loader.drop_last, generator_state=state)
+
+
 def _check_not_set_up(module: Any, optimizers: tuple, call: str) -> None:
-    """Fabric's misuse errors: a model or optimizer handed to setup a second time."""
+    """Fabric's misuse errors, in its words (a Fabric loop's tests match them): a model
+    or optimizer handed to ``call`` a second time."""
     if isinstance(module, FleetModule):
-        raise ValueError(f"{call}: this model was set up already (it is what setup "
-                         "returned); pass each model to setup once, and use the one it "
-                         "returned.")
+        raise ValueError(f"A model should be passed only once to the `{call}` method: this "
+                         f"one is what {call} returned already; use it as it is.")
     if any(isinstance(opt, FleetOptimizer) for opt in optimizers):
-        raise ValueError(f"{call}: an optimizer given was set up already (it is what "
-                         "setup returned); pass each optimizer to setup once.")
+        raise ValueError(f"An optimizer should be passed only once to the `{call}` method: "
+                         f"one given is what {call} returned already; use it as it is.")
 
 
 def _scheduled_index(scheduler: Any, optimizers: tuple) -> int | None:

@@ -287,20 +287,22 @@ def _plain(state: Mapping[str, Any], content: Mapping[str, Any]) -> dict[str, An
 
 
 def _check_filter(filter: Any, state: Mapping[str, Any]) -> None:
-    """Fabric's checks of ``save(filter=)``, as gpufleet errors."""
+    """Fabric's checks of ``save(filter=)``, of its types and in its words (a Fabric
+    loop's tests match them), each naming the fix."""
     if filter is None:
         return
     if not isinstance(filter, Mapping):
-        raise ConfigError(f"save(filter={filter!r}): give a dict of state key to a "
-                          "function (name, value) -> bool that keeps an item.")
-    unknown = [k for k in filter if k not in state]
+        raise TypeError(f"save(filter=...): the filter should be a dict, given {filter!r}: "
+                        "give a dict of state key to a function (name, value) -> bool that "
+                        "keeps an item.")
+    unknown = set(filter) - set(state)
     if unknown:
-        raise ConfigError(f"save(filter=...) names {', '.join(map(repr, unknown))}, not "
-                          f"keys of the state ({', '.join(map(repr, state))}).")
+        raise ConfigError(f"save(filter=...): the filter keys {unknown} are not present in "
+                          f"the state keys {set(state)}: name keys of the state.")
     for key, keep in filter.items():
         if not callable(keep):
-            raise ConfigError(f"save(filter=...)[{key!r}] is {type(keep).__name__}: give "
-                              "a function (name, value) -> bool.")
+            raise TypeError(f"save(filter=...) for key {key!r} should be a callable, given "
+                            f"{keep!r}: give a function (name, value) -> bool.")
 
 
 def save_state(path: str | Path, state: Mapping[str, Any], strategy: Any,

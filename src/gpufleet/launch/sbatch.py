@@ -17,7 +17,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-REQUEUE_EXIT = 75  # gpufleet.fault.preempt.REQUEUE_EXIT, not imported (it pulls torch)
+from gpufleet.errors import REQUEUE_EXIT
 
 
 def batch_script(train_args: Sequence[str], *, nodes: int, ntasks_per_node: int,

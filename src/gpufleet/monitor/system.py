@@ -59,6 +59,7 @@ from typing import Any
 import psutil
 
 from gpufleet.core.callbacks import Callback
+from gpufleet.core.threads import ServiceThread
 from gpufleet.monitor.kernel import read_counters
 from gpufleet.monitor.nvml import MB, Nvml, visible_indices
 
@@ -216,8 +217,9 @@ class SystemSampler(Callback):
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self.gpus = Nvml.open(self.gpu_indices)
         self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="gpufleet-system-sampler",
-                                        daemon=True)
+        self._thread = ServiceThread(target=self._run, name="gpufleet-system-sampler",
+                                     stop=self._stop.set,
+                                     join_s=max(5.0, 2 * self.interval_s))
         self._thread.start()
 
     def stop(self) -> None:
