@@ -174,3 +174,33 @@ def test_a_loader_without_a_position_takes_no_snapshots_and_says_why(tmp_path, c
     assert "'data' was set up with use_distributed_sampler=False" in caplog.text
     assert fleet.run.loop_state is None
     fleet.finish()
+
+
+def test_a_regroup_places_every_set_up_model_again_and_the_loop_steps_on(tmp_path):
+    """The recovery's rebuild over a new group (here the same one-rank group): the first
+    optimizer's model and a second one (a GAN's) are wrapped in DDP again around the
+    same modules of yours, each set-up wrapper runs its new one, and both train on."""
+    fleet = _fleet(tmp_path / "run")
+    try:
+        nets = [nn.Linear(4, 1), nn.Linear(4, 1)]
+        pairs = [fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+                 for net in nets]
+        state = {f"model{i}": m for i, (m, _) in enumerate(pairs)}
+        state.update({f"optimizer{i}": o for i, (_, o) in enumerate(pairs)})
+        fleet.register_state(state)
+        for model, optimizer in pairs:  # the first step builds the run's recovery
+            fleet.backward(model(torch.ones(2, 4)).sum())
+            optimizer.step()
+            optimizer.zero_grad()
+        before = [model.placed for model, _ in pairs]
+        fleet.run.recovery.rebuild(0, 1)  # COLLECTIVE: DDP again over the group
+        for (model, optimizer), net, old in zip(pairs, nets, before, strict=True):
+            assert model.placed is not old and model.placed.module is net
+            weight = net.weight.detach().clone()
+            fleet.backward(model(torch.ones(2, 4)).sum())
+            optimizer.step()
+            optimizer.zero_grad()
+            assert not torch.equal(net.weight, weight)  # trained through the new wrapper
+        assert fleet._placed == [model.placed for model, _ in pairs]
+    finally:
+        fleet.finish()

@@ -147,11 +147,10 @@ class FleetLoopState:
             if loader.sampler is not None:
                 loader.sampler.rank, loader.sampler.world_size = shard, shards
         self.loaders.data_copies = copies
-        primary = run.parts[0].model
+        primary = run.parts[0].model  # placed again by the recovery already
         for i, old in enumerate(self.placed):
-            inner = getattr(old, "module", None)
-            new = primary if inner is not None and inner is getattr(primary, "module", 0) \
-                else rewrap(old, run.strategy, run.device)
+            same = getattr(old, "module", old) is getattr(primary, "module", primary)
+            new = primary if same else rewrap(old, run.strategy, run.device)
             self.placed[i] = new
             for module in self.modules:
                 if module.placed is old:

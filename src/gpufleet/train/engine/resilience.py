@@ -71,6 +71,7 @@ class BuiltInLoopState:
         at = run.saver.restore(state, source)
         # As a run resumed at another world size: this rank's seed, as build_run sets it.
         seed_everything(run.cfg.run.seed + run.env.rank)
+        run.state.step = at.step  # before the stream starts: its ledger records the step
         run.stream.start(at.epoch, at.consumed)
         return at.step
 
