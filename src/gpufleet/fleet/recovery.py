@@ -43,7 +43,7 @@ from torch.optim import Optimizer
 from gpufleet.fault.snapshot import optimizer_storages
 from gpufleet.fleet.loader import FleetLoader, SetUpLoaders
 from gpufleet.fleet.part import FleetPart
-from gpufleet.fleet.state import FLEET_KEY, check_keys, put_back, saveable
+from gpufleet.fleet.state import FLEET_KEY, check_keys, plain_entries, put_back, saveable
 from gpufleet.fleet.steps import StepTracker
 from gpufleet.fleet.wrappers import FleetModule, unwrap_optimizer
 from gpufleet.train.engine.run import Run
@@ -121,9 +121,7 @@ class FleetLoopState:
         or an object of yours must not change the snapshot)."""
         run = self.run
         content = saveable(self.state, run.strategy, rank=run.env.rank)
-        for key, value in self.state.items():
-            if not (isinstance(value, nn.Module) or _has_state(value)):
-                content[key] = copy.deepcopy(content[key])
+        content.update(copy.deepcopy(plain_entries(self.state, content)))
         content[FLEET_KEY] = {"rng": rng_state(), "step": run.state.step}
         return content
 
@@ -166,11 +164,6 @@ class FleetLoopState:
             log.info("the registered state is back at step %d, from %s", own["step"],
                      source)
         return int(own["step"])
-
-
-def _has_state(value: Any) -> bool:
-    return callable(getattr(value, "state_dict", None)) and \
-        callable(getattr(value, "load_state_dict", None))
 
 
 class RecoveryGuard:

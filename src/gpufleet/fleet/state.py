@@ -279,7 +279,7 @@ def check_keys(state: Mapping[str, Any],
                           "under another name.")
 
 
-def _plain(state: Mapping[str, Any], content: Mapping[str, Any]) -> dict[str, Any]:
+def plain_entries(state: Mapping[str, Any], content: Mapping[str, Any]) -> dict[str, Any]:
     """The entries of ``content`` that are your plain values in ``state`` (not models,
     optimizers or objects with a state dict)."""
     return {k: v for k, v in content.items()
@@ -329,7 +329,7 @@ def save_state(path: str | Path, state: Mapping[str, Any], strategy: Any,
     shards = shard_entries(state, strategy, placed, filter) if sharded else {}
     content = saveable({k: v for k, v in state.items() if k not in shards}, strategy,
                        filter, rank)
-    plain = _plain(state, content)
+    plain = plain_entries(state, content)
     ranked = differing(plain)  # COLLECTIVE: a digest of each plain value, every rank
     if ranked:
         log.info("Fleet.save: %s differ between the ranks; each rank's is saved and goes "
