@@ -208,12 +208,13 @@ def _train_graph() -> dict[str, set[str]]:
 
 def test_the_train_graph_sees_known_imports() -> None:
     """The walker inside train/: the loop runs the engine, the engine builds the
-    checkpointer, the guard and the recovery, and a regrouping reads a checkpoint position."""
+    checkpointer, the guard and the recovery, and a regrouping moves a scheduler onto a
+    rebuilt optimizer (the recovery reads no checkpoint of its own: a loop's state)."""
     edges = _train_graph()
     assert f"{TRAIN}.engine" in edges[f"{TRAIN}.loop"]
     for part in ("checkpoint", "guard", "recovery"):
         assert f"{TRAIN}.{part}" in edges[f"{TRAIN}.engine"], part
-    assert f"{TRAIN}.checkpoint" in edges[f"{TRAIN}.recovery"]  # growing: Position
+    assert f"{TRAIN}.recipe" in edges[f"{TRAIN}.recovery"]  # place_scheduler
     assert f"{TRAIN}.seed" in edges[f"{TRAIN}.checkpoint"]  # the checkpointer: RNG states
 
 

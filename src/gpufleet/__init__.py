@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 # --help) does not pull in the whole training stack.
 _EXPORTS = {
     "fit": "gpufleet.api", "train": "gpufleet.api", "load_checkpoint": "gpufleet.api",
-    "Fleet": "gpufleet.fleet", "Fabric": "gpufleet.fleet",
+    "Fleet": "gpufleet.fleet", "Fabric": "gpufleet.fleet", "Recovered": "gpufleet.fleet",
     "seed_everything": "gpufleet.fleet.seeding",
     "Config": "gpufleet.config", "load_config": "gpufleet.config",
     "Callback": "gpufleet.core.callbacks",

@@ -34,11 +34,12 @@ class Node:
 
 
 def start(bed: NetBed, node: int, args: list[str], cwd: Path, tag: str = "",
-          env: dict | None = None) -> Node:
-    """Start ``gpufleet train ARGS`` on ``node``; output goes to cwd/node<i><tag>.log."""
+          env: dict | None = None, command: str = "train") -> Node:
+    """Start ``gpufleet COMMAND ARGS`` (``train``, or ``run`` for a script of your own
+    loop) on ``node``; output goes to cwd/node<i><tag>.log."""
     log = cwd / f"node{node}{tag}.log"
     with open(log, "w") as out:
-        proc = bed.popen(node, [PYTHON, "-m", "gpufleet", "train", *args], env=node_env(env),
+        proc = bed.popen(node, [PYTHON, "-m", "gpufleet", command, *args], env=node_env(env),
                          cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
     return Node(node, proc, log)
 

@@ -59,3 +59,23 @@ def test_the_options_after_the_script_as_the_docs_write_them(tmp_path, monkeypat
     assert seen["nproc"] == 2 and seen["script_args"] == ["--nproc", "4"]
     seen = _launched(monkeypatch, [str(script), "--lr", "0.1", "--nproc", "4"])
     assert seen["nproc"] == 1 and seen["script_args"] == ["--lr", "0.1", "--nproc", "4"]
+
+
+def test_the_options_across_nodes_reach_the_agent(tmp_path, monkeypatch):
+    """`gpufleet run --nnodes 1:2 --rdzv-endpoint HOST:PORT --rdzv-id ID SCRIPT` (on
+    each node, docs/own-loop.md) gives torch's elastic agent gpufleet train's options
+    across nodes, before or right after SCRIPT; those not given keep the launcher's."""
+    script = tmp_path / "job.py"
+    script.write_text("")
+    across = ["--nnodes", "1:2", "--rdzv-endpoint", "10.0.0.1:29400", "--rdzv-id", "job"]
+    for argv in ([*across, str(script), "--lr", "0.1"],
+                 [str(script), *across, "--", "--lr", "0.1"]):
+        seen = _launched(monkeypatch, argv)
+        assert (seen["nnodes"], seen["rdzv_endpoint"], seen["rdzv_id"]) == \
+            ("1:2", "10.0.0.1:29400", "job"), argv
+        assert "node_rank" not in seen and "master_port" not in seen
+        assert seen["script_args"] == ["--lr", "0.1"]
+    seen = _launched(monkeypatch, ["--nnodes", "2", "--node-rank", "1", "--master-addr",
+                                   "10.0.0.1", "--master-port", "29500", str(script)])
+    assert (seen["nnodes"], seen["node_rank"], seen["master_addr"],
+            seen["master_port"]) == ("2", 1, "10.0.0.1", 29500)

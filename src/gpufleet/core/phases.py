@@ -69,6 +69,12 @@ class Phase(StrEnum):
     CHECKPOINT = "checkpoint"
 
 
+#: The phases that begin a step of your own loop (under Fleet): by then the loop has
+#: done what follows the step before (its scheduler, its counters), so its state is a
+#: step boundary's.
+NEXT_STEP = frozenset({Phase.DATA, Phase.FORWARD, Phase.BACKWARD, Phase.EVAL})
+
+
 #: Marks the buffer holds; when it is full (a long log interval) it is read mid-interval.
 CAPACITY = 1024
 

@@ -29,13 +29,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from gpufleet.core.callbacks import Callback
-from gpufleet.core.phases import Phase
+from gpufleet.core.phases import NEXT_STEP, Phase
 from gpufleet.fault.host_state import HostState, local_tensor
 from gpufleet.fault.snapshot_ring import Held, RingExchange
 
@@ -52,6 +52,21 @@ Capture = Callable[[], tuple[dict[str, Any], set[int]]]
 def storage_of(t: torch.Tensor) -> int:
     """The data pointer of the storage behind ``t`` (a DTensor's local shard's)."""
     return local_tensor(t).untyped_storage().data_ptr()
+
+
+def optimizer_storages(models: Iterable[torch.nn.Module], optimizers: Iterable[Any]
+                       ) -> set[int]:
+    """The storages of ``models``' parameters and of ``optimizers``' state (a wrapper's
+    inner ``optim``'s, as ZeRO's holds this rank's part): what only an optimizer step
+    changes, so a snapshot may copy it while the next step's forward and backward run."""
+    tensors: list[torch.Tensor] = []
+    for model in models:
+        tensors.extend(model.parameters())
+    for optimizer in optimizers:
+        inner = getattr(optimizer, "optim", optimizer)
+        for per_param in inner.state.values():
+            tensors.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
+    return {storage_of(t) for t in tensors}
 
 
 class Snapshotter:
@@ -220,6 +235,10 @@ class SnapshotCallback(Callback):
         send: send each snapshot to a partner rank (False where every rank holds the
             whole state, ddp: a survivor restores its own copy, and a partner's copy
             would be host memory and network for nothing).
+        at_next_step: a snapshot due at a step's end is taken when the next step
+            begins (:data:`~gpufleet.core.phases.NEXT_STEP`): your own loop's state is a
+            step boundary's only once its own bookkeeping after the optimizer's step
+            (its scheduler, its counters) is done.
         rank / world_size / node_rank / local_rank: this rank's place.
         device: where the state lives.
         timeout_s: how long a send or receive may wait for a partner.
@@ -235,8 +254,10 @@ class SnapshotCallback(Callback):
 
     def __init__(self, every: int, capture: Capture, *, rank: int, world_size: int,
                  node_rank: int, local_rank: int, device: torch.device,
-                 timeout_s: float, send: bool = True) -> None:
+                 timeout_s: float, send: bool = True, at_next_step: bool = False) -> None:
         self.every, self.capture, self.send = every, capture, send
+        self.at_next_step = at_next_step
+        self._due: int | None = None  # (at_next_step) the step whose snapshot is due
         self.world_size, self.node_rank, self.local_rank = world_size, node_rank, local_rank
         self.timeout_s = timeout_s
         self.snapshotter = Snapshotter(rank, device)
@@ -251,12 +272,19 @@ class SnapshotCallback(Callback):
     def on_step_end(self, trainer: Any, step: int) -> None:
         if step % self.every:
             return
+        if self.at_next_step:
+            self._due = step
+            return
         state, storages = self.capture()
         self.snapshotter.take(step, state, storages)
 
     def on_phase(self, trainer: Any, phase: Phase) -> None:
         if phase is Phase.OPTIMIZER:
             self.snapshotter.wait_copied()
+        elif self._due is not None and phase in NEXT_STEP:
+            step, self._due = self._due, None
+            state, storages = self.capture()
+            self.snapshotter.take(step, state, storages)
 
     def on_log(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
         snap = self.snapshotter
@@ -273,6 +301,7 @@ class SnapshotCallback(Callback):
 
         self.world_size, self.snapshotter.rank = world_size, rank
         self.snapshotter.exchange = None
+        self._due = None  # of a step the restored state is not at
         if self.send and world_size > 1 and dist.is_initialized():
             self.snapshotter.exchange = RingExchange.start(self.node_rank, self.local_rank,
                                                            self.timeout_s)

@@ -18,7 +18,7 @@ from typing import Any
 # its import line alone (``import gpufleet as L``; ``L.Fabric(...)``).
 _EXPORTS = {"Fleet": "gpufleet.fleet.fleet", "Fabric": "gpufleet.fleet.fleet",
             "FleetLoader": "gpufleet.fleet.loader", "FleetModule": "gpufleet.fleet.wrappers",
-            "FleetOptimizer": "gpufleet.fleet.wrappers"}
+            "FleetOptimizer": "gpufleet.fleet.wrappers", "Recovered": "gpufleet.fleet.recovery"}
 
 __all__ = sorted(_EXPORTS)
 

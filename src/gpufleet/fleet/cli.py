@@ -1,6 +1,9 @@
 """``gpufleet run script.py --nproc N``: start N ranks of your own script.
 
-gpufleet's options (``--nproc``, ``--max-restarts``, ``--launcher``) go before SCRIPT,
+gpufleet's options (``--nproc``, ``--max-restarts``, ``--launcher``, and for several
+nodes ``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port``,
+``--rdzv-endpoint``, ``--rdzv-id``, ``--rdzv-backend``, as ``gpufleet train`` takes
+them) go before SCRIPT,
 or right after it as the docs write them (``gpufleet run train.py --nproc 2 -- --lr
 0.1``): then they end at ``--`` or at the first argument that is not one of them, and
 the rest is the script's. Each rank runs ``python script.py ARGS`` with the variables
@@ -8,8 +11,8 @@ torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...), started by torch
 elastic agent through :func:`gpufleet.launch.launch`, as ``gpufleet train`` starts its
 ranks (restarts with ``--max-restarts``); ``--launcher spawn`` runs the script in each
 process that ``torch.multiprocessing`` starts. A :class:`~gpufleet.fleet.Fleet` made in
-the script finds its rank there. The standard library only at the top: building the
-CLI's parser stays fast.
+the script finds its rank there. The standard library and the config's flags (which
+``gpufleet train`` reads too) only at the top: building the CLI's parser stays fast.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import runpy
 import sys
 from collections.abc import Callable
 from typing import Any
+
+from gpufleet.config.flags import SHORTCUTS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -44,6 +49,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "when those follow SCRIPT)")
 
 
+# The options across nodes, as gpufleet train takes them (its help texts): the name
+# and the type of each.
+_NODES = {"--nnodes": str, "--node-rank": int, "--master-addr": str, "--master-port": int,
+          "--rdzv-endpoint": str, "--rdzv-id": str, "--rdzv-backend": str}
+
+
 def _add_options(p: argparse.ArgumentParser) -> None:
     """gpufleet's own options (None when not given: see :func:`_options_after_script`)."""
     p.add_argument("--nproc", type=int, default=None, metavar="N",
@@ -52,9 +63,12 @@ def _add_options(p: argparse.ArgumentParser) -> None:
                    help="restart every rank up to K times after a rank fails")
     p.add_argument("--launcher", default=None, choices=("elastic", "spawn"),
                    help="torch's elastic agent (default) or torch.multiprocessing")
+    for flag, kind in _NODES.items():
+        p.add_argument(flag, type=kind, default=None, help=SHORTCUTS[flag][1])
 
 
-_OWN = ("--nproc", "--max-restarts", "--launcher")
+_OWN = ("--nproc", "--max-restarts", "--launcher", *_NODES)
+_DESTS = tuple(flag[2:].replace("-", "_") for flag in _OWN)
 
 
 def _options_after_script(args: argparse.Namespace) -> None:
@@ -70,7 +84,7 @@ def _options_after_script(args: argparse.Namespace) -> None:
         >>> ns.nproc, ns.script_args
         (2, ['--lr', '0.1'])
     """
-    if any(getattr(args, k) is not None for k in ("nproc", "max_restarts", "launcher")):
+    if any(getattr(args, k, None) is not None for k in _DESTS):
         return
     argv, end = list(args.script_args), 0
     while end < len(argv) and argv[end].split("=", 1)[0] in _OWN:
@@ -107,8 +121,9 @@ def run(args: argparse.Namespace) -> int:
         entry_args: tuple[Any, ...] = (script, *args.script_args)
     else:  # torch.multiprocessing runs a function in each rank
         entry, entry_args = run_script, (script, list(args.script_args))
+    given = {k: getattr(args, k) for k in _DESTS[3:] if getattr(args, k, None) is not None}
     launch(entry, entry_args, nproc=nproc, launcher=launcher,
-           max_restarts=args.max_restarts or 0)
+           max_restarts=args.max_restarts or 0, **given)
     return 0
 
 

@@ -35,13 +35,15 @@ _POLL_S = 0.05
 
 def _noted(method: Callable[..., Any]) -> Callable[..., Any]:
     """A collective whose ring entries name the line of your code that called it
-    (``train.py:42`` in a crash or hang report)."""
+    (``train.py:42`` in a crash or hang report), run in the fleet's guard (a lost node
+    met there is recovered in process: :mod:`gpufleet.fleet.recovery`)."""
 
     @functools.wraps(method)
-    def call(*args: Any, **kwargs: Any) -> Any:
+    def call(self: FleetPart, *args: Any, **kwargs: Any) -> Any:
         RING.site = call_site()
         try:
-            return method(*args, **kwargs)
+            with self._guard:
+                return method(self, *args, **kwargs)
         finally:
             RING.site = ""
 

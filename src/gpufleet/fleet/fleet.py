@@ -55,12 +55,14 @@ from gpufleet.fleet.launching import FleetLaunch
 from gpufleet.fleet.loader import SetUpLoaders
 from gpufleet.fleet.logs import FleetLogs, as_list, as_loggers
 from gpufleet.fleet.preemption import FleetPreemption
+from gpufleet.fleet.recovery import FleetRecovery, RecoveryGuard
 from gpufleet.fleet.schedule import FleetSchedule
 from gpufleet.fleet.seeding import seed_everything
 from gpufleet.fleet.setup import FleetSetup
 from gpufleet.fleet.state import FleetCheckpoints
 from gpufleet.fleet.steps import StepTracker
 from gpufleet.fleet.strategy import FleetStrategy
+from gpufleet.fleet.wrappers import FleetModule
 from gpufleet.launch import DistEnv, destroy_process_group, is_initialized
 from gpufleet.parallel import strategy_class
 from gpufleet.plan import RunPlan, make_plan
@@ -93,7 +95,7 @@ def rank_main(init_args: dict[str, Any], fn: Callable[..., Any] | None, args: tu
 
 
 class Fleet(FleetLaunch, FleetSetup, FleetInit, FleetComm, FleetGrads, FleetCheckpoints,
-            FleetLogs, FleetPreemption, FleetSchedule):
+            FleetLogs, FleetPreemption, FleetSchedule, FleetRecovery):
     """Run your own training loop on one or many ranks with gpufleet underneath.
 
     Args:
@@ -193,6 +195,7 @@ class Fleet(FleetLaunch, FleetSetup, FleetInit, FleetComm, FleetGrads, FleetChec
         self._loaders = SetUpLoaders()  # the loaders your loop sets up
         self._strategy_view = FleetStrategy(self)
         self._placed: list[nn.Module] = []  # every model set up, as placed
+        self._modules: list[FleetModule] = []  # and as your loop holds it
         self._dtypes = ForwardDtypes()  # what a set-up model's forward converts
         self._accumulation = Accumulation(gradient_accumulation_steps)
         if self.plan.launcher in ("none", "external"):  # this process is a rank
@@ -227,6 +230,9 @@ class Fleet(FleetLaunch, FleetSetup, FleetInit, FleetComm, FleetGrads, FleetChec
                                   [cb for cb in self._user_callbacks
                                    if isinstance(cb, Callback)],
                                   on_preempted=self._stop_for_preemption)
+        # Every call that runs a collective runs in it: a lost node met there is
+        # recovered in process (with snapshots of a registered state)
+        self._guard = self._steps.guard = RecoveryGuard(run, self._steps.went_on)
         atexit.register(self._at_exit)
 
     # -- facts ------------------------------------------------------------------------
@@ -326,8 +332,9 @@ class Fleet(FleetLaunch, FleetSetup, FleetInit, FleetComm, FleetGrads, FleetChec
         every = self._accumulation.every
         if every > 1:  # as Accelerate's backward: the mean over the micro-batches
             loss = loss / every
-        self._steps.backward(loss, retain_graph=retain_graph, inputs=inputs,
-                             create_graph=create_graph)
+        with self._guard:  # COLLECTIVE (ddp: the gradients' all-reduce)
+            self._steps.backward(loss, retain_graph=retain_graph, inputs=inputs,
+                                 create_graph=create_graph)
 
     @contextlib.contextmanager
     def accumulate(self, *models: nn.Module) -> Iterator[None]:

@@ -10,6 +10,10 @@ counts).
 
 from __future__ import annotations
 
+import contextlib
+from contextlib import AbstractContextManager
+from typing import Any
+
 from gpufleet.fleet.loader import SetUpLoaders
 from gpufleet.train.engine.run import Run
 
@@ -19,6 +23,9 @@ class FleetPart:
     process is a rank."""
 
     _loaders: SetUpLoaders  # the loaders your loop set up
+    #: the context of every call that runs a collective: a lost node is recovered
+    #: there (gpufleet.fleet.recovery.RecoveryGuard, once this process is a rank)
+    _guard: AbstractContextManager[Any] = contextlib.nullcontext()
 
     def _rank_run(self) -> Run:
         raise NotImplementedError

@@ -62,6 +62,8 @@ class FleetPreemption(FleetPart):
 
         def _end(self, collective: bool) -> None: ...
 
+        def _keep_in_memory(self, state: dict[str, Any]) -> None: ...
+
     def register_state(self, state: dict[str, Any]) -> None:
         """Save ``state`` (a dict as :meth:`~gpufleet.fleet.Fleet.save` takes it) when
         the run is preempted (SIGTERM, SLURM's SIGUSR1): kept by reference and read
@@ -76,6 +78,7 @@ class FleetPreemption(FleetPart):
                             f"(models, optimizers, loaders, values), not a "
                             f"{type(state).__name__}.")
         self._registered = state
+        self._keep_in_memory(state)  # what the snapshots take (fault.snapshot_every)
 
     @property
     def resume_from(self) -> Path | None:

@@ -42,6 +42,7 @@ class FleetSetup(FleetPart):
     """The ``setup`` methods of :class:`~gpufleet.fleet.Fleet` (a part of it)."""
 
     _placed: list[nn.Module]  # every model set up, as placed
+    _modules: list[FleetModule]  # every model set up, as your loop holds it
     _seed: int | None  # Fleet(seed=)
     _steps: StepTracker
     _dtypes: ForwardDtypes  # what a set-up model's forward converts
@@ -102,7 +103,9 @@ class FleetSetup(FleetPart):
         whole = run.strategy.eval_model(placed) if run.strategy.traits.pipelined else None
         wrapped = FleetModule(placed, run.strategy.unwrap(placed),
                               self._steps.phase_announce, run.precision,
-                              device=run.device, dtypes=self._dtypes, whole=whole)
+                              device=run.device, dtypes=self._dtypes, whole=whole,
+                              guard=self._guard)
+        self._modules.append(wrapped)  # (placed again after a lost node: recovery.py)
         built = [self._adopt(placed, opt, spec, scheduled_here=i == scheduled)
                  for i, (opt, spec) in enumerate(zip(optimizers, specs, strict=True))]
         wrappers = self._take_optimizers(placed, built)

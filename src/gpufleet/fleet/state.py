@@ -90,7 +90,7 @@ class FleetCheckpoints(FleetPart):
         """
         run = self._rank_run()
         self._last_saved = state  # what a preemption saves, where none is registered
-        with run.phases(Phase.CHECKPOINT):
+        with run.phases(Phase.CHECKPOINT), self._guard:  # a lost node: recovered
             self._raise_failed_save()
             background = None
             if run.cfg.checkpoint.async_save:
@@ -281,11 +281,12 @@ def check_keys(state: Mapping[str, Any],
                           "under another name.")
 
 
-def _plain(state: Mapping[str, Any], content: Mapping[str, Any]) -> dict[str, Any]:
-    """The entries of ``content`` compared between the ranks: your plain values in
-    ``state`` (not models, optimizers or objects with a state dict), and the set-up
-    loaders' positions (the same on ranks in step; a loader of your own that keeps its
-    state, or a rank that read ahead, differs, and is then kept per rank)."""
+def plain_entries(state: Mapping[str, Any], content: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of ``content`` compared between the ranks (and copied whole into an
+    in-memory snapshot): your plain values in ``state`` (not models, optimizers or
+    objects with a state dict), and the set-up loaders' positions (the same on ranks in
+    step; a loader of your own that keeps its state, or a rank that read ahead, differs,
+    and is then kept per rank)."""
     return {k: v for k, v in content.items()
             if isinstance(state[k], FleetLoader)
             or (not isinstance(state[k], nn.Module) and not _has_state(state[k]))}
@@ -338,7 +339,7 @@ def save_state(path: str | Path, state: Mapping[str, Any], strategy: Any,
                        strategy, filter, rank)
     content.update(saveable(stages, strategy, filter and
                             {k: f for k, f in filter.items() if k in stages}, rank))
-    plain = _plain(state, content)
+    plain = plain_entries(state, content)
     ranked = differing(plain)  # COLLECTIVE: a digest of each plain value, every rank
     if ranked:
         log.info("Fleet.save: %s differ between the ranks; each rank's is saved and goes "
@@ -424,20 +425,8 @@ def load_state(path: str | Path, state: dict[str, Any] | None, strategy: Any,
     if holds_stages(strategy):  # this rank's stage of the whole model's state
         for key in load_stage_entries(state, rest, strategy):
             rest.pop(key)
-    for key, value in state.items():
-        if key in missing or key in from_shards or key not in rest:
-            continue
-        whole_model = isinstance(value, nn.Module) or \
-            isinstance(unwrap_optimizer(value), Optimizer)
-        if strategy.saves_on_every_rank and whole_model:  # a file into a sharded run
-            skipped += load_whole(value, rest.pop(key), strategy, placed, key, strict)
-        elif isinstance(value, nn.Module):
-            result = value.load_state_dict(rest.pop(key), strict=strict)
-            skipped += _skipped_names(key, result)
-        elif _has_state(value):
-            value.load_state_dict(rest.pop(key))
-        else:
-            state[key] = rest.pop(key)
+    skipped += put_back(state, rest, strategy, placed, strict,
+                        leave={*missing, *from_shards})
     if skipped:
         log.warning("%s loaded with strict=False; skipped: %s", path, "; ".join(skipped))
     if on_step is not None and "step" in own:
@@ -449,6 +438,32 @@ def load_state(path: str | Path, state: dict[str, Any] | None, strategy: Any,
         log.warning("%s was saved by %d rank(s), this run has %d: random states start "
                     "afresh (the data position resumes exactly)", path, len(rngs), world_size)
     return {k: v for k, v in rest.items() if k not in state}
+
+
+def put_back(state: dict[str, Any], saved: dict[str, Any], strategy: Any,
+             placed: Sequence[nn.Module] = (), strict: bool = True,
+             leave: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """Each of ``state``'s keys that ``saved`` holds (but those in ``leave``) back in
+    place, taken out of ``saved``: models, optimizers, schedulers and loaders load their
+    state dicts, plain values are replaced in ``state``. Returns what a non-strict load
+    of a model skipped (see :func:`load_state`, and an in-memory snapshot's restore,
+    :mod:`gpufleet.fleet.recovery`)."""
+    skipped: list[str] = []
+    for key, value in state.items():
+        if key in leave or key not in saved:
+            continue
+        whole_model = isinstance(value, nn.Module) or \
+            isinstance(unwrap_optimizer(value), Optimizer)
+        if strategy.saves_on_every_rank and whole_model:  # a file into a sharded run
+            skipped += load_whole(value, saved.pop(key), strategy, placed, key, strict)
+        elif isinstance(value, nn.Module):
+            result = value.load_state_dict(saved.pop(key), strict=strict)
+            skipped += _skipped_names(key, result)
+        elif _has_state(value):
+            value.load_state_dict(saved.pop(key))
+        else:
+            state[key] = saved.pop(key)
+    return skipped
 
 
 def _per_rank_refusal(path: Path, key: str, saved: int, world_size: int) -> str:

@@ -15,13 +15,14 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
 from gpufleet.config import config_to_dict, write_config
 from gpufleet.core.callbacks import Callback, CallbackList
-from gpufleet.core.phases import Phase
+from gpufleet.core.phases import NEXT_STEP, Phase
 from gpufleet.fleet.loader import SetUpLoaders
 from gpufleet.fleet.observed import LoopObservations
 from gpufleet.monitor.jsonl import MetricsFile
@@ -30,13 +31,12 @@ from gpufleet.procs import forget_process
 from gpufleet.train.engine.batches import LossFn
 from gpufleet.train.engine.build import attach_callbacks
 from gpufleet.train.engine.interval import LogInterval
+from gpufleet.train.engine.resilience import recovery_of, steps_again
 from gpufleet.train.engine.run import Run
 from gpufleet.train.engine.step import OptimizerStep, abort, finish
 
 log = logging.getLogger(__name__)
 
-#: the phases that begin a step: a stop agreed on is carried out at the first of them
-_NEXT_STEP = frozenset({Phase.DATA, Phase.FORWARD, Phase.BACKWARD, Phase.EVAL})
 
 
 class StepTracker:
@@ -70,6 +70,9 @@ class StepTracker:
         self.finished = False
         #: what the loop did (batch size, accumulation, evaluations), for the diagnosis
         self.observed = LoopObservations(restarts=run.env.restart_count)
+        #: the context the optimizer steps run in (a lost node met in their collectives
+        #: is recovered there: gpufleet.fleet.recovery.RecoveryGuard)
+        self.guard: AbstractContextManager[Any] = contextlib.nullcontext()
 
     # -- phases -------------------------------------------------------------------------
     def phase_announce(self, phase: Phase) -> None:
@@ -112,6 +115,8 @@ class StepTracker:
             if run.env.is_main:
                 write_config(run.cfg, run.run_dir / "config.toml")
         attach_callbacks(run, self._user_callbacks)  # the run's own, as fit's, then yours
+        if run.loop_state is not None:  # the registered state, snapshots on: a lost node
+            run.recovery = recovery_of(run, None, run.cfg.dist.backend)  # in process
         self.announce = run.phases.announce
         self.interval = self.engine.interval = LogInterval(run)
         run.callbacks.on_fit_start(run.view)
@@ -271,12 +276,30 @@ class StepTracker:
         # The step hooks on your optimizer see this step as the run's own (_stepping).
         # The step's loss is the sum of what its backward passes were handed (with the
         # loss divided by the accumulation, the micro-batches' mean): one loss per step.
-        with self._stepping():
-            skip, out = engine.after_clip(run.model, optimizer, run.precision, guard,
-                                          self._loss_or_zero(), None, min(micro, 1),
-                                          take=take)
-        self._step_done((guard,) if skip else ())
+        # COLLECTIVE: the guard's flag, the log interval's and the stop's agreements.
+        with self.guard:
+            with self._stepping():
+                skip, out = engine.after_clip(run.model, optimizer, run.precision, guard,
+                                              self._loss_or_zero(), None, min(micro, 1),
+                                              take=take)
+            self._step_done((guard,) if skip else ())
         return out
+
+    def went_on(self) -> None:
+        """The ranks left after a lost node went on in process, the registered state
+        back at ``run.state.step``: the step under way is dropped (its loss, its
+        gradients' unscale, the guard's look at them), the log interval starts again
+        from there, and the time since the last step is no step's phase."""
+        run = self.run
+        self._step_loss, self._micro, self._inspected, self._zeroed = None, 0, False, False
+        if run.nonfinite is not None:
+            run.nonfinite.forget_step()
+        if run.optimizer is not None:
+            run.precision.forget_unscale(run.optimizer)
+        if self.interval is not None:
+            self.interval = self.engine.interval = LogInterval(run)
+        self.resumed(run.state.step)
+        steps_again(run)
 
     def _step_done(self, skipped_guards: tuple[Any, ...] = ()) -> None:
         """The primary optimizer stepped (or its step was skipped): the engine's end of
@@ -312,7 +335,7 @@ class StepTracker:
         (data, a forward, backward, evaluation) with its own bookkeeping of the last
         one done, so the run stops now (saves, ends, raises SystemExit); other phases
         (an optimizer's or a checkpoint's of that step) go on as usual."""
-        if phase in _NEXT_STEP and self._on_preempted is not None:
+        if phase in NEXT_STEP and self._on_preempted is not None:
             self.announce = self.run.phases.announce
             self._on_preempted()  # raises SystemExit
         self.run.phases.announce(phase)
@@ -324,7 +347,7 @@ class StepTracker:
         self.announce(Phase.OPTIMIZER)
         self.engine.prepare(None, optimizer, run.precision, None, None)
         take = None if closure is None else (lambda: optimizer.step(closure))
-        with self._stepping():
+        with self.guard, self._stepping():
             return self.engine.step_or_skip(optimizer, run.precision, False, None, 0, take)
 
     @contextlib.contextmanager
@@ -351,7 +374,8 @@ class StepTracker:
             self.observed.step_taken(self._micro)
             if self._micro and self.interval is not None:
                 self.interval.add(self._loss_or_zero(), 1)  # one step's loss
-            self._step_done()
+            with self.guard:  # COLLECTIVE: the log interval's and the stop's agreements
+                self._step_done()
 
     def _log(self) -> None:
         """The log interval's one all-reduce (COLLECTIVE + SYNC), then the callbacks."""

@@ -16,7 +16,9 @@ each telling the run when its part of a step begins.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -42,13 +44,16 @@ class FleetModule(nn.Module):
             pipeline (the stages one after another, every rank getting the output);
             a training forward is then refused: the strategy's schedule runs it
             (``fleet.forward_backward``). None: ``placed`` runs every forward.
+        guard: the context each forward runs in (its collectives, DDP's buffer
+            broadcast, meet a lost node there: :mod:`gpufleet.fleet.recovery`).
     """
 
     def __init__(self, placed: nn.Module, original: nn.Module,
                  announce: Callable[[Phase], None], precision: Any,
                  device: torch.device | None = None,
                  dtypes: ForwardDtypes | None = None,
-                 whole: nn.Module | None = None) -> None:
+                 whole: nn.Module | None = None,
+                 guard: AbstractContextManager[Any] | None = None) -> None:
         super().__init__()
         self.placed = placed
         # Read on every forward: plain attributes (a submodule's lookup goes through
@@ -60,6 +65,7 @@ class FleetModule(nn.Module):
         object.__setattr__(self, "_device", device)
         object.__setattr__(self, "_dtypes", dtypes or ForwardDtypes())
         object.__setattr__(self, "_whole", whole)
+        object.__setattr__(self, "_guard", guard or contextlib.nullcontext())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._announce(Phase.FORWARD if self.training else Phase.EVAL)
@@ -67,8 +73,9 @@ class FleetModule(nn.Module):
         dtypes = self._dtypes
         args, kwargs = dtypes.convert_input((args, kwargs))
         if self._precision.autocast_dtype is None and dtypes.true is None:  # fp32
-            return placed(*args, **kwargs)
-        with self._precision.autocast(), dtypes.default_dtype():
+            with self._guard:
+                return placed(*args, **kwargs)
+        with self._precision.autocast(), dtypes.default_dtype(), self._guard:
             out = placed(*args, **kwargs)
         return dtypes.convert_output(out)
 
@@ -84,6 +91,12 @@ class FleetModule(nn.Module):
                 "forward and fleet.backward, or call model.eval() for an evaluation "
                 "forward (every rank gets the output).")
         return self._whole
+
+    def place(self, placed: nn.Module) -> None:
+        """Run ``placed`` from now on: the same module of yours, placed again over a new
+        process group (the ranks left after a lost node regrouped)."""
+        self.placed = placed
+        object.__setattr__(self, "_placed", placed)
 
     @property
     def module(self) -> nn.Module:

@@ -28,6 +28,7 @@ from gpufleet.fault.preempt import PreemptionWatch, signal_name
 from gpufleet.train.checkpoint.checkpointer import Position
 from gpufleet.train.checkpoint.keeping import monitored
 from gpufleet.train.engine.interval import LogInterval
+from gpufleet.train.engine.resilience import steps_again
 from gpufleet.train.engine.result import FitResult
 from gpufleet.train.engine.run import Run
 from gpufleet.train.engine.step import OptimizerStep, abort, finish
@@ -127,11 +128,8 @@ class Trainer:
         if not self._started:  # once: a run recovered in process keeps its callbacks
             run.callbacks.on_fit_start(run.view)
             self._started = True
-        elif run.monitors.phase_timer is not None:  # recovered in process: the time
-            run.phases.hand_over()  # since the last step's marks is no step's phase
-            run.monitors.phase_timer.restart()
-            if run.monitors.op_clock is not None:  # a sample under way is dropped
-                run.monitors.op_clock.drop()
+        else:  # recovered in process: the time since the last step's marks is no
+            steps_again(run)  # step's phase
         forward_backward = (self._forward_backward if len(run.parts) == 1
                             else self._forward_backward_parts)
         # The model's part of a micro-step (_counted puts a counting one in its place).

@@ -20,11 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from gpufleet.config import Config, config_to_dict
 from gpufleet.errors import CheckpointError
-from gpufleet.fault.snapshot import storage_of
+from gpufleet.fault.snapshot import optimizer_storages
 from gpufleet.launch import DistEnv, broadcast_object, gather_objects
 from gpufleet.train.checkpoint import format as ckpt
 from gpufleet.train.checkpoint import sharded as sharded_ckpt
@@ -252,13 +250,8 @@ class Checkpointer:
         step's forward and backward run."""
         models = [(p.model, p.optimizer) for p in self.parts] or [(self.model,
                                                                   self.optimizer)]
-        tensors: list[Any] = []
-        for model, optimizer in models:
-            tensors.extend(model.parameters())
-            inner = getattr(optimizer, "optim", optimizer)  # zero1: this rank's part
-            for per_param in inner.state.values():
-                tensors.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
-        return {storage_of(t) for t in tensors}
+        # (zero1: the optimizer's inner state is this rank's part)
+        return optimizer_storages([m for m, _ in models], [o for _, o in models])
 
     def _load_models(self, state: dict[str, Any]) -> None:
         """Restore every model of a run of several from its entry under ``"models"``."""

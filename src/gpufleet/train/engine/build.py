@@ -46,7 +46,7 @@ from gpufleet.train.checkpoint.rundir import plan_and_lock
 from gpufleet.train.engine.batches import make_loss_fn
 from gpufleet.train.engine.evaluator import Evaluator
 from gpufleet.train.engine.monitors import build_monitors, own_callbacks
-from gpufleet.train.engine.resilience import recovery_of
+from gpufleet.train.engine.resilience import BuiltInLoopState, recovery_of
 from gpufleet.train.engine.run import ModelPart, Run, TrainState
 from gpufleet.train.engine.steps import UserStep, models_and_step, per_model
 from gpufleet.train.engine.stream import TrainStream
@@ -179,6 +179,7 @@ def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module]
     if data.data_copies == 1:  # (pipeline stages read the same samples: not kept there)
         data.ledger = open_ledger(run_dir, run.state, data.sampler, env.restart_count)
     run.view = RunView(run)  # what callbacks get: read-only, reads live values
+    run.loop_state = BuiltInLoopState(run)  # what snapshots capture
     attach_callbacks(run, callbacks)
     run.recovery = recovery_of(run, join, plan.backend)
     return run

@@ -66,9 +66,9 @@ def own_callbacks(run: Run) -> list[Callback]:
     if monitors.snapshots is not None:
         own.append(monitors.snapshots)
     elif cfg.fault.snapshot_every and env.is_main:
-        log.warning("fault.snapshot_every = %d applies to gpufleet's own loop (gpufleet "
-                    "train, gpufleet.fit); this loop takes no snapshots",
-                    cfg.fault.snapshot_every)
+        log.warning("fault.snapshot_every = %d: this loop takes no snapshots, since it "
+                    "registered no state to take them of (fleet.register_state(state) "
+                    "before the loop, see docs/own-loop.md)", cfg.fault.snapshot_every)
     if cfg.early_stop.metric:
         own.append(EarlyStopping(cfg.early_stop))
     if cfg.profile.steps:  # every rank writes its own trace

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from gpufleet.train.engine.steps import UserStep
     from gpufleet.train.engine.view import DataCounts, RunView
     from gpufleet.train.guard.nonfinite import NonFiniteGuard
+    from gpufleet.train.recovery.loopstate import LoopState
     from gpufleet.train.recovery.recovery import Recovery
 
 
@@ -103,6 +104,10 @@ class Run:
         user_step: your training step (:mod:`gpufleet.train.engine.steps`), or None.
         recovery: goes on without lost ranks in process (:mod:`gpufleet.train.recovery.recovery`;
             snapshots on, replicated state), or None.
+        loop_state: the loop's state as snapshots capture it and recovery restores it
+            (:class:`~gpufleet.train.recovery.loopstate.LoopState`: the built-in loop's
+            checkpointer and stream, or the state your loop registered with
+            ``fleet.register_state``), or None (your loop, none registered).
     """
 
     cfg: Config
@@ -134,6 +139,7 @@ class Run:
     parts: list[ModelPart] = field(default_factory=list)
     user_step: UserStep | None = None
     recovery: Recovery | None = None  # in-process recovery after a lost node, or None
+    loop_state: LoopState | None = None  # what snapshots capture and recovery restores
 
     @property
     def stream(self) -> TrainStream:

@@ -7,7 +7,7 @@ ready, and the live ranks agree at their next preemption check (:class:`Regroup`
 stop after the same step. Then every rank, old and new, joins one new process group and
 rebuilds what depends on it as after a lost node (:meth:`Recovery.rebuild
 <gpufleet.train.recovery.recovery.Recovery.rebuild>`); rank 0 sends its training state (model,
-optimizer, scheduler, scaler, data position; :meth:`Checkpointer.rank_state`) over it
+optimizer, scheduler, scaler, data position; the loop's ``LoopState.capture``) over it
 and every rank restores it (sharded, fsdp and hsdp: one live rank per shard position
 sends its shards, and every rank joins them, :mod:`gpufleet.train.recovery.reshard`). No rank
 restarts and none reads a file; the live ranks lose no step. When it fails, the ranks
@@ -44,7 +44,6 @@ from gpufleet.launch.grow import (
     Joining,
     store_client,
 )
-from gpufleet.train.checkpoint.checkpointer import Position
 from gpufleet.train.recovery.receipts import rank_facts, replayed, transfers_of
 from gpufleet.train.recovery.recovery import THREAD_WAIT_S, Recovery, RecoveryFailed, leave_groups
 from gpufleet.train.recovery.reshard import (
@@ -135,7 +134,7 @@ class Growing:
         snaps = run.monitors.snapshots
         if snaps is not None and not snaps.snapshotter.wait(THREAD_WAIT_S):
             raise RecoveryFailed(f"the snapshot exchange still ran after {THREAD_WAIT_S:g} s")
-        run.saver.wait()
+        recovery.loop.wait()
         leave_groups(run.device)
         clock("leave")
         step = self._together(growth, run.env.rank)
@@ -247,8 +246,7 @@ class Growing:
         # (fsdp, hsdp): each live rank's shards, joined into the whole state below.
         mine = None
         if rank < growth.live:
-            at = Position(run.state.step, run.stream.epoch, run.stream.consumed)
-            mine = {"state": run.saver.rank_state(at), "max_steps": run.max_steps}
+            mine = {"state": recovery.loop.capture(), "max_steps": run.max_steps}
         # The live ranks come last, to new ranks that said they are ready: they wait for
         # the group only GROW_MEET_S (a new rank that died since fails the join then,
         # not after dist.timeout), and the group's collectives get dist.timeout after.

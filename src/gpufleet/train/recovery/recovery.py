@@ -70,13 +70,13 @@ from gpufleet.parallel.base import Strategy, why_not_in_process
 from gpufleet.parallel.data_parallel import replicate
 from gpufleet.train.recipe import place_scheduler
 from gpufleet.train.recovery.disconnect import cut_connections, cut_old_group
+from gpufleet.train.recovery.loopstate import LoopState
 from gpufleet.train.recovery.receipts import rank_facts, replayed, transfers_of
 from gpufleet.train.recovery.reshard import (
     rebuilt_from_sources,
     shard_position,
     whole_from_snapshots,
 )
-from gpufleet.train.seed import seed_everything
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,10 @@ def not_replicated(strategy: Strategy, sampler: Any, reshards: bool = False,
     rank to hold the whole model and optimizer state (plain replicas, as ddp keeps
     them), or FSDP2's shards that it can put together again (``reshards``: fsdp and
     hsdp, each model with a :class:`~gpufleet.train.recovery.reshard.Source`), the global data
-    position of the resumable sampler, and a node count (``dist.nnodes``) that the
-    ranks left can make: a range, or "1" where another launcher started the job."""
+    position of the resumable sampler (None: the loop keeps its data position itself,
+    see :class:`~gpufleet.train.recovery.loopstate.LoopState`), and a node count
+    (``dist.nnodes``) that the ranks left can make: a range, or "1" where another
+    launcher started the job."""
     reason = why_not_in_process(type(strategy), strategy.dims, reshards)
     if reason:
         return reason
@@ -119,7 +121,7 @@ def not_replicated(strategy: Strategy, sampler: Any, reshards: bool = False,
     if fewest == most > 1:
         return (f"dist.nnodes = {nnodes!r} is a fixed node count, which the ranks left "
                 "cannot make (give a range, e.g. --nnodes 1:2, to go on without a lost node)")
-    if not isinstance(sampler, ResumableDistributedSampler):
+    if sampler is not None and not isinstance(sampler, ResumableDistributedSampler):
         return "data.batching = 'tokens' plans batches for the world size it started with"
     return ""
 
@@ -141,6 +143,11 @@ class Recovery:
         run: the run to rebuild (its parts are changed in place).
         store: the job's key-value store (rank 0's; kept alive here across groups).
         backend: the process group's backend, for the new group.
+
+    What it restores is the run's ``loop_state`` (a
+    :class:`~gpufleet.train.recovery.loopstate.LoopState`: the built-in loop's
+    checkpointer and stream, or what your loop registered with
+    ``fleet.register_state``).
     """
 
     def __init__(self, run: Any, store: Any, backend: str) -> None:
@@ -165,6 +172,13 @@ class Recovery:
         self.received: list[tuple[int, int, float]] = []
         # The watchdog's last verdict of silent ranks: (perf_counter, ranks, silent s).
         self._silent: tuple[float, list[int], float] | None = None
+
+    @property
+    def loop(self) -> LoopState:
+        """The loop's state this recovery restores (the run's ``loop_state``)."""
+        loop = self.run.loop_state
+        assert loop is not None, "a recovery is built only for a run with a loop state"
+        return loop
 
     def peers_silent(self, verdict: Verdict) -> bool:
         """The watchdog's heartbeats found ranks that stopped answering (a node cut off:
@@ -263,7 +277,7 @@ class Recovery:
         own = snaps.snapshotter.own_copy(THREAD_WAIT_S)
         if not snaps.snapshotter.wait(THREAD_WAIT_S):
             raise RecoveryFailed(f"the snapshot exchange still ran after {THREAD_WAIT_S:g} s")
-        run.saver.wait()  # a checkpoint written in the background ends first
+        self.loop.wait()  # a checkpoint written in the background ends first
         # A survivor still blocked on this rank in the failed collective (one not next
         # to the lost rank in the ring) fails at once, as if this rank had gone too, and
         # reports here instead of waiting for its heartbeat timeout.
@@ -369,7 +383,7 @@ class Recovery:
         run = self.run
         env = dataclasses.replace(run.env, rank=rank, world_size=world)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
-        run.env = run.saver.env = env
+        run.env = env
         run.strategy.regroup(world, run.env.local_world_size)  # (hsdp: a node's ranks)
         for part in run.parts:  # COLLECTIVE: DDP checks and broadcasts the parameters
             if self.reshards:  # a fresh module sharded over the new mesh, a new optimizer
@@ -377,22 +391,16 @@ class Recovery:
                 part.scheduler = place_scheduler(part.scheduler, part.optimizer)
                 part.params = [p for p in part.model.parameters() if p.requires_grad]
             else:
-                part.model = _rewrap(part.model, run.strategy, run.device)
+                part.model = rewrap(part.model, run.strategy, run.device)
         first = run.parts[0]
-        run.model = run.saver.model = first.model
-        run.optimizer = run.saver.optimizer = first.optimizer
-        run.scheduler = run.saver.scheduler = first.scheduler
-        run.saver.regroup()  # COLLECTIVE where sharded writes have a group
-        if run.evaluator is not None:
-            run.evaluator.model = run.model
+        run.model, run.optimizer = first.model, first.optimizer
+        run.scheduler = first.scheduler
         if run.monitors.arrival is not None:
             run.monitors.arrival.watch(run.model)
         shard, shards = run.strategy.data_shard(rank, world)
-        run.stream.reshard(rank, shard, shards, world // shards)
-        if run.evaluator is not None:
-            sampler = getattr(run.evaluator.loader, "sampler", None)
-            if isinstance(sampler, ResumableDistributedSampler):
-                sampler.rank, sampler.world_size = shard, shards
+        # The loop's own: its data shard, and (COLLECTIVE where sharded writes have a
+        # group) its checkpointer
+        self.loop.regroup(rank, shard, shards, world // shards)
 
     def restore(self, held: Any, source: str) -> None:
         """Put a state back (copied out of the snapshot's buffer, which the next snapshot
@@ -401,14 +409,10 @@ class Recovery:
         for part in run.parts:  # the failed step's gradients
             part.optimizer.zero_grad()
         state = map_tensors(held, lambda t: t.clone())
-        at = run.saver.restore(state, source)
-        # As a run resumed at another world size: this rank's seed, as build_run sets it.
-        seed_everything(run.cfg.run.seed + run.env.rank)
-        run.state.step = at.step
-        run.stream.start(at.epoch, at.consumed)
+        step = run.state.step = self.loop.restore(state, source)
         result = run.result  # the steps after the snapshot are trained again
-        result.losses = [(s, v) for s, v in result.losses if s <= at.step]
-        result.eval_losses = [(s, v) for s, v in result.eval_losses if s <= at.step]
+        result.losses = [(s, v) for s, v in result.losses if s <= step]
+        result.eval_losses = [(s, v) for s, v in result.eval_losses if s <= step]
 
 
 def _gist(message: str) -> str:
@@ -436,7 +440,7 @@ def leave_groups(device: torch.device) -> None:
     gc.collect()
 
 
-def _rewrap(model: Any, strategy: Strategy, device: torch.device) -> Any:
+def rewrap(model: Any, strategy: Strategy, device: torch.device) -> Any:
     """A DDP module made again over the new default group (its old reducer's hooks
     removed); a new rank's module, built without a group, wrapped for the first time."""
     if not isinstance(model, DDP):
