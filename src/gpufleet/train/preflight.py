@@ -9,14 +9,17 @@ traceback from every rank.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import pickle
 import sys
 from typing import Any
 
 import torch
+from torch.utils.data import IterableDataset
 
 from gpufleet.config import Config
+from gpufleet.data.loaders import check_stream
 from gpufleet.errors import ConfigError
 from gpufleet.parallel import strategy_class, strategy_names
 from gpufleet.parallel.pipeline_split import check_stage_loss
@@ -43,8 +46,9 @@ def preflight(model: Any, train_data: Any, loss_fn: Any, cfg: Config,
     from gpufleet.train.engine.batches import make_loss_fn
 
     try:
-        count = min(PREFLIGHT_SAMPLES, len(train_data))
-        batch = train_collate(train_data, cfg.data)([train_data[i] for i in range(count)])
+        samples = _first_samples(train_data)
+        count = len(samples)
+        batch = train_collate(train_data, cfg.data)(samples)
     except Exception as e:
         raise ConfigError(_failed("reading the first training samples", e, cfg)) from None
     from gpufleet.train.engine.steps import named_models, split_losses
@@ -74,6 +78,14 @@ def preflight(model: Any, train_data: Any, loss_fn: Any, cfg: Config,
         for name, m in models.items():
             m.train(was_training[name])
     log.info("preflight: a batch of %d sample(s) went through the model and its loss", count)
+
+
+def _first_samples(data: Any) -> list[Any]:
+    """The first ``PREFLIGHT_SAMPLES`` samples of a data set, or of a stream (an
+    ``IterableDataset``: read from its start, as every rank reads it)."""
+    if isinstance(data, IterableDataset):
+        return list(itertools.islice(iter(data), PREFLIGHT_SAMPLES))
+    return [data[i] for i in range(min(PREFLIGHT_SAMPLES, len(data)))]
 
 
 def _failed(what: str, error: Exception, cfg: Config) -> str:
@@ -156,6 +168,8 @@ def preflight_job(cfg: Config, job: Any = None) -> Any:
         with seeded(cfg.run.seed):  # as each rank builds it (gpufleet.entry.run_rank)
             job = build_job(cfg)
         _check_strategy(cfg, job)  # now it is known whether the factory made several
+    if isinstance(job.train_data, IterableDataset):
+        check_stream(cfg)  # (each rank checks again: data/loaders.py)
     preflight(job.model, job.train_data, job.loss_fn, cfg, job.training_step)
     if cfg.parallel.strategy in strategy_names() \
             and strategy_class(cfg.parallel.strategy).traits.pipelined:

@@ -2,7 +2,8 @@
 summed exactly across ranks.
 
 The evaluation sampler gives every sample to exactly one rank (no padding), so the
-all-reduced sums count each sample once.
+all-reduced sums count each sample once; so does a stream's share (each rank its chunks
+of every row, the last row as far as it goes).
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils.data import IterableDataset
 
 from gpufleet.core.tree import batch_size_of, to_device
+from gpufleet.data.stream_shard import StreamShard
 from gpufleet.train.evalmetrics import EvalMetric, batch_totals, final_values
 from gpufleet.train.perf import to_channels_last
 
@@ -78,14 +81,19 @@ class Evaluator:
         """This rank's evaluation batches, each with whether its loss counts.
 
         With a strategy whose forward is a collective (``eval_in_lockstep``), ranks with
-        fewer batches than the others repeat one, uncounted, until all ran as many.
+        fewer batches than the others repeat one, uncounted, until all ran as many. A
+        stream's share has no length: it is read to its end (or ``max_batches``), and
+        in lockstep held in memory first, to count it.
         """
-        limit = self.max_batches or len(self.loader)
-        own = min(limit, len(self.loader))
-        batches = itertools.islice(self.loader, own)
+        sized = not isinstance(self.loader.dataset, IterableDataset)
+        limit = self.max_batches or (len(self.loader) if sized else None)
+        batches: Any = itertools.islice(self.loader, limit)
         if not self.strategy.eval_in_lockstep:
             yield from ((batch, True) for batch in batches)
             return
+        if not sized:  # a stream: count this rank's batches by reading them
+            batches = list(batches)
+        own = len(batches) if not sized else min(limit or 0, len(self.loader))
         most = torch.tensor([float(own)], device=self.device)
         self.strategy.all_reduce(most, op="max")  # COLLECTIVE + SYNC: once per evaluation
         filler = None
@@ -93,5 +101,12 @@ class Evaluator:
             yield filler, True
         for _ in range(int(most.item()) - own):
             if filler is None:  # this rank's share is empty: any sample will do
-                filler = self.loader.collate_fn([self.loader.dataset[0]])
+                filler = self.loader.collate_fn([_first_sample(self.loader.dataset)])
             yield filler, False
+
+
+def _first_sample(data: Any) -> Any:
+    """A sample of the evaluation set: its first (a stream's share: the stream's)."""
+    if isinstance(data, StreamShard):
+        return next(iter(data.source))
+    return data[0]
