@@ -7,15 +7,20 @@ audit checks it. The 2-rank stream is in tests/test_distributed.py
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.nn import functional as F
 
 import gpufleet
 import toyjob
+from gpufleet.config import DataConfig
 from gpufleet.core.callbacks import Callback
 from gpufleet.data.audit import audit
+from gpufleet.data.loaders import build_eval_loader
 from gpufleet.errors import ConfigError
+from gpufleet.train.engine.evaluator import Evaluator
 
 
 class _StopAt(Callback):
@@ -32,7 +37,8 @@ def _fit(run_dir, overrides=None, callbacks=(), train=88):
     model = toyjob.make_model(dropout=0.3)  # each step depends on the restored RNG
     base = {"run.dir": str(run_dir), "run.max_steps": 12, "checkpoint.every": 3,
             "data.batch_size": 16, "data.num_workers": 0, "run.eval_every": 4,
-            "log.every": 1, "log.progress": "off", "optim.warmup_steps": 2}
+            "log.every": 1, "log.progress": "off", "optim.warmup_steps": 2,
+            "monitor.diagnose": False, "monitor.report": False}
     result = gpufleet.fit(model, toyjob.Stream(train), toyjob.Stream(40, start=200),
                           loss_fn=F.mse_loss, overrides={**base, **(overrides or {})},
                           callbacks=callbacks)
@@ -67,3 +73,37 @@ def test_a_stream_takes_max_steps_not_max_epochs(tmp_path):
     with pytest.raises(ConfigError, match=r"run.max_epochs = 2.*stream.*run.max_steps"):
         _fit(tmp_path / "a", {"run.max_epochs": 2, "run.max_steps": -1})
     assert not (tmp_path / "a").exists()  # refused before the run began
+
+
+def _evaluator(stream, rank, world, lockstep=False, most=0):
+    """An evaluator of ``stream`` on rank ``rank`` of ``world``; in lockstep the other
+    ranks' largest batch count is ``most`` (the all-reduce's answer, given here)."""
+    loader = build_eval_loader(stream, DataConfig(batch_size=16, num_workers=0), rank=rank,
+                               world_size=world, pin_memory=False)
+
+    def all_reduce(tensor, op="sum"):
+        tensor.fill_(max(most, tensor.item()))
+
+    strategy = SimpleNamespace(eval_in_lockstep=lockstep, all_reduce=all_reduce)
+    return Evaluator(loader, toyjob.make_model(), strategy, None, None, [],
+                     device=torch.device("cpu"), pin_memory=False, channels_last=False,
+                     max_batches=0, data_copies=1)
+
+
+def test_an_eval_stream_is_shared_out_and_regrouped():
+    """Each rank its chunks of every row (the last row as far as it goes); after the
+    ranks regroup (the recovery calls reshard) the next evaluation reads the new share."""
+    evaluator = _evaluator(toyjob.Stream(40), rank=1, world=2)
+    assert [(len(b[0]), counted) for b, counted in evaluator._batches()] == [(16, True)]
+    evaluator.reshard(0, 1)
+    assert [len(b[0]) for b, _ in evaluator._batches()] == [16, 16, 8]
+
+
+def test_an_eval_stream_in_lockstep_repeats_a_batch_uncounted():
+    """Under a strategy whose forward is a collective, a rank with fewer batches of the
+    stream repeats one, uncounted; with none of its own, the stream's first item."""
+    short = _evaluator(toyjob.Stream(40), rank=1, world=2, lockstep=True, most=2)
+    assert [(len(b[0]), c) for b, c in short._batches()] == [(16, True), (16, False)]
+    empty = _evaluator(toyjob.Stream(10), rank=1, world=2, lockstep=True, most=1)
+    (batch, counted), = list(empty._batches())
+    assert not counted and torch.equal(batch[0], toyjob.make_data().tensors[0][:1])

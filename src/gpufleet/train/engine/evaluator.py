@@ -43,6 +43,14 @@ class Evaluator:
         self.device, self.pin_memory, self.channels_last = device, pin_memory, channels_last
         self.max_batches, self.data_copies = max_batches, data_copies
 
+    def reshard(self, shard: int, shards: int) -> None:
+        """Read shard ``shard`` of ``shards`` from the next evaluation on (the ranks
+        regrouped at another world size): the sampler's, or a stream's share's (its
+        loader's workers start at each evaluation, with the new share)."""
+        share = self.loader.dataset if isinstance(self.loader.dataset, StreamShard) \
+            else self.loader.sampler
+        share.rank, share.world_size = shard, shards
+
     @torch.no_grad()
     def run(self) -> tuple[float, dict[str, float], int]:
         """``(mean loss, {metric: value}, samples)`` over every rank's share."""
