@@ -36,6 +36,7 @@ def _fit(run_dir, overrides=None, callbacks=(), train=88):
     torch.manual_seed(0)  # the same weights every run
     model = toyjob.make_model(dropout=0.3)  # each step depends on the restored RNG
     base = {"run.dir": str(run_dir), "run.max_steps": 12, "checkpoint.every": 3,
+            "checkpoint.every_epochs": 1, "checkpoint.keep_last": 9,
             "data.batch_size": 16, "data.num_workers": 0, "run.eval_every": 4,
             "log.every": 1, "log.progress": "off", "optim.warmup_steps": 2,
             "monitor.diagnose": False, "monitor.report": False}
@@ -46,10 +47,13 @@ def _fit(run_dir, overrides=None, callbacks=(), train=88):
 
 
 def test_a_stream_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):
-    # 88 items: 5 batches of 16 a pass (8 left out, logged), so the passes end after
-    # steps 5 and 10, and the step-6 checkpoint falls inside the second pass.
+    # 88 items: 5 batches of 16 a pass (8 left out, logged): steps 6 and 11 read past
+    # the passes' ends, and the step-6 checkpoint falls inside the second pass.
     straight, full = _fit(tmp_path / "a")
     assert full.epochs == 2.0  # two passes ended
+    # every 3 steps, and after the steps that read past a pass's end (6 and 11)
+    saved = sorted(int(p.stem[5:]) for p in (tmp_path / "a" / "checkpoints").glob("step-*.pt"))
+    assert saved == [3, 6, 9, 11, 12]
     with pytest.raises(KeyboardInterrupt):
         _fit(tmp_path / "b", callbacks=[_StopAt(8)])
     # resumed from step 6 with 2 loader workers: the share reads on from its position
