@@ -26,6 +26,7 @@ position resumes the same way; :func:`stream_loader` is the loader over a share 
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import random
 import threading
@@ -197,6 +198,19 @@ def build_train_loader(data: Dataset, cfg: DataConfig, *, rank: int, world_size:
     loader = ForkSafeLoader(data, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
                             collate_fn=train_collate(data, cfg), **options)
     return TrainLoader(loader, sampler, unit=cfg.batch_size, variable=False)
+
+
+def first_samples(data: Any, count: int) -> list[Any]:
+    """The first ``count`` samples of a data set (fewer if it holds fewer), or of a
+    stream (an ``IterableDataset``: read from its start, as every reader reads it).
+
+    Example:
+        >>> first_samples([10, 11, 12], 2)
+        [10, 11]
+    """
+    if isinstance(data, IterableDataset):
+        return list(itertools.islice(iter(data), count))
+    return [data[i] for i in range(min(count, len(data)))]
 
 
 def check_stream(cfg: Config) -> None:

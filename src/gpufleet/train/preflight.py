@@ -9,7 +9,6 @@ traceback from every rank.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import pickle
 import sys
@@ -19,7 +18,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from gpufleet.config import Config
-from gpufleet.data.loaders import check_stream
+from gpufleet.data.loaders import check_stream, first_samples
 from gpufleet.errors import ConfigError
 from gpufleet.parallel import strategy_class, strategy_names
 from gpufleet.parallel.pipeline_split import check_stage_loss
@@ -46,7 +45,7 @@ def preflight(model: Any, train_data: Any, loss_fn: Any, cfg: Config,
     from gpufleet.train.engine.batches import make_loss_fn
 
     try:
-        samples = _first_samples(train_data)
+        samples = first_samples(train_data, PREFLIGHT_SAMPLES)
         count = len(samples)
         batch = train_collate(train_data, cfg.data)(samples)
     except Exception as e:
@@ -78,14 +77,6 @@ def preflight(model: Any, train_data: Any, loss_fn: Any, cfg: Config,
         for name, m in models.items():
             m.train(was_training[name])
     log.info("preflight: a batch of %d sample(s) went through the model and its loss", count)
-
-
-def _first_samples(data: Any) -> list[Any]:
-    """The first ``PREFLIGHT_SAMPLES`` samples of a data set, or of a stream (an
-    ``IterableDataset``: read from its start, as every rank reads it)."""
-    if isinstance(data, IterableDataset):
-        return list(itertools.islice(iter(data), PREFLIGHT_SAMPLES))
-    return [data[i] for i in range(min(PREFLIGHT_SAMPLES, len(data)))]
 
 
 def _failed(what: str, error: Exception, cfg: Config) -> str:

@@ -20,6 +20,7 @@ from gpufleet.core.callbacks import Callback
 from gpufleet.data.audit import audit
 from gpufleet.data.loaders import build_eval_loader
 from gpufleet.errors import ConfigError
+from gpufleet.serve.model import load_model
 from gpufleet.train.engine.evaluator import Evaluator
 
 
@@ -36,6 +37,9 @@ def _fit(run_dir, overrides=None, callbacks=(), train=88):
     torch.manual_seed(0)  # the same weights every run
     model = toyjob.make_model(dropout=0.3)  # each step depends on the restored RNG
     base = {"run.dir": str(run_dir), "run.max_steps": 12, "checkpoint.every": 3,
+            # recorded in config.toml: what `gpufleet serve RUN_DIR` builds again
+            "model.name": "toyjob:make_model", "model.kwargs": {"dropout": 0.3},
+            "data.name": "toyjob:Stream", "data.kwargs": {"n": train},
             "checkpoint.every_epochs": 1, "checkpoint.keep_last": 9,
             "data.batch_size": 16, "data.num_workers": 0, "run.eval_every": 4,
             "log.every": 1, "log.progress": "off", "optim.warmup_steps": 2,
@@ -54,6 +58,9 @@ def test_a_stream_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):
     # every 3 steps, and after the steps that read past a pass's end (6 and 11)
     saved = sorted(int(p.stem[5:]) for p in (tmp_path / "a" / "checkpoints").glob("step-*.pt"))
     assert saved == [3, 6, 9, 11, 12]
+    # served from its run directory: the inputs' shape from the stream's first item
+    served = load_model(str(tmp_path / "a"), device="cpu", trust_code=True)
+    assert [(i.datatype, i.dims) for i in served.inputs] == [("FP32", (8,))]
     with pytest.raises(KeyboardInterrupt):
         _fit(tmp_path / "b", callbacks=[_StopAt(8)])
     # resumed from step 6 with 2 loader workers: the share reads on from its position

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from gpufleet.core.tree import batch_size_of, to_device
+from gpufleet.data.loaders import first_samples
 from gpufleet.data.stream_shard import StreamShard
 from gpufleet.train.evalmetrics import EvalMetric, batch_totals, final_values
 from gpufleet.train.perf import to_channels_last
@@ -109,12 +110,7 @@ class Evaluator:
             yield filler, True
         for _ in range(int(most.item()) - own):
             if filler is None:  # this rank's share is empty: any sample will do
-                filler = self.loader.collate_fn([_first_sample(self.loader.dataset)])
+                data = self.loader.dataset  # (a stream's share: the stream's first)
+                source = data.source if isinstance(data, StreamShard) else data
+                filler = self.loader.collate_fn(first_samples(source, 1))
             yield filler, False
-
-
-def _first_sample(data: Any) -> Any:
-    """A sample of the evaluation set: its first (a stream's share: the stream's)."""
-    if isinstance(data, StreamShard):
-        return next(iter(data.source))
-    return data[0]
