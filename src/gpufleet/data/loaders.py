@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 from gpufleet.config import Config, DataConfig
 from gpufleet.data.bucket import BucketBatchSampler, pad_collate
 from gpufleet.data.sampler import ResumableDistributedSampler
-from gpufleet.data.stream_shard import StreamShard
+from gpufleet.data.stream_shard import StreamShard, check_source
 from gpufleet.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -243,12 +243,14 @@ def stream_loader(share: StreamShard, **options: Any) -> DataLoader:
     """A loader over a rank's share of a stream, batches of ``share.unit`` items: the
     DataLoader ``options`` (``batch_size``, ``num_workers``, ``collate_fn``...), except
     that the workers are started for each pass (persistent ones would keep the share
-    as it was at their start, not the position a pass starts from).
+    as it was at their start, not the position a pass starts from). A stream that
+    splits itself is refused (:func:`~gpufleet.data.stream_shard.check_source`).
 
     Example:
         >>> share = StreamShard(range(10), unit=2, rank=0, world_size=1)  # doctest: +SKIP
         >>> loader = stream_loader(share, batch_size=2, num_workers=0)  # doctest: +SKIP
     """
+    check_source(share.source, options.get("num_workers") or 0)
     options["persistent_workers"] = False
     if not options.get("num_workers"):  # torch refuses it without workers
         options.pop("prefetch_factor", None)

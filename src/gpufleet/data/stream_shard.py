@@ -26,7 +26,10 @@ order, as a sampler of ``world_size`` ranks deals a dataset out.
 * **Cost**: each reader reads the whole stream (and the items before a resumed
   position again), keeping one chunk in ``ranks x workers``; a stream must give every reader
   the same items in the same order (one that splits itself by ``get_worker_info()`` or
-  by rank would leave items out: read it without this shard).
+  by rank would leave items out: read it without this shard). A Hugging Face
+  ``IterableDataset`` splits itself over a loader's workers, and over the ranks once
+  ``split_dataset_by_node`` was applied: :func:`check_source` refuses both, naming the
+  fix.
 
 Example:
     >>> class Count(IterableDataset):
@@ -45,7 +48,36 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
+from gpufleet.errors import ConfigError
+
 log = logging.getLogger(__name__)
+
+
+def check_source(source: Any, workers: int) -> None:
+    """Refuse a stream that would split itself under a share read by ``workers`` loader
+    workers (each reader must read the whole stream), naming the fix: a Hugging Face
+    ``IterableDataset`` gives each worker only its shards (with more workers than shards
+    some read nothing), and one passed through ``split_dataset_by_node`` gives each rank
+    only its part (the share then splits it again).
+
+    Raises:
+        ConfigError: ``source`` is such a stream (the checks know Hugging Face's only:
+            another that splits itself is not seen here).
+    """
+    if type(source).__module__.split(".")[0] != "datasets":
+        return
+    if getattr(source, "_distributed", None) is not None:
+        raise ConfigError(
+            "the stream is a Hugging Face IterableDataset split by node already "
+            "(split_dataset_by_node): each rank would read only its part and keep a "
+            "share of that. Give the whole stream: gpufleet gives each rank its chunks.")
+    if workers > 0:
+        raise ConfigError(
+            f"the stream is a Hugging Face IterableDataset, read by {workers} loader "
+            "worker(s): it gives each worker only its shards, and every worker must read "
+            "the whole stream to keep its own batches of it (items would be lost). Read "
+            "it with no loader workers: data.num_workers=0 in fit, DataLoader(..., "
+            "num_workers=0) in your own loop.")
 
 
 class StreamShard(IterableDataset):
