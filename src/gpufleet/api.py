@@ -110,7 +110,7 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
     check_strategy(plan.cfg.parallel.strategy, isinstance(model, Mapping) and len(model) > 1,
                    training_step is not None or bool(plan.cfg.model.training_step))
     if isinstance(train_data, IterableDataset):  # a stream: what it cannot be asked for
-        check_stream(plan.cfg)
+        check_stream(plan.cfg, train_data)
     # A Hugging Face DatasetDict gives its train and validation splits.
     train_data, eval_data = hf_train_eval(train_data, eval_data)
     job = Job(model, train_data, eval_data, loss_fn, optimizer, scheduler, training_step)

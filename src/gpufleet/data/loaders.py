@@ -213,14 +213,15 @@ def first_samples(data: Any, count: int) -> list[Any]:
     return [data[i] for i in range(min(count, len(data)))]
 
 
-def check_stream(cfg: Config) -> None:
-    """What a run over a stream (an ``IterableDataset``) cannot be asked for, refused
-    before any rank starts (the launching process) and again on each rank.
+def check_stream(cfg: Config, data: IterableDataset) -> None:
+    """What a run over a stream ``data`` (an ``IterableDataset``) cannot be asked for,
+    refused before any rank starts (the launching process) and again on each rank.
 
     Raises:
         ConfigError: ``run.max_epochs`` (a stream has no length to turn epochs into
-            steps: ``run.max_steps`` says when to stop), or ``data.batching = "tokens"``
-            (its batches are planned from every sample's length).
+            steps: ``run.max_steps`` says when to stop), ``data.batching = "tokens"``
+            (its batches are planned from every sample's length), or a stream that
+            splits itself (:func:`~gpufleet.data.stream_shard.check_source`).
     """
     if cfg.run.max_epochs:
         steps = (f"run.max_steps = {cfg.run.max_steps} stops it alone" if cfg.run.max_steps > 0
@@ -237,6 +238,7 @@ def check_stream(cfg: Config) -> None:
             "training data is a stream (an IterableDataset) with no lengths up front. Use "
             "data.batching=fixed (data.batch_size items a batch), or give a map-style "
             "Dataset with `lengths`.")
+    check_source(data, cfg.data.num_workers)
 
 
 def stream_loader(share: StreamShard, **options: Any) -> DataLoader:
@@ -262,7 +264,7 @@ def build_stream_loader(data: IterableDataset, cfg: Config, *, rank: int, world_
     """The training loader of this rank's share of a stream: chunk ``rank`` of every row
     of ``world_size`` batches, full batches only (a short last row is left out and
     logged), its position kept by the share."""
-    check_stream(cfg)
+    check_stream(cfg, data)
     if cfg.data.shuffle and rank == 0:
         log.info("the training data is a stream: it is read in its own order "
                  "(data.shuffle applies to map-style data; a stream shuffles itself, "

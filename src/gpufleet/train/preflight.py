@@ -160,7 +160,7 @@ def preflight_job(cfg: Config, job: Any = None) -> Any:
             job = build_job(cfg)
         _check_strategy(cfg, job)  # now it is known whether the factory made several
     if isinstance(job.train_data, IterableDataset):
-        check_stream(cfg)  # (each rank checks again: data/loaders.py)
+        check_stream(cfg, job.train_data)  # (each rank checks again: data/loaders.py)
     preflight(job.model, job.train_data, job.loss_fn, cfg, job.training_step)
     if cfg.parallel.strategy in strategy_names() \
             and strategy_class(cfg.parallel.strategy).traits.pipelined:

@@ -39,12 +39,13 @@ def _fit(run_dir, overrides=None, callbacks=(), train=88):
     base = {"run.dir": str(run_dir), "run.max_steps": 12, "checkpoint.every": 3,
             # recorded in config.toml: what `gpufleet serve RUN_DIR` builds again
             "model.name": "toyjob:make_model", "model.kwargs": {"dropout": 0.3},
-            "data.name": "toyjob:Stream", "data.kwargs": {"n": train},
+            "data.name": "toyjob:Stream", "data.kwargs": {"n": 88},
             "checkpoint.every_epochs": 1, "checkpoint.keep_last": 9,
             "data.batch_size": 16, "data.num_workers": 0, "run.eval_every": 4,
             "log.every": 1, "log.progress": "off", "optim.warmup_steps": 2,
             "monitor.diagnose": False, "monitor.report": False}
-    result = gpufleet.fit(model, toyjob.Stream(train), toyjob.Stream(40, start=200),
+    stream = toyjob.Stream(train) if isinstance(train, int) else train
+    result = gpufleet.fit(model, stream, toyjob.Stream(40, start=200),
                           loss_fn=F.mse_loss, overrides={**base, **(overrides or {})},
                           callbacks=callbacks)
     return model, result
@@ -84,6 +85,15 @@ def test_a_stream_takes_max_steps_not_max_epochs(tmp_path):
     with pytest.raises(ConfigError, match=r"run.max_epochs = 2.*stream.*run.max_steps"):
         _fit(tmp_path / "a", {"run.max_epochs": 2, "run.max_steps": -1})
     assert not (tmp_path / "a").exists()  # refused before the run began
+
+
+def test_a_stream_that_splits_itself_is_refused_before_the_run_begins(tmp_path):
+    datasets = pytest.importorskip("datasets")  # (an optional dependency: gpufleet[hf])
+    stream = datasets.Dataset.from_dict({"x": [[0.0] * 8] * 40, "y": [[0.0]] * 40}) \
+        .to_iterable_dataset(4)
+    with pytest.raises(ConfigError, match="Hugging Face IterableDataset, read by 2"):
+        _fit(tmp_path / "a", {"data.num_workers": 2}, train=stream)
+    assert not (tmp_path / "a").exists()
 
 
 def _evaluator(stream, rank, world, lockstep=False, most=0):
