@@ -2,7 +2,8 @@
 StreamShard (gpufleet.data.stream_shard), the checkpoint keeps its position, and a run
 stopped and resumed (at another worker count) equals the uninterrupted one bit for bit;
 epochs are passes of the stream, evaluation reads an eval stream, the data ledger's
-audit checks it. The 2-rank stream is in tests/test_distributed.py
+audit checks it, checkpoint.every_epochs saves after each pass, and `gpufleet
+serve` loads the run. The 2-rank stream is in tests/test_distributed.py
 (test_ranks_started_by_fit_own_their_weights_and_equal_one_process)."""
 
 from __future__ import annotations
