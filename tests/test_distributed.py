@@ -215,8 +215,14 @@ def test_ddp_powersgd_comm_hook_trains(run_cli, tmp_path):
 def test_ranks_started_by_fit_own_their_weights_and_equal_one_process(tmp_path):
     """gpufleet.fit sends the model to the ranks it starts; torch's multiprocessing sends
     tensors through shared memory, which would make every rank's SGD step land in every
-    rank's weights (2 ranks: 2 updates a step). One plain SGD step on 2 ranks x 16 must
-    equal one step on the 32 samples by hand."""
+    rank's weights (2 ranks: 2 updates a step). Plain SGD steps on 2 ranks x 16 must
+    equal steps on the 32 samples by hand.
+
+    The data is a stream (an IterableDataset of 80 items): rank k reads chunk k of each
+    row of 2 x 16, so the steps take items 0-31 and 32-63; the last 16, short of a row,
+    are left out and the pass ends; the third step reads items 0-31 of the next pass.
+    The eval stream's 40 items are each counted once across the ranks (rank 0 reads 0-15
+    and 32-39, rank 1 16-31); the ledger's audit finds every item of the pass read once."""
     import gpufleet
     import toyjob
     from gpufleet.train.checkpoint import format as ckpt
@@ -224,18 +230,27 @@ def test_ranks_started_by_fit_own_their_weights_and_equal_one_process(tmp_path):
     torch.manual_seed(0)
     hand = toyjob.make_model()
     x, y = toyjob.make_data().tensors
-    torch.nn.functional.mse_loss(hand(x[:32]), y[:32]).backward()
-    with torch.no_grad():
-        for p in hand.parameters():
-            p -= 0.2 * p.grad
+    for rows in (slice(0, 32), slice(32, 64), slice(0, 32)):
+        hand.zero_grad()
+        torch.nn.functional.mse_loss(hand(x[rows]), y[rows]).backward()
+        with torch.no_grad():
+            for p in hand.parameters():
+                p -= 0.2 * p.grad
     torch.manual_seed(0)
-    result = gpufleet.fit(toyjob.make_model(), toyjob.make_data(),
+    result = gpufleet.fit(toyjob.make_model(), toyjob.Stream(80), toyjob.Stream(40, start=200),
                           loss_fn=torch.nn.functional.mse_loss,
                           optimizer=toyjob.plain_sgd,
                           overrides={"dist.nproc": 2, "data.batch_size": 16,
-                                     "data.shuffle": False, "run.max_steps": 1,
+                                     "run.max_steps": 3,
                                      "data.num_workers": 0, "run.eval_every": 0,
                                      "log.progress": "off", "run.out_dir": str(tmp_path)})
     trained = ckpt.load_checkpoint(result.checkpoint)["model"]
     for name, value in hand.state_dict().items():
         torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert result.epochs == 1.0  # one pass of the stream ended
+    with torch.no_grad():
+        expected = torch.nn.functional.mse_loss(hand(x[200:240]), y[200:240]).item()
+    assert result.eval_losses[-1][1] == pytest.approx(expected, rel=1e-5)
+    report = audit(result.run_dir)
+    assert report.ok and [(e.epoch, e.finished, e.once) for e in report.epochs] == \
+        [(0, True, 64), (1, False, 32)], report.lines()

@@ -11,7 +11,7 @@ import time
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from gpufleet.core.callbacks import Callback
 
@@ -28,6 +28,19 @@ def make_data(n: int = 256, in_dim: int = 8, n_eval: int = 0):
     y = torch.tanh(x @ w) + 0.05 * torch.randn(n + n_eval, 1, generator=g)
     train = TensorDataset(x[:n], y[:n])
     return (train, TensorDataset(x[n:], y[n:])) if n_eval else train
+
+
+class Stream(IterableDataset):
+    """Samples ``start`` to ``start + n - 1`` of :func:`make_data` as a stream (an
+    IterableDataset): the same items in the same order in every process that reads it."""
+
+    def __init__(self, n: int = 256, start: int = 0) -> None:
+        assert start + n <= 256, "make_data() holds 256 samples"
+        self.n, self.start = n, start
+
+    def __iter__(self):
+        x, y = make_data().tensors
+        return ((x[i], y[i]) for i in range(self.start, self.start + self.n))
 
 
 def make_data_failing_on_host(host: str = "n2", n: int = 256):

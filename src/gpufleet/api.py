@@ -20,11 +20,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, RandomSampler, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, default_collate
 
 from gpufleet.config import Config, load_config
 from gpufleet.core.callbacks import Callback
 from gpufleet.data.hf import hf_train_eval
+from gpufleet.data.loaders import check_stream
 from gpufleet.entry import run_rank, run_training, setup_logging, start_ranks, train
 from gpufleet.errors import ConfigError
 from gpufleet.job import Job
@@ -61,8 +62,13 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
             ``training_step``. Several models (a GAN): a dict ``{name: module}`` with a
             ``training_step`` (ddp or single).
         train_data: a map-style Dataset of ``(inputs, target)``, tuples or dicts; or a
-            Hugging Face ``datasets.Dataset`` / ``DatasetDict`` (train + validation).
-        eval_data: optional evaluation Dataset (evaluated every ``run.eval_every``).
+            Hugging Face ``datasets.Dataset`` / ``DatasetDict`` (train + validation); or
+            a stream (an ``IterableDataset`` giving every process the same items): each
+            rank reads its own batches of it, every item once, its position saved in
+            checkpoints; ``run.max_steps`` says when to stop (``run.max_epochs`` is
+            refused: a stream has no length), and an epoch is a pass of the stream.
+        eval_data: optional evaluation Dataset (evaluated every ``run.eval_every``), or
+            a stream, read to its end (or ``run.eval_batches``) at each evaluation.
         loss_fn: ``loss(output, target)``, e.g. ``torch.nn.functional.cross_entropy``.
         config: a :class:`Config`, a TOML path, or None for the defaults.
         overrides: ``{"optim.lr": 1e-3}`` or ``["optim.lr=1e-3"]`` applied on top.
@@ -103,6 +109,8 @@ def fit(model: nn.Module, train_data: Dataset, eval_data: Dataset | None = None,
     # What the strategy cannot train is refused here, before any rank starts.
     check_strategy(plan.cfg.parallel.strategy, isinstance(model, Mapping) and len(model) > 1,
                    training_step is not None or bool(plan.cfg.model.training_step))
+    if isinstance(train_data, IterableDataset):  # a stream: what it cannot be asked for
+        check_stream(plan.cfg, train_data)
     # A Hugging Face DatasetDict gives its train and validation splits.
     train_data, eval_data = hf_train_eval(train_data, eval_data)
     job = Job(model, train_data, eval_data, loss_fn, optimizer, scheduler, training_step)

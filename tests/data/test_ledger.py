@@ -17,6 +17,7 @@ from gpufleet.data.audit import audit
 from gpufleet.data.bucket import BucketBatchSampler
 from gpufleet.data.ledger import LEDGER_DIR, DataLedger, open_ledger
 from gpufleet.data.sampler import ResumableDistributedSampler
+from gpufleet.data.stream_shard import StreamShard
 from gpufleet.errors import ConfigError
 from gpufleet.train import ledger_cli
 
@@ -207,3 +208,38 @@ def test_the_samples_a_restore_reads_again_are_those_of_the_steps_after_it(tmp_p
     _run(tmp_path, 1, 7, n=64, start_step=3, state=step3)
     samples, last = replayed_since(tmp_path, 2, time.time())
     assert last == 7 and samples == 2 * 4 + 4 * 4
+
+
+def _stream_run(run_dir, shards, steps_per_pass=3, unit=4):
+    """2 ranks reading a stream's shares (their segments claim ``shards``), a pass of
+    ``steps_per_pass`` batches each, then a batch of the next pass."""
+    steps = Steps()
+    shares = [StreamShard(None, unit=unit, rank=r, world_size=2) for r in (0, 1)]
+    ledgers = [open_ledger(run_dir, steps, share) for share in shares]
+    for epoch, batches in ((0, steps_per_pass), (1, 1)):
+        for ledger, share, shard in zip(ledgers, shares, shards, strict=True):
+            seg = {**share.ledger_segment(epoch), "shard": shard, "reads": None}
+            ledger.begin(seg, 0, event=epoch == 0, world=2, rank=share.rank)
+        for _ in range(batches):
+            for ledger in ledgers:
+                ledger.take(unit)
+            steps.step += 1
+    for ledger in ledgers:
+        ledger.close()
+
+
+def test_a_stream_is_audited_by_its_chunks(tmp_path):
+    """A stream's positions are its items: rank k of 2 reads items 4k..4k+3 of every row
+    of 8. A pass read past is finished up to the furthest item read; a rank that read
+    another's chunks is named with the items read twice and those never read."""
+    _stream_run(tmp_path / "good", shards=(0, 1))
+    report = audit(tmp_path / "good")
+    assert report.ok, report.lines()
+    assert [(e.epoch, e.finished, e.once) for e in report.epochs] == \
+        [(0, True, 24), (1, False, 8)]
+    assert any("stream" in note for note in report.notes)
+    _stream_run(tmp_path / "bad", shards=(0, 0))  # rank 1 kept rank 0's chunks
+    problems = audit(tmp_path / "bad").epochs[0].problems
+    assert problems[0].startswith("consumed more than once: sample(s) 0, 1, 2, 3, 8, 9")
+    assert "rank 0 of 2 at step 1" in problems[0]
+    assert problems[1].startswith("never consumed: sample(s) 4, 5, 6, 7, 12")

@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from gpufleet.config import Config
-from gpufleet.data.loaders import ForkSafeLoader, build_train_loader
+from gpufleet.config import Config, load_config
+from gpufleet.data.loaders import ForkSafeLoader, build_stream_loader, build_train_loader
+from gpufleet.errors import ConfigError
 
 
 def test_a_loader_resharded_to_one_rank_reads_the_rest_of_the_epoch_once():
@@ -119,3 +120,22 @@ def test_a_fit_that_stops_mid_epoch_leaves_no_data_workers(tmp_path):
                 if p.pid not in before and p.is_running()
                 and p.status() != psutil.STATUS_ZOMBIE]
         assert left == [], f"fit {i} left {len(left)} process(es): {left}"
+
+
+class _Count(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return (torch.tensor([float(i)]) for i in range(40))
+
+
+def test_a_stream_loader_gives_each_rank_full_batches_of_its_chunks():
+    """Rank 1 of 2, batches of 4: chunk 1 of each of the 5 rows of 8 that 40 items
+    make; token batching is refused on a stream (no lengths up front)."""
+    cfg = load_config(overrides={"data.batch_size": 4, "data.num_workers": 0,
+                                 "run.max_steps": 10})
+    train = build_stream_loader(_Count(), cfg, rank=1, world_size=2, pin_memory=False)
+    assert train.stream and train.unit == 4
+    assert [b.view(-1).tolist()[0] for b in train.loader] == [4.0, 12.0, 20.0, 28.0, 36.0]
+    tokens = load_config(overrides={"data.batching": "tokens", "data.token_budget": 64,
+                                    "run.max_steps": 10})
+    with pytest.raises(ConfigError, match=r"data\.batching=fixed"):
+        build_stream_loader(_Count(), tokens, rank=0, world_size=1, pin_memory=False)

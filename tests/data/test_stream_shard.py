@@ -9,7 +9,9 @@ import logging
 import pytest
 from torch.utils.data import IterableDataset
 
+from gpufleet.data.loaders import stream_loader
 from gpufleet.data.stream_shard import StreamShard
+from gpufleet.errors import ConfigError
 
 
 class Count(IterableDataset):
@@ -74,3 +76,24 @@ def test_epochs_and_wrong_positions():
         share.load_state_dict({"epoch": 0, "samples": 8, "unit": 4})
     with pytest.raises(ValueError, match="map-style"):
         share.load_state_dict({"epoch": 0, "samples": 8, "seed": 0, "dataset_len": 9})
+
+
+def test_a_hugging_face_stream_that_splits_itself_is_refused_naming_the_fix():
+    """A Hugging Face IterableDataset gives each loader worker only its shards (2 workers
+    read 20 of these 40 items), and split_dataset_by_node each rank only its part: the
+    share's readers would lose items, so both are refused; read by the loop's own
+    process, it is shared out whole."""
+    datasets = pytest.importorskip("datasets")  # (an optional dependency: gpufleet[hf])
+    from datasets.distributed import split_dataset_by_node
+
+    stream = datasets.Dataset.from_dict({"x": list(range(40))}).to_iterable_dataset(4)
+    share = StreamShard(stream, unit=4, rank=0, world_size=1)
+    with pytest.raises(ConfigError, match=r"data\.num_workers=0 in fit"):
+        stream_loader(share, batch_size=4, num_workers=2)
+    read = [int(x) for batch in stream_loader(share, batch_size=4, num_workers=0)
+            for x in batch["x"]]
+    assert read == list(range(40))
+    split = StreamShard(split_dataset_by_node(stream, rank=0, world_size=2), unit=4,
+                        rank=0, world_size=2)
+    with pytest.raises(ConfigError, match="split_dataset_by_node"):
+        stream_loader(split, batch_size=4, num_workers=0)

@@ -3,7 +3,8 @@
 The audit reads every ledger of the run (:mod:`gpufleet.data.ledger`), keeps what
 counts (a restore voids what the steps after the restored one consumed before it),
 turns each rank's ranges of positions into positions of the epoch's order (the sampler's
-rule: rank ``r`` of ``w`` takes ``skip + k * w + r``), and counts them:
+rule: rank ``r`` of ``w`` takes ``skip + k * w + r``; a stream's share takes chunk ``r``
+of every row of ``w`` chunks, :func:`epoch_positions`), and counts them:
 
 * a finished epoch (the run read on into a later one, or to the end of this one)
   passes when each of its positions was consumed exactly once. Positions past the
@@ -17,6 +18,10 @@ rule: rank ``r`` of ``w`` takes ``skip + k * w + r``), and counts them:
 A failure names the sample indices (recomputed from the order's seed), the step and
 rank that consumed each duplicate, and the event (start, resume, recovery, regroup) its
 segment followed.
+
+A stream (an ``IterableDataset``) has no length: its positions are its items' places in
+the pass, and an epoch is checked up to the furthest item read (a short last row the
+ranks left out, logged by the run, is not in the ledger).
 """
 
 from __future__ import annotations
@@ -226,7 +231,7 @@ class _Epoch:
             self.weights = np.array([len(b) for b in self.batches], dtype=np.int64)
         else:
             self.order = _order(seg)
-            self.real = seg["n"]
+            self.real = seg["n"]  # None: a stream's (the audit takes what was read)
             self.weights = None  # one sample a position
 
     def count(self, counts: np.ndarray, start: int = 0) -> int:
@@ -247,12 +252,34 @@ class _Epoch:
         return [int(self.order[p if p < n else (p - n) % n]) for p in positions]
 
 
+def epoch_positions(seg: dict[str, Any], k: Any) -> Any:
+    """The epoch positions of positions ``k`` (an int or an array) of a rank's share in
+    segment ``seg``: rank ``shard`` of ``world`` takes chunk ``shard`` of every row of
+    ``world`` chunks after ``skip`` (a sampler's chunks are one item: ``skip + k * world
+    + shard``; a stream's a batch).
+
+    Example:
+        >>> seg = {"skip": 0, "world": 2, "shard": 1, "chunk": 4}
+        >>> [epoch_positions(seg, k) for k in (0, 3, 4)]
+        [4, 7, 12]
+    """
+    chunk = seg.get("chunk", 1)
+    row, within = divmod(k, chunk)
+    return seg["skip"] + (row * seg["world"] + seg["shard"]) * chunk + within
+
+
+def _share_position(seg: dict[str, Any], pos: int) -> int | None:
+    """The position of ``pos`` in the share of ``seg``'s rank (None: another rank's)."""
+    chunk = seg.get("chunk", 1)
+    row, inside = divmod(pos - seg["skip"], seg["world"] * chunk)
+    shard, within = divmod(inside, chunk)
+    return row * chunk + within if shard == seg["shard"] and pos >= seg["skip"] else None
+
+
 def _positions(span: Span) -> np.ndarray:
     """Epoch positions of what ``span`` consumed in its committed steps."""
-    seg = span.segment
     stop = span.end_at(span.cut)
-    k = np.arange(span.pos0, max(span.pos0, stop))
-    return seg["skip"] + k * seg["world"] + seg["shard"]
+    return epoch_positions(span.segment, np.arange(span.pos0, max(span.pos0, stop)))
 
 
 def audit(run_dir: str | Path) -> AuditReport:
@@ -292,6 +319,10 @@ def audit(run_dir: str | Path) -> AuditReport:
     if any(s.segment["kind"] == "source" for s in spans):
         notes.append("note: a sampler of your own gave the order; positions are named "
                      "instead of sample indices")
+    if any(s.segment["kind"] == "stream" for s in spans):
+        notes.append("note: the data is a stream (no length): its items are named by "
+                     "their place in the pass, each epoch checked up to the furthest "
+                     "item read; a short last row the ranks left out is not in the ledger")
     return AuditReport(reports, len(files), [e.describe() for e, _ in events], notes)
 
 
@@ -320,7 +351,10 @@ def replayed_since(run_dir: str | Path, step: int, before_t: float) -> tuple[int
 def _audit_epoch(epoch: int, spans: list[Span], folder: Path, later: bool) -> EpochReport:
     view = _Epoch(spans[0].segment, folder)
     positions = [_positions(s) for s in spans]
-    top = max([int(p.max()) + 1 for p in positions if p.size] + [view.real])
+    read = max([int(p.max()) + 1 for p in positions if p.size] + [0])
+    if view.real is None:  # a stream: the items up to the furthest read
+        view.real = read
+    top = max(read, view.real)
     counts = np.bincount(np.concatenate(positions), minlength=top)
     # The newest segments (the last resume's world size) say where the epoch ends.
     newest = [s for s in spans if s.segment["skip"] == max(x.segment["skip"] for x in spans)
@@ -368,7 +402,7 @@ def _read_ends(newest: list[Span]) -> set[int] | None:
     the newest segments read its share to the end; None when one has not."""
     seg = newest[0].segment
     shards = {s.segment["shard"]: s for s in newest}
-    if len(shards) < seg["world"]:
+    if len(shards) < seg["world"] or seg["reads"] is None:  # (a stream: not known)
         return None
     out: set[int] = set()
     for shard, s in shards.items():
@@ -382,12 +416,14 @@ def _read_ends(newest: list[Span]) -> set[int] | None:
 def _tails(newest: list[Span], real: int) -> set[int]:
     out: set[int] = set()
     for s in newest:
+        if s.segment["reads"] is None:  # a stream's: its end is not recorded
+            continue
         out |= _tail(s.segment, s.segment["reads"])
     return {p for p in out if p < real}
 
 
 def _tail(seg: dict[str, Any], reads: int) -> set[int]:
-    return {seg["skip"] + k * seg["world"] + seg["shard"] for k in range(reads, seg["items"])}
+    return {epoch_positions(seg, k) for k in range(reads, seg["items"])}
 
 
 def _who(pos: int, spans: list[Span]) -> list[str]:
@@ -395,8 +431,8 @@ def _who(pos: int, spans: list[Span]) -> list[str]:
     out = []
     for s in spans:
         seg = s.segment
-        k, rest = divmod(pos - seg["skip"] - seg["shard"], seg["world"])
-        if rest == 0 and s.pos0 <= k < s.end_at(s.cut):
+        k = _share_position(seg, pos)
+        if k is not None and s.pos0 <= k < s.end_at(s.cut):
             out.append(f"rank {seg['shard']} of {seg['world']} at step {s.step_of(k)} "
                        f"(after {s.after})")
     return out

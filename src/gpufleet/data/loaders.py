@@ -15,11 +15,19 @@ their number when the config leaves it to gpufleet. Every loader is a
 
 Either sampler resumes from the count the loop consumed (samples for "fixed", batches
 for "tokens"), because a DataLoader prefetches and runs its sampler ahead of training.
+
+A stream (an ``IterableDataset``) has no indices to sample: each rank reads its share
+through a :class:`~gpufleet.data.stream_shard.StreamShard` (:func:`build_stream_loader`,
+``data.batch_size`` items a batch, a short last row left out and logged), whose
+position resumes the same way; :func:`stream_loader` is the loader over a share for
+``fit`` and ``Fleet`` alike.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
+import logging
 import random
 import threading
 from dataclasses import dataclass, field
@@ -27,12 +35,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
-from gpufleet.config import DataConfig
+from gpufleet.config import Config, DataConfig
 from gpufleet.data.bucket import BucketBatchSampler, pad_collate
 from gpufleet.data.sampler import ResumableDistributedSampler
+from gpufleet.data.stream_shard import StreamShard, check_source
 from gpufleet.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 _FORKING = threading.Lock()
 
@@ -105,12 +116,15 @@ class TrainLoader:
         unit: what one ``consumed`` count is per batch: ``batch_size`` samples ("fixed")
             or 1 batch ("tokens").
         variable: batches differ in size (count samples and tokens per batch).
+        stream: the loader reads a stream (the sampler is a ``StreamShard``): an epoch's
+            length is known only once its pass ends.
     """
 
     loader: DataLoader
     sampler: Any
     unit: int
     variable: bool
+    stream: bool = False
     _counts: dict[int, int] = field(default_factory=dict, repr=False)
 
     def reshard(self, shard: int, shards: int) -> None:
@@ -120,7 +134,9 @@ class TrainLoader:
         self._counts.clear()
 
     def batches_in_epoch(self, epoch: int) -> int:
-        """Batches this rank reads in ``epoch`` (token batching: they vary by epoch)."""
+        """Batches this rank reads in ``epoch`` (token batching: they vary by epoch); a
+        stream's are not known before its pass ends (ask :attr:`stream` first)."""
+        assert not self.stream, "a stream's batches are counted as they come"
         if epoch not in self._counts:
             plan = getattr(self.sampler, "epoch_batches", None)
             self._counts[epoch] = (len(plan(epoch)) // self.sampler.world_size
@@ -184,10 +200,95 @@ def build_train_loader(data: Dataset, cfg: DataConfig, *, rank: int, world_size:
     return TrainLoader(loader, sampler, unit=cfg.batch_size, variable=False)
 
 
+def first_samples(data: Any, count: int) -> list[Any]:
+    """The first ``count`` samples of a data set (fewer if it holds fewer), or of a
+    stream (an ``IterableDataset``: read from its start, as every reader reads it).
+
+    Example:
+        >>> first_samples([10, 11, 12], 2)
+        [10, 11]
+    """
+    if isinstance(data, IterableDataset):
+        return list(itertools.islice(iter(data), count))
+    return [data[i] for i in range(min(count, len(data)))]
+
+
+def check_stream(cfg: Config, data: IterableDataset) -> None:
+    """What a run over a stream ``data`` (an ``IterableDataset``) cannot be asked for,
+    refused before any rank starts (the launching process) and again on each rank.
+
+    Raises:
+        ConfigError: ``run.max_epochs`` (a stream has no length to turn epochs into
+            steps: ``run.max_steps`` says when to stop), ``data.batching = "tokens"``
+            (its batches are planned from every sample's length), or a stream that
+            splits itself (:func:`~gpufleet.data.stream_shard.check_source`).
+    """
+    if cfg.run.max_epochs:
+        steps = (f"run.max_steps = {cfg.run.max_steps} stops it alone" if cfg.run.max_steps > 0
+                 else "give run.max_steps (e.g. run.max_steps=1000)")
+        raise ConfigError(
+            f"run.max_epochs = {cfg.run.max_epochs}, and the training data is a stream (an "
+            "IterableDataset): a stream has no length, so epochs cannot say when to stop "
+            "(its end is seen only when a pass is read past, in the middle of a step). "
+            f"Set run.max_epochs=0; {steps}. Epochs are still counted, as passes of the "
+            "stream as they end.")
+    if cfg.data.batching == "tokens":
+        raise ConfigError(
+            "data.batching = 'tokens' plans batches from every sample's length, and the "
+            "training data is a stream (an IterableDataset) with no lengths up front. Use "
+            "data.batching=fixed (data.batch_size items a batch), or give a map-style "
+            "Dataset with `lengths`.")
+    check_source(data, cfg.data.num_workers)
+
+
+def stream_loader(share: StreamShard, **options: Any) -> DataLoader:
+    """A loader over a rank's share of a stream, batches of ``share.unit`` items: the
+    DataLoader ``options`` (``batch_size``, ``num_workers``, ``collate_fn``...), except
+    that the workers are started for each pass (persistent ones would keep the share
+    as it was at their start, not the position a pass starts from). A stream that
+    splits itself is refused (:func:`~gpufleet.data.stream_shard.check_source`).
+
+    Example:
+        >>> share = StreamShard(range(10), unit=2, rank=0, world_size=1)  # doctest: +SKIP
+        >>> loader = stream_loader(share, batch_size=2, num_workers=0)  # doctest: +SKIP
+    """
+    check_source(share.source, options.get("num_workers") or 0)
+    options["persistent_workers"] = False
+    if not options.get("num_workers"):  # torch refuses it without workers
+        options.pop("prefetch_factor", None)
+    return ForkSafeLoader(share, **options)
+
+
+def build_stream_loader(data: IterableDataset, cfg: Config, *, rank: int, world_size: int,
+                        pin_memory: bool) -> TrainLoader:
+    """The training loader of this rank's share of a stream: chunk ``rank`` of every row
+    of ``world_size`` batches, full batches only (a short last row is left out and
+    logged), its position kept by the share."""
+    check_stream(cfg, data)
+    if cfg.data.shuffle and rank == 0:
+        log.info("the training data is a stream: it is read in its own order "
+                 "(data.shuffle applies to map-style data; a stream shuffles itself, "
+                 "told each epoch through its set_epoch)")
+    share = StreamShard(data, unit=cfg.data.batch_size, rank=rank, world_size=world_size,
+                        drop_last=True)
+    options = loader_options(cfg.data, cfg.data.num_workers, pin_memory)
+    loader = stream_loader(share, batch_size=cfg.data.batch_size,
+                           collate_fn=train_collate(data, cfg.data), **options)
+    return TrainLoader(loader, share, unit=cfg.data.batch_size, variable=False, stream=True)
+
+
 def build_eval_loader(data: Dataset | None, cfg: DataConfig, *, rank: int, world_size: int,
                       pin_memory: bool) -> DataLoader | None:
     """Evaluation loader: every sample on exactly one rank, fixed batches (padded for
-    variable-length data), so cross-rank sums count each sample once."""
+    variable-length data), so cross-rank sums count each sample once. A stream is read
+    whole on every evaluation, each rank its chunks of it (the last row shared out as
+    far as it goes: some ranks may read a batch fewer)."""
+    if isinstance(data, IterableDataset):
+        share = StreamShard(data, unit=cfg.batch_size, rank=rank, world_size=world_size,
+                            drop_last=False)
+        return stream_loader(share, batch_size=cfg.batch_size,
+                             collate_fn=getattr(data, "collate_fn", None) or default_collate,
+                             **loader_options(cfg, cfg.num_workers, pin_memory))
     if data is None or len(data) == 0:
         return None
     sampler = ResumableDistributedSampler(len(data), rank=rank, world_size=world_size,

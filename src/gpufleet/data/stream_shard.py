@@ -13,16 +13,23 @@ order, as a sampler of ``world_size`` ranks deals a dataset out.
 * **Evenness**: on several ranks a last row too short for every rank's chunk is
   left out (every rank must hand out as many batches, or a collective of the training
   step would wait forever); the items left out are logged, never dropped silently. On
-  one rank the last chunk may be short (a last partial batch, as the loader's own).
+  one rank the last chunk may be short (a last partial batch, as the loader's own),
+  unless ``drop_last`` (``fit``'s training stream: every step a full batch) leaves it
+  out too, logged. An evaluation share (``drop_last=False`` on several ranks) keeps the
+  short row: each rank its part of it, some none.
 * **Position**: the items of the epoch every rank has read before a batch, so
   :meth:`state_dict` is the same on every rank of a loop in step, and a resumed pass
   (at any number of workers, or of ranks) starts after it.
-* **Epochs**: a pass read to its end ends the epoch; the source's own ``set_epoch``, if
-  it has one (a shuffling stream's), is told each epoch before it is read.
+* **Epochs**: a pass read to its end ends the epoch (the loader that saw the end calls
+  :meth:`StreamShard.pass_ended`); the source's own ``set_epoch``, if it has one (a
+  shuffling stream's), is told each epoch before it is read.
 * **Cost**: each reader reads the whole stream (and the items before a resumed
   position again), keeping one chunk in ``ranks x workers``; a stream must give every reader
   the same items in the same order (one that splits itself by ``get_worker_info()`` or
-  by rank would leave items out: read it without this shard).
+  by rank would leave items out: read it without this shard). A Hugging Face
+  ``IterableDataset`` splits itself over a loader's workers, and over the ranks once
+  ``split_dataset_by_node`` was applied: :func:`check_source` refuses both, naming the
+  fix.
 
 Example:
     >>> class Count(IterableDataset):
@@ -41,7 +48,36 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
+from gpufleet.errors import ConfigError
+
 log = logging.getLogger(__name__)
+
+
+def check_source(source: Any, workers: int) -> None:
+    """Refuse a stream that would split itself under a share read by ``workers`` loader
+    workers (each reader must read the whole stream), naming the fix: a Hugging Face
+    ``IterableDataset`` gives each worker only its shards (with more workers than shards
+    some read nothing), and one passed through ``split_dataset_by_node`` gives each rank
+    only its part (the share then splits it again).
+
+    Raises:
+        ConfigError: ``source`` is such a stream (the checks know Hugging Face's only:
+            another that splits itself is not seen here).
+    """
+    if type(source).__module__.split(".")[0] != "datasets":
+        return
+    if getattr(source, "_distributed", None) is not None:
+        raise ConfigError(
+            "the stream is a Hugging Face IterableDataset split by node already "
+            "(split_dataset_by_node): each rank would read only its part and keep a "
+            "share of that. Give the whole stream: gpufleet gives each rank its chunks.")
+    if workers > 0:
+        raise ConfigError(
+            f"the stream is a Hugging Face IterableDataset, read by {workers} loader "
+            "worker(s): it gives each worker only its shards, and every worker must read "
+            "the whole stream to keep its own batches of it (items would be lost). Read "
+            "it with no loader workers: data.num_workers=0 in fit, DataLoader(..., "
+            "num_workers=0) in your own loop.")
 
 
 class StreamShard(IterableDataset):
@@ -59,7 +95,7 @@ class StreamShard(IterableDataset):
     """
 
     def __init__(self, source: IterableDataset, *, unit: int, rank: int,
-                 world_size: int) -> None:
+                 world_size: int, drop_last: bool | None = None) -> None:
         if unit < 1 or not 0 <= rank < world_size:
             raise ValueError(f"StreamShard(unit={unit}, rank={rank}, world_size="
                              f"{world_size}): give unit >= 1 and 0 <= rank < world_size.")
@@ -67,7 +103,8 @@ class StreamShard(IterableDataset):
         self.rank, self.world_size = rank, world_size
         self.epoch = 0
         self.skip = 0
-        self.drop_last = world_size > 1  # a short last round is left out
+        # A short last row is left out (None: on several ranks, where they must read alike).
+        self.drop_last = world_size > 1 if drop_last is None else drop_last
 
     @property
     def position(self) -> int:
@@ -100,8 +137,9 @@ class StreamShard(IterableDataset):
                 if seen and announce:
                     log.warning(
                         "stream: the last %d item(s) of epoch %d are left out: fewer than "
-                        "a batch of %d for each of %d ranks, and every rank must read as "
-                        "many batches", seen, self.epoch, self.unit, self.world_size)
+                        "a full batch of %d for each of %d rank(s) (every rank reads as "
+                        "many batches, each full)", seen, self.epoch, self.unit,
+                        self.world_size)
                 return
             yield from mine
             if seen < row_items:
@@ -111,6 +149,28 @@ class StreamShard(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """The next pass reads ``epoch`` from its start."""
         self.epoch, self.skip = epoch, 0
+
+    def pass_ended(self, epoch: int) -> None:
+        """A pass over ``epoch`` was read to its end (seen by the loader, in the process
+        that holds this share: its workers hold copies): the next pass reads the next
+        epoch, unless the position was set to another since."""
+        if self.epoch == epoch:
+            self.set_epoch(epoch + 1)
+
+    def ledger_segment(self, epoch: int) -> dict[str, Any]:
+        """What the data ledger (:mod:`gpufleet.data.ledger`) records of ``epoch`` before
+        this rank reads from it: a stream's positions are its items' places in the pass,
+        rank ``shard`` of ``world`` reading chunk ``shard`` of every row of
+        ``world x chunk`` after ``skip``; the pass's length is not known (``n`` and
+        ``items`` None).
+
+        Example:
+            >>> StreamShard(None, unit=4, rank=1, world_size=2).ledger_segment(0)["chunk"]
+            4
+        """
+        return {"kind": "stream", "epoch": epoch, "n": None, "seed": None,
+                "skip": self.skip if epoch == self.epoch else 0, "world": self.world_size,
+                "shard": self.rank, "pad": False, "items": None, "chunk": self.unit}
 
     def state_dict(self, consumed: int | None = None) -> dict[str, int]:
         """The position after ``consumed`` items of this rank's share of the epoch

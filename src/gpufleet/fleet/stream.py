@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from gpufleet.data.loaders import ForkSafeLoader
+from gpufleet.data.loaders import stream_loader
 from gpufleet.data.stream_shard import StreamShard
 from gpufleet.fleet.loader import _KEPT, FleetLoader
 
@@ -31,10 +31,7 @@ def shard_stream(loader: DataLoader, *, rank: int, world_size: int
     share = StreamShard(loader.dataset, unit=loader.batch_size or 1, rank=rank,
                         world_size=world_size)
     kwargs = {k: getattr(loader, k) for k in _KEPT if hasattr(loader, k)}
-    kwargs["persistent_workers"] = False  # each pass's workers get its position
-    if not kwargs.get("num_workers"):  # torch refuses it without workers
-        kwargs.pop("prefetch_factor", None)
-    return ForkSafeLoader(share, **kwargs), share
+    return stream_loader(share, **kwargs), share  # (as fit's: data/loaders.py)
 
 
 class FleetStreamLoader(FleetLoader):
@@ -49,9 +46,8 @@ class FleetStreamLoader(FleetLoader):
         super()._leave(number, epoch)
         # Read to its end: the next pass reads the next epoch (a map-style sampler moves
         # on by itself; the stream's end is seen here, in the loader's process).
-        if live is not None and live[0] == number and self._ended \
-                and self.sampler.epoch == epoch:
-            self.sampler.set_epoch(epoch + 1)
+        if live is not None and live[0] == number and self._ended:
+            self.sampler.pass_ended(epoch)
 
     @property
     def at_last_batch(self) -> bool:

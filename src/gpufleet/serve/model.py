@@ -162,6 +162,7 @@ def _device(device: str) -> str:
 def _load_run(run_dir: Path, specs: list[TensorSpec], device: str,
               trust_code: bool) -> ServedModel:
     from gpufleet.config import load_config
+    from gpufleet.data.loaders import first_samples
     from gpufleet.job import build_job, require_trusted
     from gpufleet.train.checkpoint.format import find_resume_checkpoint, load_checkpoint
 
@@ -174,7 +175,7 @@ def _load_run(run_dir: Path, specs: list[TensorSpec], device: str,
     job.model.load_state_dict(state)
     log.info("loaded %s", checkpoint)
     if not specs:
-        example = _sample_inputs(job.train_data[0])
+        example = _sample_inputs(first_samples(job.train_data, 1)[0])  # (or a stream's)
         variable = [{0} if cfg.model.name == "gpt" and i == 0 else set()
                     for i in range(len(example))]
         specs = [TensorSpec(f"INPUT__{i}", datatype_of(e.dtype),

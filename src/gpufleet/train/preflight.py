@@ -15,8 +15,10 @@ import sys
 from typing import Any
 
 import torch
+from torch.utils.data import IterableDataset
 
 from gpufleet.config import Config
+from gpufleet.data.loaders import check_stream, first_samples
 from gpufleet.errors import ConfigError
 from gpufleet.parallel import strategy_class, strategy_names
 from gpufleet.parallel.pipeline_split import check_stage_loss
@@ -43,8 +45,9 @@ def preflight(model: Any, train_data: Any, loss_fn: Any, cfg: Config,
     from gpufleet.train.engine.batches import make_loss_fn
 
     try:
-        count = min(PREFLIGHT_SAMPLES, len(train_data))
-        batch = train_collate(train_data, cfg.data)([train_data[i] for i in range(count)])
+        samples = first_samples(train_data, PREFLIGHT_SAMPLES)
+        count = len(samples)
+        batch = train_collate(train_data, cfg.data)(samples)
     except Exception as e:
         raise ConfigError(_failed("reading the first training samples", e, cfg)) from None
     from gpufleet.train.engine.steps import named_models, split_losses
@@ -156,6 +159,8 @@ def preflight_job(cfg: Config, job: Any = None) -> Any:
         with seeded(cfg.run.seed):  # as each rank builds it (gpufleet.entry.run_rank)
             job = build_job(cfg)
         _check_strategy(cfg, job)  # now it is known whether the factory made several
+    if isinstance(job.train_data, IterableDataset):
+        check_stream(cfg, job.train_data)  # (each rank checks again: data/loaders.py)
     preflight(job.model, job.train_data, job.loss_fn, cfg, job.training_step)
     if cfg.parallel.strategy in strategy_names() \
             and strategy_class(cfg.parallel.strategy).traits.pipelined:

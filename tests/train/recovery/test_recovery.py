@@ -15,6 +15,7 @@ import torch.distributed as dist
 from gpufleet.config import Config
 from gpufleet.data.bucket import BucketBatchSampler
 from gpufleet.data.sampler import ResumableDistributedSampler
+from gpufleet.data.stream_shard import StreamShard
 from gpufleet.fault.snapshot_ring import Held, newest_replicated
 from gpufleet.launch import DistEnv
 from gpufleet.parallel import build_strategy, strategy_class
@@ -171,12 +172,16 @@ def test_a_fixed_node_count_does_not_recover_in_process():
     assert not_replicated(strategy, sampler, nnodes="1") == ""  # torchrun's job: unknown
 
 
-def test_token_batches_do_not_recover_in_process():
+def test_token_batches_do_not_recover_in_process_and_a_stream_does():
+    """A stream's share keeps a global position (the items every rank read): the ranks
+    left regroup and read on from it."""
     cfg = Config()
     dims = plan_for(cfg.parallel, strategy_class("ddp").traits, 2)
     strategy = build_strategy("ddp", cfg.parallel, torch.device("cpu"), None, dims)
     sampler = BucketBatchSampler([5] * 64, token_budget=40, world_size=2)
     assert "tokens" in not_replicated(strategy, sampler)
+    share = StreamShard(None, unit=4, rank=1, world_size=2)
+    assert not_replicated(strategy, share) == ""
 
 
 def test_what_counts_as_a_lost_peer():

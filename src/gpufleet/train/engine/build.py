@@ -23,7 +23,7 @@ from gpufleet.config import Config, write_config
 from gpufleet.core.callbacks import Callback, CallbackList
 from gpufleet.core.phases import PhaseAnnouncer
 from gpufleet.data.ledger import open_ledger
-from gpufleet.data.loaders import build_eval_loader, build_train_loader
+from gpufleet.data.loaders import build_eval_loader, build_stream_loader, build_train_loader
 from gpufleet.errors import ConfigError, GpufleetError
 from gpufleet.fault.preempt import PREEMPT_SIGNALS
 from gpufleet.job import import_object
@@ -90,8 +90,9 @@ def build_run(plan: RunPlan | Config, model: nn.Module | Mapping[str, nn.Module]
             dict ``{name: module}`` (a GAN's generator and discriminator), trained by
             ``training_step``.
         train_data: a map-style ``Dataset`` of ``(inputs, target)``, argument tuples or
-            dicts.
-        eval_data: optional evaluation ``Dataset``.
+            dicts; or a stream (an ``IterableDataset``), each rank its share of it
+            (:class:`~gpufleet.data.stream_shard.StreamShard`).
+        eval_data: optional evaluation ``Dataset`` (or stream).
         loss_fn: ``loss(model_output, target)``; omit when the model returns its loss.
         callbacks: yours, after the run's own.
         eval_metrics: ``{name: fn(output, target)}`` besides ``eval.metrics``.
@@ -377,17 +378,19 @@ def plan_run_dir(cfg: Config, env: DistEnv) -> tuple[Config, Path | None, runloc
 def _data(cfg: Config, env: DistEnv, device: torch.device, strategy: Any,
           train_data: Dataset, eval_data: Dataset | None
           ) -> tuple[TrainStream, Any]:
-    """This rank's share of the training and evaluation data."""
-    if isinstance(train_data, IterableDataset):
-        raise ConfigError("train_data is an IterableDataset; gpufleet needs a map-style "
-                          "Dataset (__len__ and __getitem__) to shard it across ranks "
-                          "and resume mid-epoch.")
+    """This rank's share of the training and evaluation data: of a map-style data set
+    through a resumable sampler, of a stream (an ``IterableDataset``) through its share
+    (``data/stream_shard.py``, as Fleet's loaders)."""
     pin_memory = cfg.data.pin_memory and device.type == "cuda"
     # Data-parallel shard of this rank: every rank for ddp; ranks that hold different
     # stages of one model replica (pipeline) read the same data.
     shard, shards = strategy.data_shard(env.rank, env.world_size)
-    train = build_train_loader(train_data, cfg.data, rank=shard, world_size=shards,
-                               seed=cfg.run.seed, pin_memory=pin_memory)
+    if isinstance(train_data, IterableDataset):
+        train = build_stream_loader(train_data, cfg, rank=shard, world_size=shards,
+                                    pin_memory=pin_memory)
+    else:
+        train = build_train_loader(train_data, cfg.data, rank=shard, world_size=shards,
+                                   seed=cfg.run.seed, pin_memory=pin_memory)
     eval_loader = build_eval_loader(eval_data, cfg.data, rank=shard, world_size=shards,
                                     pin_memory=pin_memory)
     stream = TrainStream(train, device, seed=cfg.run.seed, rank=env.rank,

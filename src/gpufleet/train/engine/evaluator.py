@@ -2,7 +2,8 @@
 summed exactly across ranks.
 
 The evaluation sampler gives every sample to exactly one rank (no padding), so the
-all-reduced sums count each sample once.
+all-reduced sums count each sample once; so does a stream's share (each rank its chunks
+of every row, the last row as far as it goes).
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils.data import IterableDataset
 
 from gpufleet.core.tree import batch_size_of, to_device
+from gpufleet.data.loaders import first_samples
+from gpufleet.data.stream_shard import StreamShard
 from gpufleet.train.evalmetrics import EvalMetric, batch_totals, final_values
 from gpufleet.train.perf import to_channels_last
 
@@ -39,6 +43,14 @@ class Evaluator:
         self.precision, self.loss_fn, self.metrics = precision, loss_fn, metrics
         self.device, self.pin_memory, self.channels_last = device, pin_memory, channels_last
         self.max_batches, self.data_copies = max_batches, data_copies
+
+    def reshard(self, shard: int, shards: int) -> None:
+        """Read shard ``shard`` of ``shards`` from the next evaluation on (the ranks
+        regrouped at another world size): the sampler's, or a stream's share's (its
+        loader's workers start at each evaluation, with the new share)."""
+        share = self.loader.dataset if isinstance(self.loader.dataset, StreamShard) \
+            else self.loader.sampler
+        share.rank, share.world_size = shard, shards
 
     @torch.no_grad()
     def run(self) -> tuple[float, dict[str, float], int]:
@@ -78,14 +90,19 @@ class Evaluator:
         """This rank's evaluation batches, each with whether its loss counts.
 
         With a strategy whose forward is a collective (``eval_in_lockstep``), ranks with
-        fewer batches than the others repeat one, uncounted, until all ran as many.
+        fewer batches than the others repeat one, uncounted, until all ran as many. A
+        stream's share has no length: it is read to its end (or ``max_batches``), and
+        in lockstep held in memory first, to count it.
         """
-        limit = self.max_batches or len(self.loader)
-        own = min(limit, len(self.loader))
-        batches = itertools.islice(self.loader, own)
+        sized = not isinstance(self.loader.dataset, IterableDataset)
+        limit = self.max_batches or (len(self.loader) if sized else None)
+        batches: Any = itertools.islice(self.loader, limit)
         if not self.strategy.eval_in_lockstep:
             yield from ((batch, True) for batch in batches)
             return
+        if not sized:  # a stream: count this rank's batches by reading them
+            batches = list(batches)
+        own = len(batches) if not sized else min(limit or 0, len(self.loader))
         most = torch.tensor([float(own)], device=self.device)
         self.strategy.all_reduce(most, op="max")  # COLLECTIVE + SYNC: once per evaluation
         filler = None
@@ -93,5 +110,7 @@ class Evaluator:
             yield filler, True
         for _ in range(int(most.item()) - own):
             if filler is None:  # this rank's share is empty: any sample will do
-                filler = self.loader.collate_fn([self.loader.dataset[0]])
+                data = self.loader.dataset  # (a stream's share: the stream's first)
+                source = data.source if isinstance(data, StreamShard) else data
+                filler = self.loader.collate_fn(first_samples(source, 1))
             yield filler, False

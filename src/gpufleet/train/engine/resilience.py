@@ -13,7 +13,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from gpufleet.data.sampler import ResumableDistributedSampler
 from gpufleet.errors import ConfigError
 from gpufleet.fault.snapshot import SnapshotCallback
 from gpufleet.launch import is_initialized, job_store
@@ -61,9 +60,7 @@ class BuiltInLoopState:
         saver.regroup()  # COLLECTIVE where sharded writes have a group
         if run.evaluator is not None:
             run.evaluator.model = first.model
-            sampler = getattr(run.evaluator.loader, "sampler", None)
-            if isinstance(sampler, ResumableDistributedSampler):
-                sampler.rank, sampler.world_size = shard, shards
+            run.evaluator.reshard(shard, shards)  # its sampler's, or a stream's share
         run.stream.reshard(rank, shard, shards, copies)
 
     def restore(self, state: dict[str, Any], source: str) -> int:

@@ -4,6 +4,11 @@ The stream owns the training loader and its resumable sampler. The loop asks it 
 next batch; epochs roll over by themselves, and the stream counts the samples and
 tokens it handed out (from tensor shapes on the host: no device sync) for the next log
 line.
+
+Over an ``IterableDataset`` the "sampler" is the rank's
+:class:`~gpufleet.data.stream_shard.StreamShard` (its position is saved the same way);
+an epoch is a pass of the stream, counted when the pass is read past (its length is not
+known before).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class TrainStream:
         self.data_copies = data_copies
         self.unit = train.unit  # one "consumed" count per batch
         self._variable = train.variable
+        self._stream = train.stream  # an IterableDataset: no length before a pass ends
         self._fixed_tokens: int | None = None  # tokens per batch when batches are fixed
         self.epoch, self.consumed = 0, 0
         self.samples, self.tokens = 0, 0
@@ -67,7 +73,8 @@ class TrainStream:
         self._batches = self._epoch_iterator()
         if self.ledger is not None:  # the segment: enough to recompute every index
             segment = self.sampler.ledger_segment(epoch)
-            segment["reads"] = segment["items"] // self.unit * self.unit  # drop_last
+            segment["reads"] = None if self._stream else \
+                segment["items"] // self.unit * self.unit  # drop_last
             self.ledger.begin(segment, consumed // self.unit * self.unit, event=event,
                               world=self.data_copies * self.sampler.world_size,
                               rank=self._rank)
@@ -101,6 +108,8 @@ class TrainStream:
         """The next training batch on the device."""
         batch = next(self._batches, None)
         if batch is None:  # end of epoch: the sampler has moved on to the next one
+            if self._stream:  # (a stream's share learns it here: its reader saw the end)
+                self.sampler.pass_ended(self.epoch)
             self._start(self.epoch + 1, 0, event=False)
             batch = next(self._batches)
         self.consumed += self.unit
@@ -130,7 +139,10 @@ class TrainStream:
 
     def steps_to_epoch_end(self, accum: int) -> int:
         """Optimizer steps of ``accum`` batches until the epoch being read ends (the
-        next epoch's end when this one just did)."""
+        next epoch's end when this one just did); 1 on a stream, whose pass's end is
+        seen when it is read past (an epoch's checkpoint then follows the step that did)."""
+        if self._stream:
+            return 1
         left = self.batches_in_epoch(self.epoch) - self.consumed // self.unit
         if left <= 0:
             left = self.batches_in_epoch(self.epoch + 1)
@@ -138,7 +150,10 @@ class TrainStream:
 
     @property
     def epochs_done(self) -> float:
-        """Passes over the training set so far, e.g. 1.5 halfway through the second."""
+        """Passes over the training set so far, e.g. 1.5 halfway through the second; on a
+        stream the passes ended (whole: its length is not known)."""
+        if self._stream:
+            return float(self.epoch)
         per_epoch = self.batches_in_epoch(self.epoch) * self.unit
         return self.epoch + (self.consumed / per_epoch if per_epoch else 0.0)
 

@@ -61,6 +61,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gpufleet.core.collectives import gather_objects
 from gpufleet.core.tree import map_tensors
 from gpufleet.data.sampler import ResumableDistributedSampler
+from gpufleet.data.stream_shard import StreamShard
 from gpufleet.fault.liveness import Verdict
 from gpufleet.fault.receipt import Receipt
 from gpufleet.fault.snapshot_ring import Held, newest_replicated, newest_sharded
@@ -121,7 +122,9 @@ def not_replicated(strategy: Strategy, sampler: Any, reshards: bool = False,
     if fewest == most > 1:
         return (f"dist.nnodes = {nnodes!r} is a fixed node count, which the ranks left "
                 "cannot make (give a range, e.g. --nnodes 1:2, to go on without a lost node)")
-    if sampler is not None and not isinstance(sampler, ResumableDistributedSampler):
+    # (a stream's share keeps a global position too: the items every rank read)
+    if sampler is not None and not isinstance(sampler,
+                                              (ResumableDistributedSampler, StreamShard)):
         return "data.batching = 'tokens' plans batches for the world size it started with"
     return ""
 
